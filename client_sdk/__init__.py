@@ -1,0 +1,3 @@
+"""cipherlm's client SDK."""
+
+__all__: list[str] = []

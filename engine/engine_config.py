@@ -1,0 +1,84 @@
+"""Configuration of the serving engine (KV cache, scheduler, runner), validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Knobs of :class:`engine.llm_engine.LLMEngine`.
+
+    Attributes:
+        device: "cuda", "cpu" or "auto" (CUDA when available).
+        dtype: "auto" (bf16 on GPU, fp32 on CPU), "bfloat16", "float16" or "float32".
+        block_size: tokens per KV block.
+        gpu_memory_utilization: fraction of the GPU's total memory the engine may use (weights,
+            activations of the warm-up pass and the KV pool together).
+        kv_cache_bytes: on CPU, the byte budget of the KV pool (K and V, all layers).
+        num_kv_blocks: force the pool size (tests); overrides the two above.
+        max_model_len: longest prompt + output; defaults to the model's max_position_embeddings.
+        max_num_seqs: sequences running at once.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_waiting: requests allowed to wait for admission; more raise EngineOverloadedError.
+        enable_prefix_caching: share full KV blocks between requests with the same prefix (and salt).
+        enable_chunked_prefill: split long prompts over several steps (otherwise a prompt waits until
+            it fits the budget whole).
+        cuda_graphs: capture decode steps in CUDA graphs (GPU only).
+        cuda_graph_max_batch: largest decode batch captured.
+        num_threads: torch threads on CPU (None = leave torch's setting).
+        seed: seed of the generator used by requests without their own seed.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_bytes: int = 1 << 30
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 256
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:i]', got {self.device!r}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto/bfloat16/float16/float32, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
+                     "cuda_graph_max_batch"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+    def resolved_device(self) -> str:
+        """The torch device string this config runs on."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self):
+        """The torch dtype of weights and KV cache."""
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)

@@ -1,0 +1,116 @@
+"""The binary envelope of the private-session protocol (``docs/protocol.md``).
+
+Layout of one message (request or response body)::
+
+    magic  b"CLMF"            4 bytes
+    version                   u8      (ENVELOPE_VERSION)
+    header length             u32 LE  (<= MAX_HEADER_BYTES)
+    header                    canonical JSON (RFC 8785): session, key fingerprint, layer, kind,
+                              positions [start, count], sizes [n_0, n_1, ...] of the blobs
+    blobs                     concatenated; their lengths are the header's ``sizes``
+
+Everything is checked before any blob reaches a deserializer: the magic, the version, the header
+length, the header's fields and types, every blob size against its limit, and that the sizes add up
+to exactly the body length. No blob content is interpreted here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+
+import rfc8785
+
+MAGIC = b"CLMF"
+ENVELOPE_VERSION = 1
+MAX_HEADER_BYTES = 4096
+MAX_BLOBS = 64
+_PREFIX = struct.Struct("<4sBI")
+KINDS = ("prefill", "decode", "result")
+
+
+class EnvelopeError(ValueError):
+    """A message is malformed or over a size limit (maps to HTTP 400/413)."""
+
+    def __init__(self, message: str, too_large: bool = False) -> None:
+        super().__init__(message)
+        self.too_large = too_large
+
+
+@dataclasses.dataclass(frozen=True)
+class Envelope:
+    """One protocol message: routing header + opaque blobs (serialized ciphertexts)."""
+
+    session: str
+    key_fingerprint: str
+    layer: int
+    kind: str
+    positions: tuple[int, int]  # (first position, token count)
+    blobs: tuple[bytes, ...]
+
+    def header(self) -> dict:
+        return {"v": ENVELOPE_VERSION, "session": self.session, "key_fingerprint": self.key_fingerprint,
+                "layer": self.layer, "kind": self.kind, "positions": list(self.positions),
+                "sizes": [len(b) for b in self.blobs]}
+
+    def to_bytes(self) -> bytes:
+        """Serialize (canonical header, so equal envelopes give equal bytes)."""
+        head = rfc8785.dumps(self.header())
+        return _PREFIX.pack(MAGIC, ENVELOPE_VERSION, len(head)) + head + b"".join(self.blobs)
+
+    @property
+    def nbytes(self) -> int:
+        return _PREFIX.size + len(rfc8785.dumps(self.header())) + sum(len(b) for b in self.blobs)
+
+
+def parse(body: bytes, max_blob_bytes: int, max_total_bytes: int) -> Envelope:
+    """Parse and bound-check a message; raises EnvelopeError before touching any blob."""
+    if len(body) > max_total_bytes:
+        raise EnvelopeError(f"body of {len(body)} bytes exceeds the limit of {max_total_bytes}", too_large=True)
+    if len(body) < _PREFIX.size:
+        raise EnvelopeError("body too short for an envelope")
+    magic, version, head_len = _PREFIX.unpack_from(body)
+    if magic != MAGIC:
+        raise EnvelopeError("not a cipherlm envelope (bad magic)")
+    if version != ENVELOPE_VERSION:
+        raise EnvelopeError(f"envelope version {version} not supported (expected {ENVELOPE_VERSION})")
+    if head_len > MAX_HEADER_BYTES or _PREFIX.size + head_len > len(body):
+        raise EnvelopeError(f"bad header length {head_len}")
+    try:
+        head = json.loads(body[_PREFIX.size:_PREFIX.size + head_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EnvelopeError("header is not valid JSON") from exc
+    sizes = _check_header(head, max_blob_bytes)
+    offset = _PREFIX.size + head_len
+    if offset + sum(sizes) != len(body):
+        raise EnvelopeError(f"blob sizes {sizes} do not add up to the body length {len(body)}")
+    blobs = []
+    for n in sizes:
+        blobs.append(body[offset:offset + n])
+        offset += n
+    return Envelope(head["session"], head["key_fingerprint"], head["layer"], head["kind"],
+                    tuple(head["positions"]), tuple(blobs))
+
+
+def _check_header(head: object, max_blob_bytes: int) -> list[int]:
+    if not isinstance(head, dict):
+        raise EnvelopeError("header must be a JSON object")
+    types = {"v": int, "session": str, "key_fingerprint": str, "layer": int, "kind": str,
+             "positions": list, "sizes": list}
+    for name, typ in types.items():
+        if not isinstance(head.get(name), typ) or isinstance(head.get(name), bool):
+            raise EnvelopeError(f"header field {name!r} missing or not a {typ.__name__}")
+    if head["kind"] not in KINDS:
+        raise EnvelopeError(f"kind must be one of {KINDS}")
+    pos, sizes = head["positions"], head["sizes"]
+    if len(pos) != 2 or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pos):
+        raise EnvelopeError("positions must be [start, count] of non-negative ints")
+    if len(sizes) > MAX_BLOBS or not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+        raise EnvelopeError(f"sizes must be at most {MAX_BLOBS} ints")
+    for n in sizes:
+        if n < 0:
+            raise EnvelopeError("blob sizes must be non-negative")
+        if n > max_blob_bytes:
+            raise EnvelopeError(f"blob of {n} bytes exceeds the limit of {max_blob_bytes}", too_large=True)
+    return sizes

@@ -1,0 +1,71 @@
+"""The private-protocol envelope: round trip and every malformed-input path."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fhe.envelope import MAGIC, Envelope, EnvelopeError, parse
+
+LIMITS = dict(max_blob_bytes=1 << 20, max_total_bytes=4 << 20)
+
+
+def make(blobs=(b"abc", b"")) -> Envelope:
+    return Envelope("sess-1", "ab" * 32, 3, "decode", (17, 1), tuple(blobs))
+
+
+def test_round_trip():
+    env = make()
+    data = env.to_bytes()
+    assert parse(data, **LIMITS) == env
+    assert env.nbytes == len(data)
+
+
+@given(st.binary(max_size=300))
+def test_garbage_is_a_typed_error(data):
+    try:
+        parse(data, **LIMITS)
+    except EnvelopeError:
+        pass
+
+
+@given(st.integers(min_value=0, max_value=200), st.binary(min_size=1, max_size=8))
+def test_any_corruption_is_a_typed_error_or_a_valid_envelope(i, junk):
+    data = bytearray(make().to_bytes())
+    data[i % len(data):i % len(data) + len(junk)] = junk
+    try:
+        env = parse(bytes(data), **LIMITS)
+    except EnvelopeError:
+        return
+    assert isinstance(env, Envelope)
+
+
+def test_limits_checked_before_reading_blobs():
+    big = make((b"x" * 2000,)).to_bytes()
+    with pytest.raises(EnvelopeError, match="exceeds") as e:
+        parse(big, max_blob_bytes=1000, max_total_bytes=1 << 20)
+    assert e.value.too_large
+    with pytest.raises(EnvelopeError, match="body of"):
+        parse(big, max_blob_bytes=1 << 20, max_total_bytes=100)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: b"XXXX" + d[4:], "magic"),
+    (lambda d: d[:4] + b"\x09" + d[5:], "version"),
+    (lambda d: d[:5] + struct.pack("<I", 10**6) + d[9:], "header length"),
+    (lambda d: d + b"extra", "add up"),
+    (lambda d: d[:-1], "add up"),
+])
+def test_malformed(mutate, match):
+    with pytest.raises(EnvelopeError, match=match):
+        parse(mutate(make().to_bytes()), **LIMITS)
+
+
+def test_header_field_types():
+    head = b'{"v":1,"session":"s","key_fingerprint":"f","layer":"3","kind":"decode","positions":[0,1],"sizes":[]}'
+    body = MAGIC + bytes([1]) + struct.pack("<I", len(head)) + head
+    with pytest.raises(EnvelopeError, match="layer"):
+        parse(body, **LIMITS)

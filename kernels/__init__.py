@@ -1,3 +1,23 @@
-"""cipherlm's kernels: Triton kernels with typed launchers and their torch references."""
+"""cipherlm's kernels: Triton kernels with typed launchers and their torch references.
 
-__all__: list[str] = []
+Each launcher checks its arguments' dtypes, shapes, strides and devices (raising :class:`KernelInputError`,
+a ValueError) and runs the Triton kernel on CUDA tensors when Triton imports, the torch reference otherwise
+(``backend="torch"`` / ``"triton"`` forces one). Exceptions: see :mod:`kernels.errors`.
+"""
+
+from .errors import BackendUnavailableError, KernelError, KernelInputError
+from .paged_decode import paged_decode_attention, paged_decode_attention_reference
+from .paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
+from .store_kv import store_kv, store_kv_reference
+
+__all__ = [
+    "BackendUnavailableError",
+    "KernelError",
+    "KernelInputError",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "paged_prefill_attention",
+    "paged_prefill_attention_reference",
+    "store_kv",
+    "store_kv_reference",
+]

@@ -1,0 +1,83 @@
+"""The worker pool: results, typed failures, crash isolation, timeouts, tenant fairness."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from server.private.workers import TaskError, WorkerCrashedError, WorkerPool, WorkerTimeoutError
+
+FACTORY = "tests.server.worker_states:make_probe"
+
+
+@pytest.fixture()
+async def pool():
+    restarted = []
+    p = WorkerPool(2, FACTORY, ("t",), task_timeout=30, on_restart=restarted.append)
+    p.restarted = restarted
+    await p.start()
+    yield p
+    await p.close()
+
+
+async def test_echo_and_state_kept_per_worker(pool):
+    assert await pool.submit(0, "a", "echo", 1) == ("t", 1, 1)
+    assert await pool.submit(0, "a", "echo", 2) == ("t", 2, 2)
+    assert await pool.submit(1, "a", "echo", 3) == ("t", 3, 1)
+
+
+async def test_task_exception_is_typed(pool):
+    with pytest.raises(TaskError, match="boom") as e:
+        await pool.submit(0, "a", "fail", "boom")
+    assert e.value.kind == "ValueError"
+    assert await pool.submit(0, "a", "echo", 1)  # worker still serves
+
+
+async def test_native_crash_fails_only_that_task(pool):
+    pid = await pool.submit(0, "a", "pid")
+    other = asyncio.create_task(pool.submit(1, "b", "sleep", 0.5, "other"))
+    with pytest.raises(WorkerCrashedError):
+        await pool.submit(0, "a", "segfault")
+    assert await other == "other"                       # the other worker was untouched
+    assert await pool.submit(0, "a", "pid") != pid      # a fresh process took over
+    assert pool.restarted == [0]
+
+
+async def test_killed_worker_mid_task(pool):
+    task = asyncio.create_task(pool.submit(1, "a", "sleep", 5, "x"))
+    await asyncio.sleep(1.0)
+    pool.kill_worker(1)
+    with pytest.raises(WorkerCrashedError):
+        await task
+    assert (await pool.submit(1, "a", "echo", 7))[1] == 7
+
+
+async def test_hang_times_out(pool):
+    with pytest.raises(WorkerTimeoutError):
+        await pool.submit(0, "a", "sleep", 30, "late", timeout=1.0)
+    assert (await pool.submit(0, "a", "echo", 1))[1] == 1
+
+
+async def test_round_robin_across_tenants(pool):
+    order = []
+
+    async def job(tenant, label):
+        order.append(await pool.submit(0, tenant, "sleep", 0.05, label))
+
+    jobs = [asyncio.create_task(job("heavy", f"h{i}")) for i in range(5)]
+    await asyncio.sleep(0)  # queue the heavy tenant's work first
+    jobs.append(asyncio.create_task(job("light", "l0")))
+    await asyncio.gather(*jobs)
+    assert order.index("l0") <= 2, order  # not behind all five heavy tasks
+
+
+async def test_cancelled_before_start_is_dropped(pool):
+    blocker = asyncio.create_task(pool.submit(0, "a", "sleep", 0.5, "first"))
+    await asyncio.sleep(0.05)
+    doomed = asyncio.create_task(pool.submit(0, "a", "echo", "never"))
+    await asyncio.sleep(0)
+    doomed.cancel()
+    await blocker
+    after = await pool.submit(0, "a", "echo", "after")
+    assert after[2] == 1  # 'never' was not executed: this is the worker's first echo

@@ -53,8 +53,12 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str,
-                dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """Instantiate the model and copy ``state`` in, checking every name and shape."""
+                dtype: torch.dtype = torch.float32, absent: frozenset[str] = frozenset()) -> LlamaForCausalLM:
+    """Instantiate the model and copy ``state`` in, checking every name and shape.
+
+    ``absent`` names tensors that are deliberately not there (a private-mode client bundle lacks the
+    encrypted layers' attention weights); they stay on the ``meta`` device, so any use of them fails loudly.
+    """
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = dict(model.state_dict())
@@ -62,7 +66,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str,
         expected.pop("lm_head.weight", None)
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     state = {k: v for k, v in state.items() if not k.endswith(_SKIP_SUFFIXES)}
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(set(expected) - set(state) - absent)
     if missing:
         raise ModelLoadError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     unexpected = sorted(set(state) - set(expected))
@@ -74,7 +78,6 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str,
         if tuple(t.shape) != tuple(expected[name].shape):
             raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(t.shape)}, "
                                  f"the config implies {tuple(expected[name].shape)}")
-    model = model.to_empty(device="cpu")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

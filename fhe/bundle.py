@@ -1,0 +1,77 @@
+"""The private-mode client bundle: exactly the weights and files a client needs, in one file.
+
+A bundle is a safetensors file. Its tensors are the model's state dict *minus* what stays on the server:
+for every encrypted layer, the attention projections (q/k/v/o weights and biases) and the input RMSNorm
+gain (folded into the server's projections; the client only normalizes). Its metadata (string → string)
+carries ``config.json``, the tokenizer files, the plan hash and the list of withheld tensors. The SHA-256
+of the file's bytes is published in the manifest; the SDK verifies it before loading.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from engine.config import ModelConfig
+from engine.loader import build_model
+from engine.model import LlamaForCausalLM
+
+BUNDLE_FORMAT = "cipherlm-client-bundle"
+BUNDLE_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+SERVER_SIDE = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+               "self_attn.v_proj.bias", "input_layernorm.weight")
+
+
+class BundleError(ValueError):
+    """A bundle is malformed, of another version, or does not match its manifest."""
+
+
+def withheld_names(cfg: ModelConfig, encrypted_layers: tuple[int, ...]) -> list[str]:
+    """State-dict names that never leave the server for this plan."""
+    suffixes = [s for s in SERVER_SIDE if cfg.attention_bias or not s.endswith("bias")]
+    return [f"model.layers.{i}.{s}" for i in encrypted_layers for s in suffixes]
+
+
+def write_bundle(model: LlamaForCausalLM, tokenizer_dir: Path, encrypted_layers: tuple[int, ...],
+                 plan_hash: str, path: Path) -> dict:
+    """Write the bundle for ``encrypted_layers``; returns its description (tensor names, withheld)."""
+    withheld = withheld_names(model.config, encrypted_layers)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+             if k not in withheld and not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    files = {n: (tokenizer_dir / n).read_text() for n in TOKENIZER_FILES if (tokenizer_dir / n).exists()}
+    meta = {"format": BUNDLE_FORMAT, "version": str(BUNDLE_VERSION), "plan_hash": plan_hash,
+            "config.json": json.dumps(model.config.to_hf_dict()), "withheld": json.dumps(withheld),
+            "encrypted_layers": json.dumps(list(encrypted_layers)), "files": json.dumps(sorted(files))}
+    meta.update({f"file:{n}": text for n, text in files.items()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path), metadata=meta)
+    return {"tensors": sorted(state), "withheld": withheld, "files": sorted(files)}
+
+
+def read_bundle(path: Path, files_dir: Path) -> tuple[LlamaForCausalLM, dict]:
+    """Load a bundle: the client's model (withheld tensors left on ``meta``) and its metadata.
+
+    The tokenizer files are written to ``files_dir`` (load them with ``Tokenizer.from_folder``).
+    """
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            state = {k: fh.get_tensor(k) for k in fh.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise BundleError(f"{path}: not a readable bundle: {exc}") from exc
+    if meta.get("format") != BUNDLE_FORMAT or meta.get("version") != str(BUNDLE_VERSION):
+        raise BundleError(f"{path}: not a version-{BUNDLE_VERSION} cipherlm client bundle")
+    cfg = ModelConfig.from_hf_dict(json.loads(meta["config.json"]))
+    model = build_model(cfg, state, str(path), torch.float32, absent=frozenset(json.loads(meta["withheld"])))
+    files_dir.mkdir(parents=True, exist_ok=True)
+    for name in json.loads(meta["files"]):
+        if name not in TOKENIZER_FILES:
+            raise BundleError(f"{path}: unexpected file {name!r} in bundle")
+        (files_dir / name).write_text(meta[f"file:{name}"])
+    return model, meta

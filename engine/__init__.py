@@ -12,6 +12,13 @@ from engine.errors import (
 from engine.loader import load_model
 from engine.model import DenseKVCache, LlamaForCausalLM, greedy_generate
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.engine_config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.metrics import EngineStats, MetricsListener, RequestStats, VLLM_METRIC_NAMES
+from engine.llm_engine import LLMEngine
+from engine.llm import LLM
+from engine.async_llm import AsyncLLM
 
 __all__ = [
     "DenseKVCache",
@@ -27,4 +34,17 @@ __all__ = [
     "default_model_dir",
     "greedy_generate",
     "load_model",
+    # serving engine
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineStats",
+    "LLM",
+    "LLMEngine",
+    "MetricsListener",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestStats",
+    "SamplingParams",
+    "VLLM_METRIC_NAMES",
 ]

@@ -1,0 +1,199 @@
+"""KV block bookkeeping: ref-counted blocks, per-sequence block tables, slot mapping, prefix caching.
+
+Prefix caching (vLLM's automatic prefix caching): every *full* block of a sequence gets a hash chained
+from the start of the sequence, ``h_i = sha256(h_{i-1} || tokens of block i)``, whose root ``h_{-1}`` is
+derived from the caller's ``cache_salt`` (the server passes the tenant id). Two sequences share a block
+only if every token before and in it is equal *and* their salts are equal, so one tenant can never read,
+or time, another tenant's cache. SHA-256 (not Python's ``hash``) so collisions cannot be crafted.
+
+Blocks whose ref count drops to zero stay in the hash table and go to the back of an LRU free list;
+allocation takes from the front and only then drops the old hash (lazy eviction). Blocks without a hash
+go to the front, so they are reused before any cached block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from engine.sequence import Sequence
+
+
+class Block:
+    """One KV block of the pool."""
+
+    __slots__ = ("block_id", "ref_count", "hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: bytes | None = None
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The chain's root for a salt (None and "" differ)."""
+    tag = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
+    return hashlib.sha256(b"cipherlm-kv-prefix-v1" + tag).digest()
+
+
+def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """Hash of a full block given its parent's hash."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences; shares full blocks by prefix hash."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, applied by the runner
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0     # of which found
+
+    # ---- accounting -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (cached-but-free blocks count as free)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """Flat slot (block * block_size + offset) of a token position of ``seq``."""
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # ---- hashing ----------------------------------------------------------------------------------
+    def update_hashes(self, seq: Sequence) -> list[bytes]:
+        """Extend ``seq.block_hashes`` to every full block of its tokens; return them."""
+        bs, hashes = self.block_size, seq.block_hashes
+        parent = hashes[-1] if hashes else root_hash(seq.request.cache_salt)
+        for i in range(len(hashes), seq.num_tokens // bs):
+            parent = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of ``seq`` (at least one token is always left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for h in self.update_hashes(seq)[:(seq.num_tokens - 1) // self.block_size]:
+            bid = self._cached.get(h)
+            if bid is None:
+                break
+            hits.append(bid)
+        return hits
+
+    # ---- allocation -------------------------------------------------------------------------------
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
+        """Free blocks that scheduling ``num_new_tokens`` more tokens of ``seq`` would take."""
+        held = max(len(seq.block_table), num_hit_blocks)
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - held) + (1 if self._needs_cow(seq) else 0)
+
+    def admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        """Give a waiting sequence its prefix hits plus room for ``num_new_tokens``; False if no room."""
+        free_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        need = self.blocks_needed(seq, len(hits) * self.block_size + num_new_tokens, len(hits))
+        if need > len(self._free) - free_hits:
+            return False
+        for bid in hits:
+            self._ref(bid)
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = seq.num_hashed_blocks = len(hits)
+        seq.num_computed_tokens *= self.block_size
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_computed_tokens
+        return self.allocate_slots(seq, num_new_tokens)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make the block table cover ``num_new_tokens`` more tokens; False (nothing changed) if no room."""
+        if self.blocks_needed(seq, num_new_tokens) > len(self._free):
+            return False
+        if self._needs_cow(seq):
+            self._copy_on_write(seq)
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        while len(seq.block_table) < total:
+            seq.block_table.append(self._take_free())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references (tail first, so tails are evicted before shared heads)."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[bid] = None
+                if block.hash is None:
+                    self._free.move_to_end(bid, last=False)  # nothing to keep: reuse first
+        seq.block_table = []
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share every block of ``parent`` (the shared partial block is copied on write)."""
+        for bid in parent.block_table:
+            self.blocks[bid].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_hashed_blocks = parent.num_hashed_blocks
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_hashed_blocks:
+            return
+        hashes = self.update_hashes(seq)
+        for i in range(seq.num_hashed_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and hashes[i] not in self._cached:
+                block.hash = hashes[i]
+                self._cached[hashes[i]] = block.block_id
+        seq.num_hashed_blocks = num_full
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write (src, dst) block pairs the runner must apply before the next forward."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _needs_cow(self, seq: Sequence) -> bool:
+        """The next write lands in a partly filled block that another sequence also holds."""
+        if seq.num_computed_tokens % self.block_size == 0 or not seq.block_table:
+            return False
+        last = seq.block_table[seq.num_computed_tokens // self.block_size]
+        return self.blocks[last].ref_count > 1
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        idx = seq.num_computed_tokens // self.block_size
+        src = seq.block_table[idx]
+        dst = self._take_free()
+        self.blocks[src].ref_count -= 1
+        seq.block_table[idx] = dst
+        self.pending_copies.append((src, dst))
+
+    def _ref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            del self._free[bid]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        """Pop the least recently freed block, evicting its cached hash (lazy eviction)."""
+        bid, _ = self._free.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None:
+            if self._cached.get(block.hash) == bid:
+                del self._cached[block.hash]
+            block.hash = None
+        block.ref_count = 1
+        return bid

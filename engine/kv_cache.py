@@ -1,0 +1,122 @@
+"""The paged KV pool and the attention backend that reads and writes it.
+
+Per layer, K and V each live in one tensor ``[num_blocks, block_size, num_kv_heads, head_dim]``; a
+sequence's tokens are scattered over blocks through its block table (see ``engine.block_manager``).
+The pool is sized from what is left of the device after a warm-up pass (GPU: a fraction of total
+memory minus the warm-up's peak) or from a byte budget (CPU).
+
+:class:`PagedAttention` is the :class:`engine.model.AttentionBackend` of one forward pass over a flat
+batch: rows ``[0, num_decode)`` are single-token decodes (one sequence each), the rest are prefill chunks
+described by ``cu_seqlens_q``. It stores the step's K/V with ``kernels.store_kv`` and attends with
+``kernels.paged_decode_attention`` / ``kernels.paged_prefill_attention`` (Triton on GPU, torch
+reference on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+import kernels
+from engine.config import ModelConfig
+
+
+class PagedKVCache:
+    """K and V block pools for every layer."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block across all layers, K and V."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst := block src in every layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.k[0].device)
+        dst = torch.tensor([d for _, d in copies], device=self.k[0].device)
+        for pool in self.k + self.v:
+            pool[dst] = pool[src]
+
+
+def blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    """Blocks that fit a byte budget."""
+    return max(0, budget_bytes // PagedKVCache.bytes_per_block(cfg, block_size, dtype))
+
+
+def blocks_for_gpu(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                   utilization: float) -> int:
+    """Blocks that fit in ``utilization * total`` minus the peak allocated so far (call after warm-up)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    free, _ = torch.cuda.mem_get_info(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * utilization) - peak - max(0, used_by_others)
+    return blocks_for_budget(cfg, block_size, dtype, budget)
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where this step's tokens go and what they attend to (all tensors on the model's device).
+
+    Attributes:
+        slot_mapping: [T] int64 flat slot of every token (-1: padding).
+        num_decode: rows [0, num_decode) are decodes of one token each.
+        decode_block_tables: [num_decode, max_blocks] int32.
+        decode_context_lens: [num_decode] int32 (tokens incl. the new one).
+        prefill_block_tables: [P, max_blocks] int32 for the prefill sequences.
+        prefill_cu_seqlens_q: [P + 1] int32 row offsets of the prefill chunks (from 0 at row num_decode).
+        prefill_context_lens: [P] int32.
+        prefill_max_q: longest prefill chunk (known on the host: no device sync in the launcher).
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode: int
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_cu_seqlens_q: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
+    prefill_max_q: int = 0
+
+
+class PagedAttention:
+    """AttentionBackend over a :class:`PagedKVCache` for one forward pass."""
+
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, head_dim: int) -> None:
+        self.cache = cache
+        self.meta = meta
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        m, kc, vc = self.meta, self.cache.k[layer], self.cache.v[layer]
+        assert q.shape[0] == k.shape[0] == m.slot_mapping.shape[0], (q.shape, k.shape, m.slot_mapping.shape)
+        kernels.store_kv(k, v, kc, vc, m.slot_mapping)
+        nd = m.num_decode
+        if nd == q.shape[0]:
+            return kernels.paged_decode_attention(q, kc, vc, m.decode_block_tables, m.decode_context_lens,
+                                                  self.scale)
+        prefill = kernels.paged_prefill_attention(q[nd:], kc, vc, m.prefill_block_tables,
+                                                  m.prefill_cu_seqlens_q, m.prefill_context_lens, self.scale,
+                                                  max_seqlen_q=m.prefill_max_q)
+        if nd == 0:
+            return prefill
+        decode = kernels.paged_decode_attention(q[:nd], kc, vc, m.decode_block_tables, m.decode_context_lens,
+                                                self.scale)
+        return torch.cat([decode, prefill])

@@ -1,0 +1,262 @@
+"""The synchronous engine: admission, one step at a time, outputs.
+
+``LLMEngine`` ties the pieces in request-path order: requests are validated and queued here, the
+:class:`~engine.scheduler.Scheduler` picks each step's batch over the
+:class:`~engine.block_manager.BlockManager`'s blocks, the :class:`~engine.model_runner.ModelRunner` runs
+it, the :class:`~engine.sampler.Sampler` picks tokens and the
+:class:`~engine.output_processor.OutputProcessor` turns them into text and :class:`RequestOutput` deltas.
+
+Not thread-safe, except :meth:`make_request` (validation and admission), which the async front end
+calls from the event loop while the engine thread steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.engine_config import EngineConfig
+from engine.errors import EngineOverloadedError, InvalidRequestError
+from engine.metrics import EngineStats, MetricsListener, request_stats
+from engine.model import LlamaForCausalLM
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.sampler import Sampler, SamplingRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sequence import Request, Sequence
+from engine.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model."""
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer | None,
+                 config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        if config.num_threads and config.resolved_device() == "cpu":
+            torch.set_num_threads(config.num_threads)
+        max_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(model, config, max_len)
+        self.num_blocks = self.runner.init_kv_cache()
+        self.max_model_len = min(max_len, self.num_blocks * config.block_size)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler(torch.Generator(self.runner.device).manual_seed(config.seed))
+        eos = set(self.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.output_processor = OutputProcessor(tokenizer, sorted(eos), self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.listeners: list[MetricsListener] = []
+        self._seq_ids = itertools.count()
+        self._admission = threading.Lock()
+        self._num_unscheduled = 0  # admitted requests not yet scheduled (the bounded waiting queue)
+        self._token_times: dict[str, list[float]] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+        """Load a model folder or .gguf file and its tokenizer."""
+        from engine.loader import load_model
+
+        path = Path(path)
+        tok = Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_folder(path)
+        return cls(load_model(path), tok, config)
+
+    # ---- admission (thread-safe) ------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                     cache_salt: str | None = None, priority: int = 0,
+                     arrival_time: float | None = None) -> Request:
+        """Validate, tokenize and reserve a waiting-queue place; raise before any heavy work."""
+        ids = self.validate(prompt, params)
+        with self._admission:
+            if self._num_unscheduled >= self.config.max_waiting:
+                raise EngineOverloadedError(
+                    f"the engine's waiting queue is full ({self.config.max_waiting} requests); retry later",
+                    retry_after=1.0)
+            self._num_unscheduled += 1
+        return Request(request_id, ids, params, arrival_time or time.time(), cache_salt, priority)
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Token ids of a valid prompt; InvalidRequestError otherwise."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        else:
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the maximum model length is {self.max_model_len} "
+                "(prompt plus at least one generated token)")
+        return ids
+
+    # ---- engine-thread API ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    cache_salt: str | None = None, priority: int = 0) -> Request:
+        """Validate and queue a request (synchronous use)."""
+        return self.enqueue(self.make_request(request_id, prompt, params, cache_salt=cache_salt,
+                                              priority=priority))
+
+    def enqueue(self, request: Request) -> Request:
+        """Queue a request built by :meth:`make_request`."""
+        if request.request_id in self.requests:
+            self._release_admission(request)
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running")
+        seed = request.params.seed
+        gen = None if seed is None else torch.Generator(self.runner.device).manual_seed(seed)
+        seq = Sequence(next(self._seq_ids), request, 0, request.prompt_token_ids, gen)
+        request.seqs.append(seq)
+        self.requests[request.request_id] = request
+        self._token_times[request.request_id] = []
+        self.scheduler.add(seq)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; returns its final output (finish_reason "abort")."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        request.forked = True
+        while len(request.seqs) < request.params.n:  # unforked completions end as aborted too
+            child = Sequence(next(self._seq_ids), request, len(request.seqs), request.prompt_token_ids, None)
+            child.finish_reason = "abort"
+            self.scheduler.finish(child)
+            request.seqs.append(child)
+        return self._finish_request(request)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Admitted requests not yet scheduled (what ``max_waiting`` bounds)."""
+        return self._num_unscheduled
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; return outputs of the requests that progressed."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        now = time.time()
+        for s in sched.scheduled:
+            self._mark_scheduled(s.seq.request, now)
+        logits, sampling = self.runner.execute(sched)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+            self.block_manager.cache_full_blocks(s.seq)
+        self.prompt_tokens_total += sum(s.num_tokens for s in sched.scheduled
+                                        if s.start < s.seq.num_prompt_tokens)
+        outputs = self._process_samples(logits, sampling)
+        if self.listeners:
+            stats = self.stats()
+            for listener in self.listeners:
+                listener.on_step(stats)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len({s.request.request_id for s in self.scheduler.running}),
+            num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
+            kv_cache_usage=bm.usage, num_kv_blocks=bm.num_blocks, prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total)
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _process_samples(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[RequestOutput]:
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for i, s in enumerate(sampling):
+            for seq in [s.seq] + self._fork(s.seq):
+                rows.append(i)
+                seqs.append(seq)
+        if rows != list(range(len(sampling))):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = self.sampler(logits, [SamplingRow(q.params, q.request.prompt_token_ids, q.output_token_ids,
+                                                   q.generator) for q in seqs])
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
+            self.output_processor.append_token(seq, tok, lp)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched[seq.request.request_id] = seq.request
+        self.generation_tokens_total += len(seqs)
+        outputs = []
+        for request in touched.values():
+            self._token_times[request.request_id].append(now)
+            request.metrics.first_token_time = request.metrics.first_token_time or now
+            request.metrics.last_token_time = now
+            outputs.append(self._finish_request(request) if request.finished
+                           else self.output_processor.build(request))
+        return outputs
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """On a request's first sample, create its other n - 1 completions sharing the parent's blocks."""
+        request = parent.request
+        if request.forked:
+            return []
+        request.forked = True
+        children = []
+        for index in range(1, request.params.n):
+            seed = request.params.seed
+            gen = None if seed is None else torch.Generator(self.runner.device).manual_seed(seed + index)
+            child = Sequence(next(self._seq_ids), request, index, parent.token_ids, gen)
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+            request.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _mark_scheduled(self, request: Request, now: float) -> None:
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = now
+            request.num_cached_tokens = request.seqs[0].num_computed_tokens
+            self._release_admission(request)
+
+    def _release_admission(self, request: Request) -> None:
+        if request.holds_waiting_slot:
+            request.holds_waiting_slot = False
+            with self._admission:
+                self._num_unscheduled -= 1
+
+    def _finish_request(self, request: Request) -> RequestOutput:
+        out = self.output_processor.build(request)
+        m = request.metrics
+        m.finished_time = time.time()
+        self._release_admission(request)
+        for seq in request.seqs:
+            self.output_processor.forget(seq)
+        del self.requests[request.request_id]
+        times = self._token_times.pop(request.request_id, [])
+        if self.listeners:
+            stats = request_stats(request.request_id, request.seqs[0].finish_reason, len(request.prompt_token_ids),
+                                  sum(s.num_output_tokens for s in request.seqs), request.num_cached_tokens,
+                                  m.arrival_time, m.first_scheduled_time, times, m.finished_time)
+            for listener in self.listeners:
+                listener.on_request_finished(stats)
+        return out

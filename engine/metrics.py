@@ -1,0 +1,94 @@
+"""Engine metrics: per-request latency records and per-step gauges, pushed to registered listeners.
+
+The server registers a :class:`MetricsListener` and exports Prometheus series; :data:`VLLM_METRIC_NAMES`
+gives the vLLM name of each field so dashboards built for vLLM keep working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+# field -> vLLM's Prometheus name (histograms unless the name ends in _total or is a gauge)
+VLLM_METRIC_NAMES = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "tpot": "vllm:request_time_per_output_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+    "queue_time": "vllm:request_queue_time_seconds",
+    "e2e_latency": "vllm:e2e_request_latency_seconds",
+    "prompt_tokens": "vllm:request_prompt_tokens",
+    "generation_tokens": "vllm:request_generation_tokens",
+    "prompt_tokens_total": "vllm:prompt_tokens_total",
+    "generation_tokens_total": "vllm:generation_tokens_total",
+    "num_running": "vllm:num_requests_running",
+    "num_waiting": "vllm:num_requests_waiting",
+    "kv_cache_usage": "vllm:kv_cache_usage_perc",
+    "prefix_cache_queries": "vllm:prefix_cache_queries",
+    "prefix_cache_hits": "vllm:prefix_cache_hits",
+    "num_preemptions": "vllm:num_preemptions",
+    "finished_requests": "vllm:request_success",
+}
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """What one finished request cost (seconds; ``None`` where the event never happened).
+
+    Attributes:
+        ttft: arrival -> first token.
+        tpot: mean time per output token after the first.
+        itl: every gap between consecutive token-producing steps.
+        queue_time: arrival -> first scheduled.
+        e2e_latency: arrival -> finished.
+    """
+
+    request_id: str
+    finish_reason: str | None
+    prompt_tokens: int
+    generation_tokens: int
+    cached_tokens: int
+    queue_time: float | None
+    ttft: float | None
+    tpot: float | None
+    itl: list[float]
+    e2e_latency: float
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Gauges and counters after a step (counters are totals since start)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class MetricsListener(Protocol):
+    """Receives metrics from the engine thread; implementations must be quick and thread-safe."""
+
+    def on_request_finished(self, stats: RequestStats) -> None:
+        """Called once per finished or aborted request."""
+
+    def on_step(self, stats: EngineStats) -> None:
+        """Called after every engine step."""
+
+
+def request_stats(request_id: str, finish_reason: str | None, prompt_tokens: int, generation_tokens: int,
+                  cached_tokens: int, arrival: float, scheduled: float | None, token_times: list[float],
+                  finished: float) -> RequestStats:
+    """Derive latencies from a request's timestamps."""
+    itl = [b - a for a, b in zip(token_times, token_times[1:])]
+    ttft = token_times[0] - arrival if token_times else None
+    tpot = (token_times[-1] - token_times[0]) / (generation_tokens - 1) if generation_tokens > 1 and token_times else None
+    return RequestStats(request_id, finish_reason, prompt_tokens, generation_tokens, cached_tokens,
+                        None if scheduled is None else scheduled - arrival, ttft, tpot, itl, finished - arrival)

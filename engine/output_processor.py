@@ -1,0 +1,98 @@
+"""Turns sampled tokens into text and :class:`RequestOutput` deltas: detokenization, stop conditions.
+
+Stop strings are searched in the detokenized text; the last ``len(longest stop) - 1`` characters are held
+back until they can no longer begin a stop string, so a stream never shows text past a stop.
+"""
+
+from __future__ import annotations
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sequence import Request, Sequence
+from engine.tokenizer import Tokenizer
+
+
+class SeqText:
+    """Incremental text of one sequence with stop-string detection."""
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stops: list[str]) -> None:
+        self.detok = tokenizer.detokenizer(prompt_ids) if tokenizer is not None else None  # None: ids only
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.full = ""     # text so far (cut at a stop string once one is found)
+        self.emitted = 0   # characters already streamed
+
+    def add(self, token_id: int) -> str | None:
+        """Detokenize one more token; return the stop string it completed, if any (text is cut before it)."""
+        if self.detok is None:
+            return None
+        old = len(self.full)
+        self.full += self.detok.step([token_id])
+        best: tuple[int, str] | None = None
+        for stop in self.stops:
+            idx = self.full.find(stop, max(0, old - len(stop) + 1))
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        self.full = self.full[:best[0]]
+        return best[1]
+
+    def take_delta(self, finished: bool) -> str:
+        """Text that is safe to stream now."""
+        end = len(self.full) if finished else max(self.emitted, len(self.full) - self.hold)
+        delta = self.full[self.emitted:end]
+        self.emitted = end
+        return delta
+
+
+class OutputProcessor:
+    """Owns the per-sequence text state; appends tokens, decides finishes, builds outputs."""
+
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: list[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self._text: dict[int, SeqText] = {}
+
+    def append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        """Add a sampled token to ``seq`` and set its finish reason if it is done."""
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        params = seq.params
+        if token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in self.eos and not params.ignore_eos:
+            seq.finish_reason = "stop"
+        else:
+            stop = self._text_of(seq).add(token)
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+
+    def build(self, request: Request) -> RequestOutput:
+        """The request's output with the deltas since its previous output."""
+        outs = [self._completion(s) for s in sorted(request.seqs, key=lambda s: s.index)]
+        return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.finished,
+                             request.num_cached_tokens, request.metrics)
+
+    def forget(self, seq: Sequence) -> None:
+        self._text.pop(seq.seq_id, None)
+
+    def _text_of(self, seq: Sequence) -> SeqText:
+        st = self._text.get(seq.seq_id)
+        if st is None:
+            st = self._text[seq.seq_id] = SeqText(self.tokenizer, seq.request.prompt_token_ids, seq.params.stop)
+        return st
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        finished = seq.finish_reason is not None
+        st = self._text_of(seq)
+        delta_text = st.take_delta(finished)
+        out_ids = seq.output_token_ids
+        new_ids = out_ids[seq.num_emitted_tokens:]
+        logprobs = seq.logprobs[seq.num_emitted_tokens:] if seq.params.logprobs is not None else None
+        seq.num_emitted_tokens = len(out_ids)
+        return CompletionOutput(seq.index, list(out_ids), st.full[:st.emitted], delta_text, new_ids, logprobs,
+                                seq.finish_reason, seq.stop_reason)

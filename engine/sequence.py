@@ -1,0 +1,100 @@
+"""Requests and the sequences they run as.
+
+A :class:`Request` is what a caller submitted (prompt, parameters, salt, priority); it owns ``n``
+:class:`Sequence` objects, one per completion. Only the first sequence runs the prompt; when its prefill
+finishes the engine forks the other ``n - 1`` from it, sharing every KV block (copy-on-write for the
+last, partly filled one).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from engine.outputs import RequestMetrics
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One submitted prompt and the state shared by its completions."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float, cache_salt: str | None = None, priority: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.cache_salt = cache_salt
+        self.priority = priority
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.seqs: list[Sequence] = []
+        self.num_cached_tokens = 0
+        self.forked = params.n == 1
+        self.holds_waiting_slot = True  # counts against EngineConfig.max_waiting until first scheduled
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.finished for s in self.seqs)
+
+
+class Sequence:
+    """Tokens, KV block table and progress of one completion.
+
+    ``token_ids`` holds prompt + output; the first ``num_computed_tokens`` of them have their K/V in
+    the blocks of ``block_table`` (block i holds positions ``[i * block_size, (i + 1) * block_size)``).
+    """
+
+    def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int],
+                 generator: torch.Generator | None) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []   # chained hashes of the full blocks of token_ids
+        self.num_hashed_blocks = 0            # leading blocks registered in the prefix cache
+        self.status = SequenceStatus.WAITING
+        self.generator = generator
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_emitted_tokens = 0           # output tokens already streamed
+        self.logprobs: list[dict[int, float]] = []
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: lower priority value first, then arrival (vLLM's convention)."""
+        return (self.request.priority, self.request.metrics.arrival_time, self.seq_id)
+
+    def reset_for_recompute(self) -> None:
+        """Forget the KV cache (preemption by recompute): prompt + output are prefilled again."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.num_hashed_blocks = 0
+        self.status = SequenceStatus.WAITING

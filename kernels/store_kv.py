@@ -61,7 +61,8 @@ if HAS_TRITON:
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         # padding (-1) and out-of-range slots are skipped, so a bad slot can never write out of bounds
-        mask = (h < HKV) & (d < D) & (slot >= 0) & (slot < num_slots)
+        heads = tl.where((slot >= 0) & (slot < num_slots), HKV, 0)
+        mask = (h < heads) & (d < D)
         k = tl.load(k_ptr + t.to(tl.int64) * s_kt + h * s_kh + d, mask=mask)
         v = tl.load(v_ptr + t.to(tl.int64) * s_vt + h * s_vh + d, mask=mask)
         tl.store(kc_ptr + blk * s_kcb + off * s_kcs + h * s_kch + d, k, mask=mask)

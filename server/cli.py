@@ -12,6 +12,7 @@ import sys
 
 _GROUPS = (
     "server.cli_model",     # model pull/list/info, generate
+    "server.cli_serve",     # serve
 )
 
 

@@ -1,0 +1,168 @@
+"""The FastAPI application: :func:`create_app` wires settings, engine, tenants, limits, metrics, routers.
+
+``create_app(settings)`` builds the engine in its lifespan (and shuts it down); ``create_app(settings,
+engine)`` uses an engine the caller started and owns (tests share one engine across apps). Everything
+per-app lives on ``app.state``; nothing is module-global. Routers beyond the OpenAI/health ones (the
+encrypted-session and key routers) are passed in ``routers=`` or added later with
+``app.include_router``; fallback recorders (the audit log) in ``fallback_recorders=`` or appended to
+``app.state.fallback_recorders``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import RequestTooLargeError, error_response, install_error_handlers
+from server.limits import LimitRegistry
+from server.metrics import ServerMetrics
+from server.routers import DEFAULT_ROUTERS
+from server.routers.openai import served_model_name
+from server.settings import Settings
+from server.tenants import FallbackRecorder, server_secret_bytes
+
+log = logging.getLogger("cipherlm.server")
+_UNTRACKED = ("/health/", "/metrics")  # not counted as in-flight work
+
+
+@dataclasses.dataclass
+class Lifecycle:
+    """Admission state of the server: in-flight requests and the draining flag (SIGTERM)."""
+
+    started_at: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    in_flight: int = 0
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Stop admitting and wait for in-flight requests; True if all finished within ``timeout_s``."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        return self.in_flight == 0
+
+
+class _ServingMiddleware:
+    """Pure ASGI middleware: body-size limit, in-flight count (until the last byte is sent), HTTP metrics."""
+
+    def __init__(self, app: ASGIApp, state: Any) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        limit = self.state.settings.max_request_bytes
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            await error_response(RequestTooLargeError(f"request body over {limit} bytes"))(scope, receive, send)
+            return
+        tracked = not path.startswith(_UNTRACKED)
+        status = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        lifecycle: Lifecycle = self.state.lifecycle
+        lifecycle.in_flight += tracked
+        try:
+            await self.app(scope, _limited(receive, limit), send_wrapper)
+        finally:
+            lifecycle.in_flight -= tracked
+            route = scope.get("route")
+            endpoint = getattr(route, "path", "unmatched")
+            self.state.metrics.http_requests.labels(endpoint, str(status["code"])).inc()
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """``receive`` that refuses bodies streamed past ``limit`` bytes (chunked uploads)."""
+    seen = 0
+
+    async def wrapped() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise RequestTooLargeError(f"request body over {limit} bytes")
+        return message
+
+    return wrapped
+
+
+def build_engine(settings: Settings) -> Any:
+    """The engine the settings describe (not started)."""
+    from engine.async_llm import AsyncLLM
+    from engine.engine_config import EngineConfig
+
+    model = settings.model
+    if model is None:
+        from engine.default_model import default_model_dir
+
+        model = str(default_model_dir())
+    return AsyncLLM(model, EngineConfig(**settings.engine))
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start and stop the engine when the app owns it."""
+    if app.state.owns_engine:
+        engine = build_engine(app.state.settings)
+        await engine.start()
+        _attach_engine(app, engine)
+    try:
+        yield
+    finally:
+        app.state.lifecycle.draining = True
+        if app.state.owns_engine and app.state.engine is not None:
+            engine, app.state.engine = app.state.engine, None
+            await engine.shutdown()
+
+
+def _attach_engine(app: FastAPI, engine: Any) -> None:
+    app.state.engine = engine
+    app.state.metrics.model_name = served_model_name(app.state.settings, engine)
+    if hasattr(engine, "stats"):
+        app.state.metrics.watch_engine(engine.stats)
+
+
+def create_app(settings: Settings, engine: Any = None, *, routers: Iterable[APIRouter] = (),
+               fallback_recorders: Iterable[FallbackRecorder] = (), limits: LimitRegistry | None = None) -> FastAPI:
+    """The cipherlm HTTP app.
+
+    Args:
+        settings: server settings (also served to handlers through ``Depends(get_settings)``).
+        engine: a started ``AsyncLLM`` owned by the caller; None: the app builds, starts and stops one.
+        routers: extra routers mounted after the default ones (encrypted sessions, keys, admin).
+        fallback_recorders: told about every plaintext fallback of an encrypted tenant (the audit log).
+        limits: the per-tenant limit state (inject one with a fake clock in tests).
+    """
+    app = FastAPI(title="cipherlm", version="0.1.0", lifespan=_lifespan,
+                  description="OpenAI-compatible plaintext inference; encrypted tenants use the SDK.")
+    app.state.settings = settings
+    app.state.server_secret = server_secret_bytes(settings)
+    app.state.lifecycle = Lifecycle()
+    app.state.limits = limits or LimitRegistry()
+    app.state.metrics = ServerMetrics(served_model_name(settings))
+    app.state.fallback_recorders = list(fallback_recorders)
+    app.state.owns_engine = engine is None
+    app.state.engine = None
+    if engine is not None:
+        _attach_engine(app, engine)
+    install_error_handlers(app)
+    for router in (*DEFAULT_ROUTERS, *routers):
+        app.include_router(router)
+    app.add_middleware(_ServingMiddleware, state=app.state)
+    return app

@@ -1,0 +1,140 @@
+"""``cipherlm serve``: run the HTTP server (uvicorn) on a model.
+
+With no ``--config`` (and no ``$CIPHERLM_CONFIG``), the settings file is
+``$CIPHERLM_HOME/server/settings.toml``; on first run a demo file is written there with one plaintext
+tenant and one encrypted tenant, and their freshly generated API keys are printed **once** (the file
+keeps only their SHA-256). SIGTERM (or Ctrl-C) drains: ``/health/ready`` turns 503, new requests get 503,
+in-flight requests finish within ``drain_timeout_s``, then the process exits; a second signal exits now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+DEMO_TEMPLATE = """\
+# cipherlm demo settings, written by `cipherlm serve` on first run.
+# API keys were printed once; only their SHA-256 is stored here. Reference: docs/operator-guide.md
+server_secret = "{secret}"   # derives per-tenant prefix-cache salts; keep it private
+
+[[tenants]]
+id = "demo-plaintext"
+api_key_hashes = ["{plain_hash}"]
+privacy_mode = "plaintext"
+
+[[tenants]]
+id = "demo-encrypted"
+api_key_hashes = ["{enc_hash}"]
+privacy_mode = "encrypted"
+fallback = "never"            # "non_sensitive": allow plaintext requests marked non-sensitive
+"""
+
+
+def default_settings_path() -> Path:
+    """``$CIPHERLM_HOME/server/settings.toml``."""
+    from engine.default_model import cipherlm_home
+
+    return cipherlm_home() / "server" / "settings.toml"
+
+
+def write_demo_settings(path: Path) -> dict[str, str]:
+    """Write the demo settings file (mode 0600); return {tenant id: API key} (show once, never stored)."""
+    from server.tenants import generate_api_key, hash_api_key
+
+    keys = {"demo-plaintext": generate_api_key(), "demo-encrypted": generate_api_key()}
+    text = DEMO_TEMPLATE.format(secret=secrets.token_urlsafe(32), plain_hash=hash_api_key(keys["demo-plaintext"]),
+                                enc_hash=hash_api_key(keys["demo-encrypted"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    return keys
+
+
+def _settings_path(args: argparse.Namespace) -> Path:
+    if args.config:
+        return Path(args.config)
+    if os.environ.get("CIPHERLM_CONFIG"):
+        return Path(os.environ["CIPHERLM_CONFIG"])
+    path = default_settings_path()
+    if not path.exists():
+        keys = write_demo_settings(path)
+        print(f"cipherlm: wrote demo settings to {path}", flush=True)
+        print("cipherlm: API keys (shown ONCE, only their hashes are stored):", flush=True)
+        for tenant, key in keys.items():
+            print(f"  {tenant:16s} {key}", flush=True)
+    return path
+
+
+def load_settings(args: argparse.Namespace):
+    """The settings for this run: the file (or the demo file) plus command-line overrides."""
+    from server.settings import Settings
+
+    path = _settings_path(args)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("model", args.model)) if v is not None}
+    settings = Settings.load(path, **overrides)
+    print(f"cipherlm: settings {path} ({len(settings.tenants)} tenants)", flush=True)
+    return settings
+
+
+def _server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn whose first SIGTERM/SIGINT drains (ready → 503, in-flight finish) before exiting."""
+
+        def __init__(self, config: uvicorn.Config, lifecycle, drain_timeout_s: float) -> None:
+            super().__init__(config)
+            self.lifecycle = lifecycle
+            self.drain_timeout_s = drain_timeout_s
+            self.drain_deadline: float | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.drain_deadline is None:
+                self.lifecycle.draining = True
+                self.drain_deadline = time.monotonic() + self.drain_timeout_s
+                print(f"cipherlm: draining ({self.lifecycle.in_flight} in flight, "
+                      f"up to {self.drain_timeout_s:.0f} s)", file=sys.stderr, flush=True)
+            else:
+                super().handle_exit(sig, frame)  # second signal: exit now
+
+        async def on_tick(self, counter: int) -> bool:
+            if await super().on_tick(counter):
+                return True
+            if self.drain_deadline is None:
+                return False
+            return self.lifecycle.in_flight == 0 or time.monotonic() >= self.drain_deadline
+
+    return DrainingServer
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Build the app and run uvicorn until drained."""
+    import uvicorn
+
+    from server.app import create_app
+
+    settings = load_settings(args)
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5)
+    server = _server_class()(config, app.state.lifecycle, settings.drain_timeout_s)
+    print(f"cipherlm: serving on http://{settings.host}:{settings.port}", flush=True)
+    server.run()
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``cipherlm serve``."""
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="settings TOML file (default: the demo file, written on first run)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--model", help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=serve)

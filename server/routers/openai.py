@@ -1,0 +1,440 @@
+"""OpenAI-compatible plaintext endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+Request path (cheap checks first, the engine last)::
+
+    auth (401) → privacy mode (403) → draining (503) → requests/min + concurrency (429)
+      → body checks + tokenize (400) → tokens/min (429) → record fallback → engine admission (429)
+      → stream (SSE) or collect → usage + metrics → release the concurrency slot
+
+A client that disconnects cancels its engine requests: streamed responses are cancelled by Starlette
+(closing the engine's generators, which aborts them); non-streamed ones watch for the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, InvalidRequestError, NotFoundError, from_engine_error
+from server.limits import TenantLimiter
+from server.routers.deps import (
+    EngineDep,
+    admit_request,
+    charge_tokens,
+    ensure_admitting,
+    get_metrics,
+    record_fallback,
+)
+from server.routers.openai_format import ChunkBuilder, ResponseMeta, full_response, sse
+from server.routers.openai_schemas import ChatCompletionRequest, CompletionRequest
+from server.settings import Settings, SettingsDep
+from server.tenants import PlaintextTenantDep, Tenant, TenantDep
+
+router = APIRouter(tags=["openai"])
+
+
+def served_model_name(settings: Settings, engine: Any = None) -> str:
+    """The model's public name: ``served_model_name``, else the folder/file stem, else the engine's."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    if settings.model:
+        return Path(settings.model).stem if settings.model.endswith(".gguf") else Path(settings.model).name
+    name = getattr(engine, "model_name", None)
+    return str(name) if name else "SmolLM2-135M-Instruct"
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, _tenant: TenantDep,
+                      settings: SettingsDep) -> dict[str, Any]:
+    """The served model (one per server)."""
+    engine = getattr(request.app.state, "engine", None)
+    card = {"id": served_model_name(settings, engine), "object": "model",
+            "created": request.app.state.lifecycle.started_at, "owned_by": "cipherlm"}
+    max_len = _max_model_len(engine) if engine is not None else None
+    if max_len:
+        card["max_model_len"] = max_len
+    return {"object": "list", "data": [card]}
+
+
+@dataclasses.dataclass
+class _Job:
+    """One validated request on its way to the engine."""
+
+    meta: ResponseMeta
+    prompts: list[list[int]]
+    params: SamplingParams
+    tenant: Tenant
+    limiter: TenantLimiter
+    reserved_tokens: int
+    include_usage: bool
+    arrival: float
+
+
+# --- validation -------------------------------------------------------------------------------------
+
+
+def _max_model_len(engine: Any) -> int:
+    value = getattr(engine, "max_model_len", None)
+    return value if isinstance(value, int) and value > 0 else int(engine.model_config.max_position_embeddings)
+
+
+def _check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    if body.logit_bias:
+        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise InvalidRequestError("echo is not supported", param="echo")
+        if body.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise InvalidRequestError("best_of must equal n (or be omitted)", param="best_of")
+    else:
+        if body.tools:
+            raise InvalidRequestError("tools are not supported", param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise InvalidRequestError("only response_format {'type': 'text'} is supported",
+                                      param="response_format")
+
+
+def _check_model(body: CompletionRequest | ChatCompletionRequest, settings: Settings, engine: Any) -> str:
+    name = served_model_name(settings, engine)
+    if body.model not in (None, "", name):
+        raise NotFoundError(f"the model {body.model!r} does not exist; this server serves {name!r}",
+                            param="model", code="model_not_found")
+    return name
+
+
+def _tokenize(body: CompletionRequest | ChatCompletionRequest, engine: Any, settings: Settings) -> list[list[int]]:
+    """Prompt token ids, one list per prompt (chat: the rendered template)."""
+    tok = engine.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return [tok.apply_chat_template(messages)]
+    p = body.prompt
+    if isinstance(p, str):
+        prompts = [tok.encode(p)]
+    elif isinstance(p[0], str):
+        prompts = [tok.encode(s) for s in p]
+    elif isinstance(p[0], int):
+        prompts = [list(p)]
+    else:
+        prompts = [list(ids) for ids in p]
+    if len(prompts) > settings.max_prompts_per_request:
+        raise InvalidRequestError(f"at most {settings.max_prompts_per_request} prompts per request",
+                                  param="prompt")
+    vocab = engine.model_config.vocab_size
+    if any(not 0 <= t < vocab for ids in prompts for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    return prompts
+
+
+def _max_tokens(body: CompletionRequest | ChatCompletionRequest, tenant: Tenant, room: int) -> int:
+    """The request's max_tokens (chat default: what fits the context, capped), checked against limits."""
+    requested = body.max_tokens
+    if isinstance(body, ChatCompletionRequest):
+        requested = body.max_completion_tokens or requested
+        default = min(room, tenant.limits.max_tokens or room, 1024)
+    else:
+        default = 16
+    value = requested if requested is not None else max(1, default)
+    cap = tenant.limits.max_tokens
+    if cap is not None and value > cap:
+        raise InvalidRequestError(f"max_tokens {value} exceeds this tenant's limit of {cap}", param="max_tokens")
+    return value
+
+
+def _check_context(prompts: list[list[int]], max_tokens: int, tenant: Tenant, engine: Any) -> None:
+    limit = _max_model_len(engine)
+    if tenant.limits.max_context_tokens:
+        limit = min(limit, tenant.limits.max_context_tokens)
+    longest = max(len(p) for p in prompts)
+    if longest + max_tokens > limit:
+        raise InvalidRequestError(
+            f"this model's context is {limit} tokens; the prompt has {longest} and max_tokens is {max_tokens}",
+            param="max_tokens", code="context_length_exceeded")
+
+
+def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    """Translate OpenAI fields (+ vLLM extras) to the engine's SamplingParams (400 on bad values)."""
+    if isinstance(body, ChatCompletionRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    try:
+        return SamplingParams(
+            n=body.n, max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
+            min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=body.seed,
+            stop=stop, stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+            logprobs=logprobs)
+    except Exception as exc:
+        raise from_engine_error(exc) from exc
+
+
+def _prepare(body, request: Request, tenant: Tenant, limiter: TenantLimiter, settings: Settings,
+             engine: Any) -> _Job:
+    """Validate, tokenize and reserve tokens; every failure here is a 4xx."""
+    _check_unsupported(body)
+    model = _check_model(body, settings, engine)
+    if body.n > settings.max_n:
+        raise InvalidRequestError(f"n must be <= {settings.max_n}", param="n")
+    try:
+        prompts = _tokenize(body, engine, settings)
+    except APIError:
+        raise
+    except Exception as exc:
+        raise from_engine_error(exc) from exc
+    room = _max_model_len(engine) - max(len(p) for p in prompts)
+    max_tokens = _max_tokens(body, tenant, max(room, 1))
+    _check_context(prompts, max_tokens, tenant, engine)
+    params = _sampling_params(body, max_tokens)
+    reserved = sum(len(p) for p in prompts) + len(prompts) * body.n * max_tokens
+    charge_tokens(request, tenant, limiter, reserved)
+    chat = isinstance(body, ChatCompletionRequest)
+    meta = ResponseMeta(id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, created=int(time.time()),
+                        model=model, n=body.n, chat=chat, logprobs=params.logprobs)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return _Job(meta, prompts, params, tenant, limiter, reserved, include_usage, time.monotonic())
+
+
+# --- engine streams ---------------------------------------------------------------------------------
+
+
+async def _start(engine: Any, job: _Job) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
+    """Submit every prompt and wait for its first output, so admission errors are still HTTP errors."""
+    gens: list[tuple[str, AsyncIterator[RequestOutput]]] = []
+    try:
+        for i, ids in enumerate(job.prompts):
+            rid = f"{job.meta.id}-{i}"
+            gens.append((rid, engine.generate(ids, job.params, rid, cache_salt=job.tenant.cache_salt,
+                                              priority=job.tenant.priority)))
+    except BaseException:
+        await _abort_all(engine, gens)
+        raise
+    firsts = await asyncio.gather(*(anext(g) for _, g in gens), return_exceptions=True)
+    errors = [f for f in firsts if isinstance(f, BaseException)]
+    if errors:
+        for _, g in gens:
+            await g.aclose()
+        raise errors[0]
+    return list(zip(firsts, (g for _, g in gens), strict=True))
+
+
+async def _abort_all(engine: Any, gens: list[tuple[str, AsyncIterator[RequestOutput]]]) -> None:
+    """Abort admitted requests whose streams were never iterated (and drain them, freeing the streams)."""
+    for rid, gen in gens:
+        await engine.abort(rid)
+        async with contextlib.aclosing(gen):
+            async for _ in gen:
+                pass
+
+
+async def _one_stream(index: int, first: RequestOutput, gen, queue: asyncio.Queue) -> None:
+    async with contextlib.aclosing(gen):
+        await queue.put((index, first))
+        async for out in gen:
+            await queue.put((index, out))
+    await queue.put((index, None))
+
+
+async def _merged(started) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every prompt's stream as they come; cancelling aborts them all."""
+    if len(started) == 1:
+        first, gen = started[0]
+        async with contextlib.aclosing(gen):
+            yield 0, first
+            async for out in gen:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_one_stream(i, f, g, queue)) for i, (f, g) in enumerate(started)]
+    try:
+        live = len(tasks)
+        while live:
+            index, out = await queue.get()
+            if out is None:
+                live -= 1
+                continue
+            yield index, out
+        for t in tasks:
+            t.result()  # re-raise a stream's error
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Timing:
+    """Server-side TTFT / ITL / e2e of one request, into the metrics."""
+
+    def __init__(self, job: _Job, metrics) -> None:
+        self.job, self.metrics = job, metrics
+        self.labels = (job.tenant.id, metrics.model_name)
+        self.last: float | None = None
+
+    def tick(self, out: RequestOutput) -> None:
+        if not any(c.delta_token_ids for c in out.outputs):
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.labels(*self.labels).observe(now - self.job.arrival)
+        else:
+            self.metrics.itl.labels(*self.labels).observe(now - self.last)
+        self.last = now
+
+    def finish(self, finals: list[RequestOutput]) -> None:
+        self.metrics.e2e.labels(*self.labels).observe(time.monotonic() - self.job.arrival)
+        done = [r for r in finals if r is not None]
+        self.metrics.record_finished(
+            self.job.tenant.id, sum(len(r.prompt_token_ids) for r in done),
+            sum(len(c.token_ids) for r in done for c in r.outputs),
+            sum(r.num_cached_tokens or 0 for r in done),
+            [c.finish_reason or "abort" for r in done for c in r.outputs])
+
+
+def _settle(job: _Job, finals: list[RequestOutput | None]) -> None:
+    """Refund unused reserved tokens and free the concurrency slot."""
+    used = sum(len(r.prompt_token_ids) + sum(len(c.token_ids) for c in r.outputs) for r in finals if r)
+    job.limiter.refund_tokens(job.reserved_tokens - used)
+    job.limiter.release()
+
+
+class _LogprobAccumulator:
+    """Collects per-token logprobs across snapshots (the engine reports them per new token)."""
+
+    def __init__(self) -> None:
+        self.by_choice: dict[tuple[int, int], list[dict[int, float]]] = {}
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        for c in out.outputs:
+            if c.logprobs:
+                self.by_choice.setdefault((index, c.index), []).extend(c.logprobs)
+
+    def apply(self, finals: list[RequestOutput]) -> None:
+        for i, r in enumerate(finals):
+            for c in r.outputs:
+                c.logprobs = self.by_choice.get((i, c.index), [] if c.logprobs is not None else None)
+
+
+# --- responses --------------------------------------------------------------------------------------
+
+
+async def _collect(job: _Job, started, timing: _Timing, logprobs: bool) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(started)
+    acc = _LogprobAccumulator()
+    async for index, out in _merged(started):
+        timing.tick(out)
+        if logprobs:
+            acc.add(index, out)
+        finals[index] = out
+    if logprobs:
+        acc.apply(finals)
+    return finals
+
+
+async def _until_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.5)
+
+
+async def _respond_full(request: Request, job: _Job, started, decode) -> JSONResponse:
+    """Collect every output; a client disconnect cancels (and so aborts) the engine requests."""
+    timing = _Timing(job, get_metrics(request))
+    collect = asyncio.create_task(_collect(job, started, timing, job.meta.logprobs is not None))
+    watch = asyncio.create_task(_until_disconnected(request))
+    finals: list[RequestOutput | None] = [None] * len(started)
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():
+            collect.cancel()
+            await asyncio.gather(collect, return_exceptions=True)
+            return JSONResponse({}, status_code=499)  # nobody is listening
+        finals = collect.result()
+    finally:
+        watch.cancel()
+        if not collect.done():
+            collect.cancel()
+        _settle(job, finals)
+    timing.finish(finals)
+    return JSONResponse(full_response(job.meta, finals, decode))
+
+
+async def _event_stream(request: Request, job: _Job, started, decode) -> AsyncIterator[bytes]:
+    """SSE body; cancelled by Starlette when the client goes away (which aborts the engine requests)."""
+    timing = _Timing(job, get_metrics(request))
+    builder = ChunkBuilder(job.meta, decode)
+    finals: list[RequestOutput | None] = [None] * len(started)
+    try:
+        for chunk in builder.first_chunks(len(started)):
+            yield sse(chunk)
+        async for index, out in _merged(started):
+            timing.tick(out)
+            finals[index] = out
+            for chunk in builder.chunks(index, out):
+                yield sse(chunk)
+        if job.include_usage:
+            yield sse(builder.usage_chunk(finals))
+        yield sse("[DONE]")
+        timing.finish(finals)
+    except Exception as exc:  # headers are gone: report in-band, as OpenAI does
+        yield sse(from_engine_error(exc).body() if not isinstance(exc, APIError) else exc.body())
+    finally:
+        _settle(job, finals)
+
+
+async def _serve(body, request: Request, tenant: Tenant, settings: Settings, engine: Any, endpoint: str):
+    limiter = admit_request(request, tenant)  # in the handler: a body that fails validation takes no slot
+    try:
+        job = _prepare(body, request, tenant, limiter, settings, engine)
+        if request.state.fallback:
+            record_fallback(request, tenant, job.meta.id, endpoint)
+        started = await _start(engine, job)
+    except BaseException:
+        limiter.release()
+        raise
+    decode = _token_decoder(engine)
+    if body.stream:
+        return StreamingResponse(_event_stream(request, job, started, decode), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": job.meta.id})
+    return await _respond_full(request, job, started, decode)
+
+
+def _token_decoder(engine: Any):
+    tok = engine.tokenizer
+
+    def decode(token_id: int) -> str:
+        return tok.decode([token_id], skip_special_tokens=False)
+
+    return decode
+
+
+_PLAINTEXT = [Depends(ensure_admitting)]
+
+
+@router.post("/v1/completions", dependencies=_PLAINTEXT)
+async def create_completion(body: CompletionRequest, request: Request,
+                            tenant: PlaintextTenantDep,
+                            settings: SettingsDep, engine: EngineDep):
+    """Text completion (OpenAI's legacy completions API), streamed with ``stream: true``."""
+    return await _serve(body, request, tenant, settings, engine, "/v1/completions")
+
+
+@router.post("/v1/chat/completions", dependencies=_PLAINTEXT)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 tenant: PlaintextTenantDep,
+                                 settings: SettingsDep, engine: EngineDep):
+    """Chat completion with the model's chat template, streamed with ``stream: true``."""
+    return await _serve(body, request, tenant, settings, engine, "/v1/chat/completions")

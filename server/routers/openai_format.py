@@ -1,0 +1,169 @@
+"""Engine outputs → OpenAI response bodies and SSE chunks (completions and chat completions).
+
+Choice indices: prompt ``i`` of a request with ``n`` completions per prompt owns choices
+``i * n .. i * n + n - 1`` (OpenAI's convention for batched prompts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from engine.outputs import CompletionOutput, RequestOutput
+
+
+@dataclasses.dataclass
+class ResponseMeta:
+    """What every body of one response carries."""
+
+    id: str
+    created: int
+    model: str
+    n: int
+    chat: bool
+    logprobs: int | None  # top-n per token, None: no logprobs
+
+
+def usage(finals: list[RequestOutput]) -> dict[str, Any]:
+    """The ``usage`` object over every prompt of the request (cached tokens included)."""
+    prompt = sum(len(r.prompt_token_ids) for r in finals)
+    completion = sum(len(c.token_ids) for r in finals for c in r.outputs)
+    cached = sum(r.num_cached_tokens or 0 for r in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish_reason(c: CompletionOutput) -> str | None:
+    # the engine's "abort" is not an OpenAI reason; a cut-short completion reads as "length"
+    return {"abort": "length"}.get(c.finish_reason, c.finish_reason) if c.finish_reason else None
+
+
+_LP_FLOOR = -9999.0  # JSON has no -inf; a masked token's logprob is reported as this
+
+
+def _lp(lp: dict[int, float], tid: int) -> float:
+    value = lp.get(tid, _LP_FLOOR)
+    return value if value > _LP_FLOOR else _LP_FLOOR
+
+
+def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return [(t, _lp(lp, t)) for t, _ in sorted(lp.items(), key=lambda kv: -kv[1])[:k]]
+
+
+def completion_logprobs(token_ids: list[int], lps: list[dict[int, float]] | None, k: int, decode,
+                        offset: int = 0) -> dict[str, Any] | None:
+    """The legacy completions ``logprobs`` object for ``token_ids`` (text_offset starts at ``offset``)."""
+    if lps is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, lp in zip(token_ids, lps, strict=False):
+        text = decode(tid)
+        tokens.append(text)
+        token_lps.append(_lp(lp, tid))
+        tops.append({decode(t): v for t, v in _top(lp, k)} if k else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _lp_entry(tid: int, value: float, decode) -> dict[str, Any]:
+    text = decode(tid)
+    return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: list[int], lps: list[dict[int, float]] | None, k: int, decode) -> dict | None:
+    """The chat ``logprobs`` object (``{"content": [...]}``) for ``token_ids``."""
+    if lps is None:
+        return None
+    content = []
+    for tid, lp in zip(token_ids, lps, strict=False):
+        entry = _lp_entry(tid, _lp(lp, tid), decode)
+        entry["top_logprobs"] = [_lp_entry(t, v, decode) for t, v in _top(lp, k)]
+        content.append(entry)
+    return {"content": content}
+
+
+def _logprobs_for(meta: ResponseMeta, c: CompletionOutput, ids: list[int], lps, decode):
+    if meta.logprobs is None:
+        return None
+    if meta.chat:
+        return chat_logprobs(ids, lps, meta.logprobs, decode)
+    return completion_logprobs(ids, lps, meta.logprobs, decode)
+
+
+def full_response(meta: ResponseMeta, finals: list[RequestOutput], decode) -> dict[str, Any]:
+    """The non-streamed body."""
+    choices = []
+    for i, r in enumerate(finals):
+        for c in sorted(r.outputs, key=lambda c: c.index):
+            lps = _logprobs_for(meta, c, c.token_ids, c.logprobs, decode)
+            choice: dict[str, Any] = {"index": i * meta.n + c.index, "logprobs": lps,
+                                      "finish_reason": _finish_reason(c)}
+            if meta.chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            choices.append(choice)
+    return {"id": meta.id, "object": "chat.completion" if meta.chat else "text_completion",
+            "created": meta.created, "model": meta.model, "choices": choices, "usage": usage(finals)}
+
+
+def _chunk(meta: ResponseMeta, choices: list[dict], usage_obj: dict | None = None) -> dict[str, Any]:
+    body = {"id": meta.id, "object": "chat.completion.chunk" if meta.chat else "text_completion",
+            "created": meta.created, "model": meta.model, "choices": choices}
+    if usage_obj is not None:
+        body["usage"] = usage_obj
+    return body
+
+
+class ChunkBuilder:
+    """Turns successive :class:`RequestOutput` snapshots into stream chunks (deltas only)."""
+
+    def __init__(self, meta: ResponseMeta, decode) -> None:
+        self.meta = meta
+        self._decode = decode
+        self._finished: set[int] = set()
+
+    def first_chunks(self, num_prompts: int) -> list[dict[str, Any]]:
+        """Chat only: the opening chunk per choice announcing the assistant role."""
+        if not self.meta.chat:
+            return []
+        choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for i in range(num_prompts * self.meta.n)]
+        return [_chunk(self.meta, choices)]
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        """Chunks for the progress in ``out`` (one chunk per completion that moved)."""
+        result = []
+        for c in out.outputs:
+            choice = self._choice(prompt_index * self.meta.n + c.index, c)
+            if choice is not None:
+                result.append(_chunk(self.meta, [choice]))
+        return result
+
+    def _choice(self, index: int, c: CompletionOutput) -> dict[str, Any] | None:
+        newly_finished = c.finished and index not in self._finished
+        if not (c.delta_text or c.delta_token_ids or newly_finished):
+            return None
+        if newly_finished:
+            self._finished.add(index)
+        lps = None
+        if self.meta.logprobs is not None and c.logprobs:
+            lps = _logprobs_for(self.meta, c, c.delta_token_ids, c.logprobs, self._decode)
+        choice: dict[str, Any] = {"index": index, "logprobs": lps, "finish_reason": _finish_reason(c)}
+        if self.meta.chat:
+            choice["delta"] = {"content": c.delta_text} if c.delta_text else {}
+        else:
+            choice["text"] = c.delta_text
+        return choice
+
+    def usage_chunk(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        """The closing chunk with ``usage`` and no choices (``stream_options.include_usage``)."""
+        return _chunk(self.meta, [], usage(finals))
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), allow_nan=False)
+    return f"data: {payload}\n\n".encode()

@@ -1,0 +1,104 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic; they are also the OpenAPI schema).
+
+Fields OpenAI defines and we honour keep OpenAI's names and ranges; the extra sampling fields vLLM
+accepts (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``) are accepted
+too. Fields we do not implement are accepted only at their neutral value (e.g. ``echo=false``,
+``tools`` empty) and refused with a 400 otherwise, rather than silently ignored. Unknown fields are
+ignored, as OpenAI's own server does for forward compatibility.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+StopField = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final chunk with the usage."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = Field(None, description="the served model's name (GET /v1/models)")
+    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StopField = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    user: str | None = None
+    # extras (vLLM's names)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="extra: keep the k most likely tokens")
+    min_p: float = Field(0.0, ge=0, le=1, description="extra")
+    repetition_penalty: float = Field(1.0, gt=0, le=100, description="extra")
+    ignore_eos: bool = Field(False, description="extra")
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64, description="extra")
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: (NonEmptyStr
+             | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=256)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=256)])
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = Field(False, description="not supported: must be false")
+    best_of: int | None = Field(None, ge=1, le=128, description="accepted only when equal to n")
+    suffix: str | None = Field(None, description="not supported: must be empty")
+
+
+class TextContentPart(BaseModel):
+    """A ``{"type": "text", "text": ...}`` part of a message's content."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextContentPart], Field(max_length=256)] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts concatenated)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
+    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
+    tool_choice: Any = Field(None, description="not supported")
+    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")

@@ -1,0 +1,159 @@
+"""Server settings: a TOML file and/or ``CIPHERLM_*`` environment variables (pydantic-settings).
+
+Precedence, highest first: keyword arguments, environment variables (``CIPHERLM_PORT=8080``; nested
+fields with ``__``, e.g. ``CIPHERLM_LIMITS_DEFAULT__REQUESTS_PER_MINUTE``; lists such as ``tenants`` as
+JSON), then the TOML file given to :meth:`Settings.load`. Route handlers receive the settings through
+``Depends(get_settings)`` — there is no module-global instance, so tests override it with
+``app.dependency_overrides[get_settings]``.
+
+A minimal file::
+
+    model = "/models/SmolLM2-135M-Instruct"   # omitted: the embedded default model
+    server_secret = "..."                      # derives per-tenant prefix-cache salts
+
+    [[tenants]]
+    id = "acme"
+    api_key_hashes = ["sha256:..."]            # `cipherlm serve` prints keys once; only hashes are stored
+    privacy_mode = "plaintext"
+    [tenants.limits]
+    requests_per_minute = 600
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+TENANT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class PrivacyMode(str, Enum):
+    """How private a tenant's traffic is. ``encrypted`` tenants may not send plaintext prompts."""
+
+    PLAINTEXT = "plaintext"
+    ENCRYPTED = "encrypted"
+
+
+class FallbackPolicy(str, Enum):
+    """May an encrypted tenant's request fall back to the plaintext path?
+
+    ``never`` (default) refuses every plaintext request; ``non_sensitive`` serves a plaintext request
+    only when it marks itself non-sensitive explicitly (header ``X-Cipherlm-Sensitivity: non-sensitive``),
+    and records every such fallback.
+    """
+
+    NEVER = "never"
+    NON_SENSITIVE = "non_sensitive"
+
+
+class LimitSettings(BaseModel):
+    """Per-tenant limits; ``None`` means unlimited (the engine's own queue bound still applies)."""
+
+    requests_per_minute: int | None = Field(600, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1, description="prompt + reserved completion tokens")
+    max_concurrent: int | None = Field(16, ge=1)
+    max_context_tokens: int | None = Field(None, ge=1, description="prompt + max_tokens per request")
+    max_tokens: int | None = Field(None, ge=1, description="upper bound of a request's max_tokens")
+
+
+class TenantSettings(BaseModel):
+    """One tenant as written in the settings file."""
+
+    id: str = Field(pattern=TENANT_ID_PATTERN)
+    api_key_hashes: list[str] = Field(default_factory=list, description="'sha256:<hex>' of each API key")
+    privacy_mode: PrivacyMode = PrivacyMode.PLAINTEXT
+    fallback: FallbackPolicy = FallbackPolicy.NEVER
+    priority: int = Field(0, description="engine scheduling priority (lower runs first)")
+    limits: LimitSettings | None = Field(None, description="None: the server-wide limits_default")
+
+    @field_validator("api_key_hashes")
+    @classmethod
+    def _hash_format(cls, hashes: list[str]) -> list[str]:
+        for h in hashes:
+            algo, _, digest = h.partition(":")
+            if algo != "sha256" or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(f"api key hash {h[:16]!r}... must be 'sha256:<64 lowercase hex>'")
+        return hashes
+
+
+class Settings(BaseSettings):
+    """Everything ``cipherlm serve`` needs; validated on construction."""
+
+    model_config = SettingsConfigDict(env_prefix="CIPHERLM_", env_nested_delimiter="__", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    model: str | None = Field(None, description="model folder or .gguf; None: the embedded default")
+    served_model_name: str | None = Field(None, description="name in /v1/models; default: folder name")
+    server_secret: SecretStr | None = Field(
+        None, description="derives per-tenant prefix-cache salts; None: random per process")
+    tenants: list[TenantSettings] = Field(default_factory=list)
+    limits_default: LimitSettings = Field(default_factory=LimitSettings)
+    engine: dict[str, Any] = Field(default_factory=dict, description="passed to the engine's config")
+    max_request_bytes: int = Field(1_000_000, ge=1024)
+    max_n: int = Field(8, ge=1, description="upper bound of n (choices per prompt)")
+    max_prompts_per_request: int = Field(16, ge=1)
+    drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: how long in-flight requests may run")
+    retry_after_s: float = Field(1.0, gt=0, description="Retry-After sent with 503 while draining")
+
+    @model_validator(mode="after")
+    def _unique_tenants(self) -> Settings:
+        ids = [t.id for t in self.tenants]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"duplicate tenant ids: {dup}")
+        hashes = [h for t in self.tenants for h in t.api_key_hashes]
+        if len(hashes) != len(set(hashes)):
+            raise ValueError("one API key hash is listed under two tenants")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """init > env > TOML file (when the class was built by :meth:`load`)."""
+        toml_file = settings_cls.model_config.get("toml_file")
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        if toml_file:
+            sources += (TomlConfigSettingsSource(settings_cls, toml_file=toml_file),)
+        return sources
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> Settings:
+        """Settings from ``path`` (TOML) + environment + ``overrides``.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            pydantic.ValidationError: a value is invalid (the message names the field).
+        """
+        if path is None:
+            return cls(**overrides)
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"settings file {path} does not exist")
+        from_file = type(cls.__name__, (cls,), {"model_config": {**cls.model_config, "toml_file": str(path)}})
+        return cls.model_validate(from_file(**overrides).model_dump())
+
+    def limits_for(self, tenant: TenantSettings) -> LimitSettings:
+        """The tenant's limits, else the server-wide default."""
+        return tenant.limits or self.limits_default
+
+
+def get_settings(request: Request) -> Settings:
+    """FastAPI dependency: the settings the app was created with (override in tests)."""
+    return request.app.state.settings
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -1,0 +1,95 @@
+"""Shared pieces of the server tests: a tiny random-weight model with the real SmolLM2 tokenizer,
+settings with one tenant of each kind, and a started engine (the real AsyncLLM, no mocks)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.default_model import default_model_dir
+from engine.loader import save_hf_folder
+from engine.model import LlamaForCausalLM
+from server.settings import LimitSettings, Settings, TenantSettings
+from server.tenants import hash_api_key
+
+KEYS = {"plain": "clm-test-plain", "plain2": "clm-test-plain2", "enc": "clm-test-enc",
+        "enc-fallback": "clm-test-encfb", "limited": "clm-test-limited"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def build_tiny_model_dir(folder: Path, seed: int = 0, max_len: int = 4096) -> Path:
+    """A 2-layer random Llama with SmolLM2's vocabulary and tokenizer files, saved as a HF folder."""
+    src = default_model_dir()
+    ref = ModelConfig.from_file(src / "config.json")
+    cfg = ModelConfig(vocab_size=ref.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                      tie_word_embeddings=True, max_position_embeddings=max_len,
+                      bos_token_id=ref.bos_token_id, eos_token_id=ref.eos_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.fill_(1.0)
+    save_hf_folder(model, folder)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, folder / name)
+    return folder
+
+
+def tenants() -> list[TenantSettings]:
+    """One tenant of each kind the tests need."""
+    return [
+        TenantSettings(id="plain", api_key_hashes=[hash_api_key(KEYS["plain"])]),
+        TenantSettings(id="plain2", api_key_hashes=[hash_api_key(KEYS["plain2"])]),
+        TenantSettings(id="enc", api_key_hashes=[hash_api_key(KEYS["enc"])], privacy_mode="encrypted"),
+        TenantSettings(id="enc-fallback", api_key_hashes=[hash_api_key(KEYS["enc-fallback"])],
+                       privacy_mode="encrypted", fallback="non_sensitive"),
+        TenantSettings(id="limited", api_key_hashes=[hash_api_key(KEYS["limited"])],
+                       limits=LimitSettings(requests_per_minute=2, tokens_per_minute=400, max_concurrent=1,
+                                            max_tokens=64)),
+    ]
+
+
+def make_settings(model_dir: Path | None = None, **overrides) -> Settings:
+    """Settings with the test tenants (no TOML, no environment)."""
+    return Settings(model=str(model_dir) if model_dir else None, served_model_name="tiny",
+                    server_secret="test-secret", tenants=tenants(), **overrides)
+
+
+def auth(name: str) -> dict[str, str]:
+    """The Authorization header of test tenant ``name``."""
+    return {"Authorization": f"Bearer {KEYS[name]}"}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny model folder (built once per session)."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    """(model, tokenizer) loaded once per session."""
+    from engine.loader import load_model
+    from engine.tokenizer import Tokenizer
+
+    return load_model(tiny_model_dir), Tokenizer.from_folder(tiny_model_dir)
+
+
+@pytest.fixture
+async def engine(tiny_loaded):
+    """A started AsyncLLM on the tiny model (one per test: it binds to the test's event loop)."""
+    from engine.async_llm import AsyncLLM
+    from engine.engine_config import EngineConfig
+
+    model, tok = tiny_loaded
+    llm = AsyncLLM.from_model(model, tok, EngineConfig(device="cpu", num_kv_blocks=256, block_size=16,
+                                                       max_waiting=64))
+    await llm.start()
+    yield llm
+    await llm.shutdown()

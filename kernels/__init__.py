@@ -8,16 +8,24 @@ a ValueError) and runs the Triton kernel on CUDA tensors when Triton imports, th
 from .errors import BackendUnavailableError, KernelError, KernelInputError
 from .paged_decode import paged_decode_attention, paged_decode_attention_reference
 from .paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
+from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from .rope import rope, rope_reference
 from .store_kv import store_kv, store_kv_reference
 
 __all__ = [
     "BackendUnavailableError",
+    "add_rms_norm",
+    "add_rms_norm_reference",
     "KernelError",
     "KernelInputError",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "paged_prefill_attention",
     "paged_prefill_attention_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "rope",
+    "rope_reference",
     "store_kv",
     "store_kv_reference",
 ]

@@ -21,6 +21,7 @@ def test_exported_members():
         "paged_decode_attention", "paged_decode_attention_reference",
         "paged_prefill_attention", "paged_prefill_attention_reference",
         "store_kv", "store_kv_reference",
+        "rms_norm", "rms_norm_reference", "add_rms_norm", "add_rms_norm_reference", "rope", "rope_reference",
     ])
     for name in kernels.__all__:
         assert getattr(kernels, name).__module__.startswith("kernels.")

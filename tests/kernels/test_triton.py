@@ -11,10 +11,15 @@ import pytest
 import torch
 
 from kernels import (
+    add_rms_norm,
     paged_decode_attention,
     paged_decode_attention_reference,
     paged_prefill_attention,
     paged_prefill_attention_reference,
+    rms_norm,
+    rms_norm_reference,
+    rope,
+    rope_reference,
     store_kv,
 )
 from kernels._common import HAS_TRITON, _interpreting
@@ -119,3 +124,31 @@ def test_store_kv(dtype):
     assert torch.equal(k_cache.nan_to_num(7.0), ref_k.nan_to_num(7.0))
     assert torch.equal(v_cache.nan_to_num(7.0), ref_v.nan_to_num(7.0))
     assert int((~torch.isnan(k_cache[..., 0, 0])).sum()) == int((slots >= 0).sum())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 896, 2048])
+def test_rms_norm_and_add(dtype, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(33, hidden, generator=gen).to(DEVICE, dtype)
+    r = torch.randn(33, hidden, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(hidden, generator=gen).to(DEVICE, dtype)
+    out = rms_norm(x, w, 1e-5, backend="triton")
+    assert rel_err(out, rms_norm_reference(x.float(), w.float(), 1e-5)) < TOL[dtype]
+    normed, h = add_rms_norm(x, r, w, 1e-5, backend="triton")
+    assert torch.equal(h, x + r)
+    assert rel_err(normed, rms_norm_reference(h.float(), w.float(), 1e-5)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", ["smollm2", "llama-3.2-1b", "d128"])
+def test_rope(dtype, model):
+    hq, hkv, d = MODELS[model]
+    gen = torch.Generator().manual_seed(hq)
+    qkv = torch.randn(21, hq + 2 * hkv, d, generator=gen).to(DEVICE, dtype)
+    q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]  # strided views, as sliced from a fused projection
+    ang = torch.rand(21, d // 2, generator=gen) * 100
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(DEVICE), torch.cat([ang.sin()] * 2, -1).to(DEVICE)
+    qr, kr = rope(q, k, cos, sin, backend="triton")
+    rq, rk = rope_reference(q.float(), k.float(), cos, sin)
+    assert rel_err(qr, rq) < TOL[dtype] and rel_err(kr, rk) < TOL[dtype]

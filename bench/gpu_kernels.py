@@ -1,0 +1,222 @@
+"""GPU micro-benchmarks of ``kernels/``: achieved bandwidth against a measured device copy, same run.
+
+For every case the inputs are fresh random bf16 data; block tables hand out blocks in random order. Times
+are medians of ``triton.testing.do_bench`` (eager launches) and ``do_bench_cudagraph`` (the launches replayed
+from a CUDA graph, as the engine's decode does). Small cases rotate through several copies of their
+inputs (>= 256 MiB in all, 4x the H200's L2) and report time per copy, so they are not timed out of L2.
+Bytes counted: what a kernel must move at least (each input read once, each output written once).
+
+    python bench/gpu_kernels.py [--quick] [--out results.json]
+
+Peers in the same run: the torch reference (what the CPU engine runs: gather + fp32 masked softmax) for
+decode, ``F.scaled_dot_product_attention`` (causal, contiguous K/V; FlashAttention backend) for prefill,
+the unfused torch ops for RMSNorm and RoPE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench, do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels  # noqa: E402
+
+MODELS = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64), "smollm2-135m": (9, 3, 64)}
+HIDDEN = {"qwen2.5-0.5b": 896, "llama-3.2-1b": 2048, "smollm2-135m": 576}
+ROTATE_BYTES = 256 << 20
+BS = 16
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB, bytes read + written per second (median)."""
+    x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), return_mode="median")
+    return 2 * x.numel() * 2 / (ms * 1e-3)
+
+
+def rotations(nbytes: int) -> int:
+    """Copies of a case's inputs needed to stream >= ROTATE_BYTES per timed call."""
+    return max(1, min(256, math.ceil(ROTATE_BYTES / max(1, nbytes))))
+
+
+def timed(fns: list) -> tuple[float, float]:
+    """(eager ms, graph ms) per call, running every fn in `fns` once per timed call."""
+    def run():
+        for f in fns:
+            f()
+    eager = do_bench(run, return_mode="median") / len(fns)
+    graph = do_bench_cudagraph(run, return_mode="median") / len(fns)
+    return eager, graph
+
+
+def decode_inputs(model: str, batch: int, ctx: int, gen: torch.Generator) -> dict:
+    """One decode batch: random bf16 caches, shuffled block tables, all contexts `ctx` long."""
+    hq, hkv, d = MODELS[model]
+    nblk = math.ceil(ctx / BS)
+    nb = batch * nblk + 1
+    kc = torch.randn(nb, BS, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn(nb, BS, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    perm = torch.randperm(nb, device="cuda", generator=gen)[: batch * nblk]
+    return dict(q=torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen),
+                k_cache=kc, v_cache=vc, block_tables=perm.view(batch, nblk).int(),
+                context_lens=torch.full((batch,), ctx, device="cuda", dtype=torch.int32), scale=d**-0.5)
+
+
+def bench_decode(model: str, batch: int, ctx: int, bw: float, with_ref: bool, gen) -> dict:
+    hq, hkv, d = MODELS[model]
+    nbytes = 2 * batch * ctx * hkv * d * 2 + 2 * batch * hq * d * 2 + batch * math.ceil(ctx / BS) * 4
+    sets = [decode_inputs(model, batch, ctx, gen) for _ in range(rotations(nbytes))]
+    outs = [torch.empty_like(s["q"]) for s in sets]
+    fns = [lambda s=s, o=o: kernels.paged_decode_attention(**s, out=o)
+           for s, o in zip(sets, outs, strict=True)]
+    eager, graph = timed(fns)
+    row = dict(kernel="decode", model=model, batch=batch, ctx=ctx, bytes=nbytes, eager_ms=eager,
+               graph_ms=graph, bw_frac=nbytes / (graph * 1e-3) / bw)
+    if with_ref:
+        s = sets[0]
+        row["ref_ms"] = do_bench(lambda: kernels.paged_decode_attention(**s, backend="torch"),
+                                 return_mode="median")
+    return row
+
+
+def bench_prefill(model: str, q_lens: list[int], ctx_lens: list[int], gen) -> dict:
+    """Varlen prefill over the paged cache vs SDPA (causal, contiguous) on the same chunks."""
+    hq, hkv, d = MODELS[model]
+    b = len(q_lens)
+    nblk = max(math.ceil(c / BS) for c in ctx_lens)
+    nb = b * nblk + 1
+    kc = torch.randn(nb, BS, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(nb, device="cuda", generator=gen)[: b * nblk].view(b, nblk).int()
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = torch.empty_like(q)
+    ms = do_bench(lambda: kernels.paged_prefill_attention(q, kc, vc, tables, cu, ctx, d**-0.5, out=out,
+                                                          max_seqlen_q=max(q_lens)), return_mode="median")
+    pairs = list(zip(q_lens, ctx_lens, strict=True))
+    flops = sum(4 * hq * d * sum(c - ql + i + 1 for i in range(ql)) for ql, c in pairs)  # causal QK and PV
+    row = dict(kernel="prefill", model=model, q_lens=q_lens, ctx_lens=ctx_lens, ms=ms,
+               tflops=flops / (ms * 1e-3) / 1e12)
+    if all(ql == c for ql, c in pairs):  # SDPA has no paged/prefix form: full prompts only
+        qs = [torch.randn(1, hq, ql, d, device="cuda", dtype=torch.bfloat16) for ql in q_lens]
+        ks = [torch.randn(1, hkv, ql, d, device="cuda", dtype=torch.bfloat16) for ql in q_lens]
+
+        def sdpa():
+            for qq, kk in zip(qs, ks, strict=True):
+                F.scaled_dot_product_attention(qq, kk, kk, is_causal=True, enable_gqa=True)
+        row["sdpa_ms"] = do_bench(sdpa, return_mode="median")
+    return row
+
+
+def bench_store_kv(model: str, tokens: int, bw: float, gen) -> dict:
+    _, hkv, d = MODELS[model]
+    nb = math.ceil(tokens / BS) * 4
+    kc = torch.randn(nb, BS, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn_like(kc)
+    k = torch.randn(tokens, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    slots = torch.randperm(nb * BS, device="cuda", generator=gen)[:tokens]
+    nbytes = 2 * 2 * tokens * hkv * d * 2 + tokens * 8
+    eager, graph = timed([lambda: kernels.store_kv(k, v, kc, vc, slots)])
+    return dict(kernel="store_kv", model=model, tokens=tokens, bytes=nbytes, eager_ms=eager, graph_ms=graph,
+                bw_frac=nbytes / (graph * 1e-3) / bw)
+
+
+def bench_norm_rope(model: str, tokens: int, bw: float, gen) -> list[dict]:
+    hq, hkv, d = MODELS[model]
+    h = HIDDEN[model]
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    r, w = torch.randn_like(x), torch.randn(h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    rows = []
+    fused = do_bench(lambda: kernels.add_rms_norm(x, r, w, 1e-5), return_mode="median")
+    unfused = do_bench(lambda: kernels.add_rms_norm(x, r, w, 1e-5, backend="torch"), return_mode="median")
+    nbytes = 4 * tokens * h * 2
+    rows.append(dict(kernel="add_rms_norm", model=model, tokens=tokens, ms=fused, torch_ms=unfused,
+                     bw_frac=nbytes / (fused * 1e-3) / bw))
+    qkv = torch.randn(tokens, hq + 2 * hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]
+    ang = torch.rand(tokens, d // 2, device="cuda", generator=gen) * 1000
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    fused = do_bench(lambda: kernels.rope(q, k, cos, sin), return_mode="median")
+    unfused = do_bench(lambda: kernels.rope(q, k, cos, sin, backend="torch"), return_mode="median")
+    nbytes = 2 * tokens * (hq + hkv) * d * 2 + 2 * tokens * d * 4
+    rows.append(dict(kernel="rope", model=model, tokens=tokens, ms=fused, torch_ms=unfused,
+                     bw_frac=nbytes / (fused * 1e-3) / bw))
+    return rows
+
+
+def print_tables(res: dict) -> None:
+    bw = res["copy_bw"]
+    print(f"\ncopy bandwidth (read + write, 2 GiB bf16): {bw / 1e12:.2f} TB/s  device: {res['device']}")
+    print("\n| model | batch | ctx | KV+q+out MB | eager µs | graph µs | GB/s (graph) | % of copy bw "
+          "| torch ref µs |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        if r["kernel"] == "decode":
+            ref = f"{r['ref_ms'] * 1e3:.0f}" if "ref_ms" in r else ""
+            print(f"| {r['model']} | {r['batch']} | {r['ctx']} | {r['bytes'] / 1e6:.1f} "
+                  f"| {r['eager_ms'] * 1e3:.1f} | {r['graph_ms'] * 1e3:.1f} "
+                  f"| {r['bytes'] / r['graph_ms'] / 1e6:.0f} "
+                  f"| {100 * r['bw_frac']:.0f}% | {ref} |")
+    print("\n| prefill model | q lens | ctx lens | µs | TFLOP/s | SDPA µs |")
+    print("|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        if r["kernel"] == "prefill":
+            sd = f"{r['sdpa_ms'] * 1e3:.0f}" if "sdpa_ms" in r else "n/a"
+            print(f"| {r['model']} | {r['q_lens']} | {r['ctx_lens']} | {r['ms'] * 1e3:.0f} "
+                  f"| {r['tflops']:.1f} "
+                  f"| {sd} |")
+    print("\n| kernel | model | tokens | µs | % of copy bw | unfused torch µs |")
+    print("|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        if r["kernel"] in ("store_kv", "add_rms_norm", "rope"):
+            ms = r.get("graph_ms", r.get("ms"))
+            other = f"{r['torch_ms'] * 1e3:.1f}" if "torch_ms" in r else ""
+            print(f"| {r['kernel']} | {r['model']} | {r['tokens']} | {ms * 1e3:.1f} "
+                  f"| {100 * r['bw_frac']:.0f}% | {other} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer cases")
+    ap.add_argument("--out", default=None, help="write all numbers as JSON here")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = time.time()
+    bw = copy_bandwidth()
+    rows = []
+    models = ["qwen2.5-0.5b", "llama-3.2-1b"] if args.quick else list(MODELS)
+    ctxs = [128, 1024, 4096] if args.quick else [128, 512, 1024, 2048, 4096]
+    for model in models:
+        for batch in (1, 64, 256):
+            for ctx in ctxs:
+                rows.append(bench_decode(model, batch, ctx, bw, with_ref=ctx in (128, 4096), gen=gen))
+                print(json.dumps(rows[-1]), flush=True)
+        for q_lens, ctx_lens in (([512], [512]), ([2048], [2048]), ([128] * 16, [128] * 16),
+                                 ([512], [4096]), ([256] * 4, [1024, 2048, 3072, 4096])):
+            rows.append(bench_prefill(model, q_lens, ctx_lens, gen))
+            print(json.dumps(rows[-1]), flush=True)
+        for tokens in (256, 4096):
+            rows.append(bench_store_kv(model, tokens, bw, gen))
+            rows.extend(bench_norm_rope(model, tokens, bw, gen))
+            print(json.dumps(rows[-3:]), flush=True)
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, rows=rows,
+               seconds=time.time() - t0)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    print_tables(res)
+
+
+if __name__ == "__main__":
+    main()

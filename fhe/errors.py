@@ -1,0 +1,55 @@
+"""Exceptions of the encrypted computation core (``fhe`` CKKS backend, linear algebra, wire).
+
+Hierarchy::
+
+    FHEError                      base of everything raised here
+    ├── ParameterError            a CKKS parameter set is invalid or not 128-bit secure
+    ├── KeyMismatchError          material made under another key or context (fingerprint/parms mismatch)
+    ├── SecretKeyRefusedError     a blob that would give the server a secret key
+    ├── ShapeError                wrong sizes: vector length, token count, slots, positions
+    ├── LevelError                a ciphertext is at the wrong level/scale for the operation
+    ├── WireError                 bytes that do not parse (garbage, truncated, wrong kind/version)
+    │   └── SizeLimitError        a blob over its size limit (checked before deserializing)
+    └── PlanMismatchError         a plan whose content hash does not match what the block was built for
+
+Foreign errors (SEAL's C++ exceptions surfacing as RuntimeError/ValueError through pybind11) are
+translated to these in one place, :func:`fhe.hazmat.seal.translate`.
+"""
+
+from __future__ import annotations
+
+
+class FHEError(Exception):
+    """Base class of the encrypted path's errors."""
+
+
+class ParameterError(FHEError, ValueError):
+    """A CKKS parameter set is invalid, or not secure at 128 bits."""
+
+
+class KeyMismatchError(FHEError):
+    """A ciphertext or key belongs to another key pair or another CKKS context."""
+
+
+class SecretKeyRefusedError(FHEError):
+    """Someone tried to hand secret-key material to the server side."""
+
+
+class ShapeError(FHEError, ValueError):
+    """Wrong sizes: vector length, number of tokens, positions out of range, cache full."""
+
+
+class LevelError(FHEError):
+    """A ciphertext is at the wrong level or scale (e.g. not a fresh input)."""
+
+
+class WireError(FHEError, ValueError):
+    """Bytes that do not deserialize: garbage, truncated, wrong kind or version."""
+
+
+class SizeLimitError(WireError):
+    """A blob exceeds its size limit; raised before any deserialization."""
+
+
+class PlanMismatchError(FHEError):
+    """A plan (or request) names a content hash other than the one the block was built from."""

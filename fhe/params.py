@@ -1,0 +1,110 @@
+"""CKKS parameter sets, chosen by the multiplicative depth of the encrypted attention block.
+
+Security follows the HomomorphicEncryption.org security standard (Albrecht et al., 2018, table for
+classical 128-bit security, ternary/uniform secret): for ring degree N the total coefficient-modulus
+size log2(Q) (special prime included) must not exceed ``HE_STANDARD_128[N]``. SEAL enforces the same
+table (``CoeffModulus.MaxBitCount(N, tc128)``), and :class:`CKKSParams` checks it again on construction.
+
+Depth of the block (see ``docs/fhe.md``): projection (1) + RoPE/repack (1) + q.k (1) + the
+approximation's squarings + weighted sum with V (1) + output projection (1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fhe.errors import ParameterError
+
+#: HomomorphicEncryption.org standard, 128-bit classical security: N -> max log2(Q).
+HE_STANDARD_128: dict[int, int] = {1024: 27, 2048: 54, 4096: 109, 8192: 218, 16384: 438, 32768: 881}
+#: Encrypted block layouts use 64 bands of head dims; 8192 slots is the smallest that fits SmolLM2.
+MIN_RING = 16384
+#: Bits of headroom between the first (last-level) prime and the scale: final values stay below 2^19.
+EDGE_HEADROOM_BITS = 20
+MIN_SCALE_BITS, MAX_SCALE_BITS = 30, 40
+#: Levels spent outside the softmax replacement: projection, repack/RoPE, q.k, x V, x Wo.
+BASE_DEPTH = 5
+
+
+@dataclass(frozen=True)
+class CKKSParams:
+    """One CKKS parameter set.
+
+    Attributes:
+        poly_modulus_degree: ring degree N (slots = N/2).
+        coeff_mod_bit_sizes: prime sizes, first (last-level) prime first, special prime last.
+        scale_bits: log2 of the encoding scale; the middle primes are this size.
+    """
+
+    poly_modulus_degree: int
+    coeff_mod_bit_sizes: tuple[int, ...]
+    scale_bits: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "coeff_mod_bit_sizes", tuple(int(b) for b in self.coeff_mod_bit_sizes))
+        n = self.poly_modulus_degree
+        if n not in HE_STANDARD_128:
+            raise ParameterError(f"poly_modulus_degree {n} not in the 128-bit table {sorted(HE_STANDARD_128)}")
+        if len(self.coeff_mod_bit_sizes) < 3:
+            raise ParameterError("need at least 3 primes (first, one level, special)")
+        if not all(20 <= b <= 60 for b in self.coeff_mod_bit_sizes):
+            raise ParameterError("every prime must have 20..60 bits")
+        if self.total_bits > HE_STANDARD_128[n]:
+            raise ParameterError(f"log2(Q) = {self.total_bits} > {HE_STANDARD_128[n]}: "
+                                 f"not 128-bit secure for N = {n}")
+        if not 20 <= self.scale_bits < self.coeff_mod_bit_sizes[0]:
+            raise ParameterError("scale_bits must be below the first prime's size")
+
+    @property
+    def total_bits(self) -> int:
+        """log2(Q) including the special prime (what the security table bounds)."""
+        return sum(self.coeff_mod_bit_sizes)
+
+    @property
+    def slots(self) -> int:
+        """Complex slots per ciphertext (N/2)."""
+        return self.poly_modulus_degree // 2
+
+    @property
+    def depth(self) -> int:
+        """Rescales available to a fresh ciphertext (primes minus first and special)."""
+        return len(self.coeff_mod_bit_sizes) - 2
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (plan metadata, key manifests)."""
+        return {"poly_modulus_degree": self.poly_modulus_degree,
+                "coeff_mod_bit_sizes": list(self.coeff_mod_bit_sizes), "scale_bits": self.scale_bits}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CKKSParams:
+        """Inverse of :meth:`to_dict`; raises :class:`ParameterError` on a bad dict."""
+        try:
+            return cls(int(d["poly_modulus_degree"]), tuple(d["coeff_mod_bit_sizes"]), int(d["scale_bits"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ParameterError(f"bad CKKS parameter dict: {exc}") from exc
+
+
+def block_depth(kind: str, squarings: int) -> int:
+    """Multiplicative depth of the encrypted attention block for one approximation kind."""
+    if kind == "sqexp":
+        return BASE_DEPTH + squarings
+    if kind == "2quad":
+        return BASE_DEPTH + 1
+    raise ParameterError(f"approximation {kind!r} cannot run under CKKS (only sqexp and 2quad)")
+
+
+def ckks_params_for(kind: str, squarings: int = 6) -> CKKSParams:
+    """The smallest 128-bit-secure parameter set for the block with this approximation.
+
+    Picks the smallest ring (>= :data:`MIN_RING`) where the depth fits with a scale of at least
+    :data:`MIN_SCALE_BITS`, then the largest scale (<= :data:`MAX_SCALE_BITS`) that fits; the first and
+    special primes are ``scale + EDGE_HEADROOM_BITS`` (capped at 60).
+    """
+    depth = block_depth(kind, squarings)
+    for n in sorted(k for k in HE_STANDARD_128 if k >= MIN_RING):
+        for scale in range(MAX_SCALE_BITS, MIN_SCALE_BITS - 1, -1):
+            edge = min(60, scale + EDGE_HEADROOM_BITS)
+            bits = (edge,) + (scale,) * depth + (edge,)
+            if sum(bits) <= HE_STANDARD_128[n]:
+                return CKKSParams(n, bits, scale)
+    raise ParameterError(f"depth {depth} does not fit any 128-bit ring with scale >= 2^{MIN_SCALE_BITS}")

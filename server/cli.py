@@ -13,6 +13,7 @@ import sys
 _GROUPS = (
     "server.cli_model",     # model pull/list/info, generate
     "server.cli_serve",     # serve
+    "server.cli_audit",     # audit verify/report/export, signing keys
 )
 
 

@@ -12,7 +12,7 @@ import base64
 import binascii
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,11 @@ def load_public_keys(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Ed255
     return keys
 
 
+def _private_pem(signer: CheckpointSigner) -> bytes:
+    return signer._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption())
+
+
 def _write_private(path: Path, data: bytes) -> None:
     """Create ``path`` with mode 0600 (never readable by others, even briefly) and fsync it."""
     tmp = path.with_suffix(".tmp")
@@ -147,11 +152,25 @@ class SigningKeyDir:
             raise SigningKeyError(f"{self._current}: not an Ed25519 key")
         return CheckpointSigner(key)
 
-    def rotate(self) -> tuple[CheckpointSigner, CheckpointSigner]:
-        """Replace the current key; returns ``(old, new)``. The old private key is gone afterwards."""
+    def rotate(self, handover: Callable[[CheckpointSigner, CheckpointSigner], None] | None = None
+               ) -> tuple[CheckpointSigner, CheckpointSigner]:
+        """Replace the current key; returns ``(old, new)``. The old private key is gone afterwards.
+
+        ``handover(old, new)`` runs while both keys exist (the new one staged as ``next.pem``): it is
+        where the audit log records the change under the old key. If it raises, nothing changes.
+        """
         old = self.load()
         new = CheckpointSigner.generate()
+        staged = self.path / "next.pem"
+        _write_private(staged, _private_pem(new))
+        try:
+            if handover is not None:
+                handover(old, new)
+        except BaseException:
+            staged.unlink()
+            raise
         self._install(new)
+        staged.unlink()
         return old, new
 
     def publish(self, out: str | os.PathLike[str] | None = None) -> Path:
@@ -164,8 +183,7 @@ class SigningKeyDir:
         return Path(out)
 
     def _install(self, signer: CheckpointSigner) -> CheckpointSigner:
-        pem = signer._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                        serialization.NoEncryption())
+        pem = _private_pem(signer)
         (self.path / "public").mkdir(mode=0o755, exist_ok=True)
         pub = signer.public_key.public_bytes(serialization.Encoding.PEM,
                                              serialization.PublicFormat.SubjectPublicKeyInfo)

@@ -57,8 +57,9 @@ def tenants() -> list[TenantSettings]:
 
 def make_settings(model_dir: Path | None = None, **overrides) -> Settings:
     """Settings with the test tenants (no TOML, no environment)."""
-    return Settings(model=str(model_dir) if model_dir else None, served_model_name="tiny",
-                    server_secret="test-secret", tenants=tenants(), **overrides)
+    fields = dict(model=str(model_dir) if model_dir else None, served_model_name="tiny",
+                  server_secret="test-secret", tenants=tenants())
+    return Settings(**{**fields, **overrides})
 
 
 def auth(name: str) -> dict[str, str]:
@@ -93,3 +94,93 @@ async def engine(tiny_loaded):
     await llm.start()
     yield llm
     await llm.shutdown()
+
+
+# --- a real `cipherlm serve` process on loopback ----------------------------------------------------
+
+
+def free_port() -> int:
+    """A port that was free a moment ago on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_settings_toml(path: Path, model_dir: Path, port: int, drain_timeout_s: float = 30.0) -> Path:
+    """A settings file with the test tenants (TOML written by hand: only hashes, never keys)."""
+    lines = [f'model = "{model_dir}"', 'served_model_name = "tiny"', 'server_secret = "test-secret"',
+             'host = "127.0.0.1"', f"port = {port}", f"drain_timeout_s = {drain_timeout_s}", "",
+             "[engine]", 'device = "cpu"', "num_kv_blocks = 512", ""]
+    for t in tenants():
+        lines += ["[[tenants]]", f'id = "{t.id}"', f"api_key_hashes = {t.api_key_hashes!r}".replace("'", '"'),
+                  f'privacy_mode = "{t.privacy_mode.value}"', f'fallback = "{t.fallback.value}"']
+        if t.limits is not None:
+            lines.append("[tenants.limits]")
+            lines += [f"{k} = {v}" for k, v in t.limits.model_dump().items() if v is not None]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+class LiveServer:
+    """``cipherlm serve --config ...`` as a subprocess; :meth:`start` waits for /health/ready."""
+
+    def __init__(self, config: Path, port: int, log: Path) -> None:
+        self.config, self.port, self.log = config, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = None
+
+    def start(self, timeout_s: float = 180.0) -> LiveServer:
+        import os
+        import subprocess
+        import sys
+        import time
+
+        import httpx
+
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self._log_fh = open(self.log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(self.config),
+                                      "--log-level", "warning"], stdout=self._log_fh, stderr=subprocess.STDOUT,
+                                     env=env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health/ready", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, wait; kill if it does not exit. Returns the exit status."""
+        import subprocess
+
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_fh.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def live_server(tiny_model_dir, tmp_path_factory):
+    """One `cipherlm serve` process for the session (tiny model, the test tenants)."""
+    tmp = tmp_path_factory.mktemp("live-server")
+    port = free_port()
+    server = LiveServer(write_settings_toml(tmp / "settings.toml", tiny_model_dir, port), port, tmp / "server.log")
+    server.start()
+    yield server
+    server.stop()

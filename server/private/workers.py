@@ -19,7 +19,6 @@ import collections
 import importlib
 import logging
 import multiprocessing as mp
-import threading
 import traceback
 from collections.abc import Callable
 from typing import Any

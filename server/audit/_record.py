@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import re
 from datetime import datetime, timezone
 from typing import Any
@@ -24,8 +25,8 @@ import rfc8785
 
 from ._errors import AuditFormatError
 
-__all__ = ["Event", "Outcome", "Pseudonymizer", "RECORD_FIELDS", "canonical", "format_time", "parse_time",
-           "validate_body"]
+__all__ = ["Event", "Outcome", "Pseudonymizer", "RECORD_FIELDS", "canonical", "fast_canonical", "format_time",
+           "parse_time", "validate_body"]
 
 FORMAT_VERSION = 1
 MAX_DETAIL_ITEMS = 16
@@ -90,6 +91,17 @@ class Outcome:
 def canonical(obj: Any) -> bytes:
     """RFC 8785 (JCS) canonical JSON bytes of ``obj``."""
     return rfc8785.dumps(obj)
+
+
+def fast_canonical(obj: Any) -> bytes:
+    """RFC 8785 bytes for the record schema, ~10x faster than :func:`canonical` (verifier hot path).
+
+    For objects whose keys are ASCII and whose numbers are integers within I-JSON range (what
+    :func:`validate_body` allows), sorted-key compact ``json.dumps`` without ASCII escaping produces
+    exactly the JCS bytes: same escapes (short forms, lowercase ``\\u00xx``), same key order. A
+    property test pins this equality; anything else (e.g. floats) must use :func:`canonical`.
+    """
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def format_time(epoch: float) -> str:

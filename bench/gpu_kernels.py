@@ -7,6 +7,7 @@ inputs (>= 256 MiB in all, 4x the H200's L2) and report time per copy, so they a
 Bytes counted: what a kernel must move at least (each input read once, each output written once).
 
     python bench/gpu_kernels.py [--quick] [--out results.json]
+    python bench/gpu_kernels.py --sweep     # time launch-parameter variants (how the defaults were picked)
 
 Peers in the same run: the torch reference (what the CPU engine runs: gather + fp32 masked softmax) for
 decode, ``F.scaled_dot_product_attention`` (causal, contiguous K/V; FlashAttention backend) for prefill,
@@ -29,6 +30,8 @@ from triton.testing import do_bench, do_bench_cudagraph
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
+from kernels.paged_decode import DecodeTuning, _paged_decode_triton  # noqa: E402
+from kernels.paged_prefill import PrefillTuning, _paged_prefill_triton  # noqa: E402
 
 MODELS = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64), "smollm2-135m": (9, 3, 64)}
 HIDDEN = {"qwen2.5-0.5b": 896, "llama-3.2-1b": 2048, "smollm2-135m": 576}
@@ -59,16 +62,19 @@ def timed(fns: list) -> tuple[float, float]:
     return eager, graph
 
 
-def decode_inputs(model: str, batch: int, ctx: int, gen: torch.Generator) -> dict:
-    """One decode batch: random bf16 caches, shuffled block tables, all contexts `ctx` long."""
+def decode_inputs(model: str, batch: int, ctx: int, gen: torch.Generator, width: int = 0) -> dict:
+    """One decode batch: random bf16 caches, shuffled block tables (`width` columns, padded with 0 as
+    the engine's CUDA graphs pad them), all contexts `ctx` long."""
     hq, hkv, d = MODELS[model]
     nblk = math.ceil(ctx / BS)
     nb = batch * nblk + 1
     kc = torch.randn(nb, BS, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     vc = torch.randn(nb, BS, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     perm = torch.randperm(nb, device="cuda", generator=gen)[: batch * nblk]
+    tables = torch.zeros(batch, max(width, nblk), device="cuda", dtype=torch.int32)
+    tables[:, :nblk] = perm.view(batch, nblk)
     return dict(q=torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen),
-                k_cache=kc, v_cache=vc, block_tables=perm.view(batch, nblk).int(),
+                k_cache=kc, v_cache=vc, block_tables=tables,
                 context_lens=torch.full((batch,), ctx, device="cuda", dtype=torch.int32), scale=d**-0.5)
 
 
@@ -187,12 +193,77 @@ def print_tables(res: dict) -> None:
                   f"| {100 * r['bw_frac']:.0f}% | {other} |")
 
 
+DECODE_VARIANTS = [DecodeTuning(), DecodeTuning(block_n=32), DecodeTuning(block_n=128),
+                   DecodeTuning(num_warps=2), DecodeTuning(num_warps=8), DecodeTuning(programs_per_sm=2),
+                   DecodeTuning(programs_per_sm=8), DecodeTuning(programs_per_sm=16),
+                   DecodeTuning(min_partition=64), DecodeTuning(min_partition=256),
+                   DecodeTuning(block_n=128, num_warps=8), DecodeTuning(block_n=128, programs_per_sm=8)]
+# (model, batch, ctx, table width): the engine's graph buckets pad tables to max_model_len / BS
+DECODE_SWEEP = [("qwen2.5-0.5b", 1, 384, 128), ("smollm2-135m", 1, 128, 8), ("smollm2-135m", 1, 384, 128),
+                ("qwen2.5-0.5b", 64, 512, 0), ("qwen2.5-0.5b", 256, 384, 128), ("qwen2.5-0.5b", 64, 4096, 0),
+                ("llama-3.2-1b", 256, 4096, 0)]
+PREFILL_VARIANTS = [PrefillTuning(), PrefillTuning(128, 64, 8), PrefillTuning(128, 64, 4),
+                    PrefillTuning(64, 32, 4), PrefillTuning(128, 128, 8), PrefillTuning(128, 64, 8, 2),
+                    PrefillTuning(64, 64, 4, 2), PrefillTuning(128, 32, 4)]
+PREFILL_SWEEP = [("qwen2.5-0.5b", [2048], [2048]), ("llama-3.2-1b", [2048], [2048]),
+                 ("qwen2.5-0.5b", [128] * 16, [128] * 16), ("llama-3.2-1b", [512], [4096]),
+                 ("smollm2-135m", [2048], [2048])]
+
+
+def _decode_call(s: dict, tune: DecodeTuning):
+    out = torch.empty_like(s["q"])
+    return lambda: _paged_decode_triton(s["q"], s["k_cache"], s["v_cache"], s["block_tables"],
+                                        s["context_lens"], s["scale"], None, out, tune)
+
+
+def _sweep_decode_case(model: str, batch: int, ctx: int, width: int, gen) -> list[str]:
+    """Graph-replay µs per call of every decode variant on one case."""
+    _, hkv, d = MODELS[model]
+    sets = [decode_inputs(model, batch, ctx, gen, width)
+            for _ in range(rotations(2 * batch * ctx * hkv * d * 2))]
+    return [f"{timed([_decode_call(s, t) for s in sets])[1] * 1e3:.1f}" for t in DECODE_VARIANTS]
+
+
+def _sweep_prefill_case(model: str, q_lens: list[int], ctx_lens: list[int], gen) -> list[str]:
+    """Eager µs of every prefill variant on one case."""
+    hq, _, d = MODELS[model]
+    s = decode_inputs(model, len(q_lens), max(ctx_lens), gen)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    args = (q, s["k_cache"], s["v_cache"], s["block_tables"], cu, ctx, s["scale"], max(q_lens),
+            torch.empty_like(q))
+    return [f"{do_bench(lambda t=t: _paged_prefill_triton(*args, t), return_mode='median') * 1e3:.0f}"
+            for t in PREFILL_VARIANTS]
+
+
+def sweep(gen) -> None:
+    """Graph-replay µs of each decode variant and eager µs of each prefill variant, one table each."""
+    print("| decode case | " + " | ".join(str(i) for i in range(len(DECODE_VARIANTS))) + " |")
+    for model, batch, ctx, width in DECODE_SWEEP:
+        cells = _sweep_decode_case(model, batch, ctx, width, gen)
+        print(f"| {model} B={batch} ctx={ctx} w={width} | " + " | ".join(cells) + " |", flush=True)
+    for i, t in enumerate(DECODE_VARIANTS):
+        print(f"decode variant {i}: {t}")
+    print("\n| prefill case | " + " | ".join(str(i) for i in range(len(PREFILL_VARIANTS))) + " |")
+    for model, q_lens, ctx_lens in PREFILL_SWEEP:
+        cells = _sweep_prefill_case(model, q_lens, ctx_lens, gen)
+        print(f"| {model} q={q_lens[0]}x{len(q_lens)} ctx={max(ctx_lens)} | " + " | ".join(cells) + " |",
+              flush=True)
+    for i, t in enumerate(PREFILL_VARIANTS):
+        print(f"prefill variant {i}: {t}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer cases")
     ap.add_argument("--out", default=None, help="write all numbers as JSON here")
+    ap.add_argument("--sweep", action="store_true", help="time launch-parameter variants instead")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.sweep:
+        sweep(gen)
+        return
     t0 = time.time()
     bw = copy_bandwidth()
     rows = []

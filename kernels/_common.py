@@ -68,15 +68,16 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
 
 def check_same_device(**tensors: torch.Tensor) -> None:
     """Raise KernelInputError unless every tensor lives on one device."""
-    devices = {str(t.device) for t in tensors.values()}
-    if len(devices) > 1:
+    devices = [t.device for t in tensors.values()]
+    if any(dev != devices[0] for dev in devices[1:]):
         where = ", ".join(f"{n}={t.device}" for n, t in tensors.items())
         raise KernelInputError(f"all tensors must be on one device, got {where}")
 
 
 def check_same_dtype(**tensors: torch.Tensor) -> None:
     """Raise KernelInputError unless every tensor has one dtype."""
-    if len({t.dtype for t in tensors.values()}) > 1:
+    dtypes = [t.dtype for t in tensors.values()]
+    if any(dt != dtypes[0] for dt in dtypes[1:]):
         what = ", ".join(f"{n}={t.dtype}" for n, t in tensors.items())
         raise KernelInputError(f"tensors must share one dtype, got {what}")
 

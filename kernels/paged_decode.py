@@ -18,6 +18,8 @@ Triton scheme:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ._common import (
@@ -41,11 +43,25 @@ from ._common import (
 )
 from .errors import KernelInputError
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_reference", "gather_kv"]
+__all__ = ["DecodeTuning", "gather_kv", "paged_decode_attention", "paged_decode_attention_reference"]
 
-_BLOCK_N = 64  # tokens per K/V tile inside a partition
-_MIN_PARTITION = 128  # never split finer than this many tokens
-_PROGRAMS_PER_SM = 4  # split until B * Hkv * splits reaches this many programs per SM
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+    """Launch parameters of the decode kernels (defaults picked by a sweep on an H200, docs/kernels.md).
+
+    Attributes:
+        block_n: tokens per K/V tile inside a partition.
+        num_warps: warps of the partition kernel.
+        programs_per_sm: split the context until B * Hkv * splits reaches this many programs per SM.
+        min_partition: never split finer than this many tokens.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    programs_per_sm: int = 4
+    min_partition: int = 128
 
 
 def gather_kv(
@@ -189,21 +205,22 @@ if HAS_TRITON:
                  mask=dmask)
 
 
-def plan_partition(batch: int, num_kv_heads: int, max_context: int, sms: int) -> int:
-    """Tokens per split-K partition: split until the grid has about `_PROGRAMS_PER_SM` programs per SM."""
-    splits_wanted = cdiv(_PROGRAMS_PER_SM * sms, max(1, batch * num_kv_heads))
+def plan_partition(batch: int, num_kv_heads: int, max_context: int, sms: int, tuning: DecodeTuning) -> int:
+    """Tokens per split-K partition: split until the grid has about `programs_per_sm` programs per SM."""
+    splits_wanted = cdiv(tuning.programs_per_sm * sms, max(1, batch * num_kv_heads))
     part = next_pow2(cdiv(max_context, splits_wanted))
-    return max(_MIN_PARTITION, part)
+    return max(tuning.min_partition, part)
 
 
-def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, partition_size, out):
+def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, partition_size, out,
+                         tuning: DecodeTuning = DecodeTuning()):
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     max_blocks = block_tables.shape[1]
     max_ctx = max_blocks * bs
-    part = partition_size or plan_partition(b, hkv, max_ctx, num_sms(q.device))
-    block_n = _BLOCK_N if part >= _BLOCK_N else max(16, next_pow2(part))  # tl.dot needs >= 16
+    part = partition_size or plan_partition(b, hkv, max_ctx, num_sms(q.device), tuning)
+    block_n = tuning.block_n if part >= tuning.block_n else max(16, next_pow2(part))  # tl.dot needs >= 16
     part = cdiv(part, block_n) * block_n
     num_splits = cdiv(max_ctx, part)
     split = num_splits > 1
@@ -221,7 +238,7 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         out.stride(0), out.stride(1),
         max_blocks, g, d, hq, num_splits,
         BS=bs, PARTITION=part, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=split, DOT_PREC=dot_precision(q.dtype), num_warps=4,
+        SPLIT=split, DOT_PREC=dot_precision(q.dtype), num_warps=tuning.num_warps,
     )
     if split:
         _decode_reduce_kernel[(b, hq)](

@@ -14,6 +14,8 @@ causal limit of its last row, gathering each tile through the block table, with 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ._common import (
@@ -37,10 +39,25 @@ from ._common import (
 from .errors import KernelInputError
 from .paged_decode import gather_kv
 
-__all__ = ["paged_prefill_attention", "paged_prefill_attention_reference"]
+__all__ = ["PrefillTuning", "paged_prefill_attention", "paged_prefill_attention_reference"]
 
-_BLOCK_M = 64  # flattened (token, head) rows per program
-_BLOCK_N = 64  # context tokens per K/V tile
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTuning:
+    """Launch parameters of the prefill kernel (defaults picked by a sweep on an H200, docs/kernels.md).
+
+    Attributes:
+        block_m: flattened (token, head) rows per program.
+        block_n: context tokens per K/V tile.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the K/V loop (None: Triton's default).
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int | None = None
 
 
 def _check_lengths(cu: torch.Tensor, ctx: torch.Tensor, t: int, max_ctx: int) -> None:
@@ -151,12 +168,14 @@ if HAS_TRITON:
                  o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
-def _paged_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q, out):
+def _paged_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q, out,
+                          tuning: PrefillTuning = PrefillTuning()):
     hq, d = q.shape[1:]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     b = context_lens.shape[0]
-    grid = (cdiv(max_q * g, _BLOCK_M), b, hkv)
+    grid = (cdiv(max_q * g, tuning.block_m), b, hkv)
+    extra = {} if tuning.num_stages is None else {"num_stages": tuning.num_stages}
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
@@ -164,8 +183,8 @@ def _paged_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         block_tables.shape[1], g, d,
-        BS=bs, BLOCK_M=_BLOCK_M, BLOCK_D=next_pow2(d), BLOCK_N=_BLOCK_N,
-        DOT_PREC=dot_precision(q.dtype), num_warps=4,
+        BS=bs, BLOCK_M=tuning.block_m, BLOCK_D=next_pow2(d), BLOCK_N=tuning.block_n,
+        DOT_PREC=dot_precision(q.dtype), num_warps=tuning.num_warps, **extra,
     )
     return out
 

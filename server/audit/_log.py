@@ -100,6 +100,7 @@ class AuditLog:
     def _lock_and_open(self) -> None:
         path = self.config.path
         try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._lock_fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

@@ -50,7 +50,7 @@ def tenseal_inspect(data: bytes) -> Inspection:
         seal = ctx.seal_context().data
         parms = seal.key_context_data().parms()
         params = {"backend": "tenseal", "scheme": str(parms.scheme()), "n": int(parms.poly_modulus_degree()),
-                  "parms_id": [int(x) for x in seal.key_parms_id()]}
+                  "parms_id": [f"{int(x):016x}" for x in seal.key_parms_id()]}
     except Exception as exc:  # native parser: any failure means "not a key we accept"
         raise MalformedKeyError("not a serialized TenSEAL context") from exc
     finally:

@@ -145,14 +145,24 @@ def unnormalized_weights(scores: torch.Tensor, approx: ScoreApprox,
     Returns:
         p with masked entries exactly 0 (exact: exp(s - rowmax); sqexp/2quad: the polynomial).
     """
+    if scores.shape[-3] != approx.num_heads:
+        raise ValueError(f"scores have {scores.shape[-3]} heads, approximation has {approx.num_heads}")
+    a = torch.tensor(approx.scale, dtype=scores.dtype, device=scores.device)
+    b = torch.tensor(approx.shift, dtype=scores.dtype, device=scores.device)
+    return score_map(scores, approx.kind, a, b, approx.squarings, mask)
+
+
+def score_map(scores: torch.Tensor, kind: str, scale: torch.Tensor, shift: torch.Tensor, squarings: int,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`unnormalized_weights` with scale/shift as tensors [Hq] (differentiable, for calibration)."""
     masked = _masked(scores, mask)
     s = scores.masked_fill(masked, 0.0)
-    if approx.kind == "exact":
+    if kind == "exact":
         rowmax = scores.masked_fill(masked, float("-inf")).amax(-1, keepdim=True)
         p = torch.exp(s - rowmax.clamp_min(torch.finfo(s.dtype).min))
     else:
-        x = affine_scores(s, approx)
-        p = sqexp(x, approx.squarings) if approx.kind == "sqexp" else x * x
+        x = scale[:, None, None] * s + shift[:, None, None]
+        p = sqexp(x, squarings) if kind == "sqexp" else x * x
     return p.masked_fill(masked, 0.0)
 
 

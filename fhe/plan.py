@@ -27,17 +27,19 @@ import rfc8785
 import torch
 
 from fhe.approx import ScoreApprox
+from fhe.errors import FHEError
 
 FORMAT = "cipherlm-fhe-plan"
 FORMAT_VERSION = 1
 PLAN_JSON = "plan.json"
 WEIGHTS_FILE = "weights.safetensors"
+DEFAULT_PLAN_FILE = "smollm2-135m-instruct.plan.json"
 #: adjusted weights a plan may carry, relative to ``layers[i].self_attn``
 ADJUSTABLE = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
               "q_proj.bias", "k_proj.bias", "v_proj.bias")
 
 
-class PlanError(ValueError):
+class PlanError(FHEError, ValueError):
     """A plan file is malformed, of another format version, fails its hash, or does not fit the model."""
 
 
@@ -169,6 +171,16 @@ class Plan:
         return _from_doc(doc, tensors)
 
 
+def default_plan_path() -> Path:
+    """The shipped sqexp plan for the default model (SmolLM2-135M-Instruct, layers 2-5)."""
+    return Path(__file__).parent / "data" / DEFAULT_PLAN_FILE
+
+
+def load_default_plan() -> Plan:
+    """:meth:`Plan.load` of :func:`default_plan_path`."""
+    return Plan.load(default_plan_path())
+
+
 def tensor_entry(t: torch.Tensor) -> dict:
     """Manifest entry of a tensor: dtype, shape and SHA-256 of its raw bytes."""
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": tensor_sha256(t)}
@@ -222,7 +234,8 @@ def _check_header(doc: dict) -> None:
     if doc.get("format") != FORMAT:
         raise PlanError(f"not a cipherlm plan (format {doc.get('format')!r})")
     if doc.get("format_version") != FORMAT_VERSION:
-        raise PlanError(f"plan format version {doc.get('format_version')!r}, this build reads {FORMAT_VERSION}")
+        raise PlanError(f"plan format version {doc.get('format_version')!r}, "
+                        f"this build reads {FORMAT_VERSION}")
 
 
 def _load_tensors(path: Path, manifest: dict) -> dict[str, torch.Tensor]:

@@ -24,8 +24,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.model import (DecoderLayer, DenseKVCache, LlamaForCausalLM, RotaryEmbedding, apply_rope,
-                          causal_attention)
+from engine.model import (
+    DecoderLayer,
+    DenseKVCache,
+    LlamaForCausalLM,
+    RotaryEmbedding,
+    apply_rope,
+    causal_attention,
+)
 from fhe.approx import ScoreApprox, unnormalized_weights
 from fhe.plan import LayerPlan, Plan
 
@@ -211,7 +217,8 @@ def sequence_logits(model: LlamaForCausalLM, ids: list[int], plan: Plan | None) 
 
     With a plan, pass ``simulated_model(model, plan)`` as ``model``.
     """
-    backend = DenseKVCache(model.config, len(ids)) if plan is None else SimulatedBackend(model, plan, len(ids))
+    n = len(ids)
+    backend = DenseKVCache(model.config, n) if plan is None else SimulatedBackend(model, plan, n)
     h = model(torch.tensor(ids), torch.arange(len(ids)), backend)
     return model.logits(h)
 

@@ -14,6 +14,7 @@ _GROUPS = (
     "server.cli_model",     # model pull/list/info, generate
     "server.cli_serve",     # serve
     "server.cli_audit",     # audit verify/report/export, signing keys
+    "server.cli_fhe",       # fhe calibrate, plan-info
 )
 
 

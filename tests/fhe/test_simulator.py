@@ -9,8 +9,15 @@ from engine.config import ModelConfig
 from engine.model import DenseKVCache, LlamaForCausalLM
 from fhe.approx import ScoreApprox
 from fhe.plan import LayerPlan, Plan, model_fingerprint
-from fhe.simulator import (SimulatedBackend, approx_attention, finish, sequence_logits, simulate_block,
-                           simulated_greedy, simulated_model)
+from fhe.simulator import (
+    SimulatedBackend,
+    approx_attention,
+    finish,
+    sequence_logits,
+    simulate_block,
+    simulated_greedy,
+    simulated_model,
+)
 
 
 def tiny_model(seed: int = 0, bias: bool = False, layers: int = 3) -> LlamaForCausalLM:

@@ -117,7 +117,8 @@ def build_engine(settings: Settings) -> Any:
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Start and stop the engine when the app owns it."""
+    """Start and stop the engine when the app owns it (restartable: test clients cycle lifespans)."""
+    app.state.lifecycle.draining = False
     if app.state.owns_engine:
         engine = build_engine(app.state.settings)
         await engine.start()
@@ -128,14 +129,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.lifecycle.draining = True
         if app.state.owns_engine and app.state.engine is not None:
             engine, app.state.engine = app.state.engine, None
+            app.state.metrics.watch_engine(None)
             await engine.shutdown()
 
 
 def _attach_engine(app: FastAPI, engine: Any) -> None:
     app.state.engine = engine
     app.state.metrics.model_name = served_model_name(app.state.settings, engine)
-    if hasattr(engine, "stats"):
-        app.state.metrics.watch_engine(engine.stats)
+    app.state.metrics.watch_engine(getattr(engine, "stats", None))
 
 
 def create_app(settings: Settings, engine: Any = None, *, routers: Iterable[APIRouter] = (),

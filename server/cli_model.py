@@ -91,50 +91,28 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
+    from engine.engine_config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
 
-    from engine.loader import load_model
-    from engine.model import DenseKVCache
-    from engine.tokenizer import Tokenizer
+    from engine.errors import InvalidRequestError
 
+    if not args.prompt.strip():
+        raise InvalidRequestError("prompt is empty")
     path = resolve_model(args.model)
-    model = load_model(path)
-    tok = Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_folder(path)
-    ids = tok.encode(args.prompt) if args.raw else tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-    gen = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
-    stop = set(model.config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
-    detok = tok.detokenizer(ids)
-    cache = DenseKVCache(model.config, len(ids) + args.max_tokens)
+    engine = LLMEngine.from_pretrained(path, EngineConfig(device="cpu", kv_cache_bytes=64 << 20))
+    tok = engine.tokenizer
+    prompt = args.prompt if args.raw else tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k if args.top_k > 0 else -1, seed=args.seed)
+    engine.add_request("cli-0", prompt, params)
     t0, n = time.perf_counter(), 0
-    with torch.inference_mode():
-        x, pos = torch.tensor(ids), torch.arange(len(ids))
-        for n in range(1, args.max_tokens + 1):
-            logits = model.logits(model(x, pos, cache)[-1:])[0]
-            cache.advance()
-            nxt = _sample(logits, args, gen)
-            if nxt in stop:
-                break
-            sys.stdout.write(detok.step([nxt]))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            completion = out.outputs[0]
+            sys.stdout.write(completion.delta_text)
             sys.stdout.flush()
-            x, pos = torch.tensor([nxt]), torch.tensor([cache.length])
+            n = len(completion.token_ids)
     dt = time.perf_counter() - t0
     print(f"\n[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s]", file=sys.stderr)
     return 0
-
-
-def _sample(logits, args: argparse.Namespace, gen) -> int:
-    """Greedy at temperature 0, else temperature + top-k + top-p sampling."""
-    import torch
-
-    if args.temperature <= 0:
-        return int(logits.argmax())
-    logits = logits / args.temperature
-    if args.top_k > 0:
-        kth = torch.topk(logits, min(args.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if args.top_p < 1.0:
-        sp, si = probs.sort(descending=True)
-        drop = sp.cumsum(0) - sp > args.top_p
-        probs = torch.zeros_like(probs).scatter(0, si, sp.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=gen))

@@ -58,10 +58,10 @@ class DecodeTuning:
         min_partition: never split finer than this many tokens.
     """
 
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 4
     programs_per_sm: int = 4
-    min_partition: int = 128
+    min_partition: int = 64
 
 
 def gather_kv(
@@ -163,14 +163,19 @@ if HAS_TRITON:
             m_i = m_new
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty partition contributes nothing
         o = acc / l_safe[:, None]
+        out_rows = G  # query heads this program writes to `out` (masks built from vectors: see store_kv)
         if SPLIT:
+            # a context within one partition is finished here; the reduce kernel skips that sequence
+            single = tl.cdiv(ctx, PARTITION) <= 1
+            part_rows = tl.where(single, 0, G)
+            out_rows = tl.where(single & (s == 0), G, 0)
             row = (b.to(tl.int64) * HQ + heads) * NUM_SPLITS + s  # [BLOCK_G]
             lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-            tl.store(part_lse_ptr + row, lse, mask=gmask)
-            tl.store(part_out_ptr + row[:, None] * D + dd[None, :], o, mask=gmask[:, None] & dmask[None, :])
-        else:
-            tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + dd[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+            tl.store(part_lse_ptr + row, lse, mask=g < part_rows)
+            tl.store(part_out_ptr + row[:, None] * D + dd[None, :], o,
+                     mask=(g < part_rows)[:, None] & dmask[None, :])
+        tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + dd[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=(g < out_rows)[:, None] & dmask[None, :])
 
     @triton.jit
     def _decode_reduce_kernel(
@@ -182,6 +187,7 @@ if HAS_TRITON:
         hq = tl.program_id(1)
         ctx = tl.minimum(tl.load(ctx_ptr + b), max_blocks * BS)
         n_valid = tl.cdiv(ctx, PARTITION)  # partitions that saw at least one token
+        n_valid = tl.where(n_valid > 1, n_valid, 0)  # 0 or 1: the partition kernel wrote `out` itself
         dd = tl.arange(0, BLOCK_D)
         dmask = dd < D
         base = (b.to(tl.int64) * HQ + hq) * NUM_SPLITS
@@ -202,7 +208,7 @@ if HAS_TRITON:
             m = m_new
         denom = tl.where(denom > 0.0, denom, 1.0)
         tl.store(out_ptr + b.to(tl.int64) * s_ob + hq * s_oh + dd, (acc / denom).to(out_ptr.dtype.element_ty),
-                 mask=dmask)
+                 mask=dd < tl.where(n_valid > 0, D, 0))
 
 
 def plan_partition(batch: int, num_kv_heads: int, max_context: int, sms: int, tuning: DecodeTuning) -> int:

@@ -57,7 +57,7 @@ class PrefillTuning:
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int | None = None
+    num_stages: int | None = 2
 
 
 def _check_lengths(cu: torch.Tensor, ctx: torch.Tensor, t: int, max_ctx: int) -> None:

@@ -68,7 +68,7 @@ def test_decode_single_pass(model, dtype):
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("partition", [64, 128, None])
 def test_decode_split_k(model, partition):
-    lens = [1, 64, 129, 700] if INTERPRET else [1, 64, 129, 700, 4096, 3001]
+    lens = [1, 64, 0, 129, 700] if INTERPRET else [1, 64, 0, 129, 700, 4096, 3001]  # 0: an idle slot
     _decode_check(lens, model, LOW, 16, partition, seed=2)
 
 

@@ -61,7 +61,7 @@ class DecodeTuning:
     block_n: int = 128
     num_warps: int = 4
     programs_per_sm: int = 4
-    min_partition: int = 64
+    min_partition: int = 128
 
 
 def gather_kv(

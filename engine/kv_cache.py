@@ -18,6 +18,7 @@ import dataclasses
 import math
 
 import torch
+import torch.nn.functional as F
 
 import kernels
 from engine.config import ModelConfig
@@ -96,27 +97,63 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    """AttentionBackend over a :class:`PagedKVCache` for one forward pass."""
+    """AttentionBackend over a :class:`PagedKVCache` for one forward pass.
 
-    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, head_dim: int) -> None:
+    ``cpu_decode=True`` (the engine's choice on CPU) stores with one ``index_copy_`` and runs decodes
+    through :func:`sdpa_decode`, which on 2 CPU cores is ~3x faster than the kernels' torch reference;
+    prefill always goes through ``kernels``.
+    """
+
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, head_dim: int,
+                 cpu_decode: bool = False) -> None:
         self.cache = cache
         self.meta = meta
         self.scale = 1.0 / math.sqrt(head_dim)
+        self.cpu_decode = cpu_decode
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         m, kc, vc = self.meta, self.cache.k[layer], self.cache.v[layer]
         assert q.shape[0] == k.shape[0] == m.slot_mapping.shape[0], (q.shape, k.shape, m.slot_mapping.shape)
-        kernels.store_kv(k, v, kc, vc, m.slot_mapping)
+        self._store(k, v, kc, vc)
         nd = m.num_decode
         if nd == q.shape[0]:
-            return kernels.paged_decode_attention(q, kc, vc, m.decode_block_tables, m.decode_context_lens,
-                                                  self.scale)
+            return self._decode(q, kc, vc)
         prefill = kernels.paged_prefill_attention(q[nd:], kc, vc, m.prefill_block_tables,
                                                   m.prefill_cu_seqlens_q, m.prefill_context_lens, self.scale,
                                                   max_seqlen_q=m.prefill_max_q)
         if nd == 0:
             return prefill
-        decode = kernels.paged_decode_attention(q[:nd], kc, vc, m.decode_block_tables, m.decode_context_lens,
-                                                self.scale)
-        return torch.cat([decode, prefill])
+        return torch.cat([self._decode(q[:nd], kc, vc), prefill])
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:
+        if self.cpu_decode:  # no padding slots on the CPU path
+            kc.view(-1, *kc.shape[2:]).index_copy_(0, self.meta.slot_mapping, k)
+            vc.view(-1, *vc.shape[2:]).index_copy_(0, self.meta.slot_mapping, v)
+        else:
+            kernels.store_kv(k, v, kc, vc, self.meta.slot_mapping)
+
+    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        m = self.meta
+        if self.cpu_decode:
+            return sdpa_decode(q, kc, vc, m.decode_block_tables, m.decode_context_lens, self.scale)
+        return kernels.paged_decode_attention(q, kc, vc, m.decode_block_tables, m.decode_context_lens, self.scale)
+
+
+def sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention through torch's SDPA: gather the blocks, mask past each context.
+
+    q [B, Hq, D]; caches [NB, BS, Hkv, D]; block_tables [B, W] int32; context_lens [B] int32 -> [B, Hq, D].
+    The G query heads of a KV head form G query rows of one SDPA head (no K/V repeat).
+    """
+    b, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    w = block_tables.shape[1]
+    idx = block_tables.long()
+    k = k_cache[idx].view(b, w * bs, hkv, d).transpose(1, 2)    # [B, Hkv, L, D]
+    v = v_cache[idx].view(b, w * bs, hkv, d).transpose(1, 2)
+    mask = torch.arange(w * bs, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
+    out = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v,
+                                         attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(b, hq, d)

@@ -155,7 +155,7 @@ class ModelRunner:
         n = inputs.input_ids.shape[0]
         if inputs.meta.num_decode == n and self._graphs and n <= max(self._graphs):
             return self._replay(inputs)[inputs.logits_rows], inputs.sampling
-        backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim)
+        backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim, cpu_decode=not self.is_cuda)
         h = self.model(inputs.input_ids, inputs.positions, backend)       # [T, hidden]
         return self.model.logits(h[inputs.logits_rows]), inputs.sampling  # [S, V]
 

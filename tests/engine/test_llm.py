@@ -54,9 +54,10 @@ def dense_logits(model, ids: list[int]) -> torch.Tensor:
     return model.logits(model(torch.tensor(ids), torch.arange(len(ids)), cache))
 
 
+@pytest.mark.parametrize("cpu_decode", [False, True])
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied"])
 @torch.inference_mode()
-def test_paged_logits_match_reference(variant):
+def test_paged_logits_match_reference(variant, cpu_decode):
     """A mixed step (one decode + two prefill chunks, one behind a prefix hit) vs the dense model."""
     model = tiny_model(variant)
     runner = ModelRunner(model, cpu_config(), max_model_len=128)
@@ -69,7 +70,7 @@ def test_paged_logits_match_reference(variant):
     for seq, n in zip(seqs[:2], (22, 13)):
         assert bm.admit(seq, [], n)
     step1 = [ScheduledSeq(seqs[0], 0, 22), ScheduledSeq(seqs[1], 0, 13)]
-    rows1 = _forward(runner, step1)
+    rows1 = _forward(runner, step1, cpu_decode)
     for s in step1:
         s.seq.num_computed_tokens += s.num_tokens
         bm.cache_full_blocks(s.seq)
@@ -79,7 +80,7 @@ def test_paged_logits_match_reference(variant):
     assert bm.allocate_slots(seqs[0], 1) and bm.allocate_slots(seqs[1], 17)
     assert bm.admit(seqs[2], hits, len(c) - 16)
     step2 = [ScheduledSeq(seqs[0], 22, 1), ScheduledSeq(seqs[1], 13, 17), ScheduledSeq(seqs[2], 16, len(c) - 16)]
-    rows2 = _forward(runner, step2)
+    rows2 = _forward(runner, step2, cpu_decode)
     got = {0: torch.cat([rows1[0], rows2[0]]), 1: torch.cat([rows1[1], rows2[1]]), 2: rows2[2]}
     for i, p in enumerate([a, b, c]):
         ref = dense_logits(model, p)[16:] if i == 2 else dense_logits(model, p)
@@ -87,10 +88,11 @@ def test_paged_logits_match_reference(variant):
         assert err < 1e-4, (i, err)
 
 
-def _forward(runner: ModelRunner, scheduled: list[ScheduledSeq]) -> dict[int, torch.Tensor]:
+def _forward(runner: ModelRunner, scheduled: list[ScheduledSeq], cpu_decode: bool) -> dict[int, torch.Tensor]:
     """Logits of every row of a step, split per sequence id."""
     inputs = runner.prepare(SchedulerOutput(scheduled, [], []))
-    h = runner.model(inputs.input_ids, inputs.positions, PagedAttention(runner.kv, inputs.meta, 16))
+    backend = PagedAttention(runner.kv, inputs.meta, 16, cpu_decode=cpu_decode)
+    h = runner.model(inputs.input_ids, inputs.positions, backend)
     logits = runner.model.logits(h)
     order = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens != 1]
     out, row = {}, 0

@@ -161,7 +161,7 @@ class AsyncLLM:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
 

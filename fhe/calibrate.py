@@ -123,7 +123,7 @@ class LayerData:
     valid: torch.Tensor
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: distillation differentiates through these inputs
 def collect(model: LlamaForCausalLM, seqs: list[list[int]], layers: tuple[int, ...]) -> dict[int, LayerData]:
     """One exact pass per sequence; records each listed layer's block input and exact output."""
     t_max, hidden = max(map(len, seqs)), model.config.hidden_size
@@ -309,7 +309,8 @@ def calibrate(model: LlamaForCausalLM, tokenizer, cfg: CalibrationConfig, model_
     meta = {"kind": cfg.kind, "fit": cfg.fit, "distill_weights": cfg.distill_weights, "steps": cfg.steps,
             "seed": cfg.seed, "margin": cfg.margin, "num_sequences": len(seqs),
             "num_positions": sum(map(len, seqs)), "max_new_tokens": cfg.max_new_tokens,
-            "prompts": "fhe/data/calibration_prompts.txt", "layers": infos}
+            "prompts": "fhe/data/calibration_prompts.txt",
+            "layers": [{k: v for k, v in i.items() if k != "seconds"} for i in infos]}  # hash stays reproducible
     ckks = ckks_params_dict(cfg.kind, cfg.squarings) if ckks is None else ckks
     return Plan(model_id, model_fingerprint(model), tuple(layer_plans), ckks, _created_by(), meta)
 

@@ -20,6 +20,15 @@ from fhe.simulator import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids spin-wait stalls on a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_model(seed: int = 0, bias: bool = False, layers: int = 3) -> LlamaForCausalLM:
     """A random tiny GQA Llama (4 query heads on 2 KV heads), non-trivial norm gains."""
     cfg = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,

@@ -372,8 +372,9 @@ async def _respond_full(request: Request, job: _Job, started, decode) -> JSONRes
     return JSONResponse(full_response(job.meta, finals, decode))
 
 
-async def _event_stream(request: Request, job: _Job, started, decode) -> AsyncIterator[bytes]:
+async def _event_stream(request: Request, job: _Job, started, decode, state: dict) -> AsyncIterator[bytes]:
     """SSE body; cancelled by Starlette when the client goes away (which aborts the engine requests)."""
+    state["started"] = True
     timing = _Timing(job, get_metrics(request))
     builder = ChunkBuilder(job.meta, decode)
     finals: list[RequestOutput | None] = [None] * len(started)
@@ -390,9 +391,29 @@ async def _event_stream(request: Request, job: _Job, started, decode) -> AsyncIt
         yield sse("[DONE]")
         timing.finish(finals)
     except Exception as exc:  # headers are gone: report in-band, as OpenAI does
-        yield sse(from_engine_error(exc).body() if not isinstance(exc, APIError) else exc.body())
+        yield sse(exc.body() if isinstance(exc, APIError) else from_engine_error(exc).body())
     finally:
         _settle(job, finals)
+
+
+class _GuardedStream(StreamingResponse):
+    """A streaming response that always closes its body generator when the response ends, and frees the
+    slot and aborts the engine requests itself when the client left before the generator ever ran
+    (Starlette then never starts it, so the generator's own ``finally`` cannot run)."""
+
+    def __init__(self, content, state: dict, job: _Job, started, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._state, self._job, self._started = state, job, started
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # runs the generator's cleanup now, not at GC time
+            if not self._state["started"]:
+                for _, gen in self._started:
+                    await gen.aclose()
+                _settle(self._job, [None] * len(self._started))
 
 
 async def _serve(body, request: Request, tenant: Tenant, settings: Settings, engine: Any, endpoint: str):
@@ -407,8 +428,10 @@ async def _serve(body, request: Request, tenant: Tenant, settings: Settings, eng
         raise
     decode = _token_decoder(engine)
     if body.stream:
-        return StreamingResponse(_event_stream(request, job, started, decode), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": job.meta.id})
+        state = {"started": False}
+        return _GuardedStream(_event_stream(request, job, started, decode, state), state, job, started,
+                              media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Request-Id": job.meta.id})
     return await _respond_full(request, job, started, decode)
 
 

@@ -194,3 +194,38 @@ async def test_settings_dependency_can_be_overridden(client):
     client.app.dependency_overrides[get_settings] = lambda: other
     models = (await client.get("/v1/models", headers=auth("plain"))).json()
     assert models["data"][0]["id"] == "renamed"
+
+
+async def test_client_gone_before_stream_starts_frees_everything(engine, tiny_model_dir):  # noqa: F811
+    """A client that disconnects right away leaves no engine request and no held concurrency slot."""
+    import asyncio
+
+    app = create_app(make_settings(tiny_model_dir), engine)
+    body = json.dumps({"prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"authorization", f"Bearer {auth('plain')['Authorization'].split()[1]}".encode())]
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": headers, "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    sent = []
+
+    async def send(message):  # a slow network: the disconnect is seen before the body starts
+        sent.append(message)
+        await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(app(scope, receive, send), timeout=30)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    limiter = app.state.limits.for_tenant("plain", app.state.settings.limits_default)
+    assert limiter.in_flight == 0
+    for _ in range(100):
+        await engine.wait_idle()
+        if engine.stats().num_running == 0 and engine.stats().num_waiting == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
+    assert app.state.lifecycle.in_flight == 0

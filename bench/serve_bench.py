@@ -1,0 +1,242 @@
+"""Serving benchmark: streamed completions against ``cipherlm serve`` over loopback HTTP.
+
+For each concurrency level (users), requests arrive as a Poisson process at ``--request-rate`` per
+second, at most ``users`` in flight at once, for ``--duration`` seconds (then the in-flight ones finish,
+bounded by ``--timeout``). Each request streams (SSE) a completion of exactly ``--output-len`` tokens
+(``ignore_eos``) for a prompt of about ``--input-len`` tokens. Reported per level: request throughput,
+output-token throughput, and p50/p99 of TTFT (first token), TPOT (mean time per output token after the
+first, per request) and ITL (every gap between streamed chunks) — vLLM's ``benchmark_serving`` definitions.
+
+By default the script starts ``cipherlm serve`` itself (one plaintext tenant with a fresh key, on a free
+loopback port, the default model unless ``--model``) and stops it at the end; ``--url``/``--api-key``
+measure a running server instead. Example::
+
+    python bench/serve_bench.py --users 1 8 32 --duration 60 --output-len 32 --json bench/serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+WORDS = ("the river carried small boats past quiet houses while children watched from old stone bridges and "
+         "merchants counted coins under bright lanterns near the market square at dusk").split()
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """Timings of one streamed request (seconds)."""
+
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def make_prompt(rng: random.Random, n_words: int) -> str:
+    """A synthetic prompt (about 1.2 tokens per word with SmolLM2's tokenizer)."""
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+async def one_request(client: httpx.AsyncClient, url: str, key: str, prompt: str, output_len: int,
+                      timeout: float) -> RequestResult:
+    """Send one streamed completion and time its chunks."""
+    body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last = None
+    res = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout,
+                                 headers={"Authorization": f"Bearer {key}"}) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line.endswith("[DONE]"):
+                    continue
+                event = json.loads(line[5:])
+                now = time.perf_counter()
+                if event.get("usage"):
+                    res.output_tokens = event["usage"]["completion_tokens"]
+                if event.get("choices") and event["choices"][0].get("text"):
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - start
+        res.ok = last is not None
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = repr(exc)
+    return res
+
+
+async def run_level(url: str, key: str, users: int, rate: float, duration: float, input_len: int,
+                    output_len: int, timeout: float, seed: int) -> dict:
+    """One concurrency level: Poisson arrivals for ``duration`` s, at most ``users`` in flight."""
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(users)
+    limits = httpx.Limits(max_connections=users + 4, max_keepalive_connections=users + 4)
+    results: list[RequestResult] = []
+
+    async def worker(prompt: str) -> None:
+        try:
+            results.append(await one_request(client, url, key, prompt, output_len, timeout))
+        finally:
+            sem.release()
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        tasks = []
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < duration:
+            await sem.acquire()
+            if time.perf_counter() - t0 >= duration:
+                sem.release()
+                break
+            tasks.append(asyncio.create_task(worker(make_prompt(rng, input_len))))
+            await asyncio.sleep(rng.expovariate(rate) if rate != float("inf") else 0)
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout)
+        wall = time.perf_counter() - t0
+    return summarize(users, results, wall)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def summarize(users: int, results: list[RequestResult], wall: float) -> dict:
+    """Throughput and latency percentiles (milliseconds) of one level."""
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft * 1e3 for r in ok]
+    tpot = [r.tpot * 1e3 for r in ok if r.tpot is not None]
+    itl = [g * 1e3 for r in ok for g in r.itl]
+    return {"users": users, "requests": len(results), "failed": len(results) - len(ok), "wall_s": wall,
+            "req_per_s": len(ok) / wall, "out_tok_per_s": sum(r.output_tokens for r in ok) / wall,
+            **{f"{name}_p{q}_ms": _pct(vals, q) for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl))
+               for q in (50, 99)},
+            "errors": sorted({r.error for r in results if not r.ok})[:3]}
+
+
+def markdown(rows: list[dict]) -> str:
+    """The results as a markdown table."""
+    head = ("| users | requests | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['users']} | {r['requests'] - r['failed']} | {r['req_per_s']:.2f} | {r['out_tok_per_s']:.1f} "
+                     f"| {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} "
+                     f"| {r['tpot_p99_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} |")
+    return "\n".join(lines) + "\n\n(latencies in ms)"
+
+
+# --- a server to measure ----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Popen, str, str]:
+    """``cipherlm serve`` with one fresh plaintext tenant on a free loopback port; waits for readiness."""
+    from server.tenants import generate_api_key, hash_api_key
+
+    key, port = generate_api_key(), _free_port()
+    engine = f'device = "{args.device}"' + (f"\nnum_threads = {args.threads}" if args.threads else "")
+    settings = workdir / "bench-settings.toml"
+    settings.write_text(f'host = "127.0.0.1"\nport = {port}\n'
+                        + (f'model = "{args.model}"\n' if args.model else "")
+                        + f"[engine]\n{engine}\n[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\n"
+                        f'[[tenants]]\nid = "bench"\napi_key_hashes = ["{hash_api_key(key)}"]\n')
+    log = open(workdir / "server.log", "w")  # noqa: SIM115 - lives as long as the server
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(settings),
+                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {(workdir / 'server.log').read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
+                return proc, url, key
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not become ready in 300 s")
+
+
+async def bench(args: argparse.Namespace, url: str, key: str) -> list[dict]:
+    """Warm up, then every level in turn."""
+    async with httpx.AsyncClient() as client:
+        await one_request(client, url, key, "warm up", 4, args.timeout)
+    rows = []
+    for users in args.users:
+        row = await run_level(url, key, users, args.request_rate, args.duration, args.input_len,
+                              args.output_len, args.timeout, args.seed)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="a running server (default: start `cipherlm serve`)")
+    p.add_argument("--api-key", default=os.environ.get("CIPHERLM_API_KEY"))
+    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="engine device when the script starts the server")
+    p.add_argument("--threads", type=int, help="torch threads of the server's engine (CPU)")
+    p.add_argument("--users", type=int, nargs="+", default=[1, 8, 32], help="max requests in flight")
+    p.add_argument("--request-rate", type=float, default=16.0, help="Poisson arrival rate (req/s; inf = none)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per level")
+    p.add_argument("--input-len", type=int, default=100, help="prompt words (~1.2 tokens each)")
+    p.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
+    p.add_argument("--timeout", type=float, default=600.0, help="bound on one request and on a level's tail")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the rows here")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="cipherlm-bench-") as tmp:
+        proc = None
+        if args.url:
+            url, key = args.url.rstrip("/"), args.api_key
+        else:
+            proc, url, key = start_server(args, Path(tmp))
+        try:
+            rows = asyncio.run(bench(args, url, key))
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(60)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

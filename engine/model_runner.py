@@ -16,7 +16,7 @@ import torch
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache, blocks_for_budget, blocks_for_gpu
-from engine.model import LlamaForCausalLM
+from engine.model import LlamaForCausalLM, rope_inv_freq
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ class ModelRunner:
         self.dtype = config.resolved_dtype()
         self.model_config: ModelConfig = model.config
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # RoPE frequencies stay fp32: bf16 would put angles off by radians at positions in the thousands
+        self.model.rotary.inv_freq = rope_inv_freq(model.config).to(self.device)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)

@@ -1,0 +1,44 @@
+"""The engine on CUDA: Triton kernels, CUDA-graph decode, bf16 (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine_config import EngineConfig
+from engine.llm import LLM
+from engine.model import greedy_generate
+from engine.sampling_params import SamplingParams
+from tests.engine.engine_helpers import random_prompts, tiny_model
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_fp32_gpu_engine_equals_cpu_reference(graphs):
+    prompts = random_prompts([5, 17, 33, 1, 40, 64, 9], seed=1)
+    ref_model = tiny_model("qwen2-bias-tied")
+    refs = [greedy_generate(ref_model, p, 24) for p in prompts]
+    cfg = EngineConfig(device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=48, max_model_len=256,
+                       gpu_memory_utilization=0.3, max_num_seqs=16, cuda_graphs=graphs)
+    llm = LLM(tiny_model("qwen2-bias-tied"), engine_config=cfg)
+    assert bool(llm.engine.runner._graphs) == graphs
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == refs
+
+
+@torch.inference_mode()
+def test_bf16_gpu_logprobs_close_to_fp32_reference():
+    model = tiny_model("llama-gqa")
+    prompt = random_prompts([50], seed=2)[0]
+    ref = greedy_generate(model, prompt, 1)
+    from engine.model import DenseKVCache
+
+    cache = DenseKVCache(model.config, len(prompt))
+    logits = model.logits(model(torch.tensor(prompt), torch.arange(len(prompt)), cache))[-1].log_softmax(-1)
+    llm = LLM(tiny_model("llama-gqa"), engine_config=EngineConfig(device="cuda", gpu_memory_utilization=0.3,
+                                                                  max_model_len=256, max_num_seqs=8))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0].outputs[0]
+    assert out.token_ids == ref
+    for tok, lp in out.logprobs[0].items():
+        assert abs(lp - float(logits[tok])) < 1e-2 * float(logits.abs().max())

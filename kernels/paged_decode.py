@@ -2,7 +2,8 @@
 
 Layouts: q [B, Hq, D]; k_cache, v_cache [NB, BS, Hkv, D]; block_tables [B, max_blocks] int32 (entries past
 a sequence's last block are ignored and may hold anything, e.g. -1); context_lens [B] int32, counting the
-new token whose K/V is already stored; out [B, Hq, D].
+new token whose K/V is already stored; out [B, Hq, D]. Cache slots past a context are never used, but the
+torch reference needs them finite (zero-initialised pools, as the engine allocates, are).
 
 Triton scheme:
 * GQA packing: program (b, h, s) loads the G = Hq / Hkv query heads of KV head h as one [G, D] tile
@@ -80,7 +81,8 @@ def gather_kv(
         raise KernelInputError(f"block_tables holds a block id outside [0, {nb}) in a used entry")
     tables = torch.where(used, tables, 0)
     b = tables.shape[0]
-    return cache[tables].reshape(b, num_blocks * cache.shape[1], *cache.shape[2:])
+    rows = cache.reshape(nb, -1).index_select(0, tables.flatten())  # whole blocks: faster than cache[tables]
+    return rows.view(b, num_blocks * cache.shape[1], *cache.shape[2:])
 
 
 def paged_decode_attention_reference(
@@ -104,16 +106,19 @@ def paged_decode_attention_reference(
         raise KernelInputError(
             f"context of {max_ctx} tokens needs {nblk} blocks > max_blocks {block_tables.shape[1]}")
     used = (ctx + bs - 1) // bs
-    k = gather_kv(k_cache, block_tables, nblk, used).float()  # [B, L, Hkv, D]
+    k = gather_kv(k_cache, block_tables, nblk, used).float()  # [B, L, Hkv, D], our own copy
     v = gather_kv(v_cache, block_tables, nblk, used).float()
+    # slots past a context get probability 0; they must hold finite values (the engine's pools are
+    # zero-initialised), since 0 * NaN would leak into the sum. The Triton kernels never load them.
+    invalid = torch.arange(nblk * bs, device=q.device)[None, :] >= ctx[:, None]  # [B, L]
     qf = q.float().view(b, hkv, g, d)  # [B, Hkv, G, D]
-    scores = torch.matmul(qf, k.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, L]
-    valid = torch.arange(nblk * bs, device=q.device)[None, :] < ctx[:, None]  # [B, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a 0-token context attends to nothing
-    v = v.masked_fill(~valid[:, :, None, None], 0.0)  # slots past the context may hold NaN garbage
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, Hkv, G, D]
-    return out.reshape(b, hq, d).to(q.dtype)
+    out = torch.empty(b, hkv, g, d, dtype=torch.float32, device=q.device)
+    for h in range(hkv):  # per KV head: bmm reads the strided [B, L, D] views without a transposing copy
+        scores = torch.bmm(qf[:, h], k[:, :, h].transpose(1, 2))  # [B, G, L]
+        scores.mul_(scale).masked_fill_(invalid[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a 0-token context attends to nothing
+        out[:, h] = torch.bmm(probs, v[:, :, h])  # [B, G, D]
+    return out.view(b, hq, d).to(q.dtype)
 
 
 if HAS_TRITON:

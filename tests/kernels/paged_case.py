@@ -21,15 +21,19 @@ class PagedCase:
 
 def make_paged_case(
     ctx_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-    device: str, gen: torch.Generator, extra_table_cols: int = 1,
+    device: str, gen: torch.Generator, extra_table_cols: int = 1, poison: float = float("nan"),
 ) -> PagedCase:
-    """Build a pool whose blocks are handed out in random order, poisoned with NaN where unowned."""
+    """Build a pool whose blocks are handed out in random order, `poison` wherever no token was written.
+
+    The Triton kernels never load unowned slots, so NaN checks that; the torch reference multiplies them by
+    a zero probability, so its tests poison with a large finite value instead.
+    """
     need = [-(-n // block_size) for n in ctx_lens]
     nb = sum(need) + 3
     perm = torch.randperm(nb, generator=gen).tolist()
     shape = (nb, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    k_cache = torch.full(shape, poison, dtype=dtype, device=device)
+    v_cache = torch.full(shape, poison, dtype=dtype, device=device)
     width = max(need, default=0) + extra_table_cols
     tables = torch.full((len(ctx_lens), width), -1, dtype=torch.int32)
     k_seqs, v_seqs = [], []

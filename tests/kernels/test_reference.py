@@ -8,6 +8,7 @@ import torch
 from kernels import paged_decode_attention, paged_prefill_attention, store_kv
 from tests.kernels.paged_case import dense_attention, make_paged_case, rel_err
 
+POISON = 3e4  # finite garbage in unowned cache slots: any leak through the mask shows
 SHAPES = [(9, 3, 64), (14, 2, 64), (4, 4, 32), (8, 1, 16)]  # (Hq, Hkv, D): SmolLM2, Qwen2.5, MHA, MQA
 
 
@@ -16,7 +17,7 @@ SHAPES = [(9, 3, 64), (14, 2, 64), (4, 4, 32), (8, 1, 16)]  # (Hq, Hkv, D): Smol
 def test_decode_matches_dense(hq, hkv, d, bs):
     gen = torch.Generator().manual_seed(hq * 100 + bs)
     lens = [1, 5, 16, 37, 64]
-    case = make_paged_case(lens, hkv, d, bs, torch.float32, "cpu", gen)
+    case = make_paged_case(lens, hkv, d, bs, torch.float32, "cpu", gen, poison=POISON)
     q = torch.randn(len(lens), hq, d, generator=gen)
     out = paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, d**-0.5)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -30,7 +31,7 @@ def test_prefill_matches_dense_with_prefix(hq, hkv, d):
     gen = torch.Generator().manual_seed(hq)
     ctx = [7, 40, 33, 1, 16]
     q_lens = [7, 12, 1, 1, 0]  # full prompt, chunk after a prefix, decode-like row, empty slot
-    case = make_paged_case(ctx, hkv, d, 16, torch.float32, "cpu", gen)
+    case = make_paged_case(ctx, hkv, d, 16, torch.float32, "cpu", gen, poison=POISON)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(int(cu[-1]), hq, d, generator=gen)
     out = paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, cu, case.context_lens,
@@ -45,7 +46,7 @@ def test_prefill_matches_dense_with_prefix(hq, hkv, d):
 def test_prefill_one_row_equals_decode():
     gen = torch.Generator().manual_seed(7)
     lens = [3, 17, 50]
-    case = make_paged_case(lens, 2, 32, 8, torch.float32, "cpu", gen)
+    case = make_paged_case(lens, 2, 32, 8, torch.float32, "cpu", gen, poison=POISON)
     q = torch.randn(3, 6, 32, generator=gen)
     cu = torch.arange(4, dtype=torch.int32)
     args = (case.k_cache, case.v_cache, case.block_tables)
@@ -83,7 +84,7 @@ def test_store_kv_accepts_strided_views():
 
 def test_bf16_reference_accumulates_in_fp32():
     gen = torch.Generator().manual_seed(3)
-    case = make_paged_case([300], 3, 64, 16, torch.bfloat16, "cpu", gen)
+    case = make_paged_case([300], 3, 64, 16, torch.bfloat16, "cpu", gen, poison=POISON)
     q = torch.randn(1, 9, 64, generator=gen).bfloat16()
     out = paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
     assert out.dtype == torch.bfloat16

@@ -174,7 +174,7 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
                         + f"[engine]\n{engine}\n[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\n"
                         f'[[tenants]]\nid = "bench"\napi_key_hashes = ["{hash_api_key(key)}"]\n')
     log = open(workdir / "server.log", "w")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(settings),
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli_serve", "--config", str(settings),
                              "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

@@ -138,3 +138,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=serve)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m server.cli_serve ...``: the serve command alone (no other CLI group is imported)."""
+    parser = argparse.ArgumentParser(prog="cipherlm")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -229,3 +229,23 @@ async def test_client_gone_before_stream_starts_frees_everything(engine, tiny_mo
         await asyncio.sleep(0.05)
     assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
     assert app.state.lifecycle.in_flight == 0
+
+
+def test_settings_file_env_and_overrides(tmp_path, monkeypatch):
+    from pydantic import ValidationError
+
+    from server.settings import Settings
+
+    path = tmp_path / "s.toml"
+    path.write_text('port = 8100\nmax_n = 4\n[limits_default]\nmax_concurrent = 3\n'
+                    '[[tenants]]\nid = "t1"\nprivacy_mode = "encrypted"\nfallback = "non_sensitive"\n')
+    monkeypatch.setenv("CIPHERLM_MAX_N", "6")
+    s = Settings.load(path, host="0.0.0.0")
+    assert (s.port, s.max_n, s.host, s.limits_default.max_concurrent) == (8100, 6, "0.0.0.0", 3)
+    assert s.tenants[0].privacy_mode.value == "encrypted" and s.tenants[0].fallback.value == "non_sensitive"
+    assert s.limits_for(s.tenants[0]).max_concurrent == 3
+    path.write_text("prot = 1\n")
+    with pytest.raises(ValidationError):
+        Settings.load(path)
+    with pytest.raises(FileNotFoundError):
+        Settings.load(tmp_path / "missing.toml")

@@ -62,9 +62,9 @@ def blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, bud
 
 def blocks_for_gpu(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
                    utilization: float) -> int:
-    """Blocks that fit in ``utilization * total`` minus the peak allocated so far (call after warm-up)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    free, _ = torch.cuda.mem_get_info(device)
+    """Blocks that fit in ``utilization * total`` minus this process's peak since the warm-up began (which
+    includes everything it already holds) minus what other processes use."""
+    free, total = torch.cuda.mem_get_info(device)
     peak = torch.cuda.max_memory_allocated(device)
     used_by_others = total - free - torch.cuda.memory_reserved(device)
     budget = int(total * utilization) - peak - max(0, used_by_others)

@@ -196,7 +196,8 @@ class LLMEngine:
                 seqs.append(seq)
         if rows != list(range(len(sampling))):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self.sampler(logits, [SamplingRow(q.params, q.request.prompt_token_ids, q.output_token_ids,
+        result = self.sampler(logits, [SamplingRow(q.params, q.request.prompt_token_ids,
+                                                   q.output_token_ids if q.params.has_penalties else [],
                                                    q.generator) for q in seqs])
         now = time.time()
         touched: dict[str, Request] = {}

@@ -83,6 +83,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """A forward of a full token budget on a scratch pool, so the peak activation memory is known."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
         t = self.config.max_num_batched_tokens
         seq_len = min(t, self.max_model_len)
         nseq = -(-t // seq_len)

@@ -94,5 +94,5 @@ class OutputProcessor:
         new_ids = out_ids[seq.num_emitted_tokens:]
         logprobs = seq.logprobs[seq.num_emitted_tokens:] if seq.params.logprobs is not None else None
         seq.num_emitted_tokens = len(out_ids)
-        return CompletionOutput(seq.index, list(out_ids), st.full[:st.emitted], delta_text, new_ids, logprobs,
+        return CompletionOutput(seq.index, out_ids, st.full[:st.emitted], delta_text, new_ids, logprobs,
                                 seq.finish_reason, seq.stop_reason)

@@ -14,6 +14,15 @@ from tests.engine.engine_helpers import random_prompts, tiny_model
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """Engines size their KV pool from free memory: free the previous test's pool first."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_fp32_gpu_engine_equals_cpu_reference(graphs):
     prompts = random_prompts([5, 17, 33, 1, 40, 64, 9], seed=1)

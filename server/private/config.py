@@ -1,0 +1,24 @@
+"""Settings of the encrypted-session service (the ``[private]`` table of the settings file)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class PrivateSettings(BaseModel):
+    """Knobs of ``/v1/private``: plan, workers, session bounds, size limits, key lifetime."""
+
+    enabled: bool = True
+    plan: str | None = Field(None, description="plan file/folder; None: the plan shipped for the default model")
+    state_dir: str | None = Field(None, description="key store, audit log, bundle cache; None: $CIPHERLM_HOME/server")
+    workers: int = Field(2, ge=1, le=64, description="worker processes for ciphertext work")
+    session_ttl_s: float = Field(900.0, gt=0, description="idle sessions are closed after this")
+    max_sessions_per_tenant: int = Field(8, ge=1)
+    max_session_tokens: int = Field(512, ge=1, description="positions one session may hold (KV cache bound)")
+    max_step_tokens: int = Field(64, ge=1, description="tokens in one step (prefill chunk)")
+    max_blob_bytes: int = Field(16 << 20, ge=1024, description="one serialized ciphertext")
+    max_step_bytes: int = Field(256 << 20, ge=1024, description="one step's body")
+    max_key_bytes: int = Field(256 << 20, ge=1024, description="one evaluation-key upload")
+    task_timeout_s: float = Field(600.0, gt=0, description="a worker task running longer is killed")
+    key_lifetime_s: float | None = Field(30 * 86400.0, gt=0, description="expiry of a registered key")
+    audit_checkpoint_every: int = Field(64, ge=1, description="records between signed checkpoints")

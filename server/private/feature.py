@@ -1,0 +1,181 @@
+"""Start and stop the encrypted-session service with the app (audit log, key registry, workers, bundle).
+
+State lives under ``private.state_dir`` (default ``$CIPHERLM_HOME/server``)::
+
+    secrets.json            0600: key-storage and pseudonym keys (created on first start)
+    audit-signing/          Ed25519 checkpoint signing key (``cipherlm audit keygen`` or first start)
+    audit/audit.log         the tamper-evident audit log (+ .checkpoints)
+    keys/registry.json      key registry state;  keys/material/  integrity-bound evaluation keys
+    bundles/<plan>.safetensors   client bundles, built once per (model, plan)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from server.audit import AuditConfig, AuditLog, Event, Outcome, Pseudonymizer, SigningKeyDir, SigningKeyError
+from server.keys import EvalKeyStorage, KeyRegistry, RegistryConfig
+from server.private.config import PrivateSettings
+from server.private.service import PrivateService
+from server.private.workers import WorkerPool
+
+log = logging.getLogger("cipherlm.private")
+MANIFEST_FORMAT = "cipherlm-private-manifest"
+MANIFEST_VERSION = 1
+SWEEP_EVERY_S = 15.0
+
+
+def state_dir(cfg: PrivateSettings) -> Path:
+    if cfg.state_dir:
+        return Path(cfg.state_dir)
+    from engine.default_model import cipherlm_home
+
+    return cipherlm_home() / "server"
+
+
+def _secrets(root: Path) -> dict[str, bytes]:
+    """The operator secrets file, created 0600 on first start."""
+    path = root / "secrets.json"
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"storage_key": secrets.token_hex(32), "pseudonym_key": secrets.token_hex(32)}, fh)
+    raw = json.loads(path.read_text())
+    return {k: bytes.fromhex(v) for k, v in raw.items()}
+
+
+def open_audit(root: Path, pseudonym_key: bytes, checkpoint_every: int) -> AuditLog:
+    """The server's audit log (signing key created on first start)."""
+    keys = SigningKeyDir(root / "audit-signing")
+    try:
+        signer = keys.load()
+    except SigningKeyError:
+        signer = keys.create()
+        log.warning("created the audit signing key in %s; publish it with `cipherlm audit publish-key`",
+                    root / "audit-signing")
+    (root / "audit").mkdir(parents=True, exist_ok=True)
+    return AuditLog.open(AuditConfig(root / "audit" / "audit.log", checkpoint_every=checkpoint_every),
+                         signer, Pseudonymizer(pseudonym_key))
+
+
+def default_plan_path() -> Path:
+    """The plan shipped for the default model."""
+    return Path(__file__).resolve().parents[2] / "fhe" / "data" / "smollm2-default-plan.json"
+
+
+def build_bundle(model_dir: Path, plan: Any, root: Path) -> tuple[Path, dict]:
+    """The client bundle for (model, plan), built once and cached; returns (path, description)."""
+    from engine.loader import load_model
+    from fhe.bundle import write_bundle
+
+    path = root / "bundles" / f"{plan.content_hash}.safetensors"
+    desc_path = path.with_suffix(".json")
+    if not path.exists() or not desc_path.exists():
+        model = load_model(model_dir)
+        plan.check_model(model)
+        tmp = path.with_suffix(".partial")
+        desc = write_bundle(model, model_dir, plan.layer_indices, plan.content_hash, tmp)
+        desc["sha256"] = hashlib.sha256(tmp.read_bytes()).hexdigest()
+        desc["size"] = tmp.stat().st_size
+        tmp.rename(path)
+        desc_path.write_text(json.dumps(desc))
+    return path, json.loads(desc_path.read_text())
+
+
+def build_manifest(model_name: str, plan: Any, bundle: dict, cfg: PrivateSettings, num_layers: int) -> dict:
+    """What a client needs to know before it generates keys and opens sessions."""
+    enc = list(plan.layer_indices)
+    return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "model": model_name,
+            "model_sha256": plan.weights_sha256, "plan_hash": plan.content_hash,
+            "plan": plan.metadata(), "ckks": dict(plan.ckks),
+            "layers": {"total": num_layers, "encrypted_attention": enc,
+                       "client": [i for i in range(num_layers)]},
+            "bundle": {"sha256": bundle["sha256"], "size": bundle["size"], "withheld": bundle["withheld"],
+                       "path": "/v1/private/bundle"},
+            "limits": {"max_session_tokens": cfg.max_session_tokens, "max_step_tokens": cfg.max_step_tokens,
+                       "max_blob_bytes": cfg.max_blob_bytes, "max_step_bytes": cfg.max_step_bytes,
+                       "max_key_bytes": cfg.max_key_bytes, "session_ttl_s": cfg.session_ttl_s}}
+
+
+class AuditFallbackRecorder:
+    """Writes each plaintext fallback of an encrypted tenant to the audit log."""
+
+    def __init__(self, audit: AuditLog) -> None:
+        self.audit = audit
+
+    def record_fallback(self, event: Any) -> None:
+        self.audit.append(Event.PLAINTEXT_FALLBACK, source="server.policy", outcome=Outcome.SUCCESS,
+                          tenant=event.tenant_id, actor=event.tenant_id, request_id=event.request_id,
+                          detail={"endpoint": event.endpoint, "reason": event.reason})
+
+
+async def start(app: Any) -> None:
+    """Bring the private service up on ``app.state`` (called from the app's lifespan)."""
+    from engine.default_model import default_model_dir
+    from fhe.plan import Plan
+
+    settings = app.state.settings
+    cfg: PrivateSettings = settings.private
+    root = state_dir(cfg)
+    keys = _secrets(root)
+    audit = open_audit(root, keys["pseudonym_key"], cfg.audit_checkpoint_every)
+    app.state.audit = audit
+    app.state.fallback_recorders.append(AuditFallbackRecorder(audit))
+    if not cfg.enabled:
+        return
+    model_dir = Path(settings.model) if settings.model else default_model_dir()
+    plan_path = Path(cfg.plan) if cfg.plan else default_plan_path()
+    plan = Plan.load(plan_path)
+    bundle_path, bundle = await asyncio.to_thread(build_bundle, model_dir, plan, root)
+    cfg_json = json.loads((model_dir / "config.json").read_text())
+    app.state.private_manifest = build_manifest(app.state.metrics.model_name, plan, bundle, cfg,
+                                                cfg_json["num_hidden_layers"])
+    app.state.private_bundle_path = bundle_path
+    pool = WorkerPool(cfg.workers, "server.private.compute:make_state",
+                      (str(model_dir), str(plan_path), cfg.max_session_tokens), task_timeout=cfg.task_timeout_s)
+    holder: dict[str, PrivateService] = {}
+    registry = KeyRegistry(
+        RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
+                       state_path=root / "keys" / "registry.json"),
+        audit, EvalKeyStorage(root / "keys" / "material", keys["storage_key"]),
+        inspect=lambda data: holder["svc"].screened_inspect(data))
+    await pool.start()
+    svc = holder["svc"] = PrivateService(cfg, plan.content_hash, plan.layer_indices, pool, registry, audit)
+    app.state.private = svc
+    app.state.private_sweeper = asyncio.create_task(_sweep_forever(svc))
+
+
+async def _sweep_forever(svc: PrivateService) -> None:
+    while True:
+        await asyncio.sleep(SWEEP_EVERY_S)
+        try:
+            await svc.sweep()
+        except Exception:  # noqa: BLE001 - a failed sweep must not end the sweeper
+            log.exception("private session sweep failed")
+
+
+async def stop(app: Any) -> None:
+    """Close sessions, workers and the audit log (final signed checkpoint)."""
+    sweeper = getattr(app.state, "private_sweeper", None)
+    if sweeper is not None:
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+    svc = getattr(app.state, "private", None)
+    if svc is not None:
+        await svc.close()
+        await svc.pool.close()
+        app.state.private = None
+    audit = getattr(app.state, "audit", None)
+    if audit is not None:
+        audit.close()
+        app.state.audit = None

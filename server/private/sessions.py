@@ -1,0 +1,89 @@
+"""Encrypted sessions as the server process tracks them (the ciphertext state lives in a worker).
+
+State machine per session (``docs/protocol.md``)::
+
+    OPEN --step(layer, [start, count])--> OPEN        positions must continue each layer's cache
+      |  (a step repeated with the same layer and positions returns the stored answer: retry-safe)
+      +--close / TTL / key revoked--> CLOSED
+      +--worker lost--> LOST (410: open a new session and replay)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import secrets
+import time
+from collections.abc import Callable
+
+
+class SessionState(str, enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+    LOST = "lost"
+
+
+@dataclasses.dataclass
+class Session:
+    """One tenant's encrypted session, pinned to one worker."""
+
+    id: str
+    tenant: str
+    key_id: str
+    key_version: int
+    fingerprint: str
+    worker: int
+    created: float
+    last_used: float
+    lease: object | None = None
+    state: SessionState = SessionState.OPEN
+    next_position: dict[int, int] = dataclasses.field(default_factory=dict)
+    last_step: dict[int, tuple[tuple[int, int], bytes]] = dataclasses.field(default_factory=dict)
+    nbytes: int = 0
+    reason: str = ""
+
+    def expected(self, layer: int) -> int:
+        return self.next_position.get(layer, 0)
+
+
+class SessionTable:
+    """Sessions by id with per-tenant counts and TTL; time is injected."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self._clock = ttl_s, clock
+        self._sessions: dict[str, Session] = {}
+
+    def new_id(self) -> str:
+        return "ps_" + secrets.token_urlsafe(18)
+
+    def add(self, s: Session) -> None:
+        self._sessions[s.id] = s
+
+    def get(self, sid: str) -> Session | None:
+        return self._sessions.get(sid)
+
+    def remove(self, sid: str) -> Session | None:
+        return self._sessions.pop(sid, None)
+
+    def count(self, tenant: str) -> int:
+        return sum(1 for s in self._sessions.values() if s.tenant == tenant and s.state is SessionState.OPEN)
+
+    def touch(self, s: Session) -> None:
+        s.last_used = self._clock()
+
+    def now(self) -> float:
+        return self._clock()
+
+    def expired(self) -> list[Session]:
+        now = self._clock()
+        return [s for s in self._sessions.values() if now - s.last_used > self.ttl_s]
+
+    def on_worker(self, worker: int) -> list[Session]:
+        return [s for s in self._sessions.values() if s.worker == worker and s.state is SessionState.OPEN]
+
+    def with_key(self, tenant: str, key_id: str, version: int) -> list[Session]:
+        return [s for s in self._sessions.values()
+                if (s.tenant, s.key_id, s.key_version) == (tenant, key_id, version)]
+
+    def __len__(self) -> int:
+        return len(self._sessions)

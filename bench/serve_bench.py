@@ -136,19 +136,20 @@ def summarize(users: int, results: list[RequestResult], wall: float) -> dict:
     itl = [g * 1e3 for r in ok for g in r.itl]
     return {"users": users, "requests": len(results), "failed": len(results) - len(ok), "wall_s": wall,
             "req_per_s": len(ok) / wall, "out_tok_per_s": sum(r.output_tokens for r in ok) / wall,
-            **{f"{name}_p{q}_ms": _pct(vals, q) for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl))
-               for q in (50, 99)},
+            **{f"{name}_p{q}_ms": _pct(vals, q)
+               for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)) for q in (50, 99)},
             "errors": sorted({r.error for r in results if not r.ok})[:3]}
 
 
 def markdown(rows: list[dict]) -> str:
     """The results as a markdown table."""
-    head = ("| users | requests | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 |\n"
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    head = ("| users | requests | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
+            "| ITL p50 | ITL p99 |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
-        lines.append(f"| {r['users']} | {r['requests'] - r['failed']} | {r['req_per_s']:.2f} | {r['out_tok_per_s']:.1f} "
-                     f"| {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} "
+        lines.append(f"| {r['users']} | {r['requests'] - r['failed']} | {r['req_per_s']:.2f} "
+                     f"| {r['out_tok_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} "
+                     f"| {r['tpot_p50_ms']:.1f} "
                      f"| {r['tpot_p99_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} |")
     return "\n".join(lines) + "\n\n(latencies in ms)"
 
@@ -171,7 +172,8 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
     settings = workdir / "bench-settings.toml"
     settings.write_text(f'host = "127.0.0.1"\nport = {port}\n'
                         + (f'model = "{args.model}"\n' if args.model else "")
-                        + f"[engine]\n{engine}\n[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\n"
+                        + f"[engine]\n{engine}\n"
+                        + "[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\n"
                         f'[[tenants]]\nid = "bench"\napi_key_hashes = ["{hash_api_key(key)}"]\n')
     log = open(workdir / "server.log", "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen([sys.executable, "-m", "server.cli_serve", "--config", str(settings),
@@ -212,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="engine device when the script starts the server")
     p.add_argument("--threads", type=int, help="torch threads of the server's engine (CPU)")
     p.add_argument("--users", type=int, nargs="+", default=[1, 8, 32], help="max requests in flight")
-    p.add_argument("--request-rate", type=float, default=16.0, help="Poisson arrival rate (req/s; inf = none)")
+    p.add_argument("--request-rate", type=float, default=16.0,
+                   help="Poisson arrival rate (req/s; inf = back-to-back)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per level")
     p.add_argument("--input-len", type=int, default=100, help="prompt words (~1.2 tokens each)")
     p.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
@@ -233,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.terminate()
                 proc.wait(60)
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+        record = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+        args.json.write_text(json.dumps(record, indent=2))
     print(markdown(rows))
     return 0
 

@@ -100,8 +100,8 @@ class BaseClient:
         default_headers: sent with every request.
     """
 
-    def __init__(self, api_key: str | None = None, base_url: str | None = None, *, timeout: Timeout | None = None,
-                 max_retries: int = 2, privacy: ClientPrivacy = "plaintext",
+    def __init__(self, api_key: str | None = None, base_url: str | None = None, *,
+                 timeout: Timeout | None = None, max_retries: int = 2, privacy: ClientPrivacy = "plaintext",
                  default_headers: dict[str, str] | None = None) -> None:
         self.api_key = api_key or os.environ.get("CIPHERLM_API_KEY")
         if not self.api_key:
@@ -119,9 +119,10 @@ class BaseClient:
     def _plaintext_headers(self, non_sensitive: bool) -> dict[str, str]:
         """Headers of a plaintext inference call (the privacy seam)."""
         if self.privacy == "encrypted" and not non_sensitive:
-            raise PrivacyModeError("this client is in 'encrypted' mode: plaintext completions would reveal the "
-                                   "prompt to the server. Use PrivateClient, or pass non_sensitive=True for a "
-                                   "request your tenant's policy allows to fall back to plaintext.")
+            raise PrivacyModeError(
+                "this client is in 'encrypted' mode: plaintext completions would reveal the prompt to the "
+                "server. Use PrivateClient, or pass non_sensitive=True for a request your tenant's policy "
+                "allows to fall back to plaintext.")
         return {SENSITIVITY_HEADER: "non-sensitive"} if non_sensitive else {}
 
     @staticmethod

@@ -160,9 +160,10 @@ class Completions:
         ``non_sensitive=True`` marks the request non-sensitive (an encrypted tenant whose policy allows it
         is then served in plaintext, and the fallback is recorded). ``top_k`` is a cipherlm/vLLM extra.
         """
-        params = _params(model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                         n=n, stop=stop, seed=seed, logprobs=logprobs, presence_penalty=presence_penalty,
-                         frequency_penalty=frequency_penalty, stream=stream or None,
+        params = _params(model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                         top_k=top_k, n=n, stop=stop, seed=seed, logprobs=logprobs,
+                         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                         stream=stream or None,
                          stream_options={"include_usage": True} if stream and include_usage else None)
         return _call(self._client, "/v1/completions", completion_body(prompt, params, extra_body),
                      non_sensitive, stream, Completion.from_dict)
@@ -182,8 +183,8 @@ class ChatCompletions:
                stream: bool = False, include_usage: bool = False, non_sensitive: bool = False,
                extra_body: dict[str, Any] | None = None) -> ChatCompletion | Stream[ChatCompletionChunk]:
         """Answer a chat; with ``stream=True`` return a :class:`Stream` of chunks (see Completions.create)."""
-        params = _params(model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                         n=n, stop=stop, seed=seed, logprobs=logprobs, top_logprobs=top_logprobs,
+        params = _params(model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                         top_k=top_k, n=n, stop=stop, seed=seed, logprobs=logprobs, top_logprobs=top_logprobs,
                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                          stream=stream or None,
                          stream_options={"include_usage": True} if stream and include_usage else None)
@@ -238,8 +239,8 @@ class AsyncClient(BaseClient):
         """The calling tenant's privacy mode, fallback policy and limits."""
         return TenantInfo.from_dict(self._json(await self._request("GET", "/v1/tenant")))
 
-    async def _request(self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
-                       stream: bool = False) -> httpx.Response:
+    async def _request(self, method: str, path: str, *, json: Any = None,
+                       headers: dict[str, str] | None = None, stream: bool = False) -> httpx.Response:
         attempt = 0
         while True:
             try:
@@ -288,7 +289,8 @@ class AsyncCompletions:
 
     async def create(self, *, prompt: str | list[str] | list[int] | list[list[int]], stream: bool = False,
                      include_usage: bool = False, non_sensitive: bool = False,
-                     extra_body: dict[str, Any] | None = None, **params: Any) -> Completion | AsyncStream[Completion]:
+                     extra_body: dict[str, Any] | None = None,
+                     **params: Any) -> Completion | AsyncStream[Completion]:
         """Same arguments as :meth:`Completions.create`."""
         params.update(stream=stream or None,
                       stream_options={"include_usage": True} if stream and include_usage else None)
@@ -302,8 +304,9 @@ class AsyncChatCompletions:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def create(self, *, messages: Iterable[dict[str, Any]], stream: bool = False, include_usage: bool = False,
-                     non_sensitive: bool = False, extra_body: dict[str, Any] | None = None,
+    async def create(self, *, messages: Iterable[dict[str, Any]], stream: bool = False,
+                     include_usage: bool = False, non_sensitive: bool = False,
+                     extra_body: dict[str, Any] | None = None,
                      **params: Any) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
         """Same arguments as :meth:`ChatCompletions.create`."""
         params.update(stream=stream or None,

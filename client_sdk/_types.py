@@ -44,8 +44,8 @@ class Usage:
     @classmethod
     def from_dict(cls, d: dict) -> Usage:
         details = d.get("prompt_tokens_details") or {}
-        return cls(_req(d, "prompt_tokens", int), _req(d, "completion_tokens", int), _req(d, "total_tokens", int),
-                   PromptTokensDetails(int(details.get("cached_tokens") or 0)))
+        return cls(_req(d, "prompt_tokens", int), _req(d, "completion_tokens", int),
+                   _req(d, "total_tokens", int), PromptTokensDetails(int(details.get("cached_tokens") or 0)))
 
 
 def _usage(d: dict) -> Usage | None:

@@ -65,7 +65,8 @@ class _ServingMiddleware:
         limit = self.state.settings.max_request_bytes
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
-            await error_response(RequestTooLargeError(f"request body over {limit} bytes"))(scope, receive, send)
+            too_large = RequestTooLargeError(f"request body over {limit} bytes")
+            await error_response(too_large)(scope, receive, send)
             return
         tracked = not path.startswith(_UNTRACKED)
         status = {"code": 500}
@@ -140,7 +141,8 @@ def _attach_engine(app: FastAPI, engine: Any) -> None:
 
 
 def create_app(settings: Settings, engine: Any = None, *, routers: Iterable[APIRouter] = (),
-               fallback_recorders: Iterable[FallbackRecorder] = (), limits: LimitRegistry | None = None) -> FastAPI:
+               fallback_recorders: Iterable[FallbackRecorder] = (),
+               limits: LimitRegistry | None = None) -> FastAPI:
     """The cipherlm HTTP app.
 
     Args:

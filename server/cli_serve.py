@@ -46,7 +46,8 @@ def write_demo_settings(path: Path) -> dict[str, str]:
     from server.tenants import generate_api_key, hash_api_key
 
     keys = {"demo-plaintext": generate_api_key(), "demo-encrypted": generate_api_key()}
-    text = DEMO_TEMPLATE.format(secret=secrets.token_urlsafe(32), plain_hash=hash_api_key(keys["demo-plaintext"]),
+    text = DEMO_TEMPLATE.format(secret=secrets.token_urlsafe(32),
+                                plain_hash=hash_api_key(keys["demo-plaintext"]),
                                 enc_hash=hash_api_key(keys["demo-encrypted"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -75,7 +76,8 @@ def load_settings(args: argparse.Namespace):
     from server.settings import Settings
 
     path = _settings_path(args)
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("model", args.model)) if v is not None}
+    given = (("host", args.host), ("port", args.port), ("model", args.model))
+    overrides = {k: v for k, v in given if v is not None}
     settings = Settings.load(path, **overrides)
     print(f"cipherlm: settings {path} ({len(settings.tenants)} tenants)", flush=True)
     return settings

@@ -126,7 +126,8 @@ def from_engine_error(exc: Exception) -> APIError:
     from engine.errors import InvalidRequestError as EngineInvalidRequest
 
     if isinstance(exc, EngineOverloadedError):
-        return RateLimitError(f"server overloaded: {exc}", retry_after=exc.retry_after, code="engine_overloaded")
+        return RateLimitError(f"server overloaded: {exc}", retry_after=exc.retry_after,
+                              code="engine_overloaded")
     if isinstance(exc, EngineInvalidRequest):
         return InvalidRequestError(str(exc))
     return APIError(f"engine error: {exc}")
@@ -142,7 +143,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     if exc.status_code >= 500:
         kind = "server_error"
     return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,

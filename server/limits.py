@@ -102,7 +102,8 @@ class TenantLimiter:
         if tokens > limit:
             raise InvalidRequestError(
                 f"this request needs {tokens} tokens (prompt + n * max_tokens) but the tenant's limit is "
-                f"{limit} tokens per minute; lower max_tokens or n", param="max_tokens", code="request_too_large")
+                f"{limit} tokens per minute; lower max_tokens or n",
+                param="max_tokens", code="request_too_large")
         with self._lock:
             wait = self._tokens.take(tokens, self._clock())
         if wait:

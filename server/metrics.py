@@ -82,8 +82,8 @@ class ServerMetrics:
                                        labels + ["finished_reason"], registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", labels, registry=r)
-        self.cached_tokens = Counter(PREFIX + "prefix_cache_hit_tokens", "Prompt tokens from the prefix cache",
-                                     labels, registry=r)
+        self.cached_tokens = Counter(PREFIX + "prefix_cache_hit_tokens",
+                                     "Prompt tokens from the prefix cache", labels, registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between streamed tokens", labels,
@@ -92,8 +92,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.http_requests = Counter(PREFIX + "http_requests", "HTTP responses", ["endpoint", "status"],
                                      registry=r)
-        self.rate_limited = Counter(PREFIX + "rate_limited", "Requests refused by a limit", ["tenant", "limit"],
-                                    registry=r)
+        self.rate_limited = Counter(PREFIX + "rate_limited", "Requests refused by a limit",
+                                    ["tenant", "limit"], registry=r)
         self.fallbacks = Counter(PREFIX + "plaintext_fallback", "Encrypted-mode requests served in plaintext",
                                  ["tenant"], registry=r)
 

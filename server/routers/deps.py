@@ -30,7 +30,7 @@ def get_metrics(request: Request) -> ServerMetrics:
 
 
 def ensure_admitting(request: Request, settings: SettingsDep) -> None:
-    """503 + Retry-After once the server drains (SIGTERM): in-flight requests finish, new ones go elsewhere."""
+    """503 + Retry-After once the server drains (SIGTERM): in-flight requests finish, new ones go away."""
     if request.app.state.lifecycle.draining:
         raise ServiceUnavailableError("the server is shutting down; retry on another replica",
                                       retry_after=settings.retry_after_s, code="server_draining")

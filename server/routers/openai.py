@@ -115,7 +115,8 @@ def _check_model(body: CompletionRequest | ChatCompletionRequest, settings: Sett
     return name
 
 
-def _tokenize(body: CompletionRequest | ChatCompletionRequest, engine: Any, settings: Settings) -> list[list[int]]:
+def _tokenize(body: CompletionRequest | ChatCompletionRequest, engine: Any,
+              settings: Settings) -> list[list[int]]:
     """Prompt token ids, one list per prompt (chat: the rendered template)."""
     tok = engine.tokenizer
     if isinstance(body, ChatCompletionRequest):
@@ -150,7 +151,8 @@ def _max_tokens(body: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
     value = requested if requested is not None else max(1, default)
     cap = tenant.limits.max_tokens
     if cap is not None and value > cap:
-        raise InvalidRequestError(f"max_tokens {value} exceeds this tenant's limit of {cap}", param="max_tokens")
+        raise InvalidRequestError(f"max_tokens {value} exceeds this tenant's limit of {cap}",
+                                  param="max_tokens")
     return value
 
 
@@ -161,7 +163,8 @@ def _check_context(prompts: list[list[int]], max_tokens: int, tenant: Tenant, en
     longest = max(len(p) for p in prompts)
     if longest + max_tokens > limit:
         raise InvalidRequestError(
-            f"this model's context is {limit} tokens; the prompt has {longest} and max_tokens is {max_tokens}",
+            f"this model's context is {limit} tokens; the prompt has {longest} "
+            f"and max_tokens is {max_tokens}",
             param="max_tokens", code="context_length_exceeded")
 
 
@@ -174,7 +177,8 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
         return SamplingParams(
-            n=body.n, max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            n=body.n, max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
             min_p=body.min_p, repetition_penalty=body.repetition_penalty,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=body.seed,

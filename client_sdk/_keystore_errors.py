@@ -1,6 +1,6 @@
 """Exceptions raised by :mod:`client_sdk.keystore`.
 
-Hierarchy::
+Hierarchy (``KeyStoreError`` derives from the SDK's base, :class:`client_sdk._exceptions.CipherlmError`)::
 
     KeyStoreError
     ├── InvalidKeyStoreAccess    wrong passphrase, or a key/index/log file edited, moved or swapped:
@@ -9,15 +9,14 @@ Hierarchy::
     ├── KeyStorePermissionError  the store's files are readable by group/others (chmod 600/700)
     ├── KeyStoreNotFoundError    no such key id / version, or no store at the path
     └── KeyUnusableError         the version was destroyed, or its rotation grace window ended
-
-The SDK-wide hierarchy (``client_sdk/_exceptions.py``) did not exist when this was written; when
-it does, ``KeyStoreError`` should derive from its base class (one-line change here).
 """
 
 from __future__ import annotations
 
+from ._exceptions import CipherlmError
 
-class KeyStoreError(Exception):
+
+class KeyStoreError(CipherlmError):
     """Base class of every key-store error."""
 
 

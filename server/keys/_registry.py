@@ -20,9 +20,19 @@ from typing import Any
 
 from server.audit import AuditError, AuditLog, Event, Outcome
 
-from ._errors import (KeyAuditError, KeyCancelledError, KeyExistsError, KeyIntegrityError, KeyNotFoundError,
-                      KeyNotUsableError, KeyStateError, KeyTooLargeError, MalformedKeyError,
-                      SecretKeyUploadError, UploadRefusedError)
+from ._errors import (
+    KeyAuditError,
+    KeyCancelledError,
+    KeyExistsError,
+    KeyIntegrityError,
+    KeyNotFoundError,
+    KeyNotUsableError,
+    KeyStateError,
+    KeyTooLargeError,
+    MalformedKeyError,
+    SecretKeyUploadError,
+    UploadRefusedError,
+)
 from ._screen import EvalKeyInfo, Inspection, screen_evaluation_key, tenseal_inspect
 from ._states import KeyState, can_transition
 from ._storage import EvalKeyStorage
@@ -377,6 +387,10 @@ class KeyRegistry:
             self._leases.get((lease.record.tenant, lease.record.key_id, lease.record.version), set()).discard(lease)
 
     # -- queries -------------------------------------------------------------------------------
+    def now(self) -> float:
+        """The registry's clock (callers computing ``expires_at`` should use this one)."""
+        return self._clock()
+
     def get(self, tenant: str, key_id: str, version: int | None = None) -> KeyRecord:
         """A copy of one version's metadata (``None``: the primary, i.e. newest, version)."""
         with self._lock:

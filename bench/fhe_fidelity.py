@@ -40,6 +40,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--quad-steps", type=int, default=100, help="Adam steps per layer (2quad distillation)")
     ap.add_argument("--default-plan", action="store_true",
                     help="use the shipped default plan as 'sqexp calibrated' instead of fitting here")
+    ap.add_argument("--extra-plan", action="append", default=[], metavar="NAME=PATH",
+                    help="also evaluate a saved plan (repeatable)")
+    ap.add_argument("--skip-2quad", action="store_true", help="leave out the 2quad variants")
     ap.add_argument("--verify-greedy", type=int, default=3, help="prompts decoded for real per variant check")
     return ap.parse_args()
 
@@ -98,7 +101,8 @@ def main() -> None:
     plens = [len(tok.apply_chat_template([{"role": "user", "content": p}])) for p in ev_prompts]
     plain = [sequence_logits(model, ids, None) for ids in seqs]
     answer = sum(len(s) - p for s, p in zip(seqs, plens, strict=True))
-    print(f"evaluation: {len(seqs)} held-out prompts, {answer} answer positions ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"evaluation: {len(seqs)} held-out prompts, {answer} answer positions "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
     t0 = time.perf_counter()
     cal = chat_corpus(model, tok, load_prompts("calibration")[:args.cal_prompts], args.cal_new_tokens)
     data = collect(model, cal, layers)
@@ -114,15 +118,21 @@ def main() -> None:
     if args.default_plan:
         plan = load_default_plan()
         plan.check_model(model)
-        variants.append(("sqexp R=6 calibrated (shipped plan)", plan, 0.0))
+        variants.append((f"sqexp R=6 calibrated (shipped plan {plan.content_hash[:12]})", plan, 0.0))
     else:
         variants.append(("sqexp R=6 calibrated (scale+shift)", *fit_plan(
             model, data, layers, CalibrationConfig(layers, "sqexp", steps=args.steps), "sqexp-cal")))
-    variants.append(("2quad uncalibrated (c=5)", *fit_plan(
-        model, data, layers, CalibrationConfig(layers, "2quad", fit=False), "2quad-uncal")))
-    variants.append(("2quad distilled (a,b,Wq,Wk,Wv,Wo)", *fit_plan(
-        model, data, layers, CalibrationConfig(layers, "2quad", distill_weights=True, steps=args.quad_steps),
-        "2quad-distilled")))
+    for spec in args.extra_plan:
+        name, _, path = spec.partition("=")
+        plan = Plan.load(path)
+        plan.check_model(model)
+        variants.append((f"{name} (plan {plan.content_hash[:12]})", plan, 0.0))
+    if not args.skip_2quad:
+        variants.append(("2quad uncalibrated (c=5)", *fit_plan(
+            model, data, layers, CalibrationConfig(layers, "2quad", fit=False), "2quad-uncal")))
+        variants.append(("2quad distilled (a,b,Wq,Wk,Wv,Wo)", *fit_plan(
+            model, data, layers, CalibrationConfig(layers, "2quad", distill_weights=True,
+                                                   steps=args.quad_steps), "2quad-distilled")))
 
     rows = []
     for name, plan, secs in variants:

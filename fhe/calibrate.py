@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.model import DenseKVCache, LlamaForCausalLM, apply_rope, greedy_generate
+from engine.model import DenseKVCache, LlamaForCausalLM, apply_rope
 from fhe.approx import SQEXP_MAX_BOUND_FRACTION, ScoreApprox, score_map
 from fhe.plan import LayerPlan, Plan, PlanError, model_fingerprint
 
@@ -52,6 +52,9 @@ class CalibrationConfig:
         weight_lr: learning rate of the distilled weights.
         margin: bound = margin * observed max |a s + b|.
         quad_shift: 2Quad's uncalibrated c in (s + c)^2 (MPCFormer uses 5).
+        min_denominator: sqexp: penalize rows whose denominator z falls below this (0 = off); a small z
+            amplifies CKKS noise in the client's division.
+        max_x: sqexp: penalize a s + b above this (p = (1+x/2^R)^(2^R) must fit CKKS headroom).
         num_prompts: calibration prompts used (from the shipped list).
         max_new_tokens: tokens the model generates per prompt.
         seed: torch seed (generation is greedy; this seeds the optimizer's world).
@@ -67,6 +70,8 @@ class CalibrationConfig:
     weight_lr: float = 2e-4
     margin: float = 1.25
     quad_shift: float = 5.0
+    min_denominator: float = 0.0
+    max_x: float = 10.0
     num_prompts: int = 32
     max_new_tokens: int = 24
     seed: int = 0
@@ -93,14 +98,17 @@ def load_prompts(name: str) -> list[str]:
     return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
 
 
-def chat_corpus(model: LlamaForCausalLM, tokenizer, prompts: list[str],
-                max_new_tokens: int) -> list[list[int]]:
+def chat_corpus(model: LlamaForCausalLM, tokenizer, prompts: list[str], max_new_tokens: int,
+                batch_size: int = 16) -> list[list[int]]:
     """Each prompt in the chat template followed by the model's own greedy answer (token ids)."""
+    from fhe.simulator import batched_greedy
+
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else None
     seqs = []
-    for text in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else None
-        seqs.append(ids + greedy_generate(model, ids, max_new_tokens, eos))
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i:i + batch_size]
+        ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in batch]
+        seqs += [p + a for p, a in zip(ids, batched_greedy(model, ids, max_new_tokens, eos), strict=True)]
     return seqs
 
 
@@ -258,9 +266,12 @@ def _optimize(fit: BlockFit, data: LayerData, cfg: CalibrationConfig) -> list[fl
             cached = fit.affine(data.x)
     losses = []
     for _ in range(cfg.steps):
-        out, s, mask, _ = fit(data.x, cached)
+        out, s, mask, z = fit(data.x, cached)
         loss = rel_mse(out, data.target, data.valid)
-        total = loss + _range_penalty(fit.x_range(s, mask, data.valid), cap)
+        total = loss + _range_penalty(fit.x_range(s, mask, data.valid), cap, cfg)
+        if cfg.min_denominator > 0:
+            zv = z.transpose(1, 2)[data.valid]                          # [N, Hq]
+            total = total + torch.relu(math.log(cfg.min_denominator) - zv.log()).pow(2).mean()
         opt.zero_grad()
         total.backward()
         opt.step()
@@ -268,9 +279,11 @@ def _optimize(fit: BlockFit, data: LayerData, cfg: CalibrationConfig) -> list[fl
     return losses
 
 
-def _range_penalty(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """Mean squared excess of |x| over ``cap`` (0 when there is no cap)."""
-    return torch.relu(x.abs() - cap).pow(2).mean() if math.isfinite(cap) else x.new_zeros(())
+def _range_penalty(x: torch.Tensor, cap: float, cfg: CalibrationConfig) -> torch.Tensor:
+    """Mean squared excess of |x| over ``cap`` and of x over ``cfg.max_x`` (sqexp only)."""
+    if not math.isfinite(cap):
+        return x.new_zeros(())
+    return torch.relu(x.abs() - cap).pow(2).mean() + torch.relu(x - cfg.max_x).pow(2).mean()
 
 
 def _adjusted_weights(fit: BlockFit) -> dict[str, torch.Tensor]:
@@ -307,10 +320,12 @@ def calibrate(model: LlamaForCausalLM, tokenizer, cfg: CalibrationConfig, model_
         raise CalibrationError(f"score range of layers {bad} does not fit {cfg.kind} with R={cfg.squarings} "
                                f"(bound must be <= {cfg.max_bound:g}); encrypt other layers or raise R")
     meta = {"kind": cfg.kind, "fit": cfg.fit, "distill_weights": cfg.distill_weights, "steps": cfg.steps,
+            "min_denominator_target": cfg.min_denominator, "max_x": cfg.max_x,
             "seed": cfg.seed, "margin": cfg.margin, "num_sequences": len(seqs),
             "num_positions": sum(map(len, seqs)), "max_new_tokens": cfg.max_new_tokens,
             "prompts": "fhe/data/calibration_prompts.txt",
-            "layers": [{k: v for k, v in i.items() if k != "seconds"} for i in infos]}  # hash stays reproducible
+            # no timings: the same inputs give the same plan hash
+            "layers": [{k: v for k, v in i.items() if k != "seconds"} for i in infos]}
     ckks = ckks_params_dict(cfg.kind, cfg.squarings) if ckks is None else ckks
     return Plan(model_id, model_fingerprint(model), tuple(layer_plans), ckks, _created_by(), meta)
 

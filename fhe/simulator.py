@@ -239,3 +239,66 @@ def simulated_greedy(model: LlamaForCausalLM, plan: Plan, prompt_ids: list[int],
             break
         ids, pos = torch.tensor([nxt]), torch.tensor([backend.length])
     return out
+
+
+class BatchedBackend:
+    """Several sequences in one flat batch, each with its own dense K/V cache (for batched greedy).
+
+    ``plan`` None = exact attention everywhere; else the plan's maps in its layers, like
+    :class:`SimulatedBackend`. Set :attr:`lengths` (new tokens per sequence, in batch order) before a
+    forward pass; the caches grow by those tokens.
+    """
+
+    def __init__(self, num_seqs: int, plan: Plan | None = None) -> None:
+        self.caches: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(num_seqs)]
+        self.approx = {} if plan is None else {lp.index: lp.approx for lp in plan.layers}
+        self.lengths: list[int] = []
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (sequences concatenated) -> [T, Hq, D]."""
+        outs, off = [], 0
+        for cache, n in zip(self.caches, self.lengths, strict=True):
+            kk, vv = k[off:off + n], v[off:off + n]
+            if layer in cache:
+                kk, vv = torch.cat([cache[layer][0], kk]), torch.cat([cache[layer][1], vv])
+            cache[layer] = (kk, vv)
+            start = kk.shape[0] - n
+            if layer in self.approx:
+                outs.append(approx_attention(q[off:off + n], kk, vv, start, self.approx[layer]))
+            else:
+                outs.append(causal_attention(q[off:off + n], kk, vv, start))
+            off += n
+        return torch.cat(outs)
+
+
+@torch.inference_mode()
+def batched_greedy(model: LlamaForCausalLM, prompts: list[list[int]], max_new_tokens: int,
+                   stop_ids: set[int] | None = None, plan: Plan | None = None) -> list[list[int]]:
+    """Greedy answers to several prompts at once (exact, or with ``plan`` simulated).
+
+    The projections and MLPs run on all sequences' tokens together (one weight pass per step instead of
+    one per sequence); attention stays per sequence. Token-for-token the same as
+    :func:`engine.model.greedy_generate` up to float rounding of the batched matmuls.
+    """
+    backend = BatchedBackend(len(prompts), plan)
+    outs: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    ids = [list(p) for p in prompts]
+    for _ in range(max_new_tokens):
+        backend.lengths = [len(ids[i]) for i in live]
+        pos = torch.cat([torch.arange(len(prompts[i]) + len(outs[i]) - len(ids[i]),
+                                      len(prompts[i]) + len(outs[i])) for i in live])
+        h = model(torch.tensor([t for i in live for t in ids[i]]), pos, backend)
+        last = torch.tensor(backend.lengths).cumsum(0) - 1
+        nxt = model.logits(h[last]).argmax(-1).tolist()
+        keep = []
+        for j, (i, tok) in enumerate(zip(live, nxt, strict=True)):
+            outs[i].append(tok)
+            ids[i] = [tok]
+            if not (stop_ids and tok in stop_ids):
+                keep.append(j)
+        backend.caches = [backend.caches[j] for j in keep]
+        live = [live[j] for j in keep]
+        if not live:
+            break
+    return outs

@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--prompts", type=int, default=32, help="calibration prompts to use")
     cal.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt")
     cal.add_argument("--margin", type=float, default=1.25, help="bound = margin * observed max |a s + b|")
+    cal.add_argument("--min-denominator", type=float, default=0.0,
+                     help="sqexp: push each row's z = sum_j p above this (CKKS noise in the division)")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--model-id", default=None, help="name recorded in the plan (default: folder name)")
     cal.add_argument("--out", required=True, help="plan folder, or a .json file when no weights are adjusted")
@@ -52,14 +54,15 @@ def _calibrate(args: argparse.Namespace) -> int:
         cfg = CalibrationConfig(layers=tuple(int(v) for v in args.layers.split(",")), kind=args.approx,
                                 squarings=args.squarings, fit=not args.no_fit,
                                 distill_weights=args.distill_weights, steps=args.steps, margin=args.margin,
-                                num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed)
+                                num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                min_denominator=args.min_denominator)
     except ValueError as exc:
         print(f"cipherlm: error: {exc}", file=sys.stderr)
         return 2
     path, model, tok = _load_model_and_tokenizer(args.model)
     start = time.perf_counter()
     try:
-        plan = calibrate(model, tok, cfg, args.model_id or path.stem)
+        plan = calibrate(model, tok, cfg, args.model_id or path.stem, log=lambda m: print(m, flush=True))
         out = plan.save(args.out)
     except PlanError as exc:
         print(f"cipherlm: error: {exc}", file=sys.stderr)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fhe.calibrate import CalibrationConfig, CalibrationError, calibrate, collect, fit_layer, load_prompts
-from fhe.plan import Plan
+from fhe.plan import Plan, load_default_plan
 from fhe.simulator import sequence_logits, simulated_model
 from tests.fhe.test_simulator import tiny_model
 
@@ -77,8 +77,8 @@ def test_2quad_distillation_improves_and_round_trips(tmp_path):
     corpus = _corpus(seed=1)
     base = calibrate(model, None, CalibrationConfig((1,), "2quad", fit=False), "tiny", corpus=corpus,
                      log=lambda _: None)
-    dist = calibrate(model, None, CalibrationConfig((1,), "2quad", distill_weights=True, steps=40,
-                                                    weight_lr=3e-3), "tiny", corpus=corpus, log=lambda _: None)
+    cfg = CalibrationConfig((1,), "2quad", distill_weights=True, steps=40, weight_lr=3e-3)
+    dist = calibrate(model, None, cfg, "tiny", corpus=corpus, log=lambda _: None)
     i0, i1 = base.calibration["layers"][0], dist.calibration["layers"][0]
     assert i1["rel_mse"] < 0.5 * i0["rel_mse"]
     assert set(dist.layer(1).weights) >= {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
@@ -105,7 +105,7 @@ def test_cli_plan_info(tmp_path, capsys):
     assert main(["fhe", "plan-info", "default"]) == 0
     assert "layer 2: sqexp" in capsys.readouterr().out
     bad = tmp_path / "bad.json"
-    doc = json.loads(Plan.load(__import__("fhe.plan", fromlist=["x"]).default_plan_path()).save(bad).read_text())
+    doc = json.loads(load_default_plan().save(bad).read_text())
     doc["layers"][0]["approx"]["shift"][0] += 1.0
     bad.write_text(json.dumps(doc))
     assert main(["fhe", "plan-info", str(bad)]) == 2

@@ -65,7 +65,7 @@ def verify_checkpoint_signature(body: dict[str, Any], sig: str, keys: dict[str, 
     """None if ``sig`` is valid under the key named by ``body['key_id']``, else the reason."""
     key = keys.get(body.get("key_id", ""))
     if key is None:
-        return f"signed by key {body.get('key_id')!r}, which is not among the given public keys"
+        return f"signed by key {body.get('key_id')}, which is not among the given public keys"
     try:
         key.verify(base64.b64decode(sig, validate=True), checkpoint_message(body))
     except (InvalidSignature, binascii.Error, ValueError):

@@ -9,7 +9,7 @@ Hierarchy (HTTP mapping for the key endpoints in brackets)::
     ├── KeyNotUsableError       key is not ACTIVE (expired, revoked, suspended, ...)    [403]
     │   └── KeyCancelledError   an in-flight lease was cancelled by a revocation       [409]
     ├── UploadRefusedError      the uploaded evaluation key was refused                 [4xx]
-    │   ├── SecretKeyUploadError  it carries a secret key (audited, nothing stored)    [422]
+    │   ├── SecretKeyUploadError  it carries a secret key (audited, nothing stored)    [403]
     │   ├── KeyTooLargeError      larger than the configured limit (checked first)     [413]
     │   └── MalformedKeyError     not a parsable evaluation key                        [400]
     ├── KeyIntegrityError       stored material altered or moved to another tenant     [500, audited]

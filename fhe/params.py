@@ -19,9 +19,12 @@ from fhe.errors import ParameterError
 HE_STANDARD_128: dict[int, int] = {1024: 27, 2048: 54, 4096: 109, 8192: 218, 16384: 438, 32768: 881}
 #: Encrypted block layouts use 64 bands of head dims; 8192 slots is the smallest that fits SmolLM2.
 MIN_RING = 16384
-#: Bits of headroom between the first (last-level) prime and the scale: final values stay below 2^19.
-EDGE_HEADROOM_BITS = 20
-MIN_SCALE_BITS, MAX_SCALE_BITS = 30, 40
+#: First prime = scale + this: at the last level the block's outputs must stay below 2^(this - 1).
+#: (Not more: SEAL's key-switching noise grows as first prime / special prime, see docs/fhe.md.)
+FIRST_PRIME_HEADROOM_BITS = 18
+SPECIAL_PRIME_BITS = 60
+#: Below ~2^36 the block's error exceeds 1e-3 (measured: 2^30 -> 5e-3, 2^40 -> 3e-4 on SmolLM2).
+MIN_SCALE_BITS, MAX_SCALE_BITS = 36, 40
 #: Levels spent outside the softmax replacement: projection, repack/RoPE, q.k, x V, x Wo.
 BASE_DEPTH = 5
 
@@ -44,7 +47,8 @@ class CKKSParams:
         object.__setattr__(self, "coeff_mod_bit_sizes", tuple(int(b) for b in self.coeff_mod_bit_sizes))
         n = self.poly_modulus_degree
         if n not in HE_STANDARD_128:
-            raise ParameterError(f"poly_modulus_degree {n} not in the 128-bit table {sorted(HE_STANDARD_128)}")
+            raise ParameterError(f"poly_modulus_degree {n} not in the 128-bit table "
+                                 f"{sorted(HE_STANDARD_128)}")
         if len(self.coeff_mod_bit_sizes) < 3:
             raise ParameterError("need at least 3 primes (first, one level, special)")
         if not all(20 <= b <= 60 for b in self.coeff_mod_bit_sizes):
@@ -97,14 +101,14 @@ def ckks_params_for(kind: str, squarings: int = 6) -> CKKSParams:
     """The smallest 128-bit-secure parameter set for the block with this approximation.
 
     Picks the smallest ring (>= :data:`MIN_RING`) where the depth fits with a scale of at least
-    :data:`MIN_SCALE_BITS`, then the largest scale (<= :data:`MAX_SCALE_BITS`) that fits; the first and
-    special primes are ``scale + EDGE_HEADROOM_BITS`` (capped at 60).
+    :data:`MIN_SCALE_BITS`, then the largest scale (<= :data:`MAX_SCALE_BITS`) that fits with a first
+    prime of ``scale + FIRST_PRIME_HEADROOM_BITS`` bits and a 60-bit special prime.
     """
     depth = block_depth(kind, squarings)
     for n in sorted(k for k in HE_STANDARD_128 if k >= MIN_RING):
         for scale in range(MAX_SCALE_BITS, MIN_SCALE_BITS - 1, -1):
-            edge = min(60, scale + EDGE_HEADROOM_BITS)
-            bits = (edge,) + (scale,) * depth + (edge,)
+            first = min(60, scale + FIRST_PRIME_HEADROOM_BITS)
+            bits = (first,) + (scale,) * depth + (SPECIAL_PRIME_BITS,)
             if sum(bits) <= HE_STANDARD_128[n]:
                 return CKKSParams(n, bits, scale)
     raise ParameterError(f"depth {depth} does not fit any 128-bit ring with scale >= 2^{MIN_SCALE_BITS}")

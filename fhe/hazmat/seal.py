@@ -1,0 +1,242 @@
+"""Raw CKKS operations on Microsoft SEAL through ``tenseal.sealapi`` — hazardous materials.
+
+Nothing here checks that a computation is meaningful: levels, scales and slot layouts are the
+caller's business (``fhe.linalg``, ``fhe.attention`` do that). Safe recipes live outside ``hazmat``.
+
+Conventions:
+* a *level* is named by how many data primes a ciphertext still has (``ct.coeff_modulus_size()``);
+  a fresh ciphertext has ``params.depth + 1`` of them, the last one has 1;
+* plaintexts multiplied into a ciphertext that is rescaled right after are encoded at scale ``q_l``
+  (the prime about to be dropped), so the ciphertext's scale comes back exactly (see ``mul_plain``);
+* SEAL's C++ exceptions surface as ``RuntimeError``/``ValueError``; :func:`translate` maps them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import tenseal.sealapi as sa
+
+from fhe.errors import LevelError, ParameterError, WireError
+from fhe.params import CKKSParams
+
+Ciphertext = sa.Ciphertext
+Plaintext = sa.Plaintext
+
+
+@contextlib.contextmanager
+def translate(what: str) -> Iterator[None]:
+    """Turn SEAL/pybind11 exceptions raised inside the block into :class:`WireError`."""
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError, MemoryError, OverflowError) as exc:
+        raise WireError(f"{what}: {exc}") from exc
+
+
+def build_context(params: CKKSParams) -> sa.SEALContext:
+    """A SEAL CKKS context for ``params`` (128-bit security enforced by SEAL too)."""
+    p = sa.EncryptionParameters(sa.SCHEME_TYPE.CKKS)
+    p.set_poly_modulus_degree(params.poly_modulus_degree)
+    p.set_coeff_modulus(sa.CoeffModulus.Create(params.poly_modulus_degree, list(params.coeff_mod_bit_sizes)))
+    ctx = sa.SEALContext(p, True, sa.SEC_LEVEL_TYPE.TC128)
+    if not ctx.parameters_set():
+        raise ParameterError(f"SEAL rejects {params}: {ctx.parameters_error_message()}")
+    return ctx
+
+
+def galois_elements(steps: Sequence[int], slots: int) -> list[int]:
+    """Galois elements 3^k mod 2N for left-rotation steps k (what ``create_galois_keys`` takes)."""
+    two_n = 4 * slots
+    return sorted({pow(3, s % slots, two_n) for s in steps if s % slots})
+
+
+@dataclass
+class Kit:
+    """SEAL objects shared by one context: encoder, evaluator, level table. No keys."""
+
+    params: CKKSParams
+    context: sa.SEALContext = field(init=False)
+    encoder: sa.CKKSEncoder = field(init=False)
+    evaluator: sa.Evaluator = field(init=False)
+    parms_ids: dict[int, list[int]] = field(init=False)   # level (data primes) -> parms_id
+    primes: list[int] = field(init=False)                 # data primes, q0 first
+
+    def __post_init__(self) -> None:
+        self.context = build_context(self.params)
+        self.encoder = sa.CKKSEncoder(self.context)
+        self.evaluator = sa.Evaluator(self.context)
+        self.parms_ids, data = {}, self.context.first_context_data()
+        while data is not None:
+            q = data.parms().coeff_modulus()
+            self.parms_ids[len(q)] = data.parms_id()
+            if len(q) == self.params.depth + 1:
+                self.primes = [m.value() for m in q]
+            data = data.next_context_data()
+
+    @property
+    def slots(self) -> int:
+        return self.params.slots
+
+    @property
+    def top(self) -> int:
+        """Level of a fresh ciphertext."""
+        return self.params.depth + 1
+
+    @property
+    def scale(self) -> float:
+        return 2.0 ** self.params.scale_bits
+
+    def encode(self, values: np.ndarray, level: int, scale: float) -> sa.Plaintext:
+        """Real vector (<= slots, zero-padded) -> plaintext at ``level`` and ``scale``."""
+        v = np.zeros(self.slots)
+        v[: len(values)] = values
+        pt = sa.Plaintext()
+        self.encoder.encode(v.tolist(), self.parms_ids[level], scale, pt)
+        return pt
+
+    def decode(self, pt: sa.Plaintext) -> np.ndarray:
+        return np.asarray(self.encoder.decode_double(pt))
+
+    def prime(self, level: int) -> float:
+        """The prime a rescale at ``level`` drops."""
+        return float(self.primes[level - 1])
+
+    # --- evaluation -----------------------------------------------------------------------
+    def rotate(self, ct: sa.Ciphertext, step: int, gk: sa.GaloisKeys) -> sa.Ciphertext:
+        """Left rotation by ``step`` slots (needs the Galois key of that step)."""
+        if step % self.slots == 0:
+            return ct
+        out = sa.Ciphertext()
+        self.evaluator.rotate_vector(ct, step % self.slots, gk, out)
+        return out
+
+    def mul_plain(self, ct: sa.Ciphertext, pt: sa.Plaintext) -> sa.Ciphertext:
+        out = sa.Ciphertext()
+        self.evaluator.multiply_plain(ct, pt, out)
+        return out
+
+    def mul(self, a: sa.Ciphertext, b: sa.Ciphertext) -> sa.Ciphertext:
+        """Ciphertext product (size 3: relinearize before rotating)."""
+        out = sa.Ciphertext()
+        self.evaluator.multiply(a, b, out)
+        return out
+
+    def relin_rescale(self, ct: sa.Ciphertext, rk: sa.RelinKeys | None) -> sa.Ciphertext:
+        if rk is not None and ct.size() > 2:
+            self.evaluator.relinearize_inplace(ct, rk)
+        out = sa.Ciphertext()
+        self.evaluator.rescale_to_next(ct, out)
+        return out
+
+    def add(self, a: sa.Ciphertext, b: sa.Ciphertext) -> sa.Ciphertext:
+        out = sa.Ciphertext()
+        self.evaluator.add(a, b, out)
+        return out
+
+    def add_many(self, cts: Sequence[sa.Ciphertext]) -> sa.Ciphertext:
+        out = sa.Ciphertext()
+        self.evaluator.add_many(list(cts), out)
+        return out
+
+    def add_plain_values(self, ct: sa.Ciphertext, values: np.ndarray) -> sa.Ciphertext:
+        """ct + values (encoded at the ciphertext's own level and scale)."""
+        pt = self.encode(values, ct.coeff_modulus_size(), ct.scale)
+        out = sa.Ciphertext()
+        self.evaluator.add_plain(ct, pt, out)
+        return out
+
+    def drop_to(self, ct: sa.Ciphertext, level: int) -> sa.Ciphertext:
+        """Modulus-switch (no rescale) down to ``level``."""
+        have = ct.coeff_modulus_size()
+        if have < level:
+            raise LevelError(f"ciphertext at level {have} cannot go up to {level}")
+        if have == level:
+            return ct
+        out = sa.Ciphertext()
+        self.evaluator.mod_switch_to(ct, self.parms_ids[level], out)
+        return out
+
+
+@dataclass
+class SecretKeys:
+    """Everything the client holds: secret key plus the public material generated from it."""
+
+    secret: sa.SecretKey
+    public: sa.PublicKey
+    relin: sa.RelinKeys
+    galois: sa.GaloisKeys
+
+
+def generate_keys(kit: Kit, rotation_steps: Sequence[int]) -> SecretKeys:
+    """Fresh key set with Galois keys for exactly ``rotation_steps``."""
+    kg = sa.KeyGenerator(kit.context)
+    pk, rk, gk = sa.PublicKey(), sa.RelinKeys(), sa.GaloisKeys()
+    kg.create_public_key(pk)
+    kg.create_relin_keys(rk)
+    kg.create_galois_keys(galois_elements(rotation_steps, kit.slots), gk)
+    return SecretKeys(kg.secret_key(), pk, rk, gk)
+
+
+def encrypt(kit: Kit, pk: sa.PublicKey, values: np.ndarray) -> sa.Ciphertext:
+    """Public-key encryption of a real vector at the top level and the default scale."""
+    ct = sa.Ciphertext()
+    sa.Encryptor(kit.context, pk).encrypt(kit.encode(values, kit.top, kit.scale), ct)
+    return ct
+
+
+def encrypt_symmetric(kit: Kit, sk: sa.SecretKey, values: np.ndarray) -> sa.Ciphertext:
+    """Secret-key encryption (the client holds sk): far less fresh noise than public-key encryption."""
+    ct = sa.Ciphertext()
+    sa.Encryptor(kit.context, sk).encrypt_symmetric(kit.encode(values, kit.top, kit.scale), ct)
+    return ct
+
+
+def encrypt_symmetric_seeded(kit: Kit, sk: sa.SecretKey, values: np.ndarray) -> bytes:
+    """Serialized secret-key encryption with the random half replaced by its seed (about half the bytes)."""
+    ser = sa.Encryptor(kit.context, sk).encrypt_symmetric(kit.encode(values, kit.top, kit.scale))
+    return to_bytes(ser)
+
+
+def decrypt(kit: Kit, sk: sa.SecretKey, ct: sa.Ciphertext) -> np.ndarray:
+    pt = sa.Plaintext()
+    sa.Decryptor(kit.context, sk).decrypt(ct, pt)
+    return kit.decode(pt)
+
+
+# --- serialization (sealapi only saves to / loads from paths) ------------------------------------
+_LOADABLE = {"ciphertext": sa.Ciphertext, "public_key": sa.PublicKey, "relin_keys": sa.RelinKeys,
+             "galois_keys": sa.GaloisKeys, "secret_key": sa.SecretKey}
+
+
+def to_bytes(obj) -> bytes:
+    """SEAL's own serialization (zstd-compressed when SEAL was built with it)."""
+    fd, path = tempfile.mkstemp(prefix="cipherlm-seal-")
+    os.close(fd)
+    try:
+        with translate("serialize"):
+            obj.save(path)
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        os.unlink(path)
+
+
+def from_bytes(kind: str, kit: Kit, data: bytes):
+    """Load a SEAL object of ``kind`` for ``kit.context``; SEAL validates it against the context."""
+    obj = _LOADABLE[kind]()
+    fd, path = tempfile.mkstemp(prefix="cipherlm-seal-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        with translate(f"deserialize {kind}"):
+            obj.load(kit.context, path)
+            if not sa.is_valid_for(obj, kit.context):
+                raise ValueError("not valid for this context")
+    finally:
+        os.unlink(path)
+    return obj

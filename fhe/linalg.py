@@ -1,0 +1,389 @@
+"""Encrypted x plain linear algebra on CKKS slots: the diagonal method with baby-step/giant-step.
+
+Every linear map here is a *slot map*: ``y[dst] = sum w * x[src]`` over a sparse list of
+``(dst, src, w)`` triples on the S slots of one ciphertext. Grouping the triples by rotation offset
+``r = src - dst (mod S)`` gives the generalized diagonals ``diag_r``, and
+
+    y = sum_r diag_r * rot(x, r) = sum_G rot( sum_j rot(diag_{G+j}, -G) * rot(x, j), G )
+
+with baby steps j (rotations of the input, shared) and giant steps G (one rotation per group).
+The rotated diagonals are encoded once (:meth:`SlotMap.encode`), at the input's level and at scale
+``q_l`` (the prime the following rescale drops), so the output comes back at the input's scale.
+
+:class:`HybridMatvec` is the dense matrix x vector product used for the projections: the client
+replicates ``x`` with period ``P`` over all slots, output ``o`` is accumulated in ``c`` partial sums
+at slots ``s_o + k*w`` (``w = P/c`` offsets each, no rotation wraps a period), and ``log2 c``
+rotate-and-adds fold them into ``s_o``. Cost: about ``2*sqrt(w) + log2(c)`` rotations and ``w``
+plaintext multiplications for up to ``c``-fold fewer diagonals than the plain diagonal method.
+See ``docs/fhe.md`` for the layouts and measured costs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fhe.errors import LevelError, ShapeError
+from fhe.hazmat.seal import Ciphertext, Kit
+
+
+def _signed(r: np.ndarray | int, slots: int):
+    """Offsets mod S mapped to (-S/2, S/2] (shorter rotations read better; keys are the same)."""
+    r = np.mod(r, slots)
+    return np.where(r > slots // 2, r - slots, r)
+
+
+def _bsgs_split(offsets: np.ndarray, slots: int) -> int:
+    """Baby-step size b minimizing |baby steps| + |giant steps| for these offsets."""
+    best_b, best_cost = 1, math.inf
+    for b in range(1, max(2, int(math.isqrt(len(offsets) * 4)) + 2)):
+        j = np.mod(offsets, b)
+        cost = len(np.unique(j)) + len(np.unique(offsets - j))
+        if cost < best_cost:
+            best_b, best_cost = b, cost
+    return best_b
+
+
+@dataclass(frozen=True)
+class Steps:
+    """Few-key BSGS structure: every offset is ``pre + k*baby + m*giant`` (k < n_baby, m < n_giant).
+
+    Babies are made by repeated rotation by ``baby`` and giants summed Horner-style by repeated
+    rotation by ``giant``, so a map needs at most three Galois keys (pre, baby, giant) whatever its
+    number of diagonals; it costs ``(n_baby - 1) + (n_giant - 1) (+1 for pre)`` rotations.
+    """
+
+    pre: int
+    baby: int
+    n_baby: int
+    giant: int = 0
+    n_giant: int = 1
+
+    def decompose(self, offsets: np.ndarray, slots: int) -> dict[int, tuple[int, int]]:
+        """offset (mod S) -> (k, m); ShapeError if an offset has no decomposition."""
+        table = {}
+        for m in range(self.n_giant - 1, -1, -1):
+            for k in range(self.n_baby - 1, -1, -1):
+                table[(self.pre + k * self.baby + m * self.giant) % slots] = (k, m)
+        out = {}
+        for r in offsets:
+            key = int(r) % slots
+            if key not in table:
+                raise ShapeError(f"offset {int(r)} is not pre + k*baby + m*giant for {self}")
+            out[int(r)] = table[key]
+        return out
+
+    def keys(self) -> set[int]:
+        ks = {self.pre} if self.pre else set()
+        if self.n_baby > 1:
+            ks.add(self.baby)
+        if self.n_giant > 1:
+            ks.add(self.giant)
+        return ks
+
+
+@dataclass
+class SlotMap:
+    """A sparse linear map on the slots of one ciphertext, evaluated by BSGS.
+
+    Args:
+        slots: S.
+        dst, src: int arrays [n] of slot indices; ``weight`` float array [n] (may be re-given per call
+            through :meth:`encode`, e.g. RoPE coefficients that depend on the position).
+        steps: a few-key :class:`Steps` structure, or None for free BSGS (one key per distinct step).
+    """
+
+    slots: int
+    dst: np.ndarray
+    src: np.ndarray
+    weight: np.ndarray
+    steps: Steps | None = None
+    _groups: dict[int, list[tuple[int, np.ndarray]]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (len(self.dst) == len(self.src) == len(self.weight)):
+            raise ShapeError("dst, src and weight must have one entry per triple")
+        if len(self.dst) and (self.dst.min() < 0 or self.dst.max() >= self.slots):
+            raise ShapeError("dst slot out of range")
+        off = _signed(self.src - self.dst, self.slots)
+        uniq = np.unique(off)
+        if self.steps is None:
+            b = _bsgs_split(uniq, self.slots)
+            km = {int(r): (int(np.mod(r, b)), int(r - np.mod(r, b))) for r in uniq}
+        else:
+            km = self.steps.decompose(uniq, self.slots)
+        groups: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for r in uniq:
+            k, m = km[int(r)]
+            groups.setdefault(m, []).append((k, np.nonzero(off == r)[0]))
+        self._groups = groups
+
+    def _giant_step(self, m: int) -> int:
+        return m if self.steps is None else m * self.steps.giant
+
+    def _baby_step(self, k: int) -> int:
+        return k if self.steps is None else self.steps.pre + k * self.steps.baby
+
+    @property
+    def rotation_steps(self) -> set[int]:
+        """Rotation steps (Galois keys) this map needs."""
+        if self.steps is not None:
+            return {s % self.slots for s in self.steps.keys()} - {0}
+        steps = {j for grp in self._groups.values() for j, _ in grp} | set(self._groups)
+        return {s % self.slots for s in steps} - {0}
+
+    @property
+    def num_diagonals(self) -> int:
+        return sum(len(g) for g in self._groups.values())
+
+    def diagonals(self, weight: np.ndarray | None = None) -> dict[int, list[tuple[int, np.ndarray]]]:
+        """Per giant index m: [(baby index k, rot(diag, -giant_step(m)) as a dense [S] vector)]."""
+        w = self.weight if weight is None else weight
+        out: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for m, grp in self._groups.items():
+            for k, idx in grp:
+                diag = np.zeros(self.slots)
+                np.add.at(diag, self.dst[idx], w[idx])
+                if np.any(diag):  # SEAL refuses products that are transparent (all-zero plaintext)
+                    # rot(v, -G)[s] = v[s - G]
+                    out.setdefault(m, []).append((k, np.roll(diag, self._giant_step(m))))
+        return out
+
+    def encode(self, kit: Kit, level: int, weight: np.ndarray | None = None,
+               extra_scale: float = 1.0) -> EncodedMap:
+        """Pre-encode the diagonals for inputs at ``level`` (output rescaled to level - 1)."""
+        if level < 2:
+            raise LevelError("a slot map needs a level to rescale into")
+        scale = kit.prime(level) * extra_scale
+        enc = {m: [(k, kit.encode(d, level, scale)) for k, d in grp]
+               for m, grp in self.diagonals(weight).items()}
+        return EncodedMap(self, level, enc)
+
+    def apply_plain(self, x: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
+        """The same map on a clear slot vector [S] (reference for tests)."""
+        w = self.weight if weight is None else weight
+        y = np.zeros(self.slots)
+        np.add.at(y, self.dst, w * x[self.src])
+        return y
+
+
+@dataclass
+class EncodedMap:
+    """A :class:`SlotMap` with its diagonals encoded for one input level."""
+
+    map: SlotMap
+    level: int
+    plaintexts: dict
+
+    def __call__(self, kit: Kit, ct: Ciphertext, galois, rescale: bool = True) -> Ciphertext:
+        """Apply to ``ct`` (at :attr:`level`); returns the result rescaled to ``level - 1``."""
+        if ct.coeff_modulus_size() != self.level:
+            raise LevelError(f"map encoded for level {self.level}, input at {ct.coeff_modulus_size()}")
+        sm = self.map
+        ks = sorted({k for grp in self.plaintexts.values() for k, _ in grp})
+        if sm.steps is None:
+            rotated = {k: kit.rotate(ct, k, galois) for k in ks}
+        else:
+            rotated, cur = {}, kit.rotate(ct, sm.steps.pre, galois)
+            for k in range(ks[-1] + 1):
+                if k:
+                    cur = kit.rotate(cur, sm.steps.baby, galois)
+                rotated[k] = cur
+        parts = {m: kit.add_many([kit.mul_plain(rotated[k], pt) for k, pt in grp])
+                 for m, grp in self.plaintexts.items()}
+        if sm.steps is None:
+            out = kit.add_many([kit.rotate(a, m, galois) for m, a in parts.items()])
+        else:  # Horner over the giant index: one Galois key
+            out = None
+            for m in range(max(parts), -1, -1):
+                if out is not None:
+                    out = kit.rotate(out, sm.steps.giant, galois)
+                if m in parts:
+                    out = parts[m] if out is None else kit.add(out, parts[m])
+        if rescale:
+            kit.evaluator.rescale_to_next_inplace(out)
+        return out
+
+
+def rotate_sum_steps(step: int, count: int) -> list[int]:
+    """Rotations :func:`rotate_sum` uses to add ``count`` copies at multiples of ``step``."""
+    steps, have = [], 1
+    while have * 2 <= count:
+        steps.append(step * have)
+        have *= 2
+    rest, done = count - have, have
+    while rest:
+        take = 1 << (rest.bit_length() - 1)
+        steps.append(step * done)
+        done += take
+        rest -= take
+    return steps
+
+
+def rotate_sum(kit: Kit, ct: Ciphertext, step: int, count: int, galois, horner: bool = False) -> Ciphertext:
+    """sum_{k < count} rot(ct, k*step), exact in slot s for the terms s + k*step.
+
+    Default: a log-depth tree (power-of-two partial sums P_1, P_2, P_4..., then shifted copies of the
+    smaller ones for the remainder, so no term beyond ``count`` is ever included; keys for each
+    step in :func:`rotate_sum_steps`). ``horner=True``: ``count - 1`` rotations with the single key ``step``.
+    """
+    if horner:
+        out = ct
+        for _ in range(count - 1):
+            out = kit.add(kit.rotate(out, step, galois), ct)
+        return out
+    partial = {1: ct}
+    have = 1
+    while have * 2 <= count:
+        partial[have * 2] = kit.add(partial[have], kit.rotate(partial[have], step * have, galois))
+        have *= 2
+    out, done = partial[have], have
+    while done < count:
+        take = 1 << ((count - done).bit_length() - 1)
+        out = kit.add(out, kit.rotate(partial[take], step * done, galois))
+        done += take
+    return out
+
+
+@dataclass
+class HybridMatvec:
+    """Dense ``y = W x`` (W [n_out, n_in]) from a period-``P`` replicated input, output at chosen slots.
+
+    Args:
+        slots: S.
+        weight: W [n_out, n_in] (float64).
+        out_slots: [n_out] final slot of each output (must be valid heads, see :func:`hybrid_slots`).
+        period: P >= n_in, a multiple of ``fold``.
+        fold: c, the number of partial sums per output (power of two).
+    """
+
+    slots: int
+    weight: np.ndarray
+    out_slots: np.ndarray
+    period: int
+    fold: int
+    map: SlotMap = field(init=False)
+
+    def __post_init__(self) -> None:
+        n_out, n_in = self.weight.shape
+        p, c = self.period, self.fold
+        if p < n_in or p % c or c & (c - 1):
+            raise ShapeError(f"period {p} must be >= n_in {n_in} and a multiple of fold {c} (power of 2)")
+        cyclic = self.slots % p == 0
+        if len(self.out_slots) != n_out or (not cyclic and np.any(self.out_slots + p > self.slots)):
+            raise ShapeError("every output slot s needs s + period <= slots (or a period dividing S)")
+        w = p // c
+        k, r = np.meshgrid(np.arange(c), np.arange(w), indexing="ij")
+        kr = (k * w + r).ravel()                                     # [c*w]: read offset within the window
+        s_o = self.out_slots[:, None]
+        src = (s_o + kr[None, :])                                    # [n_out, P]
+        col = np.mod(src, p)                                         # input index read there
+        dst = s_o + (k.ravel() * w)[None, :]
+        ok = col < n_in
+        wt = np.where(ok, self.weight[np.arange(n_out)[:, None], np.minimum(col, n_in - 1)], 0.0)
+        keep = ok.ravel()
+        b = math.isqrt(w - 1) + 1 if w > 1 else 1                     # babies 0..b-1, giants of b
+        steps = Steps(0, 1, b, b, -(-w // b))
+        self.map = SlotMap(self.slots, np.mod(dst.ravel()[keep], self.slots),
+                           np.mod(src.ravel()[keep], self.slots), wt.ravel()[keep], steps)
+
+    @property
+    def window(self) -> int:
+        return self.period // self.fold
+
+    @property
+    def rotation_steps(self) -> set[int]:
+        return self.map.rotation_steps | set(rotate_sum_steps(self.window, self.fold))
+
+    def encode(self, kit: Kit, level: int) -> EncodedMatvec:
+        return EncodedMatvec(self, self.map.encode(kit, level))
+
+
+@dataclass
+class EncodedMatvec:
+    """A :class:`HybridMatvec` with encoded diagonals; call it on a replicated input ciphertext."""
+
+    mv: HybridMatvec
+    encoded: EncodedMap
+
+    def __call__(self, kit: Kit, ct: Ciphertext, galois) -> Ciphertext:
+        partial = self.encoded(kit, ct, galois)
+        return rotate_sum(kit, partial, self.mv.window, self.mv.fold, galois)
+
+
+def hybrid_slots(slots: int, period: int, fold: int, count: int) -> np.ndarray:
+    """The first ``count`` usable output slots of a hybrid product: ``p*P + u`` with ``u < P/fold``."""
+    w = period // fold
+    cand = [p * period + u for p in range(slots // period + 1) for u in range(w)
+            if p * period + u + period <= slots]
+    if len(cand) < count:
+        raise ShapeError(f"{count} outputs do not fit: capacity {len(cand)} "
+                         f"(S={slots}, P={period}, c={fold})")
+    return np.asarray(cand[:count])
+
+
+def replicate_input(x: np.ndarray, slots: int, period: int) -> np.ndarray:
+    """Client-side layout of a matvec input: x (zero-padded to ``period``) repeated over all slots."""
+    if len(x) > period:
+        raise ShapeError(f"input of {len(x)} does not fit period {period}")
+    v = np.zeros(period)
+    v[: len(x)] = x
+    return np.resize(v, slots)
+
+
+def pick_fold(slots: int, n_in: int, n_out: int) -> tuple[int, int]:
+    """Largest power-of-two fold c (and its period) whose capacity still holds ``n_out`` outputs."""
+    best = None
+    c = 1
+    while c <= n_in:
+        period = -(-n_in // c) * c
+        try:
+            hybrid_slots(slots, period, c, n_out)
+            best = (c, period)
+        except ShapeError:
+            break
+        c *= 2
+    if best is None:
+        raise ShapeError(f"{n_out} outputs of {n_in} inputs do not fit {slots} slots")
+    return best
+
+
+@dataclass
+class PlainMatrix:
+    """Encrypted vector x plain matrix for one token: the benchmark's ``x @ W`` (W [n_in, n_out]).
+
+    Client encrypts :meth:`layout` of x; server calls :meth:`__call__`; client reads :meth:`extract`.
+    """
+
+    kit: Kit
+    weight: np.ndarray            # [n_in, n_out], x @ W
+    mv: HybridMatvec = field(init=False)
+    encoded: EncodedMatvec = field(init=False)
+
+    def __post_init__(self) -> None:
+        n_in, n_out = self.weight.shape
+        fold, period = pick_fold(self.kit.slots, n_in, n_out)
+        slots_out = hybrid_slots(self.kit.slots, period, fold, n_out)
+        self.mv = HybridMatvec(self.kit.slots, np.asarray(self.weight, np.float64).T, slots_out, period, fold)
+        self.encoded = self.mv.encode(self.kit, self.kit.top)
+
+    @property
+    def rotation_steps(self) -> set[int]:
+        return self.mv.rotation_steps
+
+    def layout(self, x: np.ndarray) -> np.ndarray:
+        return replicate_input(x, self.kit.slots, self.mv.period)
+
+    def __call__(self, ct: Ciphertext, galois) -> Ciphertext:
+        return self.encoded(self.kit, ct, galois)
+
+    def extract(self, slots_vec: np.ndarray) -> np.ndarray:
+        return slots_vec[self.mv.out_slots]
+
+
+def evaluate_many(fns: Sequence[Callable[[], Ciphertext]]) -> list[Ciphertext]:
+    """Run independent evaluations (kept as a seam for a process pool; sealapi holds the GIL)."""
+    return [f() for f in fns]

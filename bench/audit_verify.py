@@ -25,13 +25,25 @@ from server.audit import AuditConfig, AuditLog, CheckpointSigner, Event, Pseudon
 
 def build(path: Path, n: int, signer: CheckpointSigner, fsync: bool = False) -> float:
     """Write an ``n``-record log; returns seconds per append."""
-    log = AuditLog.open(AuditConfig(path, checkpoint_every=1000, fsync=fsync), signer, Pseudonymizer(os.urandom(32)))
+    log = AuditLog.open(
+        AuditConfig(path, checkpoint_every=1000, fsync=fsync), signer, Pseudonymizer(os.urandom(32))
+    )
     events = [Event.KEY_REGISTERED, Event.KEY_ACTIVATED, Event.SESSION_OPENED, Event.SESSION_CLOSED]
     start = time.perf_counter()
     for i in range(n - 1):
-        log.append(events[i % 4], source="server.keys", tenant=f"tenant-{i % 17}", actor=f"user-{i % 101}",
-                   key_id=f"k_{i % 97:016x}", key_version=1 + i % 3, key_fingerprint=hashlib.sha256(b"%d" % i).hexdigest(),
-                   state_from="pre_active", state_to="active", request_id=f"req-{i}", detail={"reason": "bench"})
+        log.append(
+            events[i % 4],
+            source="server.keys",
+            tenant=f"tenant-{i % 17}",
+            actor=f"user-{i % 101}",
+            key_id=f"k_{i % 97:016x}",
+            key_version=1 + i % 3,
+            key_fingerprint=hashlib.sha256(b"%d" % i).hexdigest(),
+            state_from="pre_active",
+            state_to="active",
+            request_id=f"req-{i}",
+            detail={"reason": "bench"},
+        )
     elapsed = time.perf_counter() - start
     log.close()
     return elapsed / max(1, n - 1)
@@ -72,15 +84,21 @@ def main() -> None:
         per_append = build(Path(tmp) / "fsync.log", args.fsync_appends, signer, fsync=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"### Audit log verification ({stamp})\n")
-    print(f"`python bench/audit_verify.py --sizes {' '.join(map(str, args.sizes))} --repeat {args.repeat}` on "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
-          f"median of {args.repeat} runs.\n")
-    print("| records | log size | checkpoints | `verify_log` | per record | floor: read + SHA-256 per line | ratio |")
+    print(
+        f"`python bench/audit_verify.py --sizes {' '.join(map(str, args.sizes))} --repeat {args.repeat}` "
+        f"on {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}; median of {args.repeat} runs.\n"
+    )
+    print("| records | log size | checkpoints | `verify_log` | per record "
+          "| floor: read + SHA-256 per line | ratio |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for n, size, cps, t, f in rows:
-        print(f"| {n:,} | {size / 2**20:.1f} MiB | {cps} | {t:.2f} s | {t / n * 1e6:.0f} µs | {f:.3f} s | {t / f:.0f}x |")
-    print(f"\nAppend with fsync (the server's setting): {per_append * 1e3:.2f} ms per record "
-          f"({args.fsync_appends} records, checkpoint every 1000).")
+        print(f"| {n:,} | {size / 2**20:.1f} MiB | {cps} | {t:.2f} s | {t / n * 1e6:.0f} µs "
+              f"| {f:.3f} s | {t / f:.0f}x |")
+    print(
+        f"\nAppend with fsync (the server's setting): {per_append * 1e3:.2f} ms per record "
+        f"({args.fsync_appends} records, checkpoint every 1000)."
+    )
 
 
 if __name__ == "__main__":

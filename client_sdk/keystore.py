@@ -41,16 +41,31 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
-from ._keystore_errors import (InvalidKeyStoreAccess, KeyStoreError, KeyStoreNotFoundError,
-                               KeyStorePermissionError, KeyUnusableError)
+from ._keystore_errors import (
+    InvalidKeyStoreAccess,
+    KeyStoreError,
+    KeyStoreNotFoundError,
+    KeyStorePermissionError,
+    KeyUnusableError,
+)
 
 try:  # cryptography >= 44
     from cryptography.hazmat.primitives.kdf.argon2 import Argon2id
 except ImportError:  # pragma: no cover - depends on the installed cryptography
     Argon2id = None
 
-__all__ = ["InvalidKeyStoreAccess", "KdfParams", "KeyHandle", "KeyMaterial", "KeyStore", "KeyStoreConfig",
-           "KeyStoreError", "KeyStoreNotFoundError", "KeyStorePermissionError", "KeyUnusableError"]
+__all__ = [
+    "InvalidKeyStoreAccess",
+    "KdfParams",
+    "KeyHandle",
+    "KeyMaterial",
+    "KeyStore",
+    "KeyStoreConfig",
+    "KeyStoreError",
+    "KeyStoreNotFoundError",
+    "KeyStorePermissionError",
+    "KeyUnusableError",
+]
 
 FORMAT = "cipherlm-keystore/1"
 _MAGIC = b"CLMKS1\n"
@@ -91,8 +106,13 @@ class KdfParams:
     def derive(self, passphrase: bytes, salt: bytes) -> bytes:
         """32-byte master key."""
         if self.name == "argon2id":
-            return Argon2id(salt=salt, length=32, iterations=self.iterations, lanes=self.lanes,
-                            memory_cost=self.memory_kib).derive(passphrase)
+            return Argon2id(
+                salt=salt,
+                length=32,
+                iterations=self.iterations,
+                lanes=self.lanes,
+                memory_cost=self.memory_kib,
+            ).derive(passphrase)
         return Scrypt(salt=salt, length=32, n=self.n, r=self.r, p=self.p).derive(passphrase)
 
 
@@ -180,8 +200,16 @@ class KeyStore:
         rng: ``n -> n random bytes`` (injected for known-answer tests).
     """
 
-    def __init__(self, path: Path, keys: _Keys, index: dict[str, Any], header: dict[str, Any],
-                 clock: Callable[[], float], rng: Callable[[int], bytes], config: KeyStoreConfig) -> None:
+    def __init__(
+        self,
+        path: Path,
+        keys: _Keys,
+        index: dict[str, Any],
+        header: dict[str, Any],
+        clock: Callable[[], float],
+        rng: Callable[[int], bytes],
+        config: KeyStoreConfig,
+    ) -> None:
         self.path, self._keys, self._index, self._header = path, keys, index, header
         self._clock, self._rng, self.config = clock, rng, config
         self._lock = threading.RLock()
@@ -194,9 +222,15 @@ class KeyStore:
 
     # -- create / open -------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str | os.PathLike[str], passphrase: str | bytes, *,
-               config: KeyStoreConfig | None = None, clock: Callable[[], float] = time.time,
-               rng: Callable[[int], bytes] = secrets.token_bytes) -> KeyStore:
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        passphrase: str | bytes,
+        *,
+        config: KeyStoreConfig | None = None,
+        clock: Callable[[], float] = time.time,
+        rng: Callable[[int], bytes] = secrets.token_bytes,
+    ) -> KeyStore:
         """Create an empty store at ``path`` (which must not exist or be empty)."""
         path, config = Path(path), config or KeyStoreConfig()
         if (path / _INDEX).exists():
@@ -205,16 +239,32 @@ class KeyStore:
         os.chmod(path, 0o700)
         (path / "keys").mkdir(mode=0o700, exist_ok=True)
         salt = rng(16)
-        header = {"format": FORMAT, "kdf": {**asdict(config.kdf), "salt": _b64(salt)},
-                  "max_grace_s": config.max_grace_s}
-        store = cls(path, _Keys(config.kdf.derive(_passphrase(passphrase), salt)),
-                    {"keys": {}, "log": {"count": 0, "head": ""}}, header, clock, rng, config)
+        header = {
+            "format": FORMAT,
+            "kdf": {**asdict(config.kdf), "salt": _b64(salt)},
+            "max_grace_s": config.max_grace_s,
+        }
+        store = cls(
+            path,
+            _Keys(config.kdf.derive(_passphrase(passphrase), salt)),
+            {"keys": {}, "log": {"count": 0, "head": ""}},
+            header,
+            clock,
+            rng,
+            config,
+        )
         store._log_event("store.created", None, None, {})
         return store
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], passphrase: str | bytes, *,
-             clock: Callable[[], float] = time.time, rng: Callable[[int], bytes] = secrets.token_bytes) -> KeyStore:
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        passphrase: str | bytes,
+        *,
+        clock: Callable[[], float] = time.time,
+        rng: Callable[[int], bytes] = secrets.token_bytes,
+    ) -> KeyStore:
         """Open a store; wrong passphrase or any tampering -> :class:`InvalidKeyStoreAccess`."""
         path = Path(path)
         if not (path / _INDEX).exists():
@@ -290,11 +340,17 @@ class KeyStore:
         with self._lock:
             return json.loads(json.dumps(self._index["keys"]))
 
-    def export(self, key_id: str, version: int | None = None, *, unsafe_include_secret: bool = False) -> bytes:
+    def export(
+        self, key_id: str, version: int | None = None, *, unsafe_include_secret: bool = False
+    ) -> bytes:
         """JSON bundle of a version's public material; the secret only with ``unsafe_include_secret=True``."""
         handle = self.key(key_id, version)
-        bundle = {"format": FORMAT + "+export", "key_id": key_id, "version": handle.version,
-                  "public": _b64(handle.public_material())}
+        bundle = {
+            "format": FORMAT + "+export",
+            "key_id": key_id,
+            "version": handle.version,
+            "public": _b64(handle.public_material()),
+        }
         if unsafe_include_secret:
             bundle["secret"] = _b64(handle.secret_material())
             self._log_event("key.secret_exported", key_id, handle.version, {})
@@ -312,20 +368,30 @@ class KeyStore:
                 mac = event.pop("mac")
             except (ValueError, KeyError, AttributeError):
                 raise InvalidKeyStoreAccess() from None
-            if not hmac.compare_digest(_log_mac(self._keys, head, event), mac) or event.get("seq") != len(out):
+            if not hmac.compare_digest(_log_mac(self._keys, head, event), mac) or event.get("seq") != len(
+                out
+            ):
                 raise InvalidKeyStoreAccess()
             head = mac
             out.append(event)
         pinned = self._index["log"]
-        if len(out) < pinned["count"] or (pinned["count"] and _chain_head_at(lines, pinned["count"]) != pinned["head"]):
+        if len(out) < pinned["count"] or (
+            pinned["count"] and _chain_head_at(lines, pinned["count"]) != pinned["head"]
+        ):
             raise InvalidKeyStoreAccess()
         return out
 
     def _log_event(self, event: str, key_id: str | None, version: int | None, detail: dict[str, Any]) -> None:
         """Append one HMAC-chained event (fsync), then pin the new head in the index."""
         log = self._index["log"]
-        body = {"seq": log["count"], "time": self._clock(), "event": event, "key_id": key_id,
-                "version": version, "detail": detail}
+        body = {
+            "seq": log["count"],
+            "time": self._clock(),
+            "event": event,
+            "key_id": key_id,
+            "version": version,
+            "detail": detail,
+        }
         mac = _log_mac(self._keys, log["head"], body)
         fd = os.open(self.path / _LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -348,7 +414,10 @@ class KeyStore:
         _write_private(self._file(key_id, version, ".secret"), _MAGIC + nonce + sealed)
         _write_private(self._file(key_id, version, ".public"), bytes(material.public))
         self._index["keys"][key_id]["versions"][str(version)] = {
-            "state": "active", "created_at": self._clock(), "public_fingerprint": fingerprint}
+            "state": "active",
+            "created_at": self._clock(),
+            "public_fingerprint": fingerprint,
+        }
         self._log_event("key.created" if version == 1 else "key.rotated", key_id, version, detail)
 
     def _check_usable(self, key_id: str, version: int) -> None:
@@ -363,7 +432,7 @@ class KeyStore:
         fingerprint = self._version(key_id, version)["public_fingerprint"]
         if not blob.startswith(_MAGIC):
             raise InvalidKeyStoreAccess()
-        nonce, sealed = blob[len(_MAGIC):len(_MAGIC) + 12], blob[len(_MAGIC) + 12:]
+        nonce, sealed = blob[len(_MAGIC) : len(_MAGIC) + 12], blob[len(_MAGIC) + 12 :]
         try:
             return self._keys.aead.decrypt(nonce, sealed, _aad(key_id, version, fingerprint))
         except InvalidTag:
@@ -371,7 +440,9 @@ class KeyStore:
 
     def _read_public(self, key_id: str, version: int) -> bytes:
         data = self._read(self._file(key_id, version, ".public"))
-        if not hmac.compare_digest(hashlib.sha256(data).hexdigest(), self._version(key_id, version)["public_fingerprint"]):
+        if not hmac.compare_digest(
+            hashlib.sha256(data).hexdigest(), self._version(key_id, version)["public_fingerprint"]
+        ):
             raise InvalidKeyStoreAccess()
         return data
 
@@ -410,7 +481,9 @@ def _passphrase(passphrase: str | bytes) -> bytes:
 
 
 def _aad(key_id: str, version: int, fingerprint: str) -> bytes:
-    return rfc8785.dumps({"format": FORMAT, "key_id": key_id, "version": version, "public_fingerprint": fingerprint})
+    return rfc8785.dumps(
+        {"format": FORMAT, "key_id": key_id, "version": version, "public_fingerprint": fingerprint}
+    )
 
 
 def _index_mac(keys: _Keys, header: dict[str, Any], index: dict[str, Any]) -> str:
@@ -437,7 +510,12 @@ def _parse_index(data: bytes) -> tuple[dict[str, Any], dict[str, Any], str]:
 
 
 def _check_key_id(key_id: str) -> None:
-    if not key_id or len(key_id) > 64 or not all(c.isalnum() or c in "_.-" for c in key_id) or key_id[0] == ".":
+    if (
+        not key_id
+        or len(key_id) > 64
+        or not all(c.isalnum() or c in "_.-" for c in key_id)
+        or key_id[0] == "."
+    ):
         raise ValueError("key_id must be 1-64 chars of [A-Za-z0-9_.-], not starting with '.'")
 
 

@@ -11,8 +11,20 @@ import secrets
 import sys
 from pathlib import Path
 
-from server.audit import (AuditConfig, AuditError, AuditLog, Pseudonymizer, SigningKeyDir, build_report,
-                          export_records, iter_records, load_public_keys, parse_time, render_report, verify_log)
+from server.audit import (
+    AuditConfig,
+    AuditError,
+    AuditLog,
+    Pseudonymizer,
+    SigningKeyDir,
+    build_report,
+    export_records,
+    iter_records,
+    load_public_keys,
+    parse_time,
+    render_report,
+    verify_log,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,8 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("verify", help="check a log offline against its signed checkpoints")
     p.add_argument("log", type=Path)
-    p.add_argument("--pubkey", action="append", required=True, type=Path,
-                   help="operator public key file or keyring directory (repeatable)")
+    p.add_argument(
+        "--pubkey",
+        action="append",
+        required=True,
+        type=Path,
+        help="operator public key file or keyring directory (repeatable)",
+    )
     p.add_argument("--checkpoints", type=Path, help="default: LOG.checkpoints")
     p.add_argument("--strict", action="store_true", help="fail if the newest records are not yet signed")
     p.add_argument("--json", action="store_true")
@@ -61,12 +78,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _guard(func):
     """Audit errors become a message and exit status 2."""
+
     def run(args: argparse.Namespace) -> int:
         try:
             return func(args)
         except (AuditError, OSError, ValueError) as exc:
             print(f"cipherlm audit: error: {exc}", file=sys.stderr)
             return 2
+
     run.__doc__ = func.__doc__
     return run
 
@@ -78,8 +97,10 @@ def _verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.__dict__, indent=2))
     elif result.ok:
-        print(f"OK: {result.records} records, {result.checkpoints} checkpoints, {result.covered} signed "
-              f"(log {result.log_id})")
+        print(
+            f"OK: {result.records} records, {result.checkpoints} checkpoints, {result.covered} signed "
+            f"(log {result.log_id})"
+        )
         for warning in result.warnings:
             print(f"warning: {warning}")
     else:
@@ -95,7 +116,10 @@ def _report(args: argparse.Namespace) -> int:
     if args.pubkey:
         result = verify_log(args.log, load_public_keys(args.pubkey))
         if not result.ok:
-            print(f"log does not verify (record {result.first_bad}: {result.reason}); no report", file=sys.stderr)
+            print(
+                f"log does not verify (record {result.first_bad}: {result.reason}); no report",
+                file=sys.stderr,
+            )
             return 1
     report = build_report(iter_records(args.log))
     if args.tenant:
@@ -127,7 +151,9 @@ def _export(args: argparse.Namespace) -> int:
 def _keygen(args: argparse.Namespace) -> int:
     """Create the first signing key."""
     signer = SigningKeyDir(args.key_dir).create()
-    print(f"created signing key {signer.key_id} in {args.key_dir}; publish {args.key_dir}/public/ to auditors")
+    print(
+        f"created signing key {signer.key_id} in {args.key_dir}; publish {args.key_dir}/public/ to auditors"
+    )
     return 0
 
 

@@ -60,8 +60,13 @@ class AuditLog:
     Use :meth:`open`; then :meth:`append` for each event and :meth:`close` on shutdown.
     """
 
-    def __init__(self, config: AuditConfig, signer: CheckpointSigner, pseudonymizer: Pseudonymizer,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        config: AuditConfig,
+        signer: CheckpointSigner,
+        pseudonymizer: Pseudonymizer,
+        clock: Callable[[], float],
+    ) -> None:
         self.config, self._signer, self._pseudo, self._clock = config, signer, pseudonymizer, clock
         self._lock = threading.Lock()
         self._frontier = MerkleFrontier()
@@ -73,8 +78,15 @@ class AuditLog:
 
     # -- opening -------------------------------------------------------------------------------
     @classmethod
-    def open(cls, config: AuditConfig, signer: CheckpointSigner, pseudonymizer: Pseudonymizer, *,
-             clock: Callable[[], float] = time.time, rng: Callable[[int], bytes] = secrets.token_bytes) -> AuditLog:
+    def open(
+        cls,
+        config: AuditConfig,
+        signer: CheckpointSigner,
+        pseudonymizer: Pseudonymizer,
+        *,
+        clock: Callable[[], float] = time.time,
+        rng: Callable[[int], bytes] = secrets.token_bytes,
+    ) -> AuditLog:
         """Open (or create) a log for appending; checks what is there before writing to it.
 
         Raises:
@@ -90,8 +102,11 @@ class AuditLog:
                 log._append_locked(Event.LOG_OPENED, source="audit", detail={"signing_key_id": signer.key_id})
             else:
                 log._log_id = rng(16).hex()
-                log._append_locked(Event.LOG_CREATED, source="audit",
-                                   detail={"log_id": log._log_id, "signing_key_id": signer.key_id})
+                log._append_locked(
+                    Event.LOG_CREATED,
+                    source="audit",
+                    detail={"log_id": log._log_id, "signing_key_id": signer.key_id},
+                )
         except BaseException:
             log._release()
             raise
@@ -120,7 +135,9 @@ class AuditLog:
             try:
                 checker.feed(line)
             except _Failure as failure:
-                raise AuditFormatError(f"{self.config.path}: record {failure.index}: {failure.reason}") from None
+                raise AuditFormatError(
+                    f"{self.config.path}: record {failure.index}: {failure.reason}"
+                ) from None
         self._frontier, self._log_id = checker.frontier, checker.log_id or ""
         self._last_time = checker.last_time
         self._load_last_checkpoint(checker)
@@ -133,18 +150,31 @@ class AuditLog:
         if self._frontier.size:
             expected = checker.key_for_record(self._frontier.size)
             if expected != self._signer.key_id:
-                raise SigningKeyError(f"log is signed with key {expected}, not {self._signer.key_id}; "
-                                      "rotate keys with `cipherlm audit rotate-key --log`")
+                raise SigningKeyError(
+                    f"log is signed with key {expected}, not {self._signer.key_id}; "
+                    "rotate keys with `cipherlm audit rotate-key --log`"
+                )
         lines, _ = read_log_lines(checkpoints_path_for(self.config.path))
         if lines:
             self._cp_size = parse_signed_line(lines[-1])[0]["size"]
 
     # -- appending -----------------------------------------------------------------------------
-    def append(self, event: str, *, source: str, outcome: str = Outcome.SUCCESS, tenant: str | None = None,
-               actor: str | None = None, key_id: str | None = None, key_version: int | None = None,
-               key_fingerprint: str | None = None, state_from: str | None = None,
-               state_to: str | None = None, request_id: str | None = None,
-               detail: dict[str, Any] | None = None) -> dict[str, Any]:
+    def append(
+        self,
+        event: str,
+        *,
+        source: str,
+        outcome: str = Outcome.SUCCESS,
+        tenant: str | None = None,
+        actor: str | None = None,
+        key_id: str | None = None,
+        key_version: int | None = None,
+        key_fingerprint: str | None = None,
+        state_from: str | None = None,
+        state_to: str | None = None,
+        request_id: str | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Write one record durably and return it (as stored, with pseudonyms and ``root``).
 
         ``tenant``, ``actor`` and ``request_id`` are given in clear and stored as HMAC pseudonyms.
@@ -155,13 +185,29 @@ class AuditLog:
         """
         with self._lock:
             return self._append_locked(
-                event, source=source, outcome=outcome, tenant=self._pseudo.label("tenant", tenant),
-                actor=self._pseudo.label("actor", actor), key_id=key_id, key_version=key_version,
-                key_fingerprint=key_fingerprint, state_from=state_from, state_to=state_to,
-                request_id=self._pseudo.label("request", request_id), detail=detail)
+                event,
+                source=source,
+                outcome=outcome,
+                tenant=self._pseudo.label("tenant", tenant),
+                actor=self._pseudo.label("actor", actor),
+                key_id=key_id,
+                key_version=key_version,
+                key_fingerprint=key_fingerprint,
+                state_from=state_from,
+                state_to=state_to,
+                request_id=self._pseudo.label("request", request_id),
+                detail=detail,
+            )
 
-    def _append_locked(self, event: str, *, source: str, outcome: str = Outcome.SUCCESS,
-                       detail: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+    def _append_locked(
+        self,
+        event: str,
+        *,
+        source: str,
+        outcome: str = Outcome.SUCCESS,
+        detail: dict[str, Any] | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
         if self._broken:
             raise AuditWriteError(f"audit log unusable after an earlier failure: {self._broken}")
         body = self._body(event, source, outcome, detail or {}, fields)
@@ -174,13 +220,29 @@ class AuditLog:
         self._checkpoint_if_due_locked(raise_errors=False)
         return record
 
-    def _body(self, event: str, source: str, outcome: str, detail: dict[str, Any],
-              fields: dict[str, Any]) -> dict[str, Any]:
+    def _body(
+        self, event: str, source: str, outcome: str, detail: dict[str, Any], fields: dict[str, Any]
+    ) -> dict[str, Any]:
         stamp = max(format_time(self._clock()), self._last_time)  # never backwards, even if the clock is
-        body = {"v": 1, "seq": self._frontier.size, "time": stamp, "event": event, "outcome": outcome,
-                "source": source, "detail": dict(detail)}
-        for name in ("tenant", "actor", "key_id", "key_version", "key_fingerprint", "state_from",
-                     "state_to", "request_id"):
+        body = {
+            "v": 1,
+            "seq": self._frontier.size,
+            "time": stamp,
+            "event": event,
+            "outcome": outcome,
+            "source": source,
+            "detail": dict(detail),
+        }
+        for name in (
+            "tenant",
+            "actor",
+            "key_id",
+            "key_version",
+            "key_fingerprint",
+            "state_from",
+            "state_to",
+            "request_id",
+        ):
             body[name] = fields.get(name)
         validate_body(body)
         return body
@@ -211,7 +273,8 @@ class AuditLog:
     def _checkpoint_if_due_locked(self, raise_errors: bool) -> dict[str, Any] | None:
         pending = self._frontier.size - self._cp_size
         due = pending >= self.config.checkpoint_every or (
-            pending > 0 and self._clock() - self._cp_time >= self.config.checkpoint_interval_s)
+            pending > 0 and self._clock() - self._cp_time >= self.config.checkpoint_interval_s
+        )
         if not due:
             return None
         try:
@@ -227,9 +290,14 @@ class AuditLog:
         if self._broken:
             raise AuditWriteError(f"audit log unusable after an earlier failure: {self._broken}")
         now = self._clock()
-        body = {"v": 1, "log_id": self._log_id, "size": self._frontier.size,
-                "root": self._frontier.root().hex(), "time": max(format_time(now), self._last_time),
-                "key_id": self._signer.key_id}
+        body = {
+            "v": 1,
+            "log_id": self._log_id,
+            "size": self._frontier.size,
+            "root": self._frontier.root().hex(),
+            "time": max(format_time(now), self._last_time),
+            "key_id": self._signer.key_id,
+        }
         signed = {**body, "sig": self._signer.sign(body)}
         self._write(self._cp_fd, canonical(signed) + b"\n")
         self._cp_size, self._cp_time = body["size"], now
@@ -239,9 +307,12 @@ class AuditLog:
         """Hand over to ``new_signer``: the old key signs a checkpoint that announces the new one."""
         with self._lock:
             old = self._signer
-            self._append_locked(Event.SIGNING_KEY_ROTATED, source="audit",
-                                actor=self._pseudo.label("actor", actor),
-                                detail={"old_key_id": old.key_id, "new_key_id": new_signer.key_id})
+            self._append_locked(
+                Event.SIGNING_KEY_ROTATED,
+                source="audit",
+                actor=self._pseudo.label("actor", actor),
+                detail={"old_key_id": old.key_id, "new_key_id": new_signer.key_id},
+            )
             self._checkpoint_locked()
             self._signer = new_signer
 

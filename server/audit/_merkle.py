@@ -14,8 +14,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-__all__ = ["EMPTY_ROOT", "MerkleFrontier", "inclusion_proof", "leaf_hash", "merkle_root", "node_hash",
-           "verify_inclusion"]
+__all__ = [
+    "EMPTY_ROOT",
+    "MerkleFrontier",
+    "inclusion_proof",
+    "leaf_hash",
+    "merkle_root",
+    "node_hash",
+    "verify_inclusion",
+]
 
 EMPTY_ROOT = hashlib.sha256(b"").digest()
 

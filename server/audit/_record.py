@@ -25,8 +25,17 @@ import rfc8785
 
 from ._errors import AuditFormatError
 
-__all__ = ["Event", "Outcome", "Pseudonymizer", "RECORD_FIELDS", "canonical", "fast_canonical", "format_time",
-           "parse_time", "validate_body"]
+__all__ = [
+    "Event",
+    "Outcome",
+    "Pseudonymizer",
+    "RECORD_FIELDS",
+    "canonical",
+    "fast_canonical",
+    "format_time",
+    "parse_time",
+    "validate_body",
+]
 
 FORMAT_VERSION = 1
 MAX_DETAIL_ITEMS = 16

@@ -19,10 +19,12 @@ from ._verify import read_log_lines
 __all__ = ["build_report", "export_records", "iter_records", "render_report"]
 
 _COUNTED = {
-    "refused_secret_key_uploads": lambda r: r["event"] == Event.KEY_UPLOAD_REFUSED
-    and r["detail"].get("reason") == "secret_key_present",
-    "refused_other_uploads": lambda r: r["event"] == Event.KEY_UPLOAD_REFUSED
-    and r["detail"].get("reason") != "secret_key_present",
+    "refused_secret_key_uploads": lambda r: (
+        r["event"] == Event.KEY_UPLOAD_REFUSED and r["detail"].get("reason") == "secret_key_present"
+    ),
+    "refused_other_uploads": lambda r: (
+        r["event"] == Event.KEY_UPLOAD_REFUSED and r["detail"].get("reason") != "secret_key_present"
+    ),
     "plaintext_fallbacks": lambda r: r["event"] == Event.PLAINTEXT_FALLBACK,
     "refused_key_uses": lambda r: r["event"] == Event.KEY_USE_REFUSED,
     "key_integrity_failures": lambda r: r["event"] == Event.KEY_INTEGRITY_FAILURE,
@@ -39,9 +41,19 @@ def iter_records(log_path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
 
 
 def _lifecycle_entry(r: dict[str, Any]) -> dict[str, Any]:
-    return {"seq": r["seq"], "time": r["time"], "event": r["event"], "outcome": r["outcome"],
-            "version": r["key_version"], "from": r["state_from"], "to": r["state_to"], "actor": r["actor"],
-            "request_id": r["request_id"], "fingerprint": r["key_fingerprint"], "detail": r["detail"]}
+    return {
+        "seq": r["seq"],
+        "time": r["time"],
+        "event": r["event"],
+        "outcome": r["outcome"],
+        "version": r["key_version"],
+        "from": r["state_from"],
+        "to": r["state_to"],
+        "actor": r["actor"],
+        "request_id": r["request_id"],
+        "fingerprint": r["key_fingerprint"],
+        "detail": r["detail"],
+    }
 
 
 def build_report(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -81,7 +93,10 @@ def _add_key_event(key: dict[str, Any], r: dict[str, Any]) -> None:
 
 def render_report(report: dict[str, Any]) -> str:
     """Markdown rendering of :func:`build_report` for a human auditor."""
-    out = [f"# Audit report: {report['records']} records, {report['first_time']} .. {report['last_time']}", ""]
+    out = [
+        f"# Audit report: {report['records']} records, {report['first_time']} .. {report['last_time']}",
+        "",
+    ]
     for tenant, t in sorted(report["tenants"].items()):
         out.append(f"## tenant {tenant}")
         out.append(", ".join(f"{k}={v}" for k, v in sorted(t["counts"].items())))
@@ -92,14 +107,18 @@ def render_report(report: dict[str, Any]) -> str:
                 out.append("| seq | time | event | outcome | from → to | actor | request |")
                 out.append("|---|---|---|---|---|---|---|")
                 for e in v["events"]:
-                    out.append(f"| {e['seq']} | {e['time']} | {e['event']} | {e['outcome']} | "
-                               f"{e['from'] or ''} → {e['to'] or ''} | {e['actor'] or ''} | {e['request_id'] or ''} |")
+                    out.append(
+                        f"| {e['seq']} | {e['time']} | {e['event']} | {e['outcome']} | "
+                        f"{e['from'] or ''} → {e['to'] or ''} | {e['actor'] or ''} | "
+                        f"{e['request_id'] or ''} |"
+                    )
         out.append("")
     return "\n".join(out)
 
 
-def export_records(log_path: str | os.PathLike[str], since: float | None = None,
-                   until: float | None = None) -> Iterator[bytes]:
+def export_records(
+    log_path: str | os.PathLike[str], since: float | None = None, until: float | None = None
+) -> Iterator[bytes]:
     """The stored lines (byte-exact, so each still hashes to its leaf) with ``since <= time < until``."""
     lo = format_time(since) if since is not None else ""
     hi = format_time(until) if until is not None else "~"

@@ -23,8 +23,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from ._errors import AuditFormatError, SigningKeyError
 from ._record import canonical
 
-__all__ = ["CheckpointSigner", "SigningKeyDir", "checkpoint_message", "key_id_of", "load_public_keys",
-           "verify_checkpoint_signature"]
+__all__ = [
+    "CheckpointSigner",
+    "SigningKeyDir",
+    "checkpoint_message",
+    "key_id_of",
+    "load_public_keys",
+    "verify_checkpoint_signature",
+]
 
 _CHECKPOINT_DOMAIN = b"cipherlm-audit-checkpoint/1\n"
 
@@ -61,7 +67,9 @@ class CheckpointSigner:
         return base64.b64encode(self._key.sign(checkpoint_message(body))).decode()
 
 
-def verify_checkpoint_signature(body: dict[str, Any], sig: str, keys: dict[str, Ed25519PublicKey]) -> str | None:
+def verify_checkpoint_signature(
+    body: dict[str, Any], sig: str, keys: dict[str, Ed25519PublicKey]
+) -> str | None:
     """None if ``sig`` is valid under the key named by ``body['key_id']``, else the reason."""
     key = keys.get(body.get("key_id", ""))
     if key is None:
@@ -102,8 +110,9 @@ def load_public_keys(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Ed255
 
 
 def _private_pem(signer: CheckpointSigner) -> bytes:
-    return signer._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                     serialization.NoEncryption())
+    return signer._key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -152,8 +161,9 @@ class SigningKeyDir:
             raise SigningKeyError(f"{self._current}: not an Ed25519 key")
         return CheckpointSigner(key)
 
-    def rotate(self, handover: Callable[[CheckpointSigner, CheckpointSigner], None] | None = None
-               ) -> tuple[CheckpointSigner, CheckpointSigner]:
+    def rotate(
+        self, handover: Callable[[CheckpointSigner, CheckpointSigner], None] | None = None
+    ) -> tuple[CheckpointSigner, CheckpointSigner]:
         """Replace the current key; returns ``(old, new)``. The old private key is gone afterwards.
 
         ``handover(old, new)`` runs while both keys exist (the new one staged as ``next.pem``): it is
@@ -185,8 +195,9 @@ class SigningKeyDir:
     def _install(self, signer: CheckpointSigner) -> CheckpointSigner:
         pem = _private_pem(signer)
         (self.path / "public").mkdir(mode=0o755, exist_ok=True)
-        pub = signer.public_key.public_bytes(serialization.Encoding.PEM,
-                                             serialization.PublicFormat.SubjectPublicKeyInfo)
+        pub = signer.public_key.public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
         (self.path / "public" / f"{signer.key_id}.pem").write_bytes(pub)
         _write_private(self._current, pem)  # atomic replace: the old private key file is unlinked
         return signer

@@ -140,7 +140,9 @@ class RecordChecker:
             trial = self._before_last.copy()
             trial.append(leaf_hash(body_bytes))
             if trial.root().hex() == root:  # record p is the true successor of records [0, p-1)
-                return _Failure(p - 1, f"record {p - 1} was inserted: record {p} continues the log without it")
+                return _Failure(
+                    p - 1, f"record {p - 1} was inserted: record {p} continues the log without it"
+                )
         return _Failure(p, f"record carries seq {obj['seq']} at position {p} (deleted, inserted or moved)")
 
     def _track_keys(self, p: int, obj: dict[str, Any]) -> None:
@@ -161,7 +163,9 @@ class RecordChecker:
         return key
 
 
-def _load_checkpoints(path: Path, keys: dict[str, Ed25519PublicKey]) -> tuple[list[_Checkpoint], _Failure | None, int]:
+def _load_checkpoints(
+    path: Path, keys: dict[str, Ed25519PublicKey]
+) -> tuple[list[_Checkpoint], _Failure | None, int]:
     """Valid checkpoints in file order up to the first bad one, that failure (if any), and the count."""
     if not path.exists():
         return [], None, 0
@@ -183,8 +187,9 @@ def _load_checkpoints(path: Path, keys: dict[str, Ed25519PublicKey]) -> tuple[li
     return good, failure, len(lines) + int(torn)
 
 
-def _checkpoint_problem(body: dict[str, Any], sig: str, keys: dict[str, Ed25519PublicKey],
-                        prev: dict[str, Any] | None) -> str | None:
+def _checkpoint_problem(
+    body: dict[str, Any], sig: str, keys: dict[str, Ed25519PublicKey], prev: dict[str, Any] | None
+) -> str | None:
     if set(body) != _CHECKPOINT_FIELDS or not isinstance(body["size"], int) or body["size"] < 1:
         return "is malformed"
     problem = verify_checkpoint_signature(body, sig, keys)
@@ -205,15 +210,25 @@ def _check_checkpoint(cp: _Checkpoint, checker: RecordChecker, start: int) -> No
         raise _Failure(start, f"checkpoint #{cp.number} belongs to another log")
     expected = checker.key_for_record(size - 1)
     if body["key_id"] != expected:
-        raise _Failure(start, f"checkpoint #{cp.number} is signed by key {body['key_id']} but the log "
-                              f"announced key {expected} for records up to {size - 1} (unannounced key swap)")
+        raise _Failure(
+            start,
+            f"checkpoint #{cp.number} is signed by key {body['key_id']} but the log "
+            f"announced key {expected} for records up to {size - 1} (unannounced key swap)",
+        )
     if body["root"] != checker.frontier.root().hex():
-        raise _Failure(start, f"records {start}..{size - 1} differ from the tree head signed in "
-                              f"checkpoint #{cp.number} (rewritten)")
+        raise _Failure(
+            start,
+            f"records {start}..{size - 1} differ from the tree head signed in "
+            f"checkpoint #{cp.number} (rewritten)",
+        )
 
 
-def verify_log(log_path: str | os.PathLike[str], public_keys: dict[str, Ed25519PublicKey], *,
-               checkpoints_path: str | os.PathLike[str] | None = None) -> VerifyResult:
+def verify_log(
+    log_path: str | os.PathLike[str],
+    public_keys: dict[str, Ed25519PublicKey],
+    *,
+    checkpoints_path: str | os.PathLike[str] | None = None,
+) -> VerifyResult:
     """Verify a log file against its signed checkpoints and the operator's public keys.
 
     Args:
@@ -224,8 +239,9 @@ def verify_log(log_path: str | os.PathLike[str], public_keys: dict[str, Ed25519P
     Returns:
         A :class:`VerifyResult`; ``first_bad`` is the smallest index that cannot be trusted.
     """
-    cps, cp_failure, n_cps = _load_checkpoints(Path(checkpoints_path or checkpoints_path_for(log_path)),
-                                               public_keys)
+    cps, cp_failure, n_cps = _load_checkpoints(
+        Path(checkpoints_path or checkpoints_path_for(log_path)), public_keys
+    )
     lines, torn = read_log_lines(log_path)
     checker, covered = RecordChecker(), 0
     by_size: dict[int, list[_Checkpoint]] = {}
@@ -236,8 +252,11 @@ def verify_log(log_path: str | os.PathLike[str], public_keys: dict[str, Ed25519P
         failure = _Failure(len(lines), "log ends in a partial line (torn or truncated write)")
     if failure is None and cps and cps[-1].body["size"] > len(lines):
         big = next(cp for cp in cps if cp.body["size"] > len(lines))
-        failure = _Failure(len(lines), f"log ends after {len(lines)} records but checkpoint #{big.number} "
-                                       f"signed a tree of {big.body['size']} (tail deleted)")
+        failure = _Failure(
+            len(lines),
+            f"log ends after {len(lines)} records but checkpoint #{big.number} "
+            f"signed a tree of {big.body['size']} (tail deleted)",
+        )
     if cp_failure is not None and (failure is None or cp_failure.index < failure.index):
         failure = cp_failure
     covered = max((cp.body["size"] for cp in cps if cp.body["size"] <= len(lines)), default=0)
@@ -246,7 +265,9 @@ def verify_log(log_path: str | os.PathLike[str], public_keys: dict[str, Ed25519P
     return _result(lines, n_cps, covered, failure, checker)
 
 
-def _stream(lines: list[bytes], checker: RecordChecker, by_size: dict[int, list[_Checkpoint]]) -> _Failure | None:
+def _stream(
+    lines: list[bytes], checker: RecordChecker, by_size: dict[int, list[_Checkpoint]]
+) -> _Failure | None:
     start = 0  # first record not yet vouched for by a checkpoint
     for line in lines:
         try:
@@ -259,13 +280,17 @@ def _stream(lines: list[bytes], checker: RecordChecker, by_size: dict[int, list[
     return None
 
 
-def _result(lines: list[bytes], n_cps: int, covered: int, failure: _Failure | None,
-            checker: RecordChecker) -> VerifyResult:
-    result = VerifyResult(ok=failure is None, records=len(lines), checkpoints=n_cps, covered=covered,
-                          log_id=checker.log_id)
+def _result(
+    lines: list[bytes], n_cps: int, covered: int, failure: _Failure | None, checker: RecordChecker
+) -> VerifyResult:
+    result = VerifyResult(
+        ok=failure is None, records=len(lines), checkpoints=n_cps, covered=covered, log_id=checker.log_id
+    )
     if failure is not None:
         result.first_bad, result.reason = failure.index, failure.reason
     elif covered < len(lines):
-        result.warnings.append(f"records {covered}..{len(lines) - 1} are not yet covered by a signed "
-                               "checkpoint (consistent, but unsigned)")
+        result.warnings.append(
+            f"records {covered}..{len(lines) - 1} are not yet covered by a signed "
+            "checkpoint (consistent, but unsigned)"
+        )
     return result

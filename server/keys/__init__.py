@@ -7,9 +7,20 @@ effect; uploads carrying a secret key are refused and audited (:func:`screen_eva
 Exceptions: see :mod:`server.keys._errors` (base :class:`KeyRegistryError`).
 """
 
-from ._errors import (KeyAuditError, KeyCancelledError, KeyExistsError, KeyIntegrityError, KeyNotFoundError,
-                      KeyNotUsableError, KeyRegistryError, KeyStateError, KeyTooLargeError, MalformedKeyError,
-                      SecretKeyUploadError, UploadRefusedError)
+from ._errors import (
+    KeyAuditError,
+    KeyCancelledError,
+    KeyExistsError,
+    KeyIntegrityError,
+    KeyNotFoundError,
+    KeyNotUsableError,
+    KeyRegistryError,
+    KeyStateError,
+    KeyTooLargeError,
+    MalformedKeyError,
+    SecretKeyUploadError,
+    UploadRefusedError,
+)
 from ._registry import KeyLease, KeyRecord, KeyRegistry, RegistryConfig
 from ._screen import EvalKeyInfo, Inspection, screen_evaluation_key, tenseal_inspect
 from ._states import TRANSITIONS, KeyState, can_transition

@@ -40,8 +40,11 @@ from ._storage import EvalKeyStorage
 __all__ = ["KeyLease", "KeyRecord", "KeyRegistry", "RegistryConfig"]
 
 _KEY_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_REFUSAL_REASON = {SecretKeyUploadError: "secret_key_present", KeyTooLargeError: "too_large",
-                   MalformedKeyError: "malformed"}
+_REFUSAL_REASON = {
+    SecretKeyUploadError: "secret_key_present",
+    KeyTooLargeError: "too_large",
+    MalformedKeyError: "malformed",
+}
 CancelHook = Callable[["KeyRecord", str], None]
 
 
@@ -159,10 +162,22 @@ class KeyRegistry:
 
     SOURCE = "server.keys"
 
-    def __init__(self, config: RegistryConfig, audit: AuditLog, storage: EvalKeyStorage | None = None, *,
-                 clock: Callable[[], float] = time.time,
-                 inspect: Callable[[bytes], Inspection] = tenseal_inspect) -> None:
-        self.config, self._audit, self._storage, self._clock, self._inspect = config, audit, storage, clock, inspect
+    def __init__(
+        self,
+        config: RegistryConfig,
+        audit: AuditLog,
+        storage: EvalKeyStorage | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        inspect: Callable[[bytes], Inspection] = tenseal_inspect,
+    ) -> None:
+        self.config, self._audit, self._storage, self._clock, self._inspect = (
+            config,
+            audit,
+            storage,
+            clock,
+            inspect,
+        )
         self._lock = threading.RLock()
         self._keys: dict[tuple[str, str], dict[int, KeyRecord]] = {}
         self._leases: dict[tuple[str, str, int], set[KeyLease]] = {}
@@ -170,8 +185,15 @@ class KeyRegistry:
         self._load()
 
     # -- uploads -------------------------------------------------------------------------------
-    def screen_upload(self, tenant: str, data: bytes, *, actor: str | None, key_id: str | None = None,
-                      request_id: str | None = None) -> EvalKeyInfo:
+    def screen_upload(
+        self,
+        tenant: str,
+        data: bytes,
+        *,
+        actor: str | None,
+        key_id: str | None = None,
+        request_id: str | None = None,
+    ) -> EvalKeyInfo:
         """Size-check, parse and secret-check an upload; refusals are audited and re-raised.
 
         Raises:
@@ -183,12 +205,20 @@ class KeyRegistry:
         except UploadRefusedError as exc:
             reason = next(r for cls, r in _REFUSAL_REASON.items() if isinstance(exc, cls))
             size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
-            self._write_audit(Event.KEY_UPLOAD_REFUSED, outcome=Outcome.REFUSED, tenant=tenant, actor=actor,
-                              key_id=key_id, request_id=request_id, detail={"reason": reason, "size": size})
+            self._write_audit(
+                Event.KEY_UPLOAD_REFUSED,
+                outcome=Outcome.REFUSED,
+                tenant=tenant,
+                actor=actor,
+                key_id=key_id,
+                request_id=request_id,
+                detail={"reason": reason, "size": size},
+            )
             raise
 
-    def register(self, tenant: str, key_id: str, data: bytes, *, actor: str | None,
-                 request_id: str | None = None) -> KeyRecord:
+    def register(
+        self, tenant: str, key_id: str, data: bytes, *, actor: str | None, request_id: str | None = None
+    ) -> KeyRecord:
         """Register version 1 of a new key id (state PRE_ACTIVE). Use :meth:`activate` next.
 
         Raises:
@@ -201,16 +231,40 @@ class KeyRegistry:
             info = self.screen_upload(tenant, data, actor=actor, key_id=key_id, request_id=request_id)
             return self._add_version(tenant, key_id, 1, info, data, actor, request_id)
 
-    def _add_version(self, tenant: str, key_id: str, version: int, info: EvalKeyInfo, data: bytes,
-                     actor: str | None, request_id: str | None) -> KeyRecord:
+    def _add_version(
+        self,
+        tenant: str,
+        key_id: str,
+        version: int,
+        info: EvalKeyInfo,
+        data: bytes,
+        actor: str | None,
+        request_id: str | None,
+    ) -> KeyRecord:
         now = self._clock()
-        rec = KeyRecord(tenant, key_id, version, info.fingerprint, info.params_hash, info.size,
-                        KeyState.PRE_ACTIVE, created_at=now, state_changed_at=now)
+        rec = KeyRecord(
+            tenant,
+            key_id,
+            version,
+            info.fingerprint,
+            info.params_hash,
+            info.size,
+            KeyState.PRE_ACTIVE,
+            created_at=now,
+            state_changed_at=now,
+        )
         if self._storage is not None:
             self._storage.store(tenant, key_id, version, info.fingerprint, data)
         try:
-            self._audit_key(Event.KEY_REGISTERED, rec, None, KeyState.PRE_ACTIVE, actor, request_id,
-                            {"size": info.size, "params_hash": info.params_hash[:32]})
+            self._audit_key(
+                Event.KEY_REGISTERED,
+                rec,
+                None,
+                KeyState.PRE_ACTIVE,
+                actor,
+                request_id,
+                {"size": info.size, "params_hash": info.params_hash[:32]},
+            )
         except KeyAuditError:
             if self._storage is not None:
                 self._storage.delete(tenant, key_id, version)
@@ -220,8 +274,16 @@ class KeyRegistry:
         return rec
 
     # -- transitions ---------------------------------------------------------------------------
-    def activate(self, tenant: str, key_id: str, version: int, *, actor: str | None,
-                 request_id: str | None = None, expires_at: float | None = None) -> KeyRecord:
+    def activate(
+        self,
+        tenant: str,
+        key_id: str,
+        version: int,
+        *,
+        actor: str | None,
+        request_id: str | None = None,
+        expires_at: float | None = None,
+    ) -> KeyRecord:
         """PRE_ACTIVE -> ACTIVE; expiry ``expires_at`` or now + ``default_lifetime_s``."""
         with self._lock:
             rec = self._get(tenant, key_id, version)
@@ -230,57 +292,129 @@ class KeyRegistry:
                 expires_at = now + self.config.default_lifetime_s
             if expires_at is not None and expires_at <= now:
                 raise ValueError("expires_at must be in the future")
-            self._transition(rec, KeyState.ACTIVE, Event.KEY_ACTIVATED, actor, request_id,
-                             {"expires_at": int(expires_at)} if expires_at is not None else {},
-                             allowed_from={KeyState.PRE_ACTIVE})
+            self._transition(
+                rec,
+                KeyState.ACTIVE,
+                Event.KEY_ACTIVATED,
+                actor,
+                request_id,
+                {"expires_at": int(expires_at)} if expires_at is not None else {},
+                allowed_from={KeyState.PRE_ACTIVE},
+            )
             rec.activated_at, rec.expires_at = now, expires_at
             self._persist()
             return rec
 
-    def suspend(self, tenant: str, key_id: str, version: int, *, actor: str | None,
-                request_id: str | None = None, reason: str = "suspended") -> KeyRecord:
+    def suspend(
+        self,
+        tenant: str,
+        key_id: str,
+        version: int,
+        *,
+        actor: str | None,
+        request_id: str | None = None,
+        reason: str = "suspended",
+    ) -> KeyRecord:
         """ACTIVE -> SUSPENDED, effective immediately (in-flight leases cancelled)."""
-        return self._simple(tenant, key_id, version, KeyState.SUSPENDED, Event.KEY_SUSPENDED, actor,
-                            request_id, reason)
+        return self._simple(
+            tenant, key_id, version, KeyState.SUSPENDED, Event.KEY_SUSPENDED, actor, request_id, reason
+        )
 
-    def reinstate(self, tenant: str, key_id: str, version: int, *, actor: str | None,
-                  request_id: str | None = None) -> KeyRecord:
+    def reinstate(
+        self, tenant: str, key_id: str, version: int, *, actor: str | None, request_id: str | None = None
+    ) -> KeyRecord:
         """SUSPENDED -> ACTIVE (the expiry still applies)."""
-        return self._simple(tenant, key_id, version, KeyState.ACTIVE, Event.KEY_REINSTATED, actor,
-                            request_id, "reinstated", allowed_from={KeyState.SUSPENDED})
+        return self._simple(
+            tenant,
+            key_id,
+            version,
+            KeyState.ACTIVE,
+            Event.KEY_REINSTATED,
+            actor,
+            request_id,
+            "reinstated",
+            allowed_from={KeyState.SUSPENDED},
+        )
 
-    def revoke(self, tenant: str, key_id: str, version: int, *, actor: str | None, compromised: bool = False,
-               request_id: str | None = None, reason: str = "revoked") -> KeyRecord:
-        """Stop a key now: -> COMPROMISED if ``compromised`` else DEACTIVATED; leases cancelled first thing."""
-        state, event = ((KeyState.COMPROMISED, Event.KEY_COMPROMISED) if compromised
-                        else (KeyState.DEACTIVATED, Event.KEY_DEACTIVATED))
+    def revoke(
+        self,
+        tenant: str,
+        key_id: str,
+        version: int,
+        *,
+        actor: str | None,
+        compromised: bool = False,
+        request_id: str | None = None,
+        reason: str = "revoked",
+    ) -> KeyRecord:
+        """Stop a key now: -> COMPROMISED if ``compromised`` else DEACTIVATED; leases cancelled at once."""
+        state, event = (
+            (KeyState.COMPROMISED, Event.KEY_COMPROMISED)
+            if compromised
+            else (KeyState.DEACTIVATED, Event.KEY_DEACTIVATED)
+        )
         return self._simple(tenant, key_id, version, state, event, actor, request_id, reason)
 
-    def destroy(self, tenant: str, key_id: str, version: int, *, actor: str | None,
-                request_id: str | None = None) -> KeyRecord:
+    def destroy(
+        self, tenant: str, key_id: str, version: int, *, actor: str | None, request_id: str | None = None
+    ) -> KeyRecord:
         """-> DESTROYED (from PRE_ACTIVE, DEACTIVATED or COMPROMISED); deletes the stored material."""
         with self._lock:
-            rec = self._simple(tenant, key_id, version, KeyState.DESTROYED, Event.KEY_DESTROYED, actor,
-                               request_id, "destroyed")
+            rec = self._simple(
+                tenant,
+                key_id,
+                version,
+                KeyState.DESTROYED,
+                Event.KEY_DESTROYED,
+                actor,
+                request_id,
+                "destroyed",
+            )
             if self._storage is not None:
                 self._storage.delete(tenant, key_id, version)
             return rec
 
-    def _simple(self, tenant: str, key_id: str, version: int, to: KeyState, event: str, actor: str | None,
-                request_id: str | None, reason: str, allowed_from: set[KeyState] | None = None) -> KeyRecord:
+    def _simple(
+        self,
+        tenant: str,
+        key_id: str,
+        version: int,
+        to: KeyState,
+        event: str,
+        actor: str | None,
+        request_id: str | None,
+        reason: str,
+        allowed_from: set[KeyState] | None = None,
+    ) -> KeyRecord:
         with self._lock:
             rec = self._get(tenant, key_id, version)
             self._transition(rec, to, event, actor, request_id, {"reason": reason[:64]}, allowed_from)
             self._persist()
             return rec
 
-    def _transition(self, rec: KeyRecord, to: KeyState, event: str, actor: str | None, request_id: str | None,
-                    detail: dict[str, Any], allowed_from: set[KeyState] | None = None) -> None:
+    def _transition(
+        self,
+        rec: KeyRecord,
+        to: KeyState,
+        event: str,
+        actor: str | None,
+        request_id: str | None,
+        detail: dict[str, Any],
+        allowed_from: set[KeyState] | None = None,
+    ) -> None:
         """Audit, then apply, then cancel leases if the key left ACTIVE. Disallowed: audited failure."""
         src = rec.state
         if not can_transition(src, to) or (allowed_from is not None and src not in allowed_from):
-            self._audit_key(event, rec, src, to, actor, request_id, {"reason": "transition_not_allowed"},
-                            outcome=Outcome.FAILURE)
+            self._audit_key(
+                event,
+                rec,
+                src,
+                to,
+                actor,
+                request_id,
+                {"reason": "transition_not_allowed"},
+                outcome=Outcome.FAILURE,
+            )
             raise KeyStateError(f"key {rec.key_id} v{rec.version}: {src.value} -> {to.value} not allowed")
         self._audit_key(event, rec, src, to, actor, request_id, detail)
         rec.state, rec.state_changed_at = to, self._clock()
@@ -288,8 +422,17 @@ class KeyRegistry:
             self._cancel_leases(rec, f"{to.value} ({event})")
 
     # -- rotation ------------------------------------------------------------------------------
-    def rotate(self, tenant: str, key_id: str, data: bytes, *, actor: str | None, grace_s: float,
-               request_id: str | None = None, expires_at: float | None = None) -> KeyRecord:
+    def rotate(
+        self,
+        tenant: str,
+        key_id: str,
+        data: bytes,
+        *,
+        actor: str | None,
+        grace_s: float,
+        request_id: str | None = None,
+        expires_at: float | None = None,
+    ) -> KeyRecord:
         """Register and activate a new version; an ACTIVE old primary stays usable for ``grace_s`` s.
 
         A non-active old primary (e.g. compromised) is simply superseded. Each step is audited as it
@@ -317,8 +460,15 @@ class KeyRegistry:
             return new
 
     # -- use -----------------------------------------------------------------------------------
-    def use(self, tenant: str, key_id: str, version: int | None = None, *, actor: str | None = None,
-            request_id: str | None = None) -> KeyLease:
+    def use(
+        self,
+        tenant: str,
+        key_id: str,
+        version: int | None = None,
+        *,
+        actor: str | None = None,
+        request_id: str | None = None,
+    ) -> KeyLease:
         """A lease on an ACTIVE key (``version=None``: the primary). Refusals are audited.
 
         Raises:
@@ -328,8 +478,16 @@ class KeyRegistry:
             rec = self._primary(tenant, key_id) if version is None else self._get(tenant, key_id, version)
             self._enforce_expiry(rec)
             if rec.state is not KeyState.ACTIVE:
-                self._audit_key(Event.KEY_USE_REFUSED, rec, rec.state, rec.state, actor, request_id,
-                                {"reason": "not_active"}, outcome=Outcome.REFUSED)
+                self._audit_key(
+                    Event.KEY_USE_REFUSED,
+                    rec,
+                    rec.state,
+                    rec.state,
+                    actor,
+                    request_id,
+                    {"reason": "not_active"},
+                    outcome=Outcome.REFUSED,
+                )
                 raise KeyNotUsableError(f"key {key_id} v{rec.version} is {rec.state.value}, not active")
             lease = KeyLease(rec, self)
             self._leases.setdefault((tenant, key_id, rec.version), set()).add(lease)
@@ -344,9 +502,15 @@ class KeyRegistry:
         try:
             return self._storage.load(rec.tenant, rec.key_id, rec.version, rec.fingerprint)
         except KeyIntegrityError as exc:
-            self._write_audit(Event.KEY_INTEGRITY_FAILURE, outcome=Outcome.FAILURE, tenant=rec.tenant,
-                              key_id=rec.key_id, key_version=rec.version, key_fingerprint=rec.fingerprint,
-                              detail={"reason": "stored_material_rejected"})
+            self._write_audit(
+                Event.KEY_INTEGRITY_FAILURE,
+                outcome=Outcome.FAILURE,
+                tenant=rec.tenant,
+                key_id=rec.key_id,
+                key_version=rec.version,
+                key_fingerprint=rec.fingerprint,
+                detail={"reason": "stored_material_rejected"},
+            )
             raise exc
 
     def _enforce_expiry(self, rec: KeyRecord) -> None:
@@ -384,7 +548,9 @@ class KeyRegistry:
 
     def _release(self, lease: KeyLease) -> None:
         with self._lock:
-            self._leases.get((lease.record.tenant, lease.record.key_id, lease.record.version), set()).discard(lease)
+            self._leases.get((lease.record.tenant, lease.record.key_id, lease.record.version), set()).discard(
+                lease
+            )
 
     # -- queries -------------------------------------------------------------------------------
     def now(self) -> float:
@@ -400,8 +566,12 @@ class KeyRegistry:
     def list(self, tenant: str) -> list[KeyRecord]:
         """Copies of every version of every key of ``tenant``."""
         with self._lock:
-            return [KeyRecord.from_json(r.to_json()) for (t, _), vs in sorted(self._keys.items()) if t == tenant
-                    for _, r in sorted(vs.items())]
+            return [
+                KeyRecord.from_json(r.to_json())
+                for (t, _), vs in sorted(self._keys.items())
+                if t == tenant
+                for _, r in sorted(vs.items())
+            ]
 
     def active_leases(self, tenant: str, key_id: str, version: int) -> int:
         """How many uncancelled leases a version has (tests, metrics)."""
@@ -426,13 +596,30 @@ class KeyRegistry:
         return versions[max(versions)]
 
     # -- audit & persistence -------------------------------------------------------------------
-    def _audit_key(self, event: str, rec: KeyRecord, src: KeyState | None, dst: KeyState | None,
-                   actor: str | None, request_id: str | None, detail: dict[str, Any],
-                   outcome: str = Outcome.SUCCESS) -> None:
-        self._write_audit(event, outcome=outcome, tenant=rec.tenant, actor=actor, key_id=rec.key_id,
-                          key_version=rec.version, key_fingerprint=rec.fingerprint,
-                          state_from=src.value if src else None, state_to=dst.value if dst else None,
-                          request_id=request_id, detail=detail)
+    def _audit_key(
+        self,
+        event: str,
+        rec: KeyRecord,
+        src: KeyState | None,
+        dst: KeyState | None,
+        actor: str | None,
+        request_id: str | None,
+        detail: dict[str, Any],
+        outcome: str = Outcome.SUCCESS,
+    ) -> None:
+        self._write_audit(
+            event,
+            outcome=outcome,
+            tenant=rec.tenant,
+            actor=actor,
+            key_id=rec.key_id,
+            key_version=rec.version,
+            key_fingerprint=rec.fingerprint,
+            state_from=src.value if src else None,
+            state_to=dst.value if dst else None,
+            request_id=request_id,
+            detail=detail,
+        )
 
     def _write_audit(self, event: str, **fields: Any) -> None:
         """The one place audit failures are translated: no record, no operation."""

@@ -49,8 +49,12 @@ def tenseal_inspect(data: bytes) -> Inspection:
         private = bool(ctx.is_private()) or bool(ctx.has_secret_key())
         seal = ctx.seal_context().data
         parms = seal.key_context_data().parms()
-        params = {"backend": "tenseal", "scheme": str(parms.scheme()), "n": int(parms.poly_modulus_degree()),
-                  "parms_id": [f"{int(x):016x}" for x in seal.key_parms_id()]}
+        params = {
+            "backend": "tenseal",
+            "scheme": str(parms.scheme()),
+            "n": int(parms.poly_modulus_degree()),
+            "parms_id": [f"{int(x):016x}" for x in seal.key_parms_id()],
+        }
     except Exception as exc:  # native parser: any failure means "not a key we accept"
         raise MalformedKeyError("not a serialized TenSEAL context") from exc
     finally:
@@ -58,8 +62,9 @@ def tenseal_inspect(data: bytes) -> Inspection:
     return Inspection(private, hashlib.sha256(rfc8785.dumps(params)).hexdigest())
 
 
-def screen_evaluation_key(data: bytes, *, max_bytes: int,
-                          inspect: Callable[[bytes], Inspection] = tenseal_inspect) -> EvalKeyInfo:
+def screen_evaluation_key(
+    data: bytes, *, max_bytes: int, inspect: Callable[[bytes], Inspection] = tenseal_inspect
+) -> EvalKeyInfo:
     """Accept public evaluation-key bytes or raise an :class:`UploadRefusedError`.
 
     Args:
@@ -81,5 +86,7 @@ def screen_evaluation_key(data: bytes, *, max_bytes: int,
     if not isinstance(result, Inspection):
         raise MalformedKeyError("inspector returned no result")
     if result.has_secret_key:
-        raise SecretKeyUploadError("the upload contains a secret key; only public evaluation keys are accepted")
+        raise SecretKeyUploadError(
+            "the upload contains a secret key; only public evaluation keys are accepted"
+        )
     return EvalKeyInfo(hashlib.sha256(data).hexdigest(), result.params_hash, len(data))

@@ -38,8 +38,13 @@ class EvalKeyStorage:
         rng: ``n -> n random bytes`` (injected for tests).
     """
 
-    def __init__(self, root: str | os.PathLike[str], storage_key: bytes, *,
-                 rng: Callable[[int], bytes] = secrets.token_bytes) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        storage_key: bytes,
+        *,
+        rng: Callable[[int], bytes] = secrets.token_bytes,
+    ) -> None:
         if len(storage_key) != 32:
             raise ValueError("storage_key must be 32 bytes")
         self.root = Path(root)
@@ -58,14 +63,18 @@ class EvalKeyStorage:
 
     @staticmethod
     def _aad(tenant: str, key_id: str, version: int, fingerprint: str) -> bytes:
-        return rfc8785.dumps({"tenant": tenant, "key_id": key_id, "version": version, "fingerprint": fingerprint})
+        return rfc8785.dumps(
+            {"tenant": tenant, "key_id": key_id, "version": version, "fingerprint": fingerprint}
+        )
 
     def store(self, tenant: str, key_id: str, version: int, fingerprint: str, data: bytes) -> Path:
         """Write ``data`` atomically (temp file, fsync, rename), mode 0600."""
         path = self.path(tenant, key_id, version)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         nonce = self._rng(_NONCE)
-        blob = _MAGIC + nonce + self._aead.encrypt(nonce, data, self._aad(tenant, key_id, version, fingerprint))
+        blob = (
+            _MAGIC + nonce + self._aead.encrypt(nonce, data, self._aad(tenant, key_id, version, fingerprint))
+        )
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -90,7 +99,7 @@ class EvalKeyStorage:
             raise KeyNotFoundError(f"no stored material for {key_id} v{version}") from exc
         if not blob.startswith(_MAGIC) or len(blob) < len(_MAGIC) + _NONCE + 16:
             raise KeyIntegrityError(f"{path.name}: not a key file")
-        nonce, body = blob[len(_MAGIC):len(_MAGIC) + _NONCE], blob[len(_MAGIC) + _NONCE:]
+        nonce, body = blob[len(_MAGIC) : len(_MAGIC) + _NONCE], blob[len(_MAGIC) + _NONCE :]
         try:
             data = self._aead.decrypt(nonce, body, self._aad(tenant, key_id, version, fingerprint))
         except InvalidTag:

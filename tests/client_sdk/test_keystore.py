@@ -16,8 +16,15 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
-from client_sdk.keystore import (InvalidKeyStoreAccess, KdfParams, KeyMaterial, KeyStore, KeyStoreConfig,
-                                 KeyStorePermissionError, KeyUnusableError)
+from client_sdk.keystore import (
+    InvalidKeyStoreAccess,
+    KdfParams,
+    KeyMaterial,
+    KeyStore,
+    KeyStoreConfig,
+    KeyStorePermissionError,
+    KeyUnusableError,
+)
 
 FAST = KeyStoreConfig(kdf=KdfParams(name="scrypt", n=2**10), max_grace_s=3600)
 SECRET1, PUBLIC1 = b"SECRET-ONE-" * 20, b"public-one"
@@ -85,8 +92,14 @@ def test_known_answer_decrypt_with_an_independent_derivation(tmp_path, store):
     assert magic == b"CLMKS1\n" and nonce == b"\x02" * 12  # second rng draw (the key id was given)
     import hashlib
 
-    aad = rfc8785.dumps({"format": "cipherlm-keystore/1", "key_id": "main", "version": 1,
-                         "public_fingerprint": hashlib.sha256(PUBLIC1).hexdigest()})
+    aad = rfc8785.dumps(
+        {
+            "format": "cipherlm-keystore/1",
+            "key_id": "main",
+            "version": 1,
+            "public_fingerprint": hashlib.sha256(PUBLIC1).hexdigest(),
+        }
+    )
     assert AESGCM(file_key).decrypt(nonce, sealed, aad) == SECRET1
 
 
@@ -113,22 +126,27 @@ def test_wrong_passphrase_and_every_edit_give_one_opaque_error(tmp_path, store, 
     messages = {"wrong passphrase": _opaque(lambda: KeyStore.open(ks, "wrong horse", clock=clock))}
     edits = {
         "secret file bit flip": lambda: _flip(ks / "keys" / "main" / "v1.secret"),
-        "secret file moved to another key": lambda: shutil.copyfile(ks / "keys" / "other" / "v1.secret",
-                                                                     ks / "keys" / "main" / "v1.secret"),
+        "secret file moved to another key": lambda: shutil.copyfile(
+            ks / "keys" / "other" / "v1.secret", ks / "keys" / "main" / "v1.secret"
+        ),
         "secret file deleted": lambda: os.remove(ks / "keys" / "main" / "v1.secret"),
-        "index edited (grace extended)": lambda: _edit_json(ks / "keystore.json",
-                                                            lambda o: o["index"]["keys"]["main"].update(primary=7)),
+        "index edited (grace extended)": lambda: _edit_json(
+            ks / "keystore.json", lambda o: o["index"]["keys"]["main"].update(primary=7)
+        ),
         "index: kdf weakened": lambda: _edit_json(ks / "keystore.json", lambda o: o["kdf"].update(n=2)),
         "event log line dropped": lambda: _drop_line(ks / "events.log", 1),
         "event log truncated": lambda: _truncate_lines(ks / "events.log", 2),
-        "public file swapped": lambda: shutil.copyfile(ks / "keys" / "other" / "v1.public",
-                                                       ks / "keys" / "main" / "v1.public"),
+        "public file swapped": lambda: shutil.copyfile(
+            ks / "keys" / "other" / "v1.public", ks / "keys" / "main" / "v1.public"
+        ),
     }
     for name, edit in edits.items():
         reset()
         edit()
         if name == "public file swapped":
-            messages[name] = _opaque(lambda: KeyStore.open(ks, "correct horse", clock=clock).key("main").public_material())
+            messages[name] = _opaque(
+                lambda: KeyStore.open(ks, "correct horse", clock=clock).key("main").public_material()
+            )
         else:
             messages[name] = _opaque(load_main)
     assert len(set(messages.values())) == 1, messages
@@ -141,7 +159,9 @@ def test_file_from_another_store_with_same_passphrase_is_refused(tmp_path, clock
     b = KeyStore.create(tmp_path / "b", "pw", config=FAST, clock=clock)
     a.generate(gen(SECRET1, PUBLIC1), key_id="main")
     b.generate(gen(SECRET2, PUBLIC1), key_id="main")
-    shutil.copyfile(tmp_path / "a" / "keys" / "main" / "v1.secret", tmp_path / "b" / "keys" / "main" / "v1.secret")
+    shutil.copyfile(
+        tmp_path / "a" / "keys" / "main" / "v1.secret", tmp_path / "b" / "keys" / "main" / "v1.secret"
+    )
     _opaque(lambda: KeyStore.open(tmp_path / "b", "pw", clock=clock).key("main").secret_material())
 
 
@@ -191,7 +211,10 @@ def test_local_event_log(store, clock):
     store.rotate("main", gen(SECRET2, PUBLIC2), grace_s=60)
     events = store.events()
     assert [(e["event"], e["key_id"], e["version"]) for e in events] == [
-        ("store.created", None, None), ("key.created", "main", 1), ("key.rotated", "main", 2)]
+        ("store.created", None, None),
+        ("key.created", "main", 1),
+        ("key.rotated", "main", 2),
+    ]
     assert events[2]["time"] == clock.t and events[2]["detail"] == {"rotated_from": 1, "grace_s": 60}
     assert all(b"SECRET" not in json.dumps(e).encode() for e in events)
 
@@ -222,7 +245,9 @@ def test_real_tenseal_context_round_trip(tmp_path, clock):
 
     store = KeyStore.create(tmp_path / "ks", "pw", config=FAST, clock=clock)
     handle = store.generate(tenseal_generator)
-    ctx = ts.context_from(KeyStore.open(tmp_path / "ks", "pw", clock=clock).key(handle.key_id).secret_material())
+    ctx = ts.context_from(
+        KeyStore.open(tmp_path / "ks", "pw", clock=clock).key(handle.key_id).secret_material()
+    )
     public = ts.context_from(handle.public_material())
     assert ctx.is_private() and not public.is_private()
     vec = ts.ckks_vector(public, [1.0, 2.0, 3.0])

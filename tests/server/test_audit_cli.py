@@ -11,9 +11,17 @@ from server.cli import main
 def _make_log(tmp_path):
     key_dir = tmp_path / "keys"
     assert main(["audit", "keygen", "--key-dir", str(key_dir)]) == 0
-    log = AuditLog.open(AuditConfig(tmp_path / "audit.log"), SigningKeyDir(key_dir).load(), Pseudonymizer(b"p" * 32))
-    log.append(Event.KEY_UPLOAD_REFUSED, source="server.keys", outcome="refused", tenant="acme", actor="alice",
-               detail={"reason": "secret_key_present"})
+    log = AuditLog.open(
+        AuditConfig(tmp_path / "audit.log"), SigningKeyDir(key_dir).load(), Pseudonymizer(b"p" * 32)
+    )
+    log.append(
+        Event.KEY_UPLOAD_REFUSED,
+        source="server.keys",
+        outcome="refused",
+        tenant="acme",
+        actor="alice",
+        detail={"reason": "secret_key_present"},
+    )
     log.append(Event.PLAINTEXT_FALLBACK, source="server.policy", tenant="acme", actor="alice")
     log.close()
     return key_dir, tmp_path / "audit.log"
@@ -24,14 +32,34 @@ def test_keygen_verify_report_export(tmp_path, capsys):
     assert main(["audit", "verify", str(log), "--pubkey", str(key_dir / "public")]) == 0
     assert "OK: 3 records" in capsys.readouterr().out
     (tmp_path / "pk").write_bytes(b"p" * 32)
-    assert main(["audit", "report", str(log), "--pubkey", str(key_dir / "public"), "--json",
-                 "--pseudonym-key", str(tmp_path / "pk"), "--tenant", "acme"]) == 0
+    assert (
+        main(
+            [
+                "audit",
+                "report",
+                str(log),
+                "--pubkey",
+                str(key_dir / "public"),
+                "--json",
+                "--pseudonym-key",
+                str(tmp_path / "pk"),
+                "--tenant",
+                "acme",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
-    (name, tenant), = report["tenants"].items()
+    ((name, tenant),) = report["tenants"].items()
     assert name.startswith("acme (h:")
-    assert tenant["counts"]["refused_secret_key_uploads"] == 1 and tenant["counts"]["plaintext_fallbacks"] == 1
+    assert (
+        tenant["counts"]["refused_secret_key_uploads"] == 1 and tenant["counts"]["plaintext_fallbacks"] == 1
+    )
     out = tmp_path / "export.jsonl"
-    assert main(["audit", "export", str(log), "--since", "2000-01-01", "--until", "2999-01-01", "-o", str(out)]) == 0
+    assert (
+        main(["audit", "export", str(log), "--since", "2000-01-01", "--until", "2999-01-01", "-o", str(out)])
+        == 0
+    )
     assert len(out.read_bytes().splitlines()) == 3
     assert main(["audit", "export", str(log), "--until", "2000-01-01"]) == 0
     assert capsys.readouterr().out == ""

@@ -10,9 +10,24 @@ import pytest
 import rfc8785
 from hypothesis import given, settings
 
-from server.audit import (AuditConfig, AuditFormatError, AuditLog, AuditWriteError, CheckpointSigner, Event,
-                          Pseudonymizer, SigningKeyDir, SigningKeyError, build_report, checkpoints_path_for,
-                          export_records, iter_records, parse_time, render_report, verify_log)
+from server.audit import (
+    AuditConfig,
+    AuditFormatError,
+    AuditLog,
+    AuditWriteError,
+    CheckpointSigner,
+    Event,
+    Pseudonymizer,
+    SigningKeyDir,
+    SigningKeyError,
+    build_report,
+    checkpoints_path_for,
+    export_records,
+    iter_records,
+    parse_time,
+    render_report,
+    verify_log,
+)
 from server.audit._record import fast_canonical
 
 PSEUDO_KEY = b"p" * 32
@@ -40,8 +55,13 @@ def signer():
 
 def open_log(tmp_path, signer, clock, **cfg):
     cfg.setdefault("checkpoint_every", 10)
-    return AuditLog.open(AuditConfig(tmp_path / "audit.log", **cfg), signer, Pseudonymizer(PSEUDO_KEY),
-                         clock=clock, rng=lambda n: b"\x01" * n)
+    return AuditLog.open(
+        AuditConfig(tmp_path / "audit.log", **cfg),
+        signer,
+        Pseudonymizer(PSEUDO_KEY),
+        clock=clock,
+        rng=lambda n: b"\x01" * n,
+    )
 
 
 def keys_of(*signers):
@@ -50,9 +70,18 @@ def keys_of(*signers):
 
 def test_records_are_canonical_pseudonymous_and_verify(tmp_path, signer, clock):
     with open_log(tmp_path, signer, clock) as log:
-        rec = log.append(Event.KEY_REGISTERED, source="server.keys", tenant="acme", actor="alice",
-                         key_id="k1", key_version=1, key_fingerprint="ab" * 32, state_to="pre_active",
-                         request_id="req-1", detail={"size": 1234})
+        rec = log.append(
+            Event.KEY_REGISTERED,
+            source="server.keys",
+            tenant="acme",
+            actor="alice",
+            key_id="k1",
+            key_version=1,
+            key_fingerprint="ab" * 32,
+            state_to="pre_active",
+            request_id="req-1",
+            detail={"size": 1234},
+        )
     line = (tmp_path / "audit.log").read_bytes().split(b"\n")[1]
     assert line == rfc8785.dumps(rec)
     assert rec["tenant"] == Pseudonymizer(PSEUDO_KEY).label("tenant", "acme") != "acme"
@@ -62,8 +91,9 @@ def test_records_are_canonical_pseudonymous_and_verify(tmp_path, signer, clock):
     assert result.ok and result.records == 2 and result.covered == 2 and not result.warnings
 
 
-@pytest.mark.parametrize("detail", [{"prompt": "x" * 500}, {"blob": b"\x00\x01"}, {"nested": {"a": 1}},
-                                    {"Bad-Key": 1}, {"f": 1.5}])
+@pytest.mark.parametrize(
+    "detail", [{"prompt": "x" * 500}, {"blob": b"\x00\x01"}, {"nested": {"a": 1}}, {"Bad-Key": 1}, {"f": 1.5}]
+)
 def test_detail_refuses_payloads(tmp_path, signer, clock, detail):
     with open_log(tmp_path, signer, clock) as log:
         with pytest.raises(AuditFormatError):
@@ -182,15 +212,35 @@ def test_loose_key_permissions_refused(tmp_path):
 
 def test_report_and_export(tmp_path, signer, clock):
     with open_log(tmp_path, signer, clock) as log:
-        for event, detail in [(Event.KEY_UPLOAD_REFUSED, {"reason": "secret_key_present"}),
-                              (Event.KEY_UPLOAD_REFUSED, {"reason": "too_large"}),
-                              (Event.PLAINTEXT_FALLBACK, {}), (Event.PLAINTEXT_FALLBACK, {})]:
+        for event, detail in [
+            (Event.KEY_UPLOAD_REFUSED, {"reason": "secret_key_present"}),
+            (Event.KEY_UPLOAD_REFUSED, {"reason": "too_large"}),
+            (Event.PLAINTEXT_FALLBACK, {}),
+            (Event.PLAINTEXT_FALLBACK, {}),
+        ]:
             clock.t += 3600
             log.append(event, source="server", outcome="refused", tenant="acme", actor="bob", detail=detail)
-        log.append(Event.KEY_REGISTERED, source="server.keys", tenant="acme", actor="bob", key_id="k1",
-                   key_version=1, key_fingerprint="cd" * 32, state_to="pre_active")
-        log.append(Event.KEY_ACTIVATED, source="server.keys", tenant="acme", actor="ops", key_id="k1",
-                   key_version=1, key_fingerprint="cd" * 32, state_from="pre_active", state_to="active")
+        log.append(
+            Event.KEY_REGISTERED,
+            source="server.keys",
+            tenant="acme",
+            actor="bob",
+            key_id="k1",
+            key_version=1,
+            key_fingerprint="cd" * 32,
+            state_to="pre_active",
+        )
+        log.append(
+            Event.KEY_ACTIVATED,
+            source="server.keys",
+            tenant="acme",
+            actor="ops",
+            key_id="k1",
+            key_version=1,
+            key_fingerprint="cd" * 32,
+            state_from="pre_active",
+            state_to="active",
+        )
         log.append(Event.PLAINTEXT_FALLBACK, source="server", tenant="other")
     report = build_report(iter_records(tmp_path / "audit.log"))
     acme = report["tenants"][Pseudonymizer(PSEUDO_KEY).label("tenant", "acme")]
@@ -199,10 +249,15 @@ def test_report_and_export(tmp_path, signer, clock):
     assert acme["counts"]["plaintext_fallbacks"] == 2
     version = acme["keys"]["k1"]["versions"]["1"]
     assert version["state"] == "active" and [e["event"] for e in version["events"]] == [
-        Event.KEY_REGISTERED, Event.KEY_ACTIVATED]
+        Event.KEY_REGISTERED,
+        Event.KEY_ACTIVATED,
+    ]
     assert "k1 v1 — now active" in render_report(report)
-    lines = list(export_records(tmp_path / "audit.log", parse_time("2026-01-01T01:00:00Z"),
-                                parse_time("2026-01-01T03:00:00Z")))
+    lines = list(
+        export_records(
+            tmp_path / "audit.log", parse_time("2026-01-01T01:00:00Z"), parse_time("2026-01-01T03:00:00Z")
+        )
+    )
     assert [json.loads(x)["event"] for x in lines] == [Event.KEY_UPLOAD_REFUSED, Event.KEY_UPLOAD_REFUSED]
 
 
@@ -210,10 +265,18 @@ _json_str = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.fixed_dictionaries({
-    "tenant": st.one_of(st.none(), _json_str), "seq": st.integers(0, 2**53 - 1),
-    "detail": st.dictionaries(st.from_regex(r"[a-z][a-z0-9_.]{0,10}", fullmatch=True),
-                              st.one_of(st.booleans(), st.none(), st.integers(-(2**53) + 1, 2**53 - 1), _json_str),
-                              max_size=4)}))
+@given(
+    st.fixed_dictionaries(
+        {
+            "tenant": st.one_of(st.none(), _json_str),
+            "seq": st.integers(0, 2**53 - 1),
+            "detail": st.dictionaries(
+                st.from_regex(r"[a-z][a-z0-9_.]{0,10}", fullmatch=True),
+                st.one_of(st.booleans(), st.none(), st.integers(-(2**53) + 1, 2**53 - 1), _json_str),
+                max_size=4,
+            ),
+        }
+    )
+)
 def test_fast_canonical_equals_rfc8785_on_the_record_schema(obj):
     assert fast_canonical(obj) == rfc8785.dumps(obj)

@@ -11,8 +11,18 @@ import os
 
 import pytest
 
-from server.audit import (AuditConfig, AuditLog, CheckpointSigner, Event, MerkleFrontier, Pseudonymizer,
-                          canonical, checkpoints_path_for, leaf_hash, verify_log)
+from server.audit import (
+    AuditConfig,
+    AuditLog,
+    CheckpointSigner,
+    Event,
+    MerkleFrontier,
+    Pseudonymizer,
+    canonical,
+    checkpoints_path_for,
+    leaf_hash,
+    verify_log,
+)
 
 N = 40  # records, checkpoints after 10, 20, 30, 40
 
@@ -28,10 +38,20 @@ class Clock:
 
 def build_log(tmp_path, signer):
     path = tmp_path / "audit.log"
-    log = AuditLog.open(AuditConfig(path, checkpoint_every=10), signer, Pseudonymizer(b"p" * 32), clock=Clock())
+    log = AuditLog.open(
+        AuditConfig(path, checkpoint_every=10), signer, Pseudonymizer(b"p" * 32), clock=Clock()
+    )
     for i in range(N - 1):
-        log.append(Event.KEY_ACTIVATED if i % 2 else Event.SESSION_OPENED, source="server.keys", tenant="acme",
-                   actor=f"user{i % 3}", key_id="k1", key_version=1, request_id=f"r{i}", detail={"n": i})
+        log.append(
+            Event.KEY_ACTIVATED if i % 2 else Event.SESSION_OPENED,
+            source="server.keys",
+            tenant="acme",
+            actor=f"user{i % 3}",
+            key_id="k1",
+            key_version=1,
+            request_id=f"r{i}",
+            detail={"n": i},
+        )
     log.close()
     return path
 
@@ -154,14 +174,19 @@ SCENARIOS = [
     ("rewrite", "record 25 edited and every later tree head recomputed", t_rewrite_recomputed, False),
     ("swap signing key", "rewrite from 25, checkpoints #2.. re-signed with another key", t_swap_key, False),
     ("swap signing key", "same, and the verifier is also handed the attacker's public key", t_swap_key, True),
-    ("swap signing key", "records untouched, every checkpoint re-signed with another key", t_swap_key_whole_log,
-     False),
+    (
+        "swap signing key",
+        "records untouched, every checkpoint re-signed with another key",
+        t_swap_key_whole_log,
+        False,
+    ),
 ]
 ROWS: list[str] = []
 
 
-@pytest.mark.parametrize("kind,what,tamper,give_attacker_key", SCENARIOS,
-                         ids=[f"{s[0]}-{i}" for i, s in enumerate(SCENARIOS)])
+@pytest.mark.parametrize(
+    "kind,what,tamper,give_attacker_key", SCENARIOS, ids=[f"{s[0]}-{i}" for i, s in enumerate(SCENARIOS)]
+)
 def test_tamper_is_detected_at_first_bad_record(tmp_path, kind, what, tamper, give_attacker_key):
     signer, attacker = CheckpointSigner.generate(), CheckpointSigner.generate()
     path = build_log(tmp_path, signer)
@@ -188,8 +213,10 @@ def test_limit_consistent_truncation_of_log_and_checkpoints(tmp_path):
     write(path, read(path)[:30])
     write(checkpoints_path_for(path), read(checkpoints_path_for(path))[:3])
     result = verify_log(path, {signer.key_id: signer.public_key})
-    ROWS.append("| truncate log + checkpoints | records 30..39 and checkpoint #3 both dropped | 30 | not detected "
-                "| needs a later checkpoint kept outside the server (see *Out of scope*) |")
+    ROWS.append(
+        "| truncate log + checkpoints | records 30..39 and checkpoint #3 both dropped | 30 | not detected "
+        "| needs a later checkpoint kept outside the server (see *Out of scope*) |"
+    )
     assert result.ok and result.records == 30
 
 
@@ -197,8 +224,13 @@ def test_zz_print_table():
     """Runs last in this module: print (and optionally save) the table."""
     if len(ROWS) < len(SCENARIOS) + 1:
         pytest.skip("run the whole module to print the table")
-    table = "\n".join(["| tamper | what was done | tampered at | reported first bad | reason given |",
-                       "|---|---|---|---|---|", *ROWS])
+    table = "\n".join(
+        [
+            "| tamper | what was done | tampered at | reported first bad | reason given |",
+            "|---|---|---|---|---|",
+            *ROWS,
+        ]
+    )
     print("\n" + table)
     out = os.environ.get("CIPHERLM_TAMPER_TABLE")
     if out:

@@ -9,11 +9,31 @@ import shutil
 import pytest
 import tenseal as ts
 
-from server.audit import (AuditConfig, AuditLog, CheckpointSigner, Event, Pseudonymizer, iter_records,
-                          verify_log)
-from server.keys import (EvalKeyStorage, KeyAuditError, KeyCancelledError, KeyExistsError, KeyIntegrityError,
-                         KeyNotFoundError, KeyNotUsableError, KeyRegistry, KeyState, KeyStateError,
-                         KeyTooLargeError, MalformedKeyError, RegistryConfig, screen_evaluation_key)
+from server.audit import (
+    AuditConfig,
+    AuditLog,
+    CheckpointSigner,
+    Event,
+    Pseudonymizer,
+    iter_records,
+    verify_log,
+)
+from server.keys import (
+    EvalKeyStorage,
+    KeyAuditError,
+    KeyCancelledError,
+    KeyExistsError,
+    KeyIntegrityError,
+    KeyNotFoundError,
+    KeyNotUsableError,
+    KeyRegistry,
+    KeyState,
+    KeyStateError,
+    KeyTooLargeError,
+    MalformedKeyError,
+    RegistryConfig,
+    screen_evaluation_key,
+)
 
 DAY = 86400.0
 
@@ -41,7 +61,9 @@ class Env:
     def __init__(self, tmp_path, **cfg):
         self.clock, self.signer = Clock(), CheckpointSigner.generate()
         self.log_path = tmp_path / "audit.log"
-        self.log = AuditLog.open(AuditConfig(self.log_path), self.signer, Pseudonymizer(b"p" * 32), clock=self.clock)
+        self.log = AuditLog.open(
+            AuditConfig(self.log_path), self.signer, Pseudonymizer(b"p" * 32), clock=self.clock
+        )
         self.storage = EvalKeyStorage(tmp_path / "evk", b"s" * 32)
         cfg.setdefault("state_path", tmp_path / "registry.json")
         self.config = RegistryConfig(**cfg)
@@ -73,11 +95,19 @@ def test_lifecycle_and_one_record_per_transition(env, evks):
     reg.revoke("acme", "k1", 1, actor="ops")
     reg.destroy("acme", "k1", 1, actor="ops")
     assert not env.storage.path("acme", "k1", 1).exists()
-    assert env.events() == [Event.KEY_REGISTERED, Event.KEY_USE_REFUSED, Event.KEY_ACTIVATED, Event.KEY_SUSPENDED,
-                            Event.KEY_REINSTATED, Event.KEY_DEACTIVATED, Event.KEY_DESTROYED]
+    assert env.events() == [
+        Event.KEY_REGISTERED,
+        Event.KEY_USE_REFUSED,
+        Event.KEY_ACTIVATED,
+        Event.KEY_SUSPENDED,
+        Event.KEY_REINSTATED,
+        Event.KEY_DEACTIVATED,
+        Event.KEY_DESTROYED,
+    ]
     recs = list(iter_records(env.log_path))
     assert [(r["state_from"], r["state_to"]) for r in recs if r["event"] == Event.KEY_DEACTIVATED] == [
-        ("active", "deactivated")]
+        ("active", "deactivated")
+    ]
     assert all(r["key_fingerprint"] == rec.fingerprint for r in recs[1:])
 
 
@@ -201,7 +231,10 @@ def test_state_persists_across_restart(tmp_path, evks):
     e.log.close()
     again = KeyRegistry(e.config, e.log, e.storage, clock=e.clock)
     assert again.get("acme", "k1").state is KeyState.ACTIVE
-    assert json.loads((tmp_path / "registry.json").read_text())[0]["fingerprint"] == again.get("acme", "k1").fingerprint
+    assert (
+        json.loads((tmp_path / "registry.json").read_text())[0]["fingerprint"]
+        == again.get("acme", "k1").fingerprint
+    )
 
 
 def test_screen_size_limit_first_and_garbage(evks):
@@ -218,5 +251,8 @@ def test_screen_size_limit_first_and_garbage(evks):
         with pytest.raises(MalformedKeyError):
             screen_evaluation_key(junk, max_bytes=10**8)
     info = screen_evaluation_key(evks[0], max_bytes=10**8)
-    assert info.size == len(evks[0]) and info.params_hash == screen_evaluation_key(evks[1], max_bytes=10**8).params_hash
+    assert (
+        info.size == len(evks[0])
+        and info.params_hash == screen_evaluation_key(evks[1], max_bytes=10**8).params_hash
+    )
     assert info.params_hash != screen_evaluation_key(evks[2], max_bytes=10**8).params_hash

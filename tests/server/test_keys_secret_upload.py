@@ -13,13 +13,29 @@ from pathlib import Path
 import pytest
 import tenseal as ts
 
-from server.audit import AuditConfig, AuditLog, CheckpointSigner, Event, Pseudonymizer, iter_records, verify_log
-from server.keys import (EvalKeyStorage, KeyRegistry, RegistryConfig, SecretKeyUploadError, UploadRefusedError,
-                         screen_evaluation_key)
+from server.audit import (
+    AuditConfig,
+    AuditLog,
+    CheckpointSigner,
+    Event,
+    Pseudonymizer,
+    iter_records,
+    verify_log,
+)
+from server.keys import (
+    EvalKeyStorage,
+    KeyRegistry,
+    RegistryConfig,
+    SecretKeyUploadError,
+    UploadRefusedError,
+    screen_evaluation_key,
+)
 
 
 def _ckks(n: int, galois: bool) -> ts.Context:
-    ctx = ts.context(ts.SCHEME_TYPE.CKKS, n, coeff_mod_bit_sizes=[40, 21, 40] if n == 4096 else [60, 40, 40, 60])
+    ctx = ts.context(
+        ts.SCHEME_TYPE.CKKS, n, coeff_mod_bit_sizes=[40, 21, 40] if n == 4096 else [60, 40, 40, 60]
+    )
     ctx.global_scale = 2**21 if n == 4096 else 2**40
     if galois:
         ctx.generate_galois_keys()
@@ -35,11 +51,15 @@ def _secret_key_bytes(ctx: ts.Context) -> bytes:
 
 @pytest.fixture(scope="module")
 def secrets_and_public():
-    contexts = {"ckks-4096": _ckks(4096, False), "ckks-8192+galois": _ckks(8192, True),
-                "bfv-4096": ts.context(ts.SCHEME_TYPE.BFV, 4096, plain_modulus=1032193)}
+    contexts = {
+        "ckks-4096": _ckks(4096, False),
+        "ckks-8192+galois": _ckks(8192, True),
+        "bfv-4096": ts.context(ts.SCHEME_TYPE.BFV, 4096, plain_modulus=1032193),
+    }
     blobs = {name: ctx.serialize(save_secret_key=True) for name, ctx in contexts.items()}
     blobs["ckks-4096 without public/relin keys"] = contexts["ckks-4096"].serialize(
-        save_public_key=False, save_secret_key=True, save_galois_keys=False, save_relin_keys=False)
+        save_public_key=False, save_secret_key=True, save_galois_keys=False, save_relin_keys=False
+    )
     raw = [_secret_key_bytes(ctx) for ctx in contexts.values()]
     legit = ts.context(ts.SCHEME_TYPE.BFV, 4096, plain_modulus=786433)
     legit.make_context_public()
@@ -48,7 +68,7 @@ def secrets_and_public():
 
 def _windows(data: bytes, width: int = 32) -> list[bytes]:
     """Overlapping-enough 32-byte windows: every 100-byte stretch of ``data`` contains one."""
-    return [data[i:i + width] for i in range(0, len(data) - width, 64)]
+    return [data[i : i + width] for i in range(0, len(data) - width, 64)]
 
 
 def test_secret_key_uploads_refused_on_every_path_and_leave_no_trace(tmp_path, secrets_and_public):
@@ -68,7 +88,7 @@ def test_secret_key_uploads_refused_on_every_path_and_leave_no_trace(tmp_path, s
     }
     wrappers = {"bytes": bytes, "bytearray": bytearray, "memoryview": memoryview}
     attempts, messages = 0, []
-    for path_name, upload in paths.items():
+    for upload in paths.values():
         for blob in blobs.values():
             for wrap in wrappers.values():
                 attempts += 1
@@ -83,7 +103,9 @@ def test_secret_key_uploads_refused_on_every_path_and_leave_no_trace(tmp_path, s
     # Audit: one refusal per attempt through the registry paths, with the reason, and nothing else new.
     log.close()
     assert verify_log(tmp_path / "audit" / "audit.log", {signer.key_id: signer.public_key}).ok
-    refusals = [r for r in iter_records(tmp_path / "audit" / "audit.log") if r["event"] == Event.KEY_UPLOAD_REFUSED]
+    refusals = [
+        r for r in iter_records(tmp_path / "audit" / "audit.log") if r["event"] == Event.KEY_UPLOAD_REFUSED
+    ]
     assert len(refusals) == 3 * 4 * 3
     assert all(r["detail"]["reason"] == "secret_key_present" and r["outcome"] == "refused" for r in refusals)
     # Disk: only the legit key's file was ever stored.

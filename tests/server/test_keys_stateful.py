@@ -74,10 +74,18 @@ class KeyLifecycle(RuleBasedStateMachine):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="cipherlm-keys-"))
         self.clock, self.signer = Clock(), CheckpointSigner.generate()
-        self.log = AuditLog.open(AuditConfig(self.dir / "audit.log", fsync=False, checkpoint_every=25),
-                                 self.signer, Pseudonymizer(b"p" * 32), clock=self.clock)
-        self.reg = KeyRegistry(RegistryConfig(default_lifetime_s=LIFETIME, max_grace_s=MAX_GRACE), self.log,
-                               clock=self.clock, inspect=_cached_inspect)
+        self.log = AuditLog.open(
+            AuditConfig(self.dir / "audit.log", fsync=False, checkpoint_every=25),
+            self.signer,
+            Pseudonymizer(b"p" * 32),
+            clock=self.clock,
+        )
+        self.reg = KeyRegistry(
+            RegistryConfig(default_lifetime_s=LIFETIME, max_grace_s=MAX_GRACE),
+            self.log,
+            clock=self.clock,
+            inspect=_cached_inspect,
+        )
         self.model: dict[str, dict[int, dict]] = {}
         self.leases: list = []
         self.seen = 1  # the log's creation record
@@ -86,7 +94,9 @@ class KeyLifecycle(RuleBasedStateMachine):
     def _due(self, m: dict) -> bool:
         now = self.clock.t
         return m["state"] is S.ACTIVE and (
-            (m["expires"] is not None and now >= m["expires"]) or (m["grace"] is not None and now >= m["grace"]))
+            (m["expires"] is not None and now >= m["expires"])
+            or (m["grace"] is not None and now >= m["grace"])
+        )
 
     def _expire(self, key_id: str, version: int, trans: list) -> None:
         m = self.model[key_id][version]
@@ -110,12 +120,17 @@ class KeyLifecycle(RuleBasedStateMachine):
 
     def _expect(self, transitions: list, others: list[str], ordered: bool = True) -> None:
         """New records == ``transitions`` (as tuples, in order) + ``others`` (event names, any order)."""
-        lines = (self.dir / "audit.log").read_bytes().split(b"\n")[self.seen:-1]
+        lines = (self.dir / "audit.log").read_bytes().split(b"\n")[self.seen : -1]
         self.seen += len(lines)
         recs = [json.loads(x) for x in lines]
-        got_t = [(r["key_id"], r["key_version"], r["state_from"], r["state_to"]) for r in recs
-                 if r["outcome"] == "success" and r["state_from"] != r["state_to"]]
-        got_o = sorted(r["event"] for r in recs if not (r["outcome"] == "success" and r["state_from"] != r["state_to"]))
+        got_t = [
+            (r["key_id"], r["key_version"], r["state_from"], r["state_to"])
+            for r in recs
+            if r["outcome"] == "success" and r["state_from"] != r["state_to"]
+        ]
+        got_o = sorted(
+            r["event"] for r in recs if not (r["outcome"] == "success" and r["state_from"] != r["state_to"])
+        )
         assert got_t == transitions if ordered else sorted(got_t, key=str) == sorted(transitions, key=str)
         assert got_o == sorted(others)
 
@@ -126,7 +141,9 @@ class KeyLifecycle(RuleBasedStateMachine):
                 op("t", key_id, version, actor="u", **kw)
             return self._expect([], [])
         m = versions[version]
-        allowed = can_transition(m["state"], to) and not (op == self.reg.reinstate and m["state"] is not S.SUSPENDED)
+        allowed = can_transition(m["state"], to) and not (
+            op == self.reg.reinstate and m["state"] is not S.SUSPENDED
+        )
         if allowed:
             op("t", key_id, version, actor="u", **kw)
             self._expect([(key_id, version, m["state"].value, to.value)], [])
@@ -153,8 +170,11 @@ class KeyLifecycle(RuleBasedStateMachine):
         self.model[key_id] = {1: {"state": S.PRE_ACTIVE, "expires": None, "grace": None}}
         self._expect([(key_id, 1, None, "pre_active")], [])
 
-    @rule(key_id=st.sampled_from(KEY_IDS), pick=st.integers(0, 6),
-          lifetime=st.one_of(st.none(), st.integers(1, 2000)))
+    @rule(
+        key_id=st.sampled_from(KEY_IDS),
+        pick=st.integers(0, 6),
+        lifetime=st.one_of(st.none(), st.integers(1, 2000)),
+    )
     def activate(self, key_id, pick, lifetime):
         version = self._version(key_id, pick)
         m = self.model.get(key_id, {}).get(version)
@@ -189,8 +209,11 @@ class KeyLifecycle(RuleBasedStateMachine):
             self.reg.use("t", key_id, version)
         self._expect(trans, ["key.use_refused"])
 
-    @rule(key_id=st.sampled_from(KEY_IDS), upload=st.integers(0, 2),
-          grace=st.sampled_from([0, 1, 30, 300, int(MAX_GRACE)]))
+    @rule(
+        key_id=st.sampled_from(KEY_IDS),
+        upload=st.integers(0, 2),
+        grace=st.sampled_from([0, 1, 30, 300, int(MAX_GRACE)]),
+    )
     def rotate(self, key_id, upload, grace):
         versions = self.model.get(key_id)
         if not versions:
@@ -202,7 +225,9 @@ class KeyLifecycle(RuleBasedStateMachine):
         if versions[old]["state"] is S.ACTIVE:
             versions[old]["grace"] = self.clock.t + grace
         versions[new] = {"state": S.ACTIVE, "expires": self.clock.t + LIFETIME, "grace": None}
-        self._expect([(key_id, new, None, "pre_active"), (key_id, new, "pre_active", "active")], ["key.rotated"])
+        self._expect(
+            [(key_id, new, None, "pre_active"), (key_id, new, "pre_active", "active")], ["key.rotated"]
+        )
 
     @rule(key_id=st.sampled_from(KEY_IDS), pick=st.integers(0, 6))
     def suspend(self, key_id, pick):
@@ -232,8 +257,13 @@ class KeyLifecycle(RuleBasedStateMachine):
     @rule(offset=st.sampled_from([-1e-3, 0.0]))
     def tick_to_deadline(self, offset):
         """Jump to just before / exactly at the next expiry or grace end (where off-by-ones live)."""
-        deadlines = [d for vs in self.model.values() for m in vs.values() for d in (m["expires"], m["grace"])
-                     if d is not None and d + offset > self.clock.t]
+        deadlines = [
+            d
+            for vs in self.model.values()
+            for m in vs.values()
+            for d in (m["expires"], m["grace"])
+            if d is not None and d + offset > self.clock.t
+        ]
         if deadlines:
             self.clock.t = min(deadlines) + offset
 
@@ -250,9 +280,9 @@ class KeyLifecycle(RuleBasedStateMachine):
     def check_leases(self):
         """In-flight work checks its lease: allowed exactly while the model says usable."""
         trans: list = []
-        for key_id, v, lease, _ in self.leases:
+        for key_id, v, _lease, _ in self.leases:
             self._expire(key_id, v, trans)
-        for key_id, v, lease, cancelled in self.leases:
+        for _key_id, _v, lease, cancelled in self.leases:
             if not cancelled:
                 lease.check()
             else:
@@ -281,6 +311,7 @@ class KeyLifecycle(RuleBasedStateMachine):
         assert result.ok, result.reason
 
 
-KeyLifecycle.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+KeyLifecycle.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_key_lifecycle = KeyLifecycle.TestCase

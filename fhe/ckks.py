@@ -58,9 +58,7 @@ class CKKSClient:
         self.rotation_steps = tuple(sorted({int(s) % self.params.slots for s in self.rotation_steps} - {0}))
         self.kit = seal.Kit(self.params)
         self.keys = seal.generate_keys(self.kit, self.rotation_steps)
-        self.public_blobs = {"public_key": seal.to_bytes(self.keys.public),
-                             "relin_keys": seal.to_bytes(self.keys.relin),
-                             "galois_keys": seal.to_bytes(self.keys.galois)}
+        self.public_blobs = dict(self.keys.blobs)
 
     @property
     def fingerprint(self) -> str:

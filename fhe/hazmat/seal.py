@@ -164,22 +164,29 @@ class Kit:
 
 @dataclass
 class SecretKeys:
-    """Everything the client holds: secret key plus the public material generated from it."""
+    """Everything the client holds: secret key plus the public material generated from it.
+
+    ``blobs`` are the public objects as uploaded: relin and Galois keys in SEAL's seeded form (half the
+    bytes); the in-memory ``relin``/``galois`` objects are those blobs loaded back.
+    """
 
     secret: sa.SecretKey
     public: sa.PublicKey
     relin: sa.RelinKeys
     galois: sa.GaloisKeys
+    blobs: dict[str, bytes]
 
 
 def generate_keys(kit: Kit, rotation_steps: Sequence[int]) -> SecretKeys:
     """Fresh key set with Galois keys for exactly ``rotation_steps``."""
     kg = sa.KeyGenerator(kit.context)
-    pk, rk, gk = sa.PublicKey(), sa.RelinKeys(), sa.GaloisKeys()
+    pk = sa.PublicKey()
     kg.create_public_key(pk)
-    kg.create_relin_keys(rk)
-    kg.create_galois_keys(galois_elements(rotation_steps, kit.slots), gk)
-    return SecretKeys(kg.secret_key(), pk, rk, gk)
+    blobs = {"public_key": to_bytes(pk), "relin_keys": to_bytes(kg.create_relin_keys()),
+             "galois_keys": to_bytes(kg.create_galois_keys(galois_elements(rotation_steps, kit.slots)))}
+    rk = from_bytes("relin_keys", kit, blobs["relin_keys"])
+    gk = from_bytes("galois_keys", kit, blobs["galois_keys"])
+    return SecretKeys(kg.secret_key(), pk, rk, gk, blobs)
 
 
 def encrypt(kit: Kit, pk: sa.PublicKey, values: np.ndarray) -> sa.Ciphertext:

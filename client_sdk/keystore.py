@@ -282,6 +282,7 @@ class KeyStore:
         if not hmac.compare_digest(_index_mac(keys, header, index), mac):
             raise InvalidKeyStoreAccess()
         store = cls(path, keys, index, header, clock, rng, config)
+        _cut_torn_line(path / _LOG)
         store.events()  # verifies the local log against the head pinned in the index
         return store
 
@@ -293,8 +294,9 @@ class KeyStore:
             if key_id in self._index["keys"]:
                 raise KeyStoreError(f"key {key_id} exists; rotate it")
             _check_key_id(key_id)
+            material = generator()  # first: a failing generator must leave the store untouched
             self._index["keys"][key_id] = {"primary": 1, "versions": {}}
-            self._add_version(key_id, 1, generator())
+            self._add_version(key_id, 1, material)
             return KeyHandle(self, key_id, 1)
 
     def rotate(self, key_id: str, generator: Callable[[], KeyMaterial], *, grace_s: float) -> KeyHandle:
@@ -303,6 +305,7 @@ class KeyStore:
             raise ValueError(f"grace_s must be within [0, {self.config.max_grace_s}]")
         with self._lock:
             entry = self._entry(key_id)
+            material = generator()
             old = entry["primary"]
             new = max(int(v) for v in entry["versions"]) + 1
             info = entry["versions"][str(old)]
@@ -310,7 +313,7 @@ class KeyStore:
                 now = self._clock()
                 info.update(state="retired", retired_at=now, usable_until=now + grace_s)
             entry["primary"] = new
-            self._add_version(key_id, new, generator(), rotated_from=old, grace_s=grace_s)
+            self._add_version(key_id, new, material, rotated_from=old, grace_s=grace_s)
             return KeyHandle(self, key_id, new)
 
     def destroy(self, key_id: str, version: int | None = None) -> None:
@@ -517,6 +520,14 @@ def _check_key_id(key_id: str) -> None:
         or key_id[0] == "."
     ):
         raise ValueError("key_id must be 1-64 chars of [A-Za-z0-9_.-], not starting with '.'")
+
+
+def _cut_torn_line(path: Path) -> None:
+    """Drop a partial last line (crash mid-append): it was never pinned in the index."""
+    if path.exists():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            os.truncate(path, data.rfind(b"\n") + 1)
 
 
 def _shred(path: Path) -> None:

@@ -130,23 +130,43 @@ class AuditLog:
     def _replay(self) -> bool:
         """Rebuild the tree from the existing file; True if it had records."""
         lines, torn = read_log_lines(self.config.path)
-        checker = RecordChecker()
-        for line in lines:
-            try:
-                checker.feed(line)
-            except _Failure as failure:
-                raise AuditFormatError(
-                    f"{self.config.path}: record {failure.index}: {failure.reason}"
-                ) from None
+        last_cp = self._last_checkpoint()
+        checker = self._check_existing(lines, last_cp)
         self._frontier, self._log_id = checker.frontier, checker.log_id or ""
         self._last_time = checker.last_time
-        self._load_last_checkpoint(checker)
+        self._check_signer(checker)
+        self._cp_size = last_cp["size"] if last_cp else 0
         if torn:  # a write that never returned: not acknowledged, never covered by a checkpoint
             os.truncate(self.config.path, sum(len(x) + 1 for x in lines))
             self._append_locked(Event.TORN_WRITE_DISCARDED, source="audit", outcome=Outcome.FAILURE)
         return bool(lines)
 
-    def _load_last_checkpoint(self, checker: RecordChecker) -> None:
+    def _check_existing(self, lines: list[bytes], last_cp: dict[str, Any] | None) -> RecordChecker:
+        """Never append to a log that is inconsistent or shorter than its last signed checkpoint."""
+        checker = RecordChecker()
+        try:
+            for line in lines:
+                checker.feed(line)
+                size = checker.frontier.size
+                if last_cp and size == last_cp["size"] and checker.frontier.root().hex() != last_cp["root"]:
+                    raise _Failure(size - 1, "records differ from the last signed checkpoint")
+        except _Failure as failure:
+            raise AuditFormatError(f"{self.config.path}: record {failure.index}: {failure.reason}") from None
+        if last_cp and last_cp["size"] > len(lines):
+            raise AuditFormatError(
+                f"{self.config.path}: {len(lines)} records but the last checkpoint signed {last_cp['size']}"
+            )
+        return checker
+
+    def _last_checkpoint(self) -> dict[str, Any] | None:
+        """The newest complete checkpoint; a torn final line (crash mid-write) is cut off first."""
+        path = checkpoints_path_for(self.config.path)
+        lines, torn = read_log_lines(path)
+        if torn:
+            os.truncate(path, sum(len(x) + 1 for x in lines))
+        return parse_signed_line(lines[-1])[0] if lines else None
+
+    def _check_signer(self, checker: RecordChecker) -> None:
         if self._frontier.size:
             expected = checker.key_for_record(self._frontier.size)
             if expected != self._signer.key_id:
@@ -154,9 +174,6 @@ class AuditLog:
                     f"log is signed with key {expected}, not {self._signer.key_id}; "
                     "rotate keys with `cipherlm audit rotate-key --log`"
                 )
-        lines, _ = read_log_lines(checkpoints_path_for(self.config.path))
-        if lines:
-            self._cp_size = parse_signed_line(lines[-1])[0]["size"]
 
     # -- appending -----------------------------------------------------------------------------
     def append(

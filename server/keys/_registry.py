@@ -225,10 +225,11 @@ class KeyRegistry:
             KeyExistsError, UploadRefusedError (audited), KeyAuditError.
         """
         _check_names(tenant, key_id)
+        # Parsing can take a second for large keys: never under the lock that every use() takes.
+        info = self.screen_upload(tenant, data, actor=actor, key_id=key_id, request_id=request_id)
         with self._lock:
             if (tenant, key_id) in self._keys:
                 raise KeyExistsError(f"key {key_id} exists; rotate it to add a version")
-            info = self.screen_upload(tenant, data, actor=actor, key_id=key_id, request_id=request_id)
             return self._add_version(tenant, key_id, 1, info, data, actor, request_id)
 
     def _add_version(
@@ -444,9 +445,9 @@ class KeyRegistry:
         """
         if not 0 <= grace_s <= self.config.max_grace_s:
             raise ValueError(f"grace_s must be within [0, {self.config.max_grace_s}]")
+        info = self.screen_upload(tenant, data, actor=actor, key_id=key_id, request_id=request_id)
         with self._lock:
             old = self._primary(tenant, key_id)
-            info = self.screen_upload(tenant, data, actor=actor, key_id=key_id, request_id=request_id)
             version = max(self._keys[(tenant, key_id)]) + 1
             new = self._add_version(tenant, key_id, version, info, data, actor, request_id)
             self.activate(tenant, key_id, version, actor=actor, request_id=request_id, expires_at=expires_at)

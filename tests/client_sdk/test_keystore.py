@@ -282,3 +282,50 @@ def _drop_line(path, index):
 def _truncate_lines(path, keep):
     lines = path.read_bytes().split(b"\n")[:keep]
     path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def test_failing_generator_leaves_the_store_untouched(tmp_path, store, clock):
+    store.generate(gen(SECRET1, PUBLIC1), key_id="main")
+
+    def broken():
+        raise RuntimeError("no entropy")
+
+    for call in (
+        lambda: store.generate(broken, key_id="other"),
+        lambda: store.rotate("main", broken, grace_s=60),
+    ):
+        with pytest.raises(RuntimeError):
+            call()
+    assert list(store.keys()) == ["main"] and store.key("main").version == 1
+    assert store.keys()["main"]["versions"]["1"]["state"] == "active"
+
+
+def test_torn_event_log_line_is_cut_on_open(tmp_path, store, clock):
+    store.generate(gen(SECRET1, PUBLIC1), key_id="main")
+    with open(tmp_path / "ks" / "events.log", "ab") as f:
+        f.write(b'{"detail":{},"ev')  # crash mid-append, before the index pinned it
+    again = KeyStore.open(tmp_path / "ks", "correct horse", clock=clock)
+    again.rotate("main", gen(SECRET2, PUBLIC2), grace_s=10)
+    assert len(KeyStore.open(tmp_path / "ks", "correct horse", clock=clock).events()) == 3
+
+
+def test_exported_members_and_errors():
+    import client_sdk.keystore as ks
+    from client_sdk._exceptions import CipherlmError
+
+    assert set(ks.__all__) == {
+        "InvalidKeyStoreAccess",
+        "KdfParams",
+        "KeyHandle",
+        "KeyMaterial",
+        "KeyStore",
+        "KeyStoreConfig",
+        "KeyStoreError",
+        "KeyStoreNotFoundError",
+        "KeyStorePermissionError",
+        "KeyUnusableError",
+    }
+    for name in ks.__all__:
+        if name.endswith(("Error", "Access")):
+            assert issubclass(getattr(ks, name), ks.KeyStoreError)
+    assert issubclass(ks.KeyStoreError, CipherlmError)

@@ -280,3 +280,22 @@ _json_str = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max
 )
 def test_fast_canonical_equals_rfc8785_on_the_record_schema(obj):
     assert fast_canonical(obj) == rfc8785.dumps(obj)
+
+
+def test_reopen_refuses_a_log_shorter_than_its_last_checkpoint(tmp_path, signer, clock):
+    with open_log(tmp_path, signer, clock) as log:
+        log.append(Event.SESSION_OPENED, source="s")
+    lines = (tmp_path / "audit.log").read_bytes().split(b"\n")
+    (tmp_path / "audit.log").write_bytes(lines[0] + b"\n")
+    with pytest.raises(AuditFormatError, match="last checkpoint"):
+        open_log(tmp_path, signer, clock)
+
+
+def test_torn_checkpoint_line_is_cut_on_reopen(tmp_path, signer, clock):
+    with open_log(tmp_path, signer, clock) as log:
+        log.append(Event.SESSION_OPENED, source="s")
+    with open(checkpoints_path_for(tmp_path / "audit.log"), "ab") as f:
+        f.write(b'{"key_id":"ab')  # crash while writing a checkpoint
+    with open_log(tmp_path, signer, clock) as log:
+        log.append(Event.SESSION_CLOSED, source="s")
+    assert verify_log(tmp_path / "audit.log", keys_of(signer)).ok

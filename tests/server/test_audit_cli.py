@@ -89,3 +89,19 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert main(["audit", "keygen", "--key-dir", str(tmp_path / "k")]) == 0
     assert main(["audit", "keygen", "--key-dir", str(tmp_path / "k")]) == 2  # never overwrites a key
     assert "error" in capsys.readouterr().err
+
+
+def test_strict_and_markdown_report(tmp_path, capsys):
+    key_dir, log = _make_log(tmp_path)
+    signer = SigningKeyDir(key_dir).load()
+    with AuditLog.open(AuditConfig(log, checkpoint_every=100), signer, Pseudonymizer(b"p" * 32)) as writer:
+        writer.append(Event.SESSION_OPENED, source="server.private", tenant="acme")
+        # simulate a crash: the records after the last checkpoint stay unsigned
+        writer._broken = "simulated crash"
+    assert main(["audit", "verify", str(log), "--pubkey", str(key_dir / "public")]) == 0
+    assert "warning: records 3..4 are not yet covered" in capsys.readouterr().out
+    assert main(["audit", "verify", str(log), "--pubkey", str(key_dir / "public"), "--strict"]) == 1
+    capsys.readouterr()
+    assert main(["audit", "report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# Audit report: 5 records") and "refused_secret_key_uploads=1" in out

@@ -1,0 +1,117 @@
+"""The encrypted attention block against the plaintext simulator of the same approximated block."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.model import DenseKVCache, LlamaForCausalLM
+from fhe.approx import ScoreApprox
+from fhe.attention import BlockClient, EncryptedAttentionLayer, required_rotation_steps
+from fhe.ckks import CKKSClient
+from fhe.errors import LevelError, ParameterError, ShapeError
+from fhe.params import ckks_params_for
+from fhe.plan import LayerPlan
+from fhe.simulator import block_weights, causal_mask, finish, gqa_scores, project_qkv, simulate_block
+
+
+def tiny_model(bias: bool) -> LlamaForCausalLM:
+    cfg = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=bias)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def layer_input(model, layer: int, ids: torch.Tensor) -> torch.Tensor:
+    """Real activations entering ``layer``, RMS-normalized without gain (what the client sends)."""
+    with torch.no_grad():
+        h = model.run_layers(model.embed(ids), torch.arange(len(ids)), DenseKVCache(model.config, len(ids)),
+                             0, layer)
+        return model.layers[layer].input_layernorm.normalize(h)
+
+
+def calibrated_plan(model, layer: int, x: torch.Tensor, kind: str) -> LayerPlan:
+    """A plan calibrated the way fhe.calibrate initializes it: shift = -max score per head."""
+    pos = torch.arange(x.shape[0])
+    q, k, _ = project_qkv(block_weights(model.layers[layer], None), x.double(), pos, model.rotary)
+    s = gqa_scores(q, k).masked_fill(causal_mask(pos, len(pos)), float("-inf"))
+    hq = s.shape[0]
+    if kind == "sqexp":
+        shift = -s.amax(dim=(1, 2))
+        xs = s + shift[:, None, None]
+        lo, hi = xs[torch.isfinite(xs)].min().item(), xs.max().item()
+        approx = ScoreApprox("sqexp", (1.0,) * hq, tuple(shift.tolist()), 6, 1.25 * max(abs(lo), abs(hi)))
+    else:
+        xs = s + 5.0
+        lo, hi = xs[torch.isfinite(xs)].min().item(), xs.max().item()
+        approx = ScoreApprox("2quad", (1.0,) * hq, (5.0,) * hq, 6, 1.25 * max(abs(lo), abs(hi)))
+    return LayerPlan(layer, approx, (lo, hi))
+
+
+def run_encrypted(model, layer: int, x: torch.Tensor, plan: LayerPlan):
+    cfg, kind = model.config, plan.approx.kind
+    params = ckks_params_for(kind, plan.approx.squarings)
+    client = CKKSClient(params, required_rotation_steps(cfg, params, kind, plan.approx.squarings))
+    server = EncryptedAttentionLayer(model.layers[layer], model.rotary, plan, cfg, params, max_tokens=64)
+    bc = BlockClient.for_model(client, cfg, kind, plan.approx.squarings)
+    cache = server.new_cache()
+    outs = server.prefill(cache, bc.encrypt_input(x), 0, client.server_keys())
+    return bc.decrypt_output(outs), (client, server, bc, cache)
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    """2Quad on a tiny GQA model with biases (N = 16384): ~40 s on the shared 2-core box."""
+    model = tiny_model(bias=True)
+    x = layer_input(model, 1, torch.tensor([3, 14, 15, 9, 26]))
+    plan = calibrated_plan(model, 1, x, "2quad")
+    return model, x, plan, run_encrypted(model, 1, x, plan)
+
+
+@pytest.mark.slow
+def test_tiny_block_matches_simulator(tiny_run):
+    model, x, plan, ((y, z), _) = tiny_run
+    ys, zs, _ = simulate_block(model.layers[1], model.rotary, x, torch.arange(len(x)), None, plan)
+    err = (finish(y, z) - finish(ys, zs)).abs().max().item()
+    assert err <= 1e-3, err
+    ratio = z / zs                                   # the server may scale p by one common factor
+    assert torch.allclose(ratio, ratio.flatten()[0].expand_as(ratio), rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_bad_positions_and_inputs_are_typed_errors(tiny_run):
+    model, x, plan, (_, (client, server, bc, cache)) = tiny_run
+    keys = client.server_keys()
+    ct = bc.encrypt_input(x[:1])[0]
+    with pytest.raises(ShapeError):
+        server.forward(cache, ct, 0, keys)                  # position != cache length
+    with pytest.raises(LevelError):
+        server.forward(cache, client.kit.drop_to(ct, 2), cache.length, keys)
+    with pytest.raises(ShapeError):
+        bc.encrypt_input(torch.zeros(1, 7))
+    with pytest.raises(ShapeError):
+        client.encrypt(np.full(4, np.nan))
+    with pytest.raises(ParameterError):
+        EncryptedAttentionLayer(model.layers[1], model.rotary, LayerPlan(1, ScoreApprox.exact(4)),
+                                model.config, server.kit.params)
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_smollm2_block_matches_simulator(default_model_dir):
+    """Must-show: decrypted block output vs the simulator on real SmolLM2 activations, max error <= 1e-3."""
+    from engine.loader import load_model
+
+    model = load_model(default_model_dir)
+    ids = torch.tensor([1, 9690, 314, 253, 1345, 28, 2])
+    x = layer_input(model, 3, ids)[:3]
+    plan = calibrated_plan(model, 3, layer_input(model, 3, ids), "sqexp")
+    (y, z), _ = run_encrypted(model, 3, x, plan)
+    ys, zs, _ = simulate_block(model.layers[3], model.rotary, x, torch.arange(3), None, plan)
+    err = (finish(y, z) - finish(ys, zs)).abs().max().item()
+    assert err <= 1e-3, err

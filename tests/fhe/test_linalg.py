@@ -1,0 +1,66 @@
+"""Encrypted x plain linear algebra: BSGS slot maps and the hybrid matvec against numpy."""
+
+import numpy as np
+import pytest
+
+from fhe.ckks import CKKSClient
+from fhe.errors import LevelError, ShapeError
+from fhe.linalg import PlainMatrix, SlotMap, Steps, rotate_sum, rotate_sum_steps
+from fhe.params import CKKSParams
+
+P = CKKSParams(8192, (60, 40, 40, 60), 40)
+
+
+@pytest.fixture(scope="module")
+def rng():
+    return np.random.default_rng(0)
+
+
+def _client(steps):
+    return CKKSClient(P, tuple(steps))
+
+
+@pytest.mark.parametrize("n_in,n_out", [(576, 576), (100, 37)])
+def test_plain_matrix_matches_numpy(rng, n_in, n_out):
+    from fhe.hazmat.seal import Kit
+
+    w = rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)
+    x = rng.standard_normal(n_in)
+    pm = PlainMatrix(Kit(P), w)
+    assert len(pm.rotation_steps) <= 2 + pm.mv.fold.bit_length()   # baby, giant + one per tree level
+    client = _client(pm.rotation_steps)
+    out = pm(client.encrypt(pm.layout(x)), client.server_keys().galois)
+    assert np.abs(pm.extract(client.decrypt(out)) - x @ w).max() < 1e-4
+
+
+def test_slot_map_with_steps_equals_plain(rng):
+    s = P.slots
+    dst = rng.choice(s, 200, replace=False)
+    off = rng.integers(0, 4, 200) * 7 + rng.integers(0, 3, 200) * 100 + 5
+    sm = SlotMap(s, dst, (dst + off) % s, rng.standard_normal(200), Steps(5, 7, 4, 100, 3))
+    assert sm.rotation_steps == {5, 7, 100}
+    client = _client(sm.rotation_steps)
+    x = rng.standard_normal(s)
+    enc = sm.encode(client.kit, client.kit.top)
+    got = client.decrypt(enc(client.kit, client.encrypt(x), client.server_keys().galois))
+    assert np.abs(got - sm.apply_plain(x)).max() < 1e-4
+    with pytest.raises(LevelError):
+        enc(client.kit, client.kit.drop_to(client.encrypt(x), 2), client.server_keys().galois)
+
+
+def test_steps_refuse_offsets_they_cannot_make():
+    with pytest.raises(ShapeError):
+        SlotMap(64, np.array([0]), np.array([3]), np.array([1.0]), Steps(0, 2, 2))
+
+
+@pytest.mark.parametrize("horner", [False, True])
+def test_rotate_sum_is_exact_for_any_count(rng, horner):
+    step, count = 9, 14
+    steps = {step} if horner else set(rotate_sum_steps(step, count))
+    client = _client(steps)
+    x = np.zeros(P.slots)
+    x[: step * count] = rng.standard_normal(step * count)
+    out = client.decrypt(rotate_sum(client.kit, client.encrypt(x), step, count,
+                                    client.server_keys().galois, horner=horner))
+    want = sum(np.roll(x, -k * step) for k in range(count))
+    assert np.abs(out[:step] - want[:step]).max() < 1e-5

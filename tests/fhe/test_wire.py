@@ -1,0 +1,119 @@
+"""Bad input on the wire: every case is a typed error and the process survives."""
+
+import numpy as np
+import pytest
+
+from fhe import wire
+from fhe.ckks import CKKSClient
+from fhe.errors import (
+    FHEError,
+    KeyMismatchError,
+    SecretKeyRefusedError,
+    ShapeError,
+    SizeLimitError,
+    WireError,
+)
+from fhe.hazmat import seal
+from fhe.params import CKKSParams
+
+P = CKKSParams(8192, (60, 40, 40, 60), 40)
+P2 = CKKSParams(8192, (60, 40, 40, 60), 39)
+
+
+@pytest.fixture(scope="module")
+def client():
+    return CKKSClient(P, (1, 2))
+
+
+@pytest.fixture(scope="module")
+def other_client():
+    return CKKSClient(P, (1, 2))
+
+
+@pytest.fixture(scope="module")
+def server(client):
+    return wire.load_server_keys(wire.dump_public_keys(client), P, (1, 2))
+
+
+def test_round_trip_and_fingerprint(client, server):
+    assert server.fingerprint == client.fingerprint
+    blob = wire.encrypt_to_wire(client, np.arange(5.0))
+    ct = wire.load_ciphertext(blob, server.kit, client.fingerprint, level=server.kit.top)
+    assert np.allclose(client.decrypt(ct)[:5], np.arange(5.0), atol=1e-6)
+    again = wire.load_ciphertext(wire.dump_ciphertext(ct, P, client.fingerprint), server.kit, client.fingerprint)
+    assert np.allclose(client.decrypt(again)[:5], np.arange(5.0), atol=1e-6)
+
+
+def test_seeded_upload_is_smaller(client):
+    ct = client.encrypt(np.ones(10))
+    assert len(wire.encrypt_to_wire(client, np.ones(10))) < 0.6 * len(wire.dump_ciphertext(ct, P, client.fingerprint))
+
+
+@pytest.mark.parametrize("data", [b"", b"garbage" * 100, bytes(200), b"CLMC" + bytes(100)])
+def test_garbage_bytes(server, client, data):
+    with pytest.raises(WireError):
+        wire.load_ciphertext(data, server.kit, client.fingerprint)
+
+
+def test_truncated_and_bit_flipped_payload(server, client):
+    blob = wire.encrypt_to_wire(client, np.ones(3))
+    with pytest.raises(WireError):
+        wire.load_ciphertext(blob[:-100], server.kit, client.fingerprint)
+    flipped = bytearray(blob)
+    flipped[-5000:] = bytes(5000)            # zero the tail of SEAL's compressed payload
+    with pytest.raises(FHEError):
+        wire.load_ciphertext(bytes(flipped), server.kit, client.fingerprint)
+
+
+def test_size_limit_checked_before_parsing(server, client):
+    blob = wire.encrypt_to_wire(client, np.ones(3))
+    with pytest.raises(SizeLimitError):
+        wire.load_ciphertext(blob, server.kit, client.fingerprint, limit=len(blob) - 1)
+
+
+def test_ciphertext_of_another_key_or_context(server, client, other_client):
+    with pytest.raises(KeyMismatchError):
+        wire.load_ciphertext(wire.encrypt_to_wire(other_client, np.ones(3)), server.kit, client.fingerprint)
+    c2 = CKKSClient(P2, (1,))
+    with pytest.raises(KeyMismatchError):
+        wire.load_ciphertext(wire.encrypt_to_wire(c2, np.ones(3)), server.kit, client.fingerprint)
+
+
+def test_wrong_level_or_kind(server, client):
+    ct = client.kit.drop_to(client.encrypt(np.ones(3)), 2)
+    blob = wire.dump_ciphertext(ct, P, client.fingerprint)
+    with pytest.raises(ShapeError):
+        wire.load_ciphertext(blob, server.kit, client.fingerprint, level=server.kit.top)
+    keys = wire.dump_public_keys(client)
+    with pytest.raises(WireError):
+        wire.load_ciphertext(keys["public_key"], server.kit, client.fingerprint)
+
+
+def test_secret_key_refused(client):
+    secret_blob = wire._pack("secret_key", P, None, seal.to_bytes(client.keys.secret))
+    with pytest.raises(SecretKeyRefusedError):
+        wire.load_server_keys({**wire.dump_public_keys(client), "secret_key": secret_blob}, P, (1,))
+    with pytest.raises(SecretKeyRefusedError):
+        wire._unpack(secret_blob, "public_key", P, None, None)
+    disguised = wire._pack("public_key", P, None, seal.to_bytes(client.keys.secret))
+    with pytest.raises(WireError):                      # a secret key posing as a public key does not parse
+        wire.load_server_keys({**wire.dump_public_keys(client), "public_key": disguised}, P, (1,))
+
+
+def test_private_tenseal_context_refused():
+    import tenseal as ts
+
+    ctx = ts.context(ts.SCHEME_TYPE.CKKS, 8192, coeff_mod_bit_sizes=[60, 40, 40, 60])
+    with pytest.raises(SecretKeyRefusedError):
+        wire.refuse_private_tenseal_context(ctx.serialize(save_secret_key=True))
+    ctx.make_context_public()
+    wire.refuse_private_tenseal_context(ctx.serialize())
+    with pytest.raises(WireError):
+        wire.refuse_private_tenseal_context(b"not a context")
+
+
+def test_missing_galois_key_and_params_mismatch(client):
+    with pytest.raises(KeyMismatchError):
+        wire.load_server_keys(wire.dump_public_keys(client), P, (1, 2, 3))
+    with pytest.raises(KeyMismatchError):
+        wire.load_server_keys(wire.dump_public_keys(client), P2, (1,))

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.terminate()
                 proc.wait(60)
     if args.json:
-        record = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+        record = {"args": {k: str(v) for k, v in vars(args).items() if k != "api_key"}, "rows": rows}
         args.json.write_text(json.dumps(record, indent=2))
     print(markdown(rows))
     return 0

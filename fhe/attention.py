@@ -30,13 +30,13 @@ import torch
 from engine.config import ModelConfig
 from engine.model import DecoderLayer, RotaryEmbedding
 from fhe.ckks import CKKSClient, ServerKeys
-from fhe.errors import LevelError, ParameterError, ShapeError
+from fhe.errors import LevelError, ParameterError, PlanMismatchError, ShapeError
 from fhe.hazmat.seal import Ciphertext, Kit
 from fhe.linalg import HybridMatvec, SlotMap, Steps, replicate_input, rotate_sum
 from fhe.linalg import rotate_sum_steps as _rs_steps
 from fhe.packing import BandLayout
 from fhe.params import CKKSParams, block_depth
-from fhe.plan import LayerPlan
+from fhe.plan import LayerPlan, Plan
 from fhe.simulator import BlockWeights, block_weights
 
 #: Outputs (y, z) must stay below 2^(first prime - scale - 2) at the last level.
@@ -214,6 +214,7 @@ class BlockMaps:
                  | self.k_rope.map.rotation_steps | self.v_repack.rotation_steps | self.out.rotation_steps
                  | self.z.rotation_steps)
         steps |= set(_rs_steps(lay.band, lay.head_dim))                   # sum over bands (tree)
+        steps |= set(_rs_steps(-lay.num_heads, lay.block_tokens))         # copy q to all rows (tree)
         steps |= {-1, -lay.num_heads, lay.num_heads}                      # GQA expand, copy/roll, row sums
         return {s % geo.params.slots for s in steps} - {0}
 
@@ -325,6 +326,22 @@ class EncryptedAttentionLayer:
         self._bias = self._bias_vector(bq, bk)
         self._encode_static()
 
+    @classmethod
+    def from_plan(cls, model, plan: Plan, index: int, params: CKKSParams, *, expected_hash: str | None = None,
+                  max_tokens: int = 1024) -> EncryptedAttentionLayer:
+        """The block of layer ``index`` of a plan; PlanMismatchError if the plan is not the expected one."""
+        if expected_hash is not None and plan.content_hash != expected_hash:
+            raise PlanMismatchError(f"plan hash {plan.content_hash[:16]}... != "
+                                    f"expected {expected_hash[:16]}...")
+        layer = cls(model.layers[index], model.rotary, plan.layer(index), model.config, params, max_tokens)
+        layer.plan_hash = plan.content_hash
+        return layer
+
+    def check_plan_hash(self, plan_hash: str) -> None:
+        """Requests name the plan they were made for: refuse any other (PlanMismatchError)."""
+        if plan_hash != getattr(self, "plan_hash", None):
+            raise PlanMismatchError("request names another plan than the one this block was built from")
+
     # --- setup ---------------------------------------------------------------------------
     def _bias_vector(self, bq: np.ndarray | None, bk: np.ndarray | None) -> np.ndarray | None:
         if bq is None and bk is None:
@@ -397,7 +414,7 @@ class EncryptedAttentionLayer:
         q0 = self.maps.q_rope.map.encode(kit, geo.top - 1, self.maps.q_rope.weights(cos, sin))(kit, qk, gk)
         k0 = self.maps.k_rope.map.encode(kit, geo.top - 1, self.maps.k_rope.weights(cos, sin))(kit, qk, gk)
         q0.scale = k0.scale = kit.scale
-        q = rotate_sum(kit, q0, -lay.num_heads, lay.block_tokens, gk, horner=True)
+        q = rotate_sum(kit, q0, -lay.num_heads, lay.block_tokens, gk)      # tree: this level is expensive
         k0 = rotate_sum(kit, k0, -1, lay.group, gk, horner=True)          # GQA: k_g to its G heads
         xv = kit.drop_to(ct, geo.level_p + 2)
         v = self.enc_v(kit, xv, gk)
@@ -470,6 +487,10 @@ class BlockClient:
                   squarings: int = 6) -> BlockClient:
         geo = Geometry.build(cfg, client.params, kind, squarings)
         return cls(client, geo.layout, geo.period)
+
+    def layout_input(self, x_row: torch.Tensor) -> np.ndarray:
+        """One token's x̂ [hidden] -> its input slot vector [S] (replicated with the block's period)."""
+        return replicate_input(x_row.detach().double().cpu().numpy(), self.layout.slots, self.period)
 
     def encrypt_input(self, x_normed: torch.Tensor) -> list[Ciphertext]:
         """x̂ [T, hidden] (RMS-normalized residual, no gain) -> one ciphertext per token."""

@@ -115,3 +115,19 @@ def test_smollm2_block_matches_simulator(default_model_dir):
     ys, zs, _ = simulate_block(model.layers[3], model.rotary, x, torch.arange(3), None, plan)
     err = (finish(y, z) - finish(ys, zs)).abs().max().item()
     assert err <= 1e-3, err
+
+
+def test_plan_hash_mismatch_is_typed():
+    from fhe.errors import PlanMismatchError
+    from fhe.plan import Plan, model_fingerprint
+
+    model = tiny_model(bias=False)
+    approx = ScoreApprox("2quad", (1.0,) * 4, (5.0,) * 4, 6, 20.0)
+    plan = Plan("tiny", model_fingerprint(model), (LayerPlan(1, approx),))
+    params = ckks_params_for("2quad", 1)
+    with pytest.raises(PlanMismatchError):
+        EncryptedAttentionLayer.from_plan(model, plan, 1, params, expected_hash="0" * 64)
+    layer = EncryptedAttentionLayer.from_plan(model, plan, 1, params, expected_hash=plan.content_hash)
+    layer.check_plan_hash(plan.content_hash)
+    with pytest.raises(PlanMismatchError):
+        layer.check_plan_hash("f" * 64)

@@ -21,6 +21,7 @@ class LLM:
             self.engine = LLMEngine.from_pretrained(model, engine_config)
         else:
             self.engine = LLMEngine(model, tokenizer, engine_config)
+        self.engine.stream_outputs = False  # offline: only final outputs are needed
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -27,7 +27,7 @@ from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Request, Sequence
@@ -56,6 +56,7 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.output_processor = OutputProcessor(tokenizer, sorted(eos), self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.stream_outputs = True  # False: step() returns finished requests only (offline use)
         self.listeners: list[MetricsListener] = []
         self._seq_ids = itertools.count()
         self._admission = threading.Lock()
@@ -194,11 +195,14 @@ class LLMEngine:
             for seq in [s.seq] + self._fork(s.seq):
                 rows.append(i)
                 seqs.append(seq)
-        if rows != list(range(len(sampling))):
+        if len(rows) != len(sampling):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self.sampler(logits, [SamplingRow(q.params, q.request.prompt_token_ids,
-                                                   q.output_token_ids if q.params.has_penalties else [],
-                                                   q.generator) for q in seqs])
+        if all(q.request.plain_greedy for q in seqs):
+            result = SamplerOutput(logits.argmax(-1).tolist(), [None] * len(seqs))
+        else:
+            result = self.sampler(logits, [SamplingRow(q.params, q.request.prompt_token_ids,
+                                                       q.output_token_ids if q.params.has_penalties else [],
+                                                       q.generator) for q in seqs])
         now = time.time()
         touched: dict[str, Request] = {}
         for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
@@ -212,8 +216,10 @@ class LLMEngine:
             self._token_times[request.request_id].append(now)
             request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
-            outputs.append(self._finish_request(request) if request.finished
-                           else self.output_processor.build(request))
+            if request.finished:
+                outputs.append(self._finish_request(request))
+            elif self.stream_outputs:
+                outputs.append(self.output_processor.build(request))
         return outputs
 
     def _fork(self, parent: Sequence) -> list[Sequence]:

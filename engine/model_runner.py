@@ -55,7 +55,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.kv: PagedKVCache | None = None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._static: dict[str, torch.Tensor] = {}
+        self._max_graph = 0
 
     @property
     def is_cuda(self) -> bool:
@@ -155,57 +155,74 @@ class ModelRunner:
         """Run the step; return logits [S, V] (fp32) of the sampling rows and their sequences."""
         assert self.kv is not None, "init_kv_cache() first"
         self.kv.copy_blocks(sched.copies)
+        n = len(sched.scheduled)
+        if self._graphs and n <= self._max_graph and all(s.num_tokens == 1 for s in sched.scheduled):
+            return self._run_graph(sched.scheduled)
         inputs = self.prepare(sched)
-        n = inputs.input_ids.shape[0]
-        if inputs.meta.num_decode == n and self._graphs and n <= max(self._graphs):
-            return self._replay(inputs)[inputs.logits_rows], inputs.sampling
         backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim, cpu_decode=not self.is_cuda)
         h = self.model(inputs.input_ids, inputs.positions, backend)       # [T, hidden]
         return self.model.logits(h[inputs.logits_rows]), inputs.sampling  # [S, V]
 
     # ---- CUDA graphs ------------------------------------------------------------------------------
+    # Decode inputs live in two device buffers, filled from two pinned host mirrors with one copy each
+    # (under gVisor every CUDA call costs ~0.1 ms, so a step makes as few as possible):
+    #   buf64 [3, B]: input ids, positions, slots;  buf32 [B + B * W]: context lens, block tables [B, W].
     @torch.inference_mode()
     def _capture_graphs(self, max_batch: int) -> None:
         """Capture decode steps for every bucket, largest first, sharing one memory pool."""
         dev, w = self.device, self.max_blocks_per_seq
-        st = self._static = {
-            "ids": torch.zeros(max_batch, dtype=torch.int64, device=dev),
-            "pos": torch.zeros(max_batch, dtype=torch.int64, device=dev),
-            "slots": torch.full((max_batch,), -1, dtype=torch.int64, device=dev),
-            "tables": torch.zeros(max_batch, w, dtype=torch.int32, device=dev),
-            "lens": torch.ones(max_batch, dtype=torch.int32, device=dev),
-        }
+        self._buf64 = torch.zeros(3, max_batch, dtype=torch.int64, device=dev)
+        self._buf32 = torch.zeros(max_batch * (1 + w), dtype=torch.int32, device=dev)
+        self._host64 = torch.zeros(3, max_batch, dtype=torch.int64).pin_memory()
+        self._host32 = torch.zeros(max_batch * (1 + w), dtype=torch.int32).pin_memory()
+        self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
+        ids, pos, slots = self._buf64
+        lens, tables = self._buf32[:max_batch], self._buf32[max_batch:].view(max_batch, w)
+        slots.fill_(-1)
+        lens.fill_(1)
         pool = None
         try:
             for b in reversed(graph_buckets(max_batch)):
-                meta = AttentionMetadata(st["slots"][:b], b, st["tables"][:b], st["lens"][:b])
+                meta = AttentionMetadata(slots[:b], b, tables[:b], lens[:b])
                 backend = PagedAttention(self.kv, meta, self.model_config.head_dim)
-                self.model.logits(self.model(st["ids"][:b], st["pos"][:b], backend))  # warm (Triton JIT)
+                self.model.logits(self.model(ids[:b], pos[:b], backend))  # warm up (Triton JIT)
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = self.model.logits(self.model(st["ids"][:b], st["pos"][:b], backend))
+                    out = self.model.logits(self.model(ids[:b], pos[:b], backend))
                 pool = graph.pool()
                 self._graphs[b] = (graph, out)
         except RuntimeError as exc:  # a kernel that syncs with the host cannot be captured
             log.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
             self._graphs.clear()
+        self._max_graph = max(self._graphs, default=0)
 
-    def _replay(self, inputs: StepInputs) -> torch.Tensor:
-        n = inputs.input_ids.shape[0]
+    def _run_graph(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """A decode-only step through the smallest captured bucket that holds it."""
+        n = len(scheduled)
         b = min(k for k in self._graphs if k >= n)
-        st, meta = self._static, inputs.meta
-        st["ids"][:n] = inputs.input_ids
-        st["pos"][:n] = inputs.positions
-        st["slots"][:n] = meta.slot_mapping
-        st["slots"][n:b] = -1
-        width = meta.decode_block_tables.shape[1]
-        st["tables"][:n, :width] = meta.decode_block_tables
-        st["lens"][:n] = meta.decode_context_lens
-        st["lens"][n:b] = 1
+        bs, w, maxb = self.block_size, self.max_blocks_per_seq, self._host64.shape[1]
+        h64, h32 = self._np64, self._np32
+        for i, s in enumerate(scheduled):
+            table, p = s.seq.block_table, s.start
+            h64[0, i], h64[1, i] = s.seq.token_ids[p], p
+            h64[2, i] = table[p // bs] * bs + p % bs
+            h32[i] = p + 1
+            h32[maxb + i * w: maxb + i * w + len(table)] = table
+        h64[2, n:b] = -1          # padding rows write nothing and read one (harmless) slot
+        h32[n:b] = 1
+        self._buf64.copy_(self._host64, non_blocking=True)
+        used = maxb + b * w
+        self._buf32[:used].copy_(self._host32[:used], non_blocking=True)
         graph, out = self._graphs[b]
         graph.replay()
-        return out[:n]
+        sampling = [s for s in scheduled if s.samples]
+        if len(sampling) == n:
+            return out[:n], sampling
+        if not sampling:  # no token is read back this step: sync so the pinned mirrors can be refilled
+            torch.cuda.current_stream(self.device).synchronize()
+        rows = [i for i, s in enumerate(scheduled) if s.samples]
+        return out[torch.tensor(rows, device=self.device)], sampling
 
 
 def _cumsum(xs: list[int]) -> list[int]:

@@ -37,6 +37,8 @@ class Request:
         self.num_cached_tokens = 0
         self.forked = params.n == 1
         self.holds_waiting_slot = True  # counts against EngineConfig.max_waiting until first scheduled
+        # argmax with nothing else to compute: the sampler's fast path
+        self.plain_greedy = params.greedy and params.logprobs is None and not params.has_penalties
 
     @property
     def finished(self) -> bool:

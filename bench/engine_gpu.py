@@ -132,7 +132,7 @@ def decode_step_time(llm: LLM, vocab: int) -> float:
     return t
 
 
-def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool) -> dict:
+def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_conc: list[int]) -> dict:
     cfg = ModelConfig(**SHAPES[name])
     model = random_model(cfg)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -162,9 +162,9 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool) -> 
     if hf is not None:
         if not hasattr(hf, "generate_batch"):
             res["hf"] = "transformers has no generate_batch"
-        for c in concurrency:
+        for c in hf_conc:
             try:
-                run_hf(hf, prompts(2, cfg.vocab_size, 5)) if c == concurrency[0] else None  # warm-up
+                run_hf(hf, prompts(2, cfg.vocab_size, 5)) if c == hf_conc[0] else None  # warm-up
                 dt, tok = run_hf(hf, prompts(c, cfg.vocab_size, c))
                 res[f"hf_c{c}_tok_s"] = tok / dt
                 res[f"ratio_c{c}"] = res[f"ours_c{c}_tok_s"] / res[f"hf_c{c}_tok_s"]
@@ -184,6 +184,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen2.5-0.5b,llama3.2-1b")
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--hf-concurrency", help="concurrencies run with transformers (default: --concurrency)")
     ap.add_argument("--json")
     args = ap.parse_args()
     import transformers
@@ -193,7 +194,9 @@ def main() -> None:
            "copy_bandwidth_GBps": bw / 1e9, "results": []}
     print(json.dumps(out), flush=True)
     for name in args.shapes.split(","):
-        out["results"].append(bench_shape(name, [int(c) for c in args.concurrency.split(",")], bw, not args.no_hf))
+        conc = [int(c) for c in args.concurrency.split(",")]
+        hf_conc = [int(c) for c in args.hf_concurrency.split(",")] if args.hf_concurrency else conc
+        out["results"].append(bench_shape(name, conc, bw, not args.no_hf, hf_conc))
         print(json.dumps(out["results"][-1], indent=1), flush=True)
         if args.json:
             with open(args.json, "w") as fh:

@@ -114,3 +114,45 @@ def _check_header(head: object, max_blob_bytes: int) -> list[int]:
         if n > max_blob_bytes:
             raise EnvelopeError(f"blob of {n} bytes exceeds the limit of {max_blob_bytes}", too_large=True)
     return sizes
+
+
+# --- key uploads ------------------------------------------------------------------------------------
+KEY_MAGIC = b"CLMK"
+KEY_NAMES = ("public_key", "relin_keys", "galois_keys")
+
+
+def pack_key_upload(blobs: dict[str, bytes]) -> bytes:
+    """One upload body from the public key blobs (``fhe.wire.dump_public_keys``); fixed order."""
+    names = [n for n in KEY_NAMES if n in blobs]
+    head = rfc8785.dumps({"v": ENVELOPE_VERSION, "names": names, "sizes": [len(blobs[n]) for n in names]})
+    return _PREFIX.pack(KEY_MAGIC, ENVELOPE_VERSION, len(head)) + head + b"".join(blobs[n] for n in names)
+
+
+def parse_key_upload(body: bytes, max_total_bytes: int) -> dict[str, bytes]:
+    """Split an upload into named blobs (bounds and names checked; blob contents untouched).
+
+    Any name other than the three public ones — a ``secret_key`` above all — is kept, so the caller
+    can refuse it explicitly.
+    """
+    if len(body) > max_total_bytes:
+        raise EnvelopeError(f"key upload of {len(body)} bytes exceeds {max_total_bytes}", too_large=True)
+    if len(body) < _PREFIX.size:
+        raise EnvelopeError("key upload too short")
+    magic, version, head_len = _PREFIX.unpack_from(body)
+    if magic != KEY_MAGIC or version != ENVELOPE_VERSION or head_len > MAX_HEADER_BYTES:
+        raise EnvelopeError("not a cipherlm key upload")
+    try:
+        head = json.loads(body[_PREFIX.size:_PREFIX.size + head_len])
+        names, sizes = list(head["names"]), [int(n) for n in head["sizes"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise EnvelopeError("bad key-upload header") from exc
+    if len(names) != len(sizes) or len(set(names)) != len(names) or any(n < 0 for n in sizes):
+        raise EnvelopeError("bad key-upload header")
+    offset = _PREFIX.size + head_len
+    if offset + sum(sizes) != len(body):
+        raise EnvelopeError("key-upload sizes do not add up to the body length")
+    out = {}
+    for name, n in zip(names, sizes):
+        out[str(name)] = body[offset:offset + n]
+        offset += n
+    return out

@@ -44,7 +44,7 @@ from server.private.workers import TaskError, WorkerCrashedError, WorkerError, W
 log = logging.getLogger("cipherlm.private")
 SOURCE = "server.private"
 #: worker exception names that mean "the client sent bad ciphertext/key bytes" (-> 400)
-CLIENT_FAULTS = {"WireError", "ShapeError", "LevelError", "KeyMismatchError", "ParameterError", "FHEError",
+CLIENT_FAULTS = {"WireError", "SizeLimitError", "SecretKeyRefusedError", "PlanMismatchError", "ShapeError", "LevelError", "KeyMismatchError", "ParameterError", "FHEError",
                  "MalformedKeyError", "EnvelopeError", "ValueError"}
 
 
@@ -77,8 +77,10 @@ class PrivateService:
     def screened_inspect(self, data: bytes) -> Inspection:
         """The registry's ``inspect`` hook: the verdict a worker reached on exactly these bytes."""
         verdict = self._screened.get(hashlib.sha256(data).hexdigest())
-        if verdict is None:
-            raise MalformedKeyError("upload was not screened by a worker")
+        if verdict is None or verdict is _MALFORMED:
+            raise MalformedKeyError("not a cipherlm public-key upload")
+        if verdict.params_hash.startswith("mismatch:") and not verdict.has_secret_key:
+            raise MalformedKeyError(f"key does not fit the plan: {verdict.params_hash[9:]}")
         return verdict
 
     async def register_key(self, tenant: str, key_id: str, data: bytes, *, actor: str,
@@ -112,13 +114,7 @@ class PrivateService:
         return Inspection(has_secret, params_hash)
 
     def _register(self, tenant, key_id, data, actor, request_id) -> KeyRecord:
-        verdict = self._screened[hashlib.sha256(data).hexdigest()]
-        if verdict is _MALFORMED:
-            self.registry.screen_upload(tenant, data, actor=actor, key_id=key_id, request_id=request_id)
-        if verdict.params_hash.startswith("mismatch:") and not verdict.has_secret_key:
-            self._refuse_upload(tenant, key_id, data, actor, request_id, "plan_mismatch")
-            raise InvalidRequestError(f"key does not fit the plan: {verdict.params_hash[9:]}", code="key_plan_mismatch")
-        expires = None if self.cfg.key_lifetime_s is None else self.registry._clock() + self.cfg.key_lifetime_s
+        expires = None if self.cfg.key_lifetime_s is None else self.registry.now() + self.cfg.key_lifetime_s
         try:
             self.registry.get(tenant, key_id)
         except KeyNotFoundError:

@@ -72,7 +72,8 @@ def run_hf(hf, work, batch: int, pad_id: int) -> tuple[float, int, int]:
         chunk = work[i:i + batch]
         width = max(len(p) for p, _ in chunk)
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in chunk])
-        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p, _ in chunk])[:, None]).long()
+        pads = torch.tensor([width - len(p) for p, _ in chunk])
+        mask = (torch.arange(width)[None, :] >= pads[:, None]).long()
         new = max(n for _, n in chunk)
         hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                     do_sample=False, pad_token_id=pad_id)

@@ -1,4 +1,4 @@
-"""GPU benchmark of the plaintext engine (random weights in real model shapes; speed does not depend on values).
+"""GPU benchmark of the plaintext engine (random weights in real model shapes: speed does not depend on them).
 
 For each shape (Qwen2.5-0.5B, Llama-3.2-1B), in one run:
 1. sanity: top-5 next-token logprobs of our paged bf16 path vs transformers on the same weights;
@@ -8,7 +8,8 @@ For each shape (Qwen2.5-0.5B, Llama-3.2-1B), in one run:
 3. batch-1 decode step time, (t(257 new) - t(1 new)) / 256, against the bandwidth floor
    ``(weight bytes + KV bytes at the mean context) / measured copy bandwidth``.
 
-Usage: python bench/engine_gpu.py [--shapes qwen2.5-0.5b,llama3.2-1b] [--concurrency 1,64,256] [--json out.json]
+Usage: python bench/engine_gpu.py [--shapes qwen2.5-0.5b,llama3.2-1b] [--concurrency 1,64,256]
+                                   [--hf-concurrency 256] [--json out.json]
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def hf_twin(model: LlamaForCausalLM):
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
-    assert not unexpected and all("rotary" in k or k == "lm_head.weight" for k in missing), (missing, unexpected)
+    ok = not unexpected and all("rotary" in k or k == "lm_head.weight" for k in missing)
+    assert ok, (missing, unexpected)
     return hf.eval()
 
 
@@ -88,8 +90,7 @@ def copy_bandwidth() -> float:
     x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     y.copy_(x)
-    ts = sorted(timed(lambda: y.copy_(x)) for _ in range(10))
-    del x, y
+    ts = sorted(timed(lambda: y.copy_(x)) for _ in range(10))  # noqa: B023
     return 2 * (4 << 30) / ts[len(ts) // 2]
 
 
@@ -152,7 +153,8 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
         res[f"ours_c{c}_tok_s"] = tok / dt
         print(name, "ours", c, tok / dt, flush=True)
     step = decode_step_time(llm, cfg.vocab_size)
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * (PROMPT_LEN + OUTPUT_LEN // 2)
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
+    kv_bytes = kv_per_token * (PROMPT_LEN + OUTPUT_LEN // 2)  # the mean context of the decode
     floor = (weight_bytes + kv_bytes) / bw
     res.update(decode_step_ms=step * 1e3, floor_ms=floor * 1e3, floor_fraction=floor / step)
     print(name, "decode", res["decode_step_ms"], res["floor_ms"], flush=True)
@@ -190,7 +192,8 @@ def main() -> None:
     import transformers
 
     bw = copy_bandwidth()
-    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "transformers": transformers.__version__,
            "copy_bandwidth_GBps": bw / 1e9, "results": []}
     print(json.dumps(out), flush=True)
     for name in args.shapes.split(","):

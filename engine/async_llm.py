@@ -1,7 +1,8 @@
 """Asynchronous front end: per-request token streams over an engine stepping in a background thread.
 
 ``generate()`` validates and admits the request synchronously (bad input raises
-:class:`~engine.errors.InvalidRequestError`, a full waiting queue :class:`~engine.errors.EngineOverloadedError`,
+:class:`~engine.errors.InvalidRequestError`, a full waiting queue
+:class:`~engine.errors.EngineOverloadedError`,
 both before any model work) and returns an async iterator of :class:`RequestOutput` deltas. The engine
 thread owns the :class:`LLMEngine`; the event loop talks to it only through a thread-safe inbox, and
 outputs come back through ``loop.call_soon_threadsafe``, so the loop never waits on a model forward
@@ -161,7 +162,8 @@ class AsyncLLM:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            rid = out.request_id
+            stream = self._streams.pop(rid, None) if out.finished else self._streams.get(rid)
             if stream is not None:
                 stream.put_nowait(out)
 

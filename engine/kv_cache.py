@@ -137,7 +137,8 @@ class PagedAttention:
         m = self.meta
         if self.cpu_decode:
             return sdpa_decode(q, kc, vc, m.decode_block_tables, m.decode_context_lens, self.scale)
-        return kernels.paged_decode_attention(q, kc, vc, m.decode_block_tables, m.decode_context_lens, self.scale)
+        return kernels.paged_decode_attention(q, kc, vc, m.decode_block_tables, m.decode_context_lens,
+                                              self.scale)
 
 
 def sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -48,7 +48,7 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"params must be SamplingParams, got {type(p).__name__}")
         final: dict[str, RequestOutput] = {}
-        for rid, prompt, p in zip(ids, prompts, params):
+        for rid, prompt, p in zip(ids, prompts, params, strict=False):
             while self.engine.num_waiting_requests >= self.engine.config.max_waiting:
                 self._step(final)  # offline: wait for room instead of failing
             self.engine.add_request(rid, prompt, p, cache_salt=cache_salt)

@@ -102,7 +102,8 @@ class LLMEngine:
             if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         else:
-            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidRequestError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise InvalidRequestError("prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -185,7 +186,8 @@ class LLMEngine:
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
             kv_cache_usage=bm.usage, num_kv_blocks=bm.num_blocks, prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total)
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total)
 
     # ---- internals --------------------------------------------------------------------------------
     def _process_samples(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[RequestOutput]:
@@ -205,7 +207,7 @@ class LLMEngine:
                                                        q.generator) for q in seqs])
         now = time.time()
         touched: dict[str, Request] = {}
-        for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
+        for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=False):
             self.output_processor.append_token(seq, tok, lp)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
@@ -261,7 +263,8 @@ class LLMEngine:
         del self.requests[request.request_id]
         times = self._token_times.pop(request.request_id, [])
         if self.listeners:
-            stats = request_stats(request.request_id, request.seqs[0].finish_reason, len(request.prompt_token_ids),
+            stats = request_stats(request.request_id, request.seqs[0].finish_reason,
+                                  len(request.prompt_token_ids),
                                   sum(s.num_output_tokens for s in request.seqs), request.num_cached_tokens,
                                   m.arrival_time, m.first_scheduled_time, times, m.finished_time)
             for listener in self.listeners:

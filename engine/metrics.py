@@ -87,8 +87,11 @@ def request_stats(request_id: str, finish_reason: str | None, prompt_tokens: int
                   cached_tokens: int, arrival: float, scheduled: float | None, token_times: list[float],
                   finished: float) -> RequestStats:
     """Derive latencies from a request's timestamps."""
-    itl = [b - a for a, b in zip(token_times, token_times[1:])]
+    itl = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
     ttft = token_times[0] - arrival if token_times else None
-    tpot = (token_times[-1] - token_times[0]) / (generation_tokens - 1) if generation_tokens > 1 and token_times else None
+    tpot = None
+    if generation_tokens > 1 and token_times:
+        tpot = (token_times[-1] - token_times[0]) / (generation_tokens - 1)
     return RequestStats(request_id, finish_reason, prompt_tokens, generation_tokens, cached_tokens,
-                        None if scheduled is None else scheduled - arrival, ttft, tpot, itl, finished - arrival)
+                        None if scheduled is None else scheduled - arrival, ttft, tpot, itl,
+                        finished - arrival)

@@ -93,7 +93,7 @@ class ModelRunner:
         lens = [min(seq_len, t - i * seq_len) for i in range(nseq)]
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(nseq)]
         ids, pos, slots = [], [], []
-        for n, table in zip(lens, tables):
+        for n, table in zip(lens, tables, strict=False):
             ids += [0] * n
             pos += list(range(n))
             slots += [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(n)]
@@ -137,7 +137,7 @@ class ModelRunner:
             meta.prefill_block_tables = self._tables(p_tables)
             meta.prefill_cu_seqlens_q = self._t(p_cu, torch.int32)
             meta.prefill_context_lens = self._t(p_lens, torch.int32)
-            meta.prefill_max_q = max(b - a for a, b in zip(p_cu, p_cu[1:]))
+            meta.prefill_max_q = max(b - a for a, b in zip(p_cu, p_cu[1:], strict=False))
         return meta
 
     def _tables(self, tables: list[list[int]]) -> torch.Tensor:
@@ -159,7 +159,8 @@ class ModelRunner:
         if self._graphs and n <= self._max_graph and all(s.num_tokens == 1 for s in sched.scheduled):
             return self._run_graph(sched.scheduled)
         inputs = self.prepare(sched)
-        backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim, cpu_decode=not self.is_cuda)
+        backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim,
+                                 cpu_decode=not self.is_cuda)
         h = self.model(inputs.input_ids, inputs.positions, backend)       # [T, hidden]
         return self.model.logits(h[inputs.logits_rows]), inputs.sampling  # [S, V]
 

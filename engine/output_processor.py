@@ -83,7 +83,8 @@ class OutputProcessor:
     def _text_of(self, seq: Sequence) -> SeqText:
         st = self._text.get(seq.seq_id)
         if st is None:
-            st = self._text[seq.seq_id] = SeqText(self.tokenizer, seq.request.prompt_token_ids, seq.params.stop)
+            st = SeqText(self.tokenizer, seq.request.prompt_token_ids, seq.params.stop)
+            self._text[seq.seq_id] = st
         return st
 
     def _completion(self, seq: Sequence) -> CompletionOutput:

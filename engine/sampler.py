@@ -118,7 +118,8 @@ def apply_top_k_top_p(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
 
 
-def compute_logprobs(raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[dict[int, float] | None]:
+def compute_logprobs(raw: torch.Tensor, rows: list[SamplingRow],
+                     tokens: list[int]) -> list[dict[int, float] | None]:
     """Per row asking for logprobs: ``{sampled: lp, top-1: lp, ..., top-n: lp}``; None for the others."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     result: list[dict[int, float] | None] = [None] * len(rows)
@@ -134,6 +135,6 @@ def compute_logprobs(raw: torch.Tensor, rows: list[SamplingRow], tokens: list[in
     for j, i in enumerate(want):
         n = rows[i].params.logprobs or 0
         d = {tokens[i]: chosen[j]}
-        d.update({tok: val for tok, val in zip(top_i[j][:n], top_v[j][:n]) if tok not in d})
+        d.update({tok: val for tok, val in zip(top_i[j][:n], top_v[j][:n], strict=False) if tok not in d})
         result[i] = d
     return result

@@ -66,7 +66,8 @@ class SamplingParams:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
                  f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _require(_is_int(self.top_k), f"top_k must be an integer (<= 0 disables it), got {self.top_k!r}")
-        _require(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}")
+        _require(self.seed is None or _is_int(self.seed),
+                 f"seed must be an integer or None, got {self.seed!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

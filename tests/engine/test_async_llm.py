@@ -28,10 +28,12 @@ async def collect(stream) -> list:
 
 async def test_streams_match_offline_generation():
     prompts = random_prompts([7, 19, 3], seed=9)
-    expected = [o.outputs[0].token_ids for o in LLM(tiny_model(), engine_config=config()).generate(prompts, GREEDY)]
+    offline = LLM(tiny_model(), engine_config=config()).generate(prompts, GREEDY)
+    expected = [o.outputs[0].token_ids for o in offline]
     async with AsyncLLM.from_model(tiny_model(), None, config()) as llm:
-        results = await asyncio.gather(*(collect(llm.generate(p, GREEDY, f"r{i}")) for i, p in enumerate(prompts)))
-    for outs, exp in zip(results, expected):
+        streams = [llm.generate(p, GREEDY, f"r{i}") for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+    for outs, exp in zip(results, expected, strict=False):
         deltas = [t for o in outs for t in o.outputs[0].delta_token_ids]
         assert deltas == exp == outs[-1].outputs[0].token_ids
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])

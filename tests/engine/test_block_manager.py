@@ -12,7 +12,8 @@ def test_allocate_and_slots():
     assert bm.admit(seq, [], 10)
     assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
     assert [bm.slot(seq, p) for p in (0, 3, 4, 9)] == [
-        seq.block_table[0] * 4, seq.block_table[0] * 4 + 3, seq.block_table[1] * 4, seq.block_table[2] * 4 + 1]
+        seq.block_table[0] * 4, seq.block_table[0] * 4 + 3,
+        seq.block_table[1] * 4, seq.block_table[2] * 4 + 1]
     seq.num_computed_tokens = 10
     seq.token_ids.append(7)
     assert bm.allocate_slots(seq, 1) and len(seq.block_table) == 3   # position 10 fits block 2
@@ -71,7 +72,8 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru():
     run_to_computed(bm, a)
     a_blocks = list(a.block_table)
     bm.free(a)
-    assert bm.match_prefix(make_seq(list(range(9)), seq_id=1)) == a_blocks  # cached blocks outlive their owner
+    # cached blocks outlive their owner
+    assert bm.match_prefix(make_seq(list(range(9)), seq_id=1)) == a_blocks
     # fill the pool with other data: the cached blocks are evicted, least recently freed first
     big = make_seq(list(range(100, 124)), seq_id=2)
     assert bm.admit(big, [], 24)

@@ -28,7 +28,8 @@ def test_fp32_gpu_engine_equals_cpu_reference(graphs):
     prompts = random_prompts([5, 17, 33, 1, 40, 64, 9], seed=1)
     ref_model = tiny_model("qwen2-bias-tied")
     refs = [greedy_generate(ref_model, p, 24) for p in prompts]
-    cfg = EngineConfig(device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=48, max_model_len=256,
+    cfg = EngineConfig(device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=48,
+                       max_model_len=256,
                        gpu_memory_utilization=0.3, max_num_seqs=16, cuda_graphs=graphs)
     llm = LLM(tiny_model("qwen2-bias-tied"), engine_config=cfg)
     assert bool(llm.engine.runner._graphs) == graphs

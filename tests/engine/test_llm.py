@@ -67,7 +67,7 @@ def test_paged_logits_match_reference(variant, cpu_decode):
     c = a[:16] + c
     seqs = [make_seq(p, seq_id=i) for i, p in enumerate([a, b, c])]
     # step 1: a[:22] and b[:13] as prefill chunks
-    for seq, n in zip(seqs[:2], (22, 13)):
+    for seq, n in zip(seqs[:2], (22, 13), strict=False):
         assert bm.admit(seq, [], n)
     step1 = [ScheduledSeq(seqs[0], 0, 22), ScheduledSeq(seqs[1], 0, 13)]
     rows1 = _forward(runner, step1, cpu_decode)
@@ -79,7 +79,8 @@ def test_paged_logits_match_reference(variant, cpu_decode):
     assert len(hits) == 4
     assert bm.allocate_slots(seqs[0], 1) and bm.allocate_slots(seqs[1], 17)
     assert bm.admit(seqs[2], hits, len(c) - 16)
-    step2 = [ScheduledSeq(seqs[0], 22, 1), ScheduledSeq(seqs[1], 13, 17), ScheduledSeq(seqs[2], 16, len(c) - 16)]
+    step2 = [ScheduledSeq(seqs[0], 22, 1), ScheduledSeq(seqs[1], 13, 17),
+             ScheduledSeq(seqs[2], 16, len(c) - 16)]
     rows2 = _forward(runner, step2, cpu_decode)
     got = {0: torch.cat([rows1[0], rows2[0]]), 1: torch.cat([rows1[1], rows2[1]]), 2: rows2[2]}
     for i, p in enumerate([a, b, c]):
@@ -177,7 +178,8 @@ def test_smollm2_batched_greedy_equals_reference_and_stop_strings(default_model_
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
     ids = [tok.encode(p) for p in prompts]
     refs = [greedy_generate(model, p, 16) for p in ids]
-    llm = LLM(model, tok, cpu_config(block_size=16, num_kv_blocks=64, max_num_batched_tokens=16, max_model_len=512))
+    cfg = cpu_config(block_size=16, num_kv_blocks=64, max_num_batched_tokens=16, max_model_len=512)
+    llm = LLM(model, tok, cfg)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == refs
     full = outs[0].outputs[0].text

@@ -84,7 +84,7 @@ def test_logprobs_top_n_and_sampled():
     assert out.logprobs[1] is None
     got = out.logprobs[0]
     assert list(got)[0] == out.token_ids[0]
-    for tok, val in zip(top.indices.tolist(), top.values.tolist()):
+    for tok, val in zip(top.indices.tolist(), top.values.tolist(), strict=False):
         assert got[tok] == pytest.approx(val, abs=1e-6)
 
 

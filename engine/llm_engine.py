@@ -106,6 +106,10 @@ class LLMEngine:
                 f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise InvalidRequestError("prompt is empty")
+        if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; without chunked prefill at most "
+                f"{self.config.max_num_batched_tokens} (max_num_batched_tokens) fit a step")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; the maximum model length is {self.max_model_len} "
@@ -170,8 +174,6 @@ class LLMEngine:
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.cache_full_blocks(s.seq)
-        self.prompt_tokens_total += sum(s.num_tokens for s in sched.scheduled
-                                        if s.start < s.seq.num_prompt_tokens)
         outputs = self._process_samples(logits, sampling)
         if self.listeners:
             stats = self.stats()
@@ -245,6 +247,7 @@ class LLMEngine:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = now
             request.num_cached_tokens = request.seqs[0].num_computed_tokens
+            self.prompt_tokens_total += len(request.prompt_token_ids)
             self._release_admission(request)
 
     def _release_admission(self, request: Request) -> None:

@@ -79,8 +79,18 @@ class Geometry:
 
     @property
     def bands_per_period(self) -> int:
-        """E = P / W (also the projection's fold)."""
+        """E = P / W."""
         return self.period // self.layout.band
+
+    @property
+    def fold(self) -> int:
+        """Partial sums per projection output: P / w, w = the smallest power of two above every output's
+        in-period position (fewer offsets = fewer top-level rotations than w = W)."""
+        top = int(self.k_pos(self.layout.num_kv_heads - 1, self.bands_per_period - 1)) + 1
+        w = 1
+        while w < top:
+            w *= 2
+        return self.period // w
 
     @property
     def k_stride(self) -> int:
@@ -191,8 +201,8 @@ class BlockMaps:
         lay, s, e_n = geo.layout, geo.params.slots, geo.bands_per_period
         q_src, kv_src = geo.q_slots(), geo.kv_slots()
         qk = HybridMatvec(s, np.concatenate([wq, wk]), np.concatenate([q_src.ravel(), kv_src.ravel()]),
-                          geo.period, e_n)
-        v = HybridMatvec(s, wv, kv_src.ravel(), geo.period, e_n)
+                          geo.period, geo.fold)
+        v = HybridMatvec(s, wv, kv_src.ravel(), geo.period, geo.fold)
         q_steps = Steps(0, -(lay.band - lay.num_heads), e_n, s // 2, 2)
         kv_pre, kv_baby = int(geo.k_pos(0, 0)), geo.k_stride - lay.band
         k_steps = Steps(kv_pre, kv_baby, e_n, s // 2, 2)
@@ -231,24 +241,26 @@ def required_rotation_steps(cfg: ModelConfig, params: CKKSParams, kind: str = "s
     return tuple(sorted(maps.rotation_steps(geo)))
 
 
-def _fold_scores(bw: BlockWeights, plan: LayerPlan, p_max: float):
+def _base_max(plan: LayerPlan) -> float:
+    """Largest squared base on the calibrated range: the plan's observed max of x = a s + b (times
+    :data:`X_MARGIN`, capped by the bound) when it has one, else the bound."""
+    approx = plan.approx
+    x_hi = approx.bound
+    if plan.observed_range is not None:
+        x_hi = min(approx.bound, X_MARGIN * max(abs(plan.observed_range[1]), 1.0))
+    return 1.0 + x_hi / 2 ** approx.squarings if approx.kind == "sqexp" else max(approx.bound, 1e-6)
+
+
+def _fold_scores(bw: BlockWeights, plan: LayerPlan, g: float):
     """Fold the score scaling into the projections: Wq, bq, Wk, bk and beta, all float64.
 
     The squared base is ``g * (alpha_h s + beta_h)`` with ``s = q.k / sqrt(D)``; the factor
     ``f_h = g * alpha_h / sqrt(D)`` is split between q and k (k's share per KV head ``c_g =
-    sqrt(max_h |f_h|)``) so both stay well above the CKKS noise floor. ``g = min(1, (p_max /
-    base_max^n)^(1/n))`` (n = 2^squarings) keeps p below ``p_max`` on the calibrated range; exact
-    normalization cancels the common factor g^n. The largest x = a s + b is the plan's observed
-    maximum (times :data:`X_MARGIN`, capped by the bound) when it has one, else the bound.
+    sqrt(max_h |f_h|)``) so both stay well above the CKKS noise floor. Exact normalization on the
+    client cancels the common factor g^n (n = 2^squarings).
     """
     approx = plan.approx
     alpha, beta = (np.asarray(v, np.float64) for v in approx.base_affine())
-    n = 2 ** approx.num_squarings
-    x_hi = approx.bound
-    if plan.observed_range is not None:
-        x_hi = min(approx.bound, X_MARGIN * max(abs(plan.observed_range[1]), 1.0))
-    base_max = 1.0 + x_hi / 2 ** approx.squarings if approx.kind == "sqexp" else max(approx.bound, 1e-6)
-    g = min(1.0, p_max ** (1.0 / n) / base_max)
     f = alpha * g / math.sqrt(bw.head_dim)                                   # [Hq]
     grp = bw.num_heads // bw.num_kv_heads
     c = np.sqrt(np.abs(f).reshape(bw.num_kv_heads, grp).max(1)).clip(1e-12)  # [Hkv]
@@ -319,8 +331,11 @@ class EncryptedAttentionLayer:
         bw = block_weights(layer, layer_plan, torch.float64)
         self.max_tokens = max_tokens
         limit = 2.0 ** (params.coeff_mod_bit_sizes[0] - params.scale_bits - OUTPUT_HEADROOM_BITS)
-        wq, bq, wk, bk, self.beta = _fold_scores(bw, layer_plan,
-                                                  limit / (max_tokens * max(1.0, _value_gain(bw))))
+        # p <= limit / (tokens * gain) keeps y, z below the last prime; g is sized for max_tokens here
+        # and raised per step to the current context length (:meth:`_step_gain`), for precision.
+        self._n = 2 ** approx.num_squarings
+        g = (limit / (max_tokens * max(1.0, _value_gain(bw)))) ** (1.0 / self._n) / _base_max(layer_plan)
+        wq, bq, wk, bk, self.beta = _fold_scores(bw, layer_plan, g)
         self.maps = BlockMaps.build(self.geo, wq, wk, bw.wv.numpy(), bw.wo.numpy())
         self._v_bias = None if bw.bv is None else bw.bv.numpy()
         self._bias = self._bias_vector(bq, bk)
@@ -411,7 +426,8 @@ class EncryptedAttentionLayer:
         if self._bias is not None:
             qk = kit.add_plain_values(qk, self._bias)
         cos, sin = (t[0].double().numpy() for t in self.rope.cos_sin(torch.tensor([position])))
-        q0 = self.maps.q_rope.map.encode(kit, geo.top - 1, self.maps.q_rope.weights(cos, sin))(kit, qk, gk)
+        w_q = self.maps.q_rope.weights(cos, sin) * self._step_gain(position + 1)
+        q0 = self.maps.q_rope.map.encode(kit, geo.top - 1, w_q)(kit, qk, gk)
         k0 = self.maps.k_rope.map.encode(kit, geo.top - 1, self.maps.k_rope.weights(cos, sin))(kit, qk, gk)
         q0.scale = k0.scale = kit.scale
         q = rotate_sum(kit, q0, -lay.num_heads, lay.block_tokens, gk)      # tree: this level is expensive
@@ -437,20 +453,30 @@ class EncryptedAttentionLayer:
             cache.v_blocks[-1] = kit.add(kit.rotate(cache.v_blocks[-1], -lay.num_heads, keys.galois), v0)
         cache.length += 1
 
-    def _beta(self, rows: int, scale: float):
-        key = (rows, scale)
+    def _step_gain(self, tokens: int) -> float:
+        """Extra factor on the base at a context of ``tokens``: (max_tokens / tokens)^(1/n) >= 1.
+
+        z <= tokens * p_max, so short contexts can afford larger p (further above the noise floor)."""
+        return (self.max_tokens / max(1, tokens)) ** (1.0 / self._n)
+
+    def _beta(self, rows: int, tokens: int):
+        """Plaintext beta_h (times the step gain) on the first ``rows`` rows (cached within a step)."""
+        key = (rows, tokens)
         if key not in self._beta_cache:
-            vec = self.geo.layout.valid(rows, self.beta)
-            self._beta_cache[key] = self.kit.encode(vec, self.geo.level_qk - 1, scale)
+            if len(self._beta_cache) > 64:
+                self._beta_cache.clear()
+            vec = self.geo.layout.valid(rows, self.beta * self._step_gain(tokens))
+            self._beta_cache[key] = self.kit.encode(vec, self.geo.level_qk - 1, self.scale_s)
         return self._beta_cache[key]
 
-    def _block_p(self, q: Ciphertext, k_b: Ciphertext, rows: int, keys: ServerKeys) -> Ciphertext:
+    def _block_p(self, q: Ciphertext, k_b: Ciphertext, rows: int, tokens: int,
+                 keys: ServerKeys) -> Ciphertext:
         """Unnormalized weights p of one cache block, broadcast over all bands (level_p)."""
         kit, lay = self.kit, self.geo.layout
         s = kit.relin_rescale(kit.mul(q, k_b), keys.relin)
         s = rotate_sum(kit, s, lay.band, lay.head_dim, keys.galois)
         s.scale = self.scale_s
-        kit.evaluator.add_plain_inplace(s, self._beta(rows, self.scale_s))
+        kit.evaluator.add_plain_inplace(s, self._beta(rows, tokens))
         for _ in range(self.geo.squarings):
             kit.evaluator.square_inplace(s)
             s = kit.relin_rescale(s, keys.relin)
@@ -458,10 +484,12 @@ class EncryptedAttentionLayer:
         return s
 
     def _attend(self, cache: EncryptedKVCache, q: Ciphertext, keys: ServerKeys) -> Ciphertext:
+        if cache.length == 1:
+            return self._attend_single(cache, keys)
         kit, lay, gk = self.kit, self.geo.layout, keys.galois
         pv, ps = [], []
         for b, (k_b, v_b) in enumerate(zip(cache.k_blocks, cache.v_blocks, strict=True)):
-            p = self._block_p(q, k_b, cache.rows_in(b), keys)
+            p = self._block_p(q, k_b, cache.rows_in(b), cache.length, keys)
             pv.append(kit.mul(p, v_b))
             ps.append(p)
         u = kit.relin_rescale(kit.add_many(pv), keys.relin)
@@ -472,6 +500,22 @@ class EncryptedAttentionLayer:
         zo = self.enc_z(kit, kit.drop_to(z, self.geo.level_p - 1), gk)
         zo.scale = y.scale
         return kit.add(y, zo)
+
+    def _attend_single(self, cache: EncryptedKVCache, keys: ServerKeys) -> Ciphertext:
+        """The first token attends only to itself: its normalized weight is exactly 1 for any p > 0,
+        so the block returns y_h = v_0 Wo_h, z_h = 1 (the same quotient as the simulator's) without
+        the score path — which would otherwise drown a tiny p_00 in CKKS noise."""
+        kit, lay = self.kit, self.geo.layout
+        v = cache.v_blocks[0]
+        lvl = self.geo.level_p
+        mask = kit.encode(lay.valid(1), lvl, self.scale_u * kit.prime(lvl) / v.scale)
+        u = kit.mul_plain(v, mask)
+        kit.evaluator.rescale_to_next_inplace(u)
+        u.scale = self.scale_u
+        y = self.enc_out(kit, u, keys.galois)
+        ones = np.zeros(kit.slots)
+        ones[lay.output_slots()[1]] = 1.0
+        return kit.add_plain_values(y, ones)
 
 
 @dataclass

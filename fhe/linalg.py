@@ -21,7 +21,6 @@ See ``docs/fhe.md`` for the layouts and measured costs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -382,8 +381,3 @@ class PlainMatrix:
 
     def extract(self, slots_vec: np.ndarray) -> np.ndarray:
         return slots_vec[self.mv.out_slots]
-
-
-def evaluate_many(fns: Sequence[Callable[[], Ciphertext]]) -> list[Ciphertext]:
-    """Run independent evaluations (kept as a seam for a process pool; sealapi holds the GIL)."""
-    return [f() for f in fns]

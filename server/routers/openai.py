@@ -422,12 +422,15 @@ class _GuardedStream(StreamingResponse):
 
 async def _serve(body, request: Request, tenant: Tenant, settings: Settings, engine: Any, endpoint: str):
     limiter = admit_request(request, tenant)  # in the handler: a body that fails validation takes no slot
+    job: _Job | None = None
     try:
         job = _prepare(body, request, tenant, limiter, settings, engine)
         if request.state.fallback:
             record_fallback(request, tenant, job.meta.id, endpoint)
         started = await _start(engine, job)
     except BaseException:
+        if job is not None:  # refused after its tokens were reserved (fallback not recorded, engine full)
+            limiter.refund_tokens(job.reserved_tokens)
         limiter.release()
         raise
     decode = _token_decoder(engine)

@@ -232,3 +232,18 @@ async def test_concurrency_limit_over_http(engine, tiny_model_dir):  # noqa: F81
         assert r.status_code == 200
         await asyncio.sleep(0)
     assert limiter.in_flight == 0
+
+
+async def test_refused_after_reservation_refunds_tokens(engine, tiny_model_dir):  # noqa: F811
+    """A request refused after its tokens were reserved (here: the fallback cannot be recorded) costs none."""
+    settings = make_settings(tiny_model_dir)
+    fb = settings.tenants[3]
+    fb.limits = settings.limits_default.model_copy(update={"tokens_per_minute": 100})
+    app = create_app(settings, engine, fallback_recorders=[Recorder(fail=True)], limits=LimitRegistry(FakeClock()))
+    headers = {**auth("enc-fallback"), "X-Cipherlm-Sensitivity": "non-sensitive"}
+    async with _client(app) as c:
+        for _ in range(3):  # each reserves ~60 of 100 tokens; without the refund the second would be a 429
+            r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 59}, headers=headers)
+            assert r.status_code == 503
+    limiter = app.state.limits.for_tenant("enc-fallback", fb.limits)
+    assert limiter.in_flight == 0

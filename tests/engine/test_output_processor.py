@@ -1,0 +1,51 @@
+"""Stop strings on streamed text: no delta ever shows text at or past a stop string."""
+
+from __future__ import annotations
+
+from engine.output_processor import SeqText
+
+
+class PieceTokenizer:
+    """Token id i decodes to PIECES[i] (enough of the Tokenizer surface for SeqText)."""
+
+    PIECES = ["Hel", "lo", " wor", "ld", "!", " S", "TO", "P", " more"]
+
+    def detokenizer(self, prompt_ids):
+        pieces = self.PIECES
+
+        class Detok:
+            def step(self, ids):
+                return "".join(pieces[i] for i in ids)
+
+        return Detok()
+
+
+def stream(tokens, stops):
+    st = SeqText(PieceTokenizer(), [], stops)
+    deltas, stop = [], None
+    for t in tokens:
+        stop = st.add(t)
+        deltas.append(st.take_delta(finished=stop is not None))
+        if stop:
+            break
+    return deltas, stop, st
+
+
+def test_stop_string_split_across_tokens_is_never_streamed():
+    deltas, stop, st = stream([0, 1, 2, 3, 5, 6, 7, 8], ["STOP"])
+    assert stop == "STOP"
+    assert "".join(deltas) == st.full == "Hello world "
+    assert not any("S" in d for d in deltas)      # the stop string's first letter never leaked
+    assert deltas[:3] == ["", "He", "llo "]        # the last len("STOP") - 1 characters are held back
+
+
+def test_held_back_text_is_flushed_at_the_end():
+    deltas, stop, st = stream([0, 1, 2, 3], ["STOP", "world!"])
+    assert stop is None
+    assert "".join(deltas) == "Hello "       # "world" could still become "world!": held back
+    assert st.take_delta(finished=True) == "world"
+
+
+def test_earliest_stop_wins():
+    deltas, stop, _ = stream([0, 1, 2, 3, 4], ["world", "lo"])
+    assert stop == "lo" and "".join(deltas) == "Hel"

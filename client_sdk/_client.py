@@ -108,20 +108,20 @@ class Client(BaseClient):
         return TenantInfo.from_dict(self._json(self._request("GET", "/v1/tenant")))
 
     def _request(self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
-                 stream: bool = False) -> httpx.Response:
+                 stream: bool = False, content: bytes | None = None) -> httpx.Response:
         """Send with retries; return a successful response (streamed bodies left unread)."""
         attempt = 0
         while True:
             try:
-                return self._send_once(method, path, json, headers, stream)
+                return self._send_once(method, path, json, headers, stream, content)
             except Exception as exc:
                 if not self.retry.should_retry(attempt, exc):
                     raise
                 self._sleep(self.retry.delay(attempt, exc, self._rand))
                 attempt += 1
 
-    def _send_once(self, method, path, json, headers, stream) -> httpx.Response:
-        request = self._http.build_request(method, self.base_url + path, json=json,
+    def _send_once(self, method, path, json, headers, stream, content=None) -> httpx.Response:
+        request = self._http.build_request(method, self.base_url + path, json=json, content=content,
                                            headers={**self._headers, **(headers or {})})
         with map_transport_errors():
             response = self._http.send(request, stream=stream)
@@ -132,7 +132,9 @@ class Client(BaseClient):
         return response
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Close the private session (if any) and the connection pool."""
+        if getattr(self, "_private", None) is not None:
+            self._private.close_session()
         self._http.close()
 
     def __enter__(self) -> Client:
@@ -213,6 +215,10 @@ class Models:
 
 
 def _call(client: Client, path: str, body: dict, non_sensitive: bool, stream: bool, parse):
+    if client.privacy == "encrypted" and not non_sensitive:
+        from client_sdk._private import private_call
+
+        return private_call(client, path, body, stream)
     headers = client._plaintext_headers(non_sensitive)
     response = client._request("POST", path, json=body, headers=headers, stream=stream)
     if stream:

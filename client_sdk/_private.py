@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from client_sdk._exceptions import APIStatusError, CipherlmError, NotFoundError
+from client_sdk._exceptions import APIStatusError, CipherlmError, NotFoundError, PrivacyModeError
 
 if TYPE_CHECKING:
     from client_sdk._client import Client
@@ -79,7 +79,12 @@ class PrivateRuntime:
         """Manifest, bundle (downloaded once, verified by SHA-256), keys generated and registered."""
         if self.manifest is not None:
             return
-        man = self.client._json(self.client._request("GET", "/v1/private/manifest"))
+        try:
+            man = self.client._json(self.client._request("GET", "/v1/private/manifest"))
+        except NotFoundError as exc:
+            raise PrivacyModeError("this server offers no encrypted sessions, so an encrypted-mode client "
+                                   "cannot run; nothing was sent (pass non_sensitive=True only where your "
+                                   "tenant's policy allows a plaintext fallback)") from exc
         self._load_bundle(man)
         self._make_keys(man)
         self.manifest = man
@@ -261,3 +266,105 @@ def _sha256(path: Path) -> str:
         while chunk := fh.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
+
+
+# --- the OpenAI-style surface of an encrypted-mode Client ------------------------------------------------
+_UNSUPPORTED = ("n", "logprobs", "top_logprobs", "best_of", "echo", "suffix")
+
+
+class PrivateStream:
+    """Iterator of completion chunks from a private generation (same surface as ``Stream``)."""
+
+    def __init__(self, chunks: Iterator[Any]) -> None:
+        self._chunks = chunks
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._chunks
+
+    def __next__(self) -> Any:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        self._chunks.close()
+
+    def __enter__(self) -> PrivateStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def sampling_params(body: dict[str, Any]) -> Any:
+    """``engine.SamplingParams`` from an OpenAI-style body (OpenAI's defaults where it has them)."""
+    from engine.errors import InvalidRequestError
+    from engine.sampling_params import SamplingParams
+
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, 1, False):
+            raise PrivateModeError(f"{name!r} is not supported in encrypted mode")
+    stop = body.get("stop") or []
+    try:
+        return SamplingParams(max_tokens=body.get("max_tokens") or 16, temperature=body.get("temperature", 1.0),
+                              top_p=body.get("top_p", 1.0), top_k=body.get("top_k") or -1,
+                              seed=body.get("seed"), stop=[stop] if isinstance(stop, str) else list(stop),
+                              presence_penalty=body.get("presence_penalty") or 0.0,
+                              frequency_penalty=body.get("frequency_penalty") or 0.0)
+    except InvalidRequestError as exc:
+        raise PrivateModeError(str(exc)) from exc
+
+
+def private_call(client: Client, path: str, body: dict[str, Any], stream: bool) -> Any:
+    """Serve ``POST path`` (completions or chat) through the private runtime of ``client``."""
+    from engine.errors import InvalidRequestError
+
+    if getattr(client, "_private", None) is None:
+        client._private = PrivateRuntime(client)
+    runtime = client._private
+    runtime.prepare()
+    chat = path.endswith("/chat/completions")
+    try:
+        if chat:
+            ids = runtime.tokenizer.apply_chat_template(list(body["messages"]))
+        elif isinstance(body.get("prompt"), str):
+            ids = runtime.tokenizer.encode(body["prompt"])
+        else:
+            raise PrivateModeError("encrypted mode takes one string prompt")
+    except InvalidRequestError as exc:
+        raise PrivateModeError(str(exc)) from exc
+    params = sampling_params(body)
+    chunks = _chunks(runtime, ids, params, chat, runtime.manifest["model"])
+    if stream:
+        return PrivateStream(chunks)
+    return _collect(list(chunks), chat, len(ids))
+
+
+def _chunks(runtime: PrivateRuntime, ids: list[int], params: Any, chat: bool, model: str) -> Iterator[Any]:
+    from client_sdk._types import (
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        ChoiceDelta,
+        Completion,
+        CompletionChoice,
+    )
+
+    rid, created = f"priv-{int(time.time() * 1000)}", int(time.time())
+    for i, tok in enumerate(runtime.generate(ids, params)):
+        if chat:
+            delta = ChoiceDelta(role="assistant" if i == 0 else None, content=tok.text)
+            yield ChatCompletionChunk(rid, created, model, [ChatChunkChoice(0, delta, tok.finish_reason)])
+        else:
+            yield Completion(rid, created, model, [CompletionChoice(0, tok.text, tok.finish_reason)])
+
+
+def _collect(chunks: list[Any], chat: bool, prompt_tokens: int) -> Any:
+    from client_sdk._types import ChatChoice, ChatCompletion, ChatMessage, Completion, CompletionChoice, Usage
+
+    first, last = chunks[0], chunks[-1]
+    usage = Usage(prompt_tokens, len(chunks), prompt_tokens + len(chunks))
+    if chat:
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        choice = ChatChoice(0, ChatMessage("assistant", text), last.choices[0].finish_reason)
+        return ChatCompletion(first.id, first.created, first.model, [choice], usage)
+    text = "".join(c.choices[0].text for c in chunks)
+    return Completion(first.id, first.created, first.model,
+                      [CompletionChoice(0, text, last.choices[0].finish_reason)], usage)

@@ -24,6 +24,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.errors import RequestTooLargeError, error_response, install_error_handlers
 from server.limits import LimitRegistry
 from server.metrics import ServerMetrics
+from server.private import feature as private_feature
+from server.private.router import router as private_router
 from server.routers import DEFAULT_ROUTERS
 from server.routers.openai import served_model_name
 from server.settings import Settings
@@ -62,7 +64,7 @@ class _ServingMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        limit = self.state.settings.max_request_bytes
+        limit = body_limit(self.state.settings, path)
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
             too_large = RequestTooLargeError(f"request body over {limit} bytes")
@@ -85,6 +87,13 @@ class _ServingMiddleware:
             route = scope.get("route")
             endpoint = getattr(route, "path", "unmatched")
             self.state.metrics.http_requests.labels(endpoint, str(status["code"])).inc()
+
+
+def body_limit(settings: Settings, path: str) -> int:
+    """Largest request body for ``path``: key uploads and encrypted steps are binary and big."""
+    if path.startswith("/v1/private/"):
+        return max(settings.private.max_key_bytes, settings.private.max_step_bytes)
+    return settings.max_request_bytes
 
 
 def _limited(receive: Receive, limit: int) -> Receive:
@@ -124,10 +133,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = build_engine(app.state.settings)
         await engine.start()
         _attach_engine(app, engine)
+    await private_feature.start(app)
     try:
         yield
     finally:
         app.state.lifecycle.draining = True
+        await private_feature.stop(app)
         if app.state.owns_engine and app.state.engine is not None:
             engine, app.state.engine = app.state.engine, None
             app.state.metrics.watch_engine(None)
@@ -165,7 +176,8 @@ def create_app(settings: Settings, engine: Any = None, *, routers: Iterable[APIR
     if engine is not None:
         _attach_engine(app, engine)
     install_error_handlers(app)
-    for router in (*DEFAULT_ROUTERS, *routers):
+    app.state.private = None
+    for router in (*DEFAULT_ROUTERS, private_router, *routers):
         app.include_router(router)
     app.add_middleware(_ServingMiddleware, state=app.state)
     return app

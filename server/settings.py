@@ -27,6 +27,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from server.private.config import PrivateSettings  # noqa: I001 - a leaf module, no cycle
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -105,6 +106,14 @@ class Settings(BaseSettings):
     max_prompts_per_request: int = Field(16, ge=1)
     drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: how long in-flight requests may run")
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After sent with 503 while draining")
+    private: PrivateSettings = Field(default_factory=PrivateSettings,
+                                     description="encrypted sessions (/v1/private): plan, workers, limits")
+
+    def private_enabled(self) -> bool:
+        """Encrypted sessions on? ``private.enabled`` if set, else: some tenant is in encrypted mode."""
+        if self.private.enabled is not None:
+            return self.private.enabled
+        return any(t.privacy_mode is PrivacyMode.ENCRYPTED for t in self.tenants)
 
     @model_validator(mode="after")
     def _unique_tenants(self) -> Settings:

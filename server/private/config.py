@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 class PrivateSettings(BaseModel):
     """Knobs of ``/v1/private``: plan, workers, session bounds, size limits, key lifetime."""
 
-    enabled: bool = True
+    enabled: bool | None = Field(None, description="None: on when some tenant is in encrypted mode")
     plan: str | None = Field(None, description="plan file/folder; None: the plan shipped for the default model")
     state_dir: str | None = Field(None, description="key store, audit log, bundle cache; None: $CIPHERLM_HOME/server")
     workers: int = Field(2, ge=1, le=64, description="worker processes for ciphertext work")

@@ -69,7 +69,16 @@ def open_audit(root: Path, pseudonym_key: bytes, checkpoint_every: int) -> Audit
 
 def default_plan_path() -> Path:
     """The plan shipped for the default model."""
-    return Path(__file__).resolve().parents[2] / "fhe" / "data" / "smollm2-default-plan.json"
+    import fhe
+
+    return Path(fhe.__file__).resolve().parent / "data" / "smollm2-135m-instruct.plan.json"
+
+
+def check_plan(model_dir: Path, plan: Any) -> None:
+    """PlanError unless ``plan`` was fitted to the weights in ``model_dir`` (hash of the weights)."""
+    from engine.loader import load_model
+
+    plan.check_model(load_model(model_dir))
 
 
 def build_bundle(model_dir: Path, plan: Any, root: Path) -> tuple[Path, dict]:
@@ -81,7 +90,6 @@ def build_bundle(model_dir: Path, plan: Any, root: Path) -> tuple[Path, dict]:
     desc_path = path.with_suffix(".json")
     if not path.exists() or not desc_path.exists():
         model = load_model(model_dir)
-        plan.check_model(model)
         tmp = path.with_suffix(".partial")
         desc = write_bundle(model, model_dir, plan.layer_indices, plan.content_hash, tmp)
         desc["sha256"] = hashlib.sha256(tmp.read_bytes()).hexdigest()
@@ -121,20 +129,27 @@ class AuditFallbackRecorder:
 async def start(app: Any) -> None:
     """Bring the private service up on ``app.state`` (called from the app's lifespan)."""
     from engine.default_model import default_model_dir
-    from fhe.plan import Plan
+    from fhe.plan import Plan, PlanError
 
     settings = app.state.settings
     cfg: PrivateSettings = settings.private
+    if not settings.private_enabled():
+        return
+    model_dir = Path(settings.model) if settings.model else default_model_dir()
+    plan_path = Path(cfg.plan) if cfg.plan else default_plan_path()
+    try:
+        plan = Plan.load(plan_path)
+        await asyncio.to_thread(check_plan, model_dir, plan)
+    except (PlanError, OSError) as exc:
+        if cfg.enabled:  # asked for explicitly: a misfit is fatal
+            raise
+        log.error("encrypted sessions disabled: plan %s does not fit model %s: %s", plan_path, model_dir, exc)
+        return
     root = state_dir(cfg)
     keys = _secrets(root)
     audit = open_audit(root, keys["pseudonym_key"], cfg.audit_checkpoint_every)
     app.state.audit = audit
     app.state.fallback_recorders.append(AuditFallbackRecorder(audit))
-    if not cfg.enabled:
-        return
-    model_dir = Path(settings.model) if settings.model else default_model_dir()
-    plan_path = Path(cfg.plan) if cfg.plan else default_plan_path()
-    plan = Plan.load(plan_path)
     bundle_path, bundle = await asyncio.to_thread(build_bundle, model_dir, plan, root)
     cfg_json = json.loads((model_dir / "config.json").read_text())
     app.state.private_manifest = build_manifest(app.state.metrics.model_name, plan, bundle, cfg,

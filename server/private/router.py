@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
-from server.errors import ServiceUnavailableError
+from server.errors import NotFoundError
 from server.keys import KeyRecord
 from server.private.service import PrivateService
 from server.tenants import Tenant, get_tenant
@@ -23,11 +23,10 @@ KEY_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
 def get_private(request: Request) -> PrivateService:
-    """FastAPI dependency: the app's private service (503 when encrypted sessions are disabled)."""
+    """FastAPI dependency: the app's private service (404 when encrypted sessions are disabled)."""
     svc = getattr(request.app.state, "private", None)
     if svc is None:
-        raise ServiceUnavailableError("encrypted sessions are not enabled on this server", retry_after=60,
-                                      code="private_disabled")
+        raise NotFoundError("encrypted sessions are not enabled on this server", code="private_disabled")
     return svc
 
 

@@ -169,6 +169,7 @@ def test_invalid_requests_are_rejected():
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_smollm2_batched_greedy_equals_reference_and_stop_strings(default_model_dir):
     from engine.loader import load_model
     from engine.tokenizer import Tokenizer

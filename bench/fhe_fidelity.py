@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--extra-plan", action="append", default=[], metavar="NAME=PATH",
                     help="also evaluate a saved plan (repeatable)")
     ap.add_argument("--skip-2quad", action="store_true", help="leave out the 2quad variants")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1 avoids spin-wait stalls on a shared, loaded machine)")
     ap.add_argument("--verify-greedy", type=int, default=3, help="prompts decoded for real per variant check")
     return ap.parse_args()
 
@@ -70,7 +72,7 @@ def evaluate(model: LlamaForCausalLM, plan: Plan, seqs, prompt_lens, plain_logit
         rows = slice(plen - 1, len(ids) - 1)
         got = sequence_logits(sim, ids, plan)[rows]
         ok = got.argmax(-1) == ref[rows].argmax(-1)
-        lp_ref, lp_got = ref[rows].log_softmax(-1), got.log_softmax(-1)
+        lp_ref, lp_got = ref[rows].double().log_softmax(-1), got.double().log_softmax(-1)
         kls.append((lp_ref.exp() * (lp_ref - lp_got)).sum(-1))
         agree, total = agree + int(ok.sum()), total + ok.numel()
         per_seq.append(bool(ok.all()))
@@ -91,6 +93,7 @@ def verify_greedy(sim, plan, seqs, prompt_lens, n: int, per_seq: list[bool], eos
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
     from server.cli_fhe import _load_model_and_tokenizer
 
     _, model, tok = _load_model_and_tokenizer(args.model)

@@ -27,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--min-denominator", type=float, default=0.0,
                      help="sqexp: push each row's z = sum_j p above this (CKKS noise in the division)")
     cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     cal.add_argument("--model-id", default=None, help="name recorded in the plan (default: folder name)")
     cal.add_argument("--out", required=True, help="plan folder, or a .json file when no weights are adjusted")
     cal.set_defaults(func=_calibrate)
@@ -59,6 +60,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"cipherlm: error: {exc}", file=sys.stderr)
         return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     path, model, tok = _load_model_and_tokenizer(args.model)
     start = time.perf_counter()
     try:

@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--min-denominator", type=float, default=0.0,
                      help="sqexp: push each row's z = sum_j p above this (CKKS noise in the division)")
     cal.add_argument("--seed", type=int, default=0)
-    cal.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    cal.add_argument("--threads", type=int, default=1,
+                     help="torch intra-op threads (0 = torch's default; 1 avoids spin-waits on a busy box)")
     cal.add_argument("--model-id", default=None, help="name recorded in the plan (default: folder name)")
     cal.add_argument("--out", required=True, help="plan folder, or a .json file when no weights are adjusted")
     cal.set_defaults(func=_calibrate)

@@ -211,8 +211,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     kf = k.float().permute(1, 0, 2)[:, None]                       # [Hkv, 1, Tk, D]
     vf = v.float().permute(1, 0, 2)[:, None]
     scores = (qf @ kf.transpose(-1, -2)) / math.sqrt(d)            # [Hkv, g, Tq, Tk]
-    qpos = torch.arange(q_start, q_start + tq)[:, None]
-    mask = torch.arange(tk)[None, :] > qpos                        # [Tq, Tk]
+    qpos = torch.arange(q_start, q_start + tq, device=q.device)[:, None]
+    mask = torch.arange(tk, device=q.device)[None, :] > qpos       # [Tq, Tk]
     scores = scores.masked_fill(mask, float("-inf"))
     out = scores.softmax(-1) @ vf                                  # [Hkv, g, Tq, D]
     return out.permute(2, 0, 1, 3).reshape(tq, hq, d).to(q.dtype)

@@ -269,7 +269,10 @@ class AsyncClient(BaseClient):
         return response
 
     async def close(self) -> None:
-        """Close the connection pool."""
+        """Close the private twin (if any) and the connection pool."""
+        twin = getattr(self, "_private_twin", None)
+        if twin is not None:
+            await asyncio.to_thread(twin.close)
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncClient:
@@ -280,6 +283,10 @@ class AsyncClient(BaseClient):
 
 
 async def _acall(client: AsyncClient, path: str, body: dict, non_sensitive: bool, stream: bool, parse):
+    if client.privacy == "encrypted" and not non_sensitive:
+        from client_sdk._private import async_private_call
+
+        return await async_private_call(client, path, body, stream)
     headers = client._plaintext_headers(non_sensitive)
     response = await client._request("POST", path, json=body, headers=headers, stream=stream)
     if stream:

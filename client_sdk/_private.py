@@ -368,3 +368,45 @@ def _collect(chunks: list[Any], chat: bool, prompt_tokens: int) -> Any:
     text = "".join(c.choices[0].text for c in chunks)
     return Completion(first.id, first.created, first.model,
                       [CompletionChoice(0, text, last.choices[0].finish_reason)], usage)
+
+
+class AsyncPrivateStream:
+    """Async iterator over a private generation that runs in a worker thread (CKKS work is blocking)."""
+
+    def __init__(self, stream: PrivateStream) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> AsyncPrivateStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        import asyncio
+
+        chunk = await asyncio.to_thread(next, self._stream, None)
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    async def close(self) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self._stream.close)
+
+    async def __aenter__(self) -> AsyncPrivateStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def async_private_call(client: Any, path: str, body: dict[str, Any], stream: bool) -> Any:
+    """The encrypted path of an ``AsyncClient``: a blocking twin ``Client`` driven from a thread."""
+    import asyncio
+
+    from client_sdk._client import Client
+
+    if getattr(client, "_private_twin", None) is None:
+        client._private_twin = Client(api_key=client.api_key, base_url=client.base_url, timeout=client.timeout,
+                                      max_retries=client.retry.max_retries, privacy="encrypted")
+    result = await asyncio.to_thread(private_call, client._private_twin, path, body, stream)
+    return AsyncPrivateStream(result) if stream else result

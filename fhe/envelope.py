@@ -152,7 +152,7 @@ def parse_key_upload(body: bytes, max_total_bytes: int) -> dict[str, bytes]:
     if offset + sum(sizes) != len(body):
         raise EnvelopeError("key-upload sizes do not add up to the body length")
     out = {}
-    for name, n in zip(names, sizes):
+    for name, n in zip(names, sizes, strict=True):
         out[str(name)] = body[offset:offset + n]
         offset += n
     return out

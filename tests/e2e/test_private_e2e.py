@@ -146,9 +146,8 @@ def _raw(server, tenant: str) -> httpx.Client:
 
 
 def test_secret_key_uploads_are_refused(server):
-    import tenseal as ts
-
     import rfc8785
+    import tenseal as ts
 
     from fhe.envelope import _PREFIX, KEY_MAGIC
 

@@ -44,8 +44,9 @@ from server.private.workers import TaskError, WorkerCrashedError, WorkerError, W
 log = logging.getLogger("cipherlm.private")
 SOURCE = "server.private"
 #: worker exception names that mean "the client sent bad ciphertext/key bytes" (-> 400)
-CLIENT_FAULTS = {"WireError", "SizeLimitError", "SecretKeyRefusedError", "PlanMismatchError", "ShapeError", "LevelError", "KeyMismatchError", "ParameterError", "FHEError",
-                 "MalformedKeyError", "EnvelopeError", "ValueError"}
+CLIENT_FAULTS = {"WireError", "SizeLimitError", "SecretKeyRefusedError", "PlanMismatchError", "ShapeError",
+                 "LevelError", "KeyMismatchError", "ParameterError", "FHEError", "MalformedKeyError",
+                 "EnvelopeError", "ValueError"}
 
 
 class ConflictError(APIError):

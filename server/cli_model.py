@@ -92,10 +92,9 @@ def _info(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from engine.engine_config import EngineConfig
+    from engine.errors import InvalidRequestError
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-
-    from engine.errors import InvalidRequestError
 
     if not args.prompt.strip():
         raise InvalidRequestError("prompt is empty")

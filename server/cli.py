@@ -15,6 +15,7 @@ _GROUPS = (
     "server.cli_serve",     # serve
     "server.cli_audit",     # audit verify/report/export, signing keys
     "server.cli_fhe",       # fhe calibrate, plan-info
+    "server.cli_demo",      # demo: plaintext vs encrypted tenant side by side
 )
 
 

@@ -126,7 +126,7 @@ def main() -> None:
         variants.append(("sqexp R=6 calibrated (scale+shift)", *fit_plan(
             model, data, layers, CalibrationConfig(layers, "sqexp", steps=args.steps), "sqexp-cal")))
     for spec in args.extra_plan:
-        name, _, path = spec.partition("=")
+        name, _, path = spec.rpartition("=")  # the name may contain "=" (R=6)
         plan = Plan.load(path)
         plan.check_model(model)
         variants.append((f"{name} (plan {plan.content_hash[:12]})", plan, 0.0))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_PROMPT = "The capital of France is"
+MAX_KEY_BYTES = 1 << 30  # the shipped plan's evaluation keys (N = 32768) are ~0.5 GB: over the 256 MiB default
 READY_TIMEOUT_S = 900.0  # first run: the default model is pulled and the client bundle built
 
 
@@ -84,7 +85,7 @@ def write_settings(root: Path, port: int, plan: Path | None, workers: int,
     plan_line = f'plan = "{plan}"\n' if plan is not None else ""
     text = (f'server_secret = "{secrets.token_urlsafe(32)}"\nhost = "127.0.0.1"\nport = {port}\n\n{tenants}'
             f'[private]\nenabled = true\nworkers = {workers}\nstate_dir = "{root / "state"}"\n{plan_line}'
-            f"max_session_tokens = {max_session_tokens}\n")
+            f"max_session_tokens = {max_session_tokens}\nmax_key_bytes = {MAX_KEY_BYTES}\n")
     path = root / "settings.toml"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:

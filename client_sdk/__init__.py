@@ -6,8 +6,9 @@ Plaintext half (OpenAI-style, for tenants in ``plaintext`` mode)::
     with Client(api_key="clm-...", base_url="http://127.0.0.1:8000") as client:
         print(client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}]).choices[0].message)
 
-``Client``/``AsyncClient`` take ``privacy="plaintext" | "encrypted"``; an encrypted-mode client refuses
-plaintext calls locally (``PrivacyModeError``) unless a call passes ``non_sensitive=True``.
+``Client``/``AsyncClient`` take ``privacy="plaintext" | "encrypted"``; an encrypted-mode client runs the same
+calls privately (local layers + CKKS steps on the server, ``docs/sdk.md``) unless a call passes
+``non_sensitive=True`` for a plaintext fallback its tenant's policy allows.
 ``client.tenant()`` tells which mode the server enforces for the key. Exceptions: see
 :mod:`client_sdk._exceptions` (all importable from here).
 """
@@ -29,6 +30,8 @@ from client_sdk._exceptions import (
     RateLimitError,
     ServiceUnavailableError,
 )
+from client_sdk._keystore_errors import InvalidKeyStoreAccess, KeyStoreError
+from client_sdk._private import PrivateModeError
 from client_sdk._types import (
     ChatChoice,
     ChatChunkChoice,
@@ -43,6 +46,7 @@ from client_sdk._types import (
     TenantInfo,
     Usage,
 )
+from client_sdk.keystore import KeyStore
 
 __all__ = [
     "APIConnectionError",
@@ -64,10 +68,14 @@ __all__ = [
     "Completion",
     "CompletionChoice",
     "InternalServerError",
+    "InvalidKeyStoreAccess",
+    "KeyStore",
+    "KeyStoreError",
     "Model",
     "NotFoundError",
     "PermissionDeniedError",
     "PrivacyModeError",
+    "PrivateModeError",
     "PromptTokensDetails",
     "RateLimitError",
     "RetryPolicy",

@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens (the issue asks for 64)")
     p.add_argument("--layers", default="all", help="'all' (the default plan) or the plan's first N layers")
-    p.add_argument("--workers", type=int, default=2, help="server worker processes")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server worker processes (each one holding the shipped plan's keys takes several GB)")
     p.add_argument("--json", type=Path, help="also write the raw numbers here")
     args = p.parse_args(argv)
     command = "python bench/private_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -247,7 +247,7 @@ def demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="cipherlm-demo-") as tmp:
         root = Path(tmp)
         plan = plan_with_layers(args.layers, root)
-        workers = 1 if args.layers != "all" and int(args.layers) == 1 else 2
+        workers = 1  # one session at a time; a worker holding the N=32768 keys needs several GB of memory
         print(f"cipherlm demo: starting `cipherlm serve` on the default model (state in {root}); "
               "the first run pulls the model and builds the client bundle, which takes a while", flush=True)
         t0 = time.perf_counter()

@@ -11,6 +11,8 @@ Hierarchy (each class fixes the status and the OpenAI ``type``)::
     ├── AuthenticationError      401 authentication_error
     ├── PermissionDeniedError    403 permission_error
     ├── NotFoundError            404 not_found_error
+    ├── ConflictError            409 invalid_request_error (stale plan, step out of order)
+    ├── GoneError                410 invalid_request_error (closed or lost encrypted session)
     ├── RequestTooLargeError     413 invalid_request_error
     ├── RateLimitError           429 rate_limit_error      (+ Retry-After)
     └── ServiceUnavailableError  503 service_unavailable   (+ Retry-After)
@@ -71,6 +73,16 @@ class PermissionDeniedError(APIError):
 class NotFoundError(APIError):
     status_code = 404
     error_type = "not_found_error"
+
+
+class ConflictError(APIError):
+    status_code = 409
+    error_type = "invalid_request_error"
+
+
+class GoneError(APIError):
+    status_code = 410
+    error_type = "invalid_request_error"
 
 
 class RequestTooLargeError(APIError):

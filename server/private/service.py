@@ -18,6 +18,8 @@ from fhe import envelope
 from server.audit import Event, Outcome
 from server.errors import (
     APIError,
+    ConflictError,
+    GoneError,
     InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
@@ -47,16 +49,6 @@ SOURCE = "server.private"
 CLIENT_FAULTS = {"WireError", "SizeLimitError", "SecretKeyRefusedError", "PlanMismatchError", "ShapeError",
                  "LevelError", "KeyMismatchError", "ParameterError", "FHEError", "MalformedKeyError",
                  "EnvelopeError", "ValueError"}
-
-
-class ConflictError(APIError):
-    status_code = 409
-    error_type = "invalid_request_error"
-
-
-class GoneError(APIError):
-    status_code = 410
-    error_type = "invalid_request_error"
 
 
 class PrivateService:

@@ -98,11 +98,13 @@ class BaseClient:
         privacy: ``"plaintext"`` (OpenAI-compatible endpoints) or ``"encrypted"`` (plaintext calls are
             refused locally; use ``PrivateClient``).
         default_headers: sent with every request.
+        key_store: encrypted mode only: an open :class:`client_sdk.KeyStore` that keeps the CKKS key set
+            (secret encrypted at rest) across processes; None: a fresh key set per client.
     """
 
     def __init__(self, api_key: str | None = None, base_url: str | None = None, *,
                  timeout: Timeout | None = None, max_retries: int = 2, privacy: ClientPrivacy = "plaintext",
-                 default_headers: dict[str, str] | None = None) -> None:
+                 default_headers: dict[str, str] | None = None, key_store: Any = None) -> None:
         self.api_key = api_key or os.environ.get("CIPHERLM_API_KEY")
         if not self.api_key:
             raise ValueError("no API key: pass api_key= or set CIPHERLM_API_KEY")
@@ -112,6 +114,7 @@ class BaseClient:
         if privacy not in ("plaintext", "encrypted"):
             raise ValueError(f"privacy must be 'plaintext' or 'encrypted', got {privacy!r}")
         self.privacy: ClientPrivacy = privacy
+        self.key_store = key_store
         self._headers = {"Authorization": f"Bearer {self.api_key}", "User-Agent": "cipherlm-sdk/0.1",
                          **(default_headers or {})}
         self._rand: Callable[[], float] = random.random

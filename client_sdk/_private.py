@@ -59,12 +59,16 @@ class PrivateRuntime:
 
     Args:
         client: a :class:`client_sdk.Client` (its key, base URL, timeouts, retries and error mapping).
-        key_id: name of the registered key (uploaded once per runtime).
+        key_id: name of the registered key.
         cache_dir: where verified bundles are kept (default ``$CIPHERLM_HOME/client``).
+        key_store: an open :class:`client_sdk.KeyStore`: the CKKS key set is kept there (secret encrypted
+            at rest) and reused across processes, and uploaded only if the server does not hold it yet.
+            None: a fresh key set per runtime.
     """
 
-    def __init__(self, client: Client, key_id: str = "sdk", cache_dir: str | Path | None = None) -> None:
-        self.client, self.key_id = client, key_id
+    def __init__(self, client: Client, key_id: str = "sdk", cache_dir: str | Path | None = None,
+                 key_store: Any = None) -> None:
+        self.client, self.key_id, self.key_store = client, key_id, key_store
         if cache_dir is None:
             from engine.default_model import cipherlm_home
 
@@ -76,7 +80,7 @@ class PrivateRuntime:
 
     # -- setup -------------------------------------------------------------------------------------
     def prepare(self) -> None:
-        """Manifest, bundle (downloaded once, verified by SHA-256), keys generated and registered."""
+        """Manifest, bundle (downloaded once, verified by SHA-256), keys generated or loaded, registered."""
         if self.manifest is not None:
             return
         try:
@@ -108,28 +112,52 @@ class PrivateRuntime:
         self.layers = tuple(man["layers"]["encrypted_attention"])
 
     def _make_keys(self, man: dict[str, Any]) -> None:
-        from fhe import wire
         from fhe.attention import BlockClient, required_rotation_steps
-        from fhe.ckks import CKKSClient
-        from fhe.envelope import pack_key_upload
         from fhe.params import CKKSParams
 
         params = CKKSParams.from_dict(man["ckks"])
         approx = {lp["index"]: lp["approx"] for lp in man["plan"]["layers"]}
-        kinds = {(a["kind"], a["squarings"]) for a in approx.values()}
-        steps = set()
-        for kind, sq in kinds:
+        steps: set[int] = set()
+        for kind, sq in {(a["kind"], a["squarings"]) for a in approx.values()}:
             steps |= set(required_rotation_steps(self.model.config, params, kind, sq))
-        self.ckks = CKKSClient(params, tuple(sorted(steps)))  # the secret key stays in this object
+        self.ckks, upload = self._key_set(params, tuple(sorted(steps)))  # the secret key stays in self.ckks
         self.blocks = {i: BlockClient.for_model(self.ckks, self.model.config, a["kind"], a["squarings"])
                        for i, a in approx.items()}
-        upload = pack_key_upload(wire.dump_public_keys(self.ckks))
         self.fingerprint = hashlib.sha256(upload).hexdigest()
         self.upload_bytes = len(upload)
+        listed = self.client._json(self.client._request("GET", "/v1/private/keys"))["data"]
+        if any(k["fingerprint"] == self.fingerprint and k["state"] == "active" for k in listed):
+            self.upload_bytes = 0  # the server holds this key already: nothing to upload
+            return
         rec = self.client._json(self.client._request("POST", f"/v1/private/keys/{self.key_id}",
                                                      content=upload, headers=OCTET))
         if rec["fingerprint"] != self.fingerprint:
             raise PrivateModeError("server registered another fingerprint than the one uploaded")
+
+    def _key_set(self, params: Any, steps: tuple[int, ...]) -> tuple[Any, bytes]:
+        """(CKKSClient, upload bytes): from the key store when it holds a fitting key, else generated."""
+        from client_sdk._keystore_errors import KeyStoreNotFoundError
+        from client_sdk.keystore import KeyMaterial
+        from fhe import wire
+        from fhe.ckks import CKKSClient
+        from fhe.envelope import pack_key_upload, parse_key_upload
+
+        def generate() -> KeyMaterial:
+            fresh = CKKSClient(params, steps)
+            generate.client = fresh
+            return KeyMaterial(fresh.unsafe_export_secret(), pack_key_upload(wire.dump_public_keys(fresh)))
+
+        if self.key_store is None:
+            material = generate()
+            return generate.client, material.public
+        try:
+            handle = self.key_store.key(self.key_id)
+        except KeyStoreNotFoundError:
+            handle = self.key_store.generate(generate, key_id=self.key_id)
+            return generate.client, handle.public_material()
+        upload = handle.public_material()
+        blobs = wire.unpack_public_keys(parse_key_upload(upload, 1 << 34), params)
+        return CKKSClient.restore(params, steps, handle.secret_material(), blobs), upload
 
     # -- sessions -------------------------------------------------------------------------------------
     def open_session(self) -> str:
@@ -318,7 +346,7 @@ def private_call(client: Client, path: str, body: dict[str, Any], stream: bool) 
     from engine.errors import InvalidRequestError
 
     if getattr(client, "_private", None) is None:
-        client._private = PrivateRuntime(client)
+        client._private = PrivateRuntime(client, key_store=client.key_store)
     runtime = client._private
     runtime.prepare()
     chat = path.endswith("/chat/completions")
@@ -407,6 +435,7 @@ async def async_private_call(client: Any, path: str, body: dict[str, Any], strea
 
     if getattr(client, "_private_twin", None) is None:
         client._private_twin = Client(api_key=client.api_key, base_url=client.base_url, timeout=client.timeout,
-                                      max_retries=client.retry.max_retries, privacy="encrypted")
+                                      max_retries=client.retry.max_retries, privacy="encrypted",
+                                      key_store=client.key_store)
     result = await asyncio.to_thread(private_call, client._private_twin, path, body, stream)
     return AsyncPrivateStream(result) if stream else result

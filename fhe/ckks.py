@@ -60,6 +60,28 @@ class CKKSClient:
         self.keys = seal.generate_keys(self.kit, self.rotation_steps)
         self.public_blobs = dict(self.keys.blobs)
 
+    @classmethod
+    def restore(cls, params: CKKSParams, rotation_steps: Iterable[int], secret: bytes,
+                public_blobs: dict[str, bytes]) -> CKKSClient:
+        """The same key set again, from stored material (the SDK's key store); nothing is regenerated.
+
+        A restored client encrypts and decrypts; it does not load its own relin/Galois keys (only the
+        server evaluates), so :meth:`server_keys` is not available on it.
+        """
+        self = object.__new__(cls)
+        self.params = params
+        self.rotation_steps = tuple(sorted({int(s) % params.slots for s in rotation_steps} - {0}))
+        self.kit = seal.Kit(params)
+        self.keys = seal.SecretKeys(seal.from_bytes("secret_key", self.kit, secret),
+                                    seal.from_bytes("public_key", self.kit, public_blobs["public_key"]),
+                                    None, None, dict(public_blobs))
+        self.public_blobs = dict(public_blobs)
+        return self
+
+    def unsafe_export_secret(self) -> bytes:
+        """The serialized secret key, for the SDK's encrypted key store only. Never send it anywhere."""
+        return seal.to_bytes(self.keys.secret)
+
     @property
     def fingerprint(self) -> str:
         """SHA-256 fingerprint of the public material (what the server and the audit log name)."""

@@ -116,6 +116,11 @@ def dump_public_keys(client: CKKSClient) -> dict[str, bytes]:
     return {name: _pack(name, client.params, None, blob) for name, blob in client.public_blobs.items()}
 
 
+def unpack_public_keys(blobs: Mapping[str, bytes], params: CKKSParams) -> dict[str, bytes]:
+    """Inverse of :func:`dump_public_keys` (envelopes checked): the raw SEAL blobs by name."""
+    return {name: _unpack(data, name, params, None, None) for name, data in blobs.items()}
+
+
 def public_key_sizes(blobs: Mapping[str, bytes]) -> dict[str, int]:
     """Bytes per public blob (what the benchmark reports)."""
     return {k: len(v) for k, v in blobs.items()}

@@ -124,8 +124,8 @@ class BaseClient:
         if self.privacy == "encrypted" and not non_sensitive:
             raise PrivacyModeError(
                 "this client is in 'encrypted' mode: plaintext completions would reveal the prompt to the "
-                "server. Completions of an encrypted-mode Client run privately; pass non_sensitive=True only for a request your tenant's policy "
-                "allows to fall back to plaintext.")
+                "server. Completions of an encrypted-mode Client run privately; pass non_sensitive=True "
+                "only for a request your tenant's policy allows to fall back to plaintext.")
         return {SENSITIVITY_HEADER: "non-sensitive"} if non_sensitive else {}
 
     @staticmethod

@@ -169,8 +169,8 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
         f"- Per encrypted layer per decode token: TPOT/{len(setup.encrypted_layers)} = "
         f"{_s(enc.tpot_s / len(setup.encrypted_layers) if enc.tpot_s else None)}, "
         f"{_b(enc.decode_up / len(setup.encrypted_layers) if enc.decode_up else None)} up.",
-        "- Plaintext: bytes are the JSON request and the SSE stream; a plaintext TPOT of a few ms is "
-        "dominated by the stream's chunking.",
+        "- Plaintext: bytes are the JSON request and the SSE stream (the request is sent once, so nothing "
+        "goes up per decode token).",
         f"- Texts: plaintext {plain.text!r}; encrypted {enc.text!r}.",
         f"- {CONCRETE_ML_NOTE}",
     ]

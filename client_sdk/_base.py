@@ -3,7 +3,7 @@
 The I/O-free parts live here; :mod:`client_sdk._client` adds the httpx calls (one blocking, one async).
 The privacy seam: every plaintext call goes through :meth:`BaseClient._plaintext_headers`, which
 refuses plaintext calls on a client in ``encrypted`` mode and adds the non-sensitive marker when a call
-opts into the fallback. The encrypted transport (``PrivateClient``) plugs in beside it.
+opts into the fallback. The encrypted transport (``client_sdk._private``) plugs in here.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class BaseClient:
         timeout: a :class:`Timeout` (finite defaults).
         max_retries: retries of 429/503/connection failures (0 disables).
         privacy: ``"plaintext"`` (OpenAI-compatible endpoints) or ``"encrypted"`` (plaintext calls are
-            refused locally; use ``PrivateClient``).
+            run privately through ``client_sdk._private``).
         default_headers: sent with every request.
         key_store: encrypted mode only: an open :class:`client_sdk.KeyStore` that keeps the CKKS key set
             (secret encrypted at rest) across processes; None: a fresh key set per client.

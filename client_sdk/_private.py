@@ -229,25 +229,29 @@ class PrivateRuntime:
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         row = SamplingRow(params, list(prompt_ids), [], gen)
         sampler = Sampler(torch.Generator().manual_seed(0))
-        stop_ids = set(params.stop_token_ids) | set(self.model.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None and not params.ignore_eos:
-            stop_ids.add(self.tokenizer.eos_token_id)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.model.config.eos_token_ids)
+            if self.tokenizer.eos_token_id is not None:
+                stop_ids.add(self.tokenizer.eos_token_id)
         detok = self.tokenizer.detokenizer(list(prompt_ids))
         stats = StepStats()
-        cache, logits = self._replay(list(prompt_ids), max_len, stats)
-        text = ""
-        while True:
-            tok = sampler(logits[None], [row]).token_ids[0]
-            row.output_token_ids.append(tok)
-            finish = _finish_reason(tok, stop_ids, row, params)
-            delta = "" if finish == "stop" and tok in stop_ids else detok.step([tok])
-            text, delta, stopped = _apply_stop(text, delta, params.stop)
-            yield PrivateToken(tok, delta, "stop" if stopped else finish, stats)
-            if finish or stopped:
-                self.close_session()
-                return
-            stats = StepStats()
-            logits = self._step_with_replay(cache, row, max_len, stats)
+        try:  # a stream left early, or an error, still closes the server's session
+            cache, logits = self._replay(list(prompt_ids), max_len, stats)
+            text = ""
+            while True:
+                tok = sampler(logits[None], [row]).token_ids[0]
+                row.output_token_ids.append(tok)
+                finish = _finish_reason(tok, stop_ids, row, params)
+                delta = "" if finish == "stop" and tok in stop_ids else detok.step([tok])
+                text, delta, stopped = _apply_stop(text, delta, params.stop)
+                yield PrivateToken(tok, delta, "stop" if stopped else finish, stats)
+                if finish or stopped:
+                    return
+                stats = StepStats()
+                logits = self._step_with_replay(cache, row, max_len, stats)
+        finally:
+            self.close_session()
 
     def _replay(self, ids: list[int], max_len: int, stats: StepStats):
         """A fresh session and cache, with ``ids`` run through from position 0."""

@@ -182,8 +182,8 @@ def check_plaintext_access(tenant: Tenant, request: Request) -> bool:
     if tenant.fallback is FallbackPolicy.NON_SENSITIVE and is_marked_non_sensitive(request):
         return True
     why = (f"tenant {tenant.id!r} is in {tenant.privacy_mode.value!r} privacy mode, so the server refuses "
-           "plaintext prompts. Use the cipherlm SDK's PrivateClient (client_sdk), which encrypts on your "
-           "machine and calls the /v1/private endpoints.")
+           "plaintext prompts. Use the cipherlm SDK in encrypted mode (client_sdk.Client(privacy='encrypted')), "
+           "which encrypts on your machine and calls the /v1/private endpoints.")
     if tenant.fallback is FallbackPolicy.NON_SENSITIVE:
         why += (f" This tenant's policy allows a plaintext fallback only for requests marked "
                 f"'{SENSITIVITY_HEADER}: {NON_SENSITIVE}'.")

@@ -99,9 +99,12 @@ class PrivateService:
         try:
             has_secret, params_hash, problem = await self.pool.submit(
                 self.pool.least_loaded(), tenant, "inspect_key", data)
-        except (TaskError, WorkerCrashedError, WorkerTimeoutError) as exc:
-            log.info("key upload of tenant %s failed to parse in a worker: %s", tenant, type(exc).__name__)
+        except TaskError as exc:
+            log.info("key upload of tenant %s failed to parse in a worker: %s", tenant, exc.kind)
             return _MALFORMED
+        except (WorkerCrashedError, WorkerTimeoutError) as exc:  # e.g. out of memory: not the client's fault
+            raise ServiceUnavailableError("the worker screening the key upload was lost; retry",
+                                          retry_after=5, code="worker_lost") from exc
         if problem:
             return Inspection(has_secret, "mismatch:" + problem)
         return Inspection(has_secret, params_hash)

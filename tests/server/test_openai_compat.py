@@ -76,7 +76,7 @@ def test_openai_errors(live_server):  # noqa: F811
     enc = openai.OpenAI(api_key=KEYS["enc"], base_url=live_server.url + "/v1", max_retries=0)
     with pytest.raises(openai.PermissionDeniedError) as info:
         enc.completions.create(model="tiny", prompt="secret", max_tokens=2)
-    assert "PrivateClient" in info.value.message
+    assert "privacy='encrypted'" in info.value.message
     ok = openai.OpenAI(api_key=KEYS["plain"], base_url=live_server.url + "/v1", max_retries=0)
     with pytest.raises(openai.BadRequestError):
         ok.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=-1)

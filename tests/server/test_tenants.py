@@ -92,7 +92,7 @@ async def test_encrypted_tenant_plaintext_request_is_403(engine, tiny_model_dir)
             r = await c.post(path, json=body, headers=auth("enc"))
             err = r.json()["error"]
             assert r.status_code == 403 and err["code"] == "privacy_mode_encrypted"
-            assert "encrypted" in err["message"] and "PrivateClient" in err["message"]
+            assert "encrypted" in err["message"] and "privacy='encrypted'" in err["message"]
         # marking non-sensitive does not help when the policy is "never"
         r = await c.post("/v1/completions", json={"prompt": "x"},
                          headers={**auth("enc"), "X-Cipherlm-Sensitivity": "non-sensitive"})

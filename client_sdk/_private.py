@@ -142,19 +142,20 @@ class PrivateRuntime:
         from fhe.ckks import CKKSClient
         from fhe.envelope import pack_key_upload, parse_key_upload
 
+        made: list[CKKSClient] = []
+
         def generate() -> KeyMaterial:
-            fresh = CKKSClient(params, steps)
-            generate.client = fresh
-            return KeyMaterial(fresh.unsafe_export_secret(), pack_key_upload(wire.dump_public_keys(fresh)))
+            made.append(CKKSClient(params, steps))
+            return KeyMaterial(made[0].unsafe_export_secret(), pack_key_upload(wire.dump_public_keys(made[0])))
 
         if self.key_store is None:
             material = generate()
-            return generate.client, material.public
+            return made[0], material.public
         try:
             handle = self.key_store.key(self.key_id)
         except KeyStoreNotFoundError:
             handle = self.key_store.generate(generate, key_id=self.key_id)
-            return generate.client, handle.public_material()
+            return made[0], handle.public_material()
         upload = handle.public_material()
         blobs = wire.unpack_public_keys(parse_key_upload(upload, 1 << 34), params)
         return CKKSClient.restore(params, steps, handle.secret_material(), blobs), upload

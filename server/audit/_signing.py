@@ -20,6 +20,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from server._files import write_private
+
 from ._errors import AuditFormatError, SigningKeyError
 from ._record import canonical
 
@@ -115,18 +117,6 @@ def _private_pem(signer: CheckpointSigner) -> bytes:
     )
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Create ``path`` with mode 0600 (never readable by others, even briefly) and fsync it."""
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
 class SigningKeyDir:
     """The operator's checkpoint key directory (``current.pem`` + ``public/`` keyring)."""
 
@@ -172,7 +162,7 @@ class SigningKeyDir:
         old = self.load()
         new = CheckpointSigner.generate()
         staged = self.path / "next.pem"
-        _write_private(staged, _private_pem(new))
+        write_private(staged, _private_pem(new))
         try:
             if handover is not None:
                 handover(old, new)
@@ -199,7 +189,7 @@ class SigningKeyDir:
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
         (self.path / "public" / f"{signer.key_id}.pem").write_bytes(pub)
-        _write_private(self._current, pem)  # atomic replace: the old private key file is unlinked
+        write_private(self._current, pem)  # atomic replace: the old private key file is unlinked
         return signer
 
 

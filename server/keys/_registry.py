@@ -9,7 +9,6 @@ once (their hooks run, ``lease.check()`` raises), which is how in-flight encrypt
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -18,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from server._files import write_private
 from server.audit import AuditError, AuditLog, Event, Outcome
 
 from ._errors import (
@@ -634,14 +634,7 @@ class KeyRegistry:
         if path is None:
             return
         data = json.dumps([r.to_json() for vs in self._keys.values() for r in vs.values()]).encode()
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        write_private(path, data)
 
     def _load(self) -> None:
         path = self.config.state_path

@@ -21,6 +21,8 @@ import rfc8785
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from server._files import write_private
+
 from ._errors import KeyIntegrityError, KeyNotFoundError
 
 __all__ = ["EvalKeyStorage"]
@@ -75,14 +77,7 @@ class EvalKeyStorage:
         blob = (
             _MAGIC + nonce + self._aead.encrypt(nonce, data, self._aad(tenant, key_id, version, fingerprint))
         )
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, blob)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        write_private(path, blob)
         return path
 
     def load(self, tenant: str, key_id: str, version: int, fingerprint: str) -> bytes:

@@ -251,20 +251,26 @@ class DenseKVCache:
 
 @torch.inference_mode()
 def greedy_generate(model: LlamaForCausalLM, prompt_ids: list[int], max_new_tokens: int,
-                    stop_ids: set[int] | None = None) -> list[int]:
-    """Single-sequence greedy decoding with the dense cache: the reference the engine is checked against."""
-    cache = DenseKVCache(model.config, len(prompt_ids) + max_new_tokens,
-                         dtype=model.lm_head.weight.dtype, device=model.lm_head.weight.device)
-    ids = torch.tensor(prompt_ids, device=cache.k.device)
-    pos = torch.arange(len(prompt_ids), device=cache.k.device)
+                    stop_ids: set[int] | None = None, backend=None) -> list[int]:
+    """Single-sequence greedy decoding: the reference the engine is checked against.
+
+    ``backend`` is any single-sequence AttentionBackend with ``advance()`` and ``length`` (the FHE
+    simulator passes its own); default: a DenseKVCache.
+    """
+    weight = model.lm_head.weight
+    if backend is None:
+        backend = DenseKVCache(model.config, len(prompt_ids) + max_new_tokens, dtype=weight.dtype,
+                               device=weight.device)
+    ids = torch.tensor(prompt_ids, device=weight.device)
+    pos = torch.arange(len(prompt_ids), device=weight.device)
     out: list[int] = []
     for _ in range(max_new_tokens):
-        h = model(ids, pos, cache)
-        cache.advance()
+        h = model(ids, pos, backend)
+        backend.advance()
         nxt = int(model.logits(h[-1:]).argmax(-1))
         out.append(nxt)
         if stop_ids and nxt in stop_ids:
             break
-        ids = torch.tensor([nxt], device=ids.device)
-        pos = torch.tensor([cache.length], device=ids.device)
+        ids = torch.tensor([nxt], device=weight.device)
+        pos = torch.tensor([backend.length], device=weight.device)
     return out

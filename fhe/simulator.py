@@ -31,6 +31,7 @@ from engine.model import (
     RotaryEmbedding,
     apply_rope,
     causal_attention,
+    greedy_generate,
 )
 from fhe.approx import ScoreApprox, unnormalized_weights
 from fhe.plan import LayerPlan, Plan
@@ -223,22 +224,11 @@ def sequence_logits(model: LlamaForCausalLM, ids: list[int], plan: Plan | None) 
     return model.logits(h)
 
 
-@torch.inference_mode()
 def simulated_greedy(model: LlamaForCausalLM, plan: Plan, prompt_ids: list[int], max_new_tokens: int,
                      stop_ids: set[int] | None = None) -> list[int]:
     """Greedy decoding with the plan simulated (pass the result of :func:`simulated_model`)."""
     backend = SimulatedBackend(model, plan, len(prompt_ids) + max_new_tokens)
-    ids, pos = torch.tensor(prompt_ids), torch.arange(len(prompt_ids))
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        h = model(ids, pos, backend)
-        backend.advance()
-        nxt = int(model.logits(h[-1:]).argmax(-1))
-        out.append(nxt)
-        if stop_ids and nxt in stop_ids:
-            break
-        ids, pos = torch.tensor([nxt]), torch.tensor([backend.length])
-    return out
+    return greedy_generate(model, prompt_ids, max_new_tokens, stop_ids, backend=backend)
 
 
 class BatchedBackend:

@@ -7,9 +7,9 @@ memory minus the warm-up's peak) or from a byte budget (CPU).
 
 :class:`PagedAttention` is the :class:`engine.model.AttentionBackend` of one forward pass over a flat
 batch: rows ``[0, num_decode)`` are single-token decodes (one sequence each), the rest are prefill chunks
-described by ``cu_seqlens_q``. It stores the step's K/V with ``kernels.store_kv`` and attends with
-``kernels.paged_decode_attention`` / ``kernels.paged_prefill_attention`` (Triton on GPU, torch
-reference on CPU).
+described by ``cu_seqlens_q``. On GPU it stores the step's K/V with ``kernels.store_kv`` and attends
+with ``kernels.paged_decode_attention`` / ``kernels.paged_prefill_attention`` (Triton); the engine's
+CPU path is :mod:`engine.cpu_attention`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
 import kernels
+from engine import cpu_attention
 from engine.config import ModelConfig
 
 
@@ -99,9 +99,10 @@ class AttentionMetadata:
 class PagedAttention:
     """AttentionBackend over a :class:`PagedKVCache` for one forward pass.
 
-    ``cpu_decode=True`` (the engine's choice on CPU) stores with one ``index_copy_`` and runs decodes
-    through :func:`sdpa_decode`, which on 2 CPU cores is ~3x faster than the kernels' torch reference;
-    prefill always goes through ``kernels``.
+    ``cpu_decode=True`` (the engine's choice on CPU) is the CPU path of :mod:`engine.cpu_attention`: it
+    stores with one ``index_copy_``, builds the step's gather indices and masks once (on the first
+    layer) and reuses them in every layer, decodes with grouped ``bmm`` attention and prefills with
+    SDPA. Otherwise the ``kernels`` launchers run (Triton on GPU, their torch reference elsewhere).
     """
 
     def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, head_dim: int,
@@ -110,21 +111,27 @@ class PagedAttention:
         self.meta = meta
         self.scale = 1.0 / math.sqrt(head_dim)
         self.cpu_decode = cpu_decode
+        self._plan: cpu_attention.StepPlan | None = None  # the CPU path's per-step indices
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         m, kc, vc = self.meta, self.cache.k[layer], self.cache.v[layer]
         assert q.shape[0] == k.shape[0] == m.slot_mapping.shape[0], (q.shape, k.shape, m.slot_mapping.shape)
         self._store(k, v, kc, vc)
+        if self.cpu_decode:
+            return self._attend_cpu(q, k, v, kc, vc)
         nd = m.num_decode
         if nd == q.shape[0]:
-            return self._decode(q, kc, vc)
+            return kernels.paged_decode_attention(q, kc, vc, m.decode_block_tables, m.decode_context_lens,
+                                                  self.scale)
         prefill = kernels.paged_prefill_attention(q[nd:], kc, vc, m.prefill_block_tables,
                                                   m.prefill_cu_seqlens_q, m.prefill_context_lens, self.scale,
                                                   max_seqlen_q=m.prefill_max_q)
         if nd == 0:
             return prefill
-        return torch.cat([self._decode(q[:nd], kc, vc), prefill])
+        decode = kernels.paged_decode_attention(q[:nd], kc, vc, m.decode_block_tables,
+                                                m.decode_context_lens, self.scale)
+        return torch.cat([decode, prefill])
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:
         if self.cpu_decode:  # no padding slots on the CPU path
@@ -133,28 +140,15 @@ class PagedAttention:
         else:
             kernels.store_kv(k, v, kc, vc, self.meta.slot_mapping)
 
-    def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-        m = self.meta
-        if self.cpu_decode:
-            return sdpa_decode(q, kc, vc, m.decode_block_tables, m.decode_context_lens, self.scale)
-        return kernels.paged_decode_attention(q, kc, vc, m.decode_block_tables, m.decode_context_lens,
-                                              self.scale)
-
-
-def sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention through torch's SDPA: gather the blocks, mask past each context.
-
-    q [B, Hq, D]; caches [NB, BS, Hkv, D]; block_tables [B, W] int32; context_lens [B] int32 -> [B, Hq, D].
-    The G query heads of a KV head form G query rows of one SDPA head (no K/V repeat).
-    """
-    b, hq, d = q.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    w = block_tables.shape[1]
-    idx = block_tables.long()
-    k = k_cache[idx].view(b, w * bs, hkv, d).transpose(1, 2)    # [B, Hkv, L, D]
-    v = v_cache[idx].view(b, w * bs, hkv, d).transpose(1, 2)
-    mask = torch.arange(w * bs, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
-    out = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v,
-                                         attn_mask=mask[:, None, None, :], scale=scale)
-    return out.reshape(b, hq, d)
+    def _attend_cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
+                    vc: torch.Tensor) -> torch.Tensor:
+        if self._plan is None:  # same indices in every layer: build them once per step
+            self._plan = cpu_attention.plan_step(self.meta, kc.shape[1], kc.shape[2], q.shape[0])
+        nd, t = self.meta.num_decode, q.shape[0]
+        parts = []
+        if nd:
+            parts.append(cpu_attention.decode_attention(q[:nd], kc, vc, self._plan, self.scale))
+        if nd < t:
+            parts.append(cpu_attention.prefill_attention(q[nd:], k[nd:], v[nd:], kc, vc, self._plan,
+                                                         self.scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -11,7 +11,9 @@ the paged cache in ``engine.kv_cache``).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -72,12 +74,25 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._shared: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, D] (fp32)."""
+        if self._shared is not None and self._shared[0] is positions:
+            return self._shared[1]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
+
+    @contextlib.contextmanager
+    def shared_tables(self, positions: torch.Tensor) -> Iterator[None]:
+        """Within the block, q and k of every layer reuse one cos/sin table for this positions tensor."""
+        self._shared = None
+        self._shared = (positions, self.cos_sin(positions))
+        try:
+            yield
+        finally:
+            self._shared = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] rotated by its token's position."""
@@ -185,8 +200,9 @@ class LlamaForCausalLM(nn.Module):
 
     def run_layers(self, h, positions, backend: AttentionBackend, start: int = 0, end: int | None = None):
         """Run decoder layers [start, end) on hidden h [T, hidden]."""
-        for layer in self.model.layers[start:end]:
-            h = layer(h, positions, self.rotary, backend)
+        with self.rotary.shared_tables(positions):  # the same positions in every layer: one cos/sin
+            for layer in self.model.layers[start:end]:
+                h = layer(h, positions, self.rotary, backend)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

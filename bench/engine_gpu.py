@@ -133,6 +133,132 @@ def decode_step_time(llm: LLM, vocab: int) -> float:
     return t
 
 
+def _median_ms(ts: list[float]) -> float:
+    return sorted(ts)[len(ts) // 2]
+
+
+def graph_replay_ms(llm: LLM, batch: int = 1, iters: int = 200) -> float:
+    """GPU time of one replay of the decode graph of `batch` (no host work), median over `iters`."""
+    runner = llm.engine.runner
+    runner._buf64[2].fill_(-1)  # padding slots: the replays write nothing into the pool
+    graph, _ = runner._graphs[batch]
+    for _ in range(10):
+        graph.replay()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return _median_ms([a.elapsed_time(b) for a, b in ev])
+
+
+def step_breakdown(llm: LLM, vocab: int, steps: int = 64) -> dict:
+    """Host clock per engine step of a batch-1 greedy decode, split into schedule / execute / sample+rest.
+
+    ``execute`` returns once the graph is launched; the sync happens when the sampled token is read back
+    (in the rest). Also counts how many of the decode steps replayed a CUDA graph.
+    """
+    eng, runner = llm.engine, llm.engine.runner
+    ids = prompts(1, vocab, 11)[0]
+    eng.add_request("prof", ids, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    eng.step()  # the prefill
+    graph_calls, orig = [0], runner._run_graph
+
+    def counting(scheduled):
+        graph_calls[0] += 1
+        return orig(scheduled)
+
+    runner._run_graph = counting
+    parts: dict[str, list[float]] = {"schedule": [], "execute": [], "rest": [], "step": []}
+    sched_fn, exec_fn = eng.scheduler.schedule, runner.execute
+    clock: dict[str, float] = {}
+
+    def timed_schedule():
+        t0 = time.perf_counter()
+        out = sched_fn()
+        clock["s"] = time.perf_counter() - t0
+        return out
+
+    def timed_execute(s):
+        t0 = time.perf_counter()
+        out = exec_fn(s)
+        clock["e"] = time.perf_counter() - t0
+        return out
+
+    eng.scheduler.schedule, runner.execute = timed_schedule, timed_execute
+    try:
+        while eng.has_unfinished_requests():
+            t0 = time.perf_counter()
+            eng.step()
+            dt = time.perf_counter() - t0
+            parts["step"].append(dt)
+            parts["schedule"].append(clock["s"])
+            parts["execute"].append(clock["e"])
+            parts["rest"].append(dt - clock["s"] - clock["e"])
+    finally:
+        del eng.scheduler.schedule, runner.execute, runner._run_graph
+    res = {f"host_{k}_ms": _median_ms(v) * 1e3 for k, v in parts.items()}
+    res["graph_steps"], res["decode_steps"] = graph_calls[0], len(parts["step"])
+    return res
+
+
+def kernel_profile(llm: LLM, batch: int = 1, replays: int = 20, top: int = 25) -> dict:
+    """torch.profiler over `replays` graph replays: kernels per replay and the costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = llm.engine.runner
+    runner._buf64[2].fill_(-1)
+    graph, _ = runner._graphs[batch]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)
+    rows = sorted(((sum(v) / replays, len(v) / replays, k) for k, v in by_name.items()), reverse=True)
+    first = min(e.time_range.start for e in kernels)
+    last = max(e.time_range.end for e in kernels)
+    return {"kernels_per_replay": len(kernels) / replays,
+            "kernel_us_per_replay": sum(e.device_time for e in kernels) / replays,
+            "span_us_per_replay": (last - first) / replays,
+            "top": [{"us": round(us, 2), "count": c, "name": n[:90]} for us, c, n in rows[:top]]}
+
+
+def eager_forward_ms(llm: LLM, iters: int = 50) -> float:
+    """Host+GPU time of one eager batch-1 decode forward (what the graph replaces)."""
+    runner = llm.engine.runner
+    from engine.kv_cache import AttentionMetadata, PagedAttention
+
+    ids, pos, slots = runner._buf64[:, :1]
+    w = runner.max_blocks_per_seq
+    lens, tables = runner._buf32[:1], runner._buf32[runner._host64.shape[1]:][:w].view(1, w)
+    meta = AttentionMetadata(slots, 1, tables, lens)
+    backend = PagedAttention(runner.kv, meta, runner.model_config.head_dim)
+
+    def fwd():
+        with torch.inference_mode():
+            runner.model.logits(runner.model(ids, pos, backend))
+
+    fwd()
+    return _median_ms([timed(fwd) for _ in range(iters)]) * 1e3
+
+
+@torch.inference_mode()
+def profile_shape(llm: LLM, vocab: int) -> dict:
+    """Where a batch-1 decode step goes: end-to-end step, host parts, graph replay, kernels."""
+    res = {"decode_step_ms": decode_step_time(llm, vocab) * 1e3}
+    res.update(step_breakdown(llm, vocab))
+    res["graph_replay_ms"] = graph_replay_ms(llm)
+    res["eager_forward_ms"] = eager_forward_ms(llm)
+    res["kernels"] = kernel_profile(llm)
+    return res
+
+
 def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_conc: list[int]) -> dict:
     cfg = ModelConfig(**SHAPES[name])
     model = random_model(cfg)
@@ -140,8 +266,7 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
     res: dict = {"shape": name, "params_M": sum(p.numel() for p in model.parameters()) / 1e6}
     hf = hf_twin(model) if with_hf else None
     t0 = time.perf_counter()
-    llm = LLM(model, engine_config=EngineConfig(device="cuda", max_num_seqs=256, max_num_batched_tokens=8192,
-                                                gpu_memory_utilization=0.45, max_model_len=4096))
+    llm = build_llm(cfg, model)
     res["engine_init_s"] = time.perf_counter() - t0
     res["num_kv_blocks"] = llm.engine.num_blocks
     res["cuda_graphs"] = sorted(llm.engine.runner._graphs)[-1:] or None
@@ -153,9 +278,7 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
         res[f"ours_c{c}_tok_s"] = tok / dt
         print(name, "ours", c, tok / dt, flush=True)
     step = decode_step_time(llm, cfg.vocab_size)
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
-    kv_bytes = kv_per_token * (PROMPT_LEN + OUTPUT_LEN // 2)  # the mean context of the decode
-    floor = (weight_bytes + kv_bytes) / bw
+    floor = (weight_bytes + kv_bytes(cfg)) / bw
     res.update(decode_step_ms=step * 1e3, floor_ms=floor * 1e3, floor_fraction=floor / step)
     print(name, "decode", res["decode_step_ms"], res["floor_ms"], flush=True)
     del llm
@@ -181,6 +304,88 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
     return res
 
 
+def build_llm(cfg: ModelConfig, model: LlamaForCausalLM) -> LLM:
+    return LLM(model, engine_config=EngineConfig(device="cuda", max_num_seqs=256, max_num_batched_tokens=8192,
+                                                 gpu_memory_utilization=0.45, max_model_len=4096))
+
+
+def switch_forward(llm: LLM, model) -> None:
+    """Run the engine on another forward (fused or reference) of the same weights; re-capture bucket 1."""
+    runner = llm.engine.runner
+    runner.model = model
+    runner._graphs.clear()
+    runner._capture_graphs(1)
+
+
+@torch.inference_mode()
+def forward_rel_errs(fused, reference, vocab: int) -> dict:
+    """Logit errors ||x - fp32|| / ||fp32|| of the bf16 fused and bf16 reference forwards on a 128-token
+    prompt (dense cache), against the reference forward in fp32 on the same weights."""
+    import copy
+
+    from engine.model import DenseKVCache
+
+    ids = torch.tensor(prompts(1, vocab, 3)[0], device="cuda")
+    pos = torch.arange(len(ids), device="cuda")
+    fp32 = copy.deepcopy(reference).float()
+
+    def logits(m, dtype):
+        cache = DenseKVCache(reference.config, len(ids), dtype, "cuda")
+        return m.logits(m(ids, pos, cache)).double()
+
+    want = logits(fp32, torch.float32)
+    del fp32
+    err = {name: float((logits(m, torch.bfloat16) - want).norm() / want.norm())
+           for name, m in (("fused_bf16_vs_fp32", fused), ("reference_bf16_vs_fp32", reference))}
+    gc.collect()
+    torch.cuda.empty_cache()
+    return err
+
+
+def profile_main(names: list[str], bw: float) -> list[dict]:
+    """--profile: the batch-1 decode step taken apart, per shape, fused forward then reference forward."""
+    out = []
+    for name in names:
+        cfg = ModelConfig(**SHAPES[name])
+        model = random_model(cfg)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        llm = build_llm(cfg, model)
+        fused = llm.engine.runner.model
+        llm.generate(prompts(2, cfg.vocab_size, 1), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        res = {"shape": name, "floor_ms": (weight_bytes + kv_bytes(cfg)) / bw * 1e3,
+               "forward": type(fused).__name__, **forward_rel_errs(fused, model, cfg.vocab_size)}
+        res.update(profile_shape(llm, cfg.vocab_size))
+        if fused is not model:
+            switch_forward(llm, model)
+            res["reference_forward"] = profile_shape(llm, cfg.vocab_size)
+        print(f"{name}: floor {res['floor_ms']:.3f} ms, logits rel err vs fp32: fused bf16 "
+              f"{res['fused_bf16_vs_fp32']:.2e}, reference bf16 {res['reference_bf16_vs_fp32']:.2e}", flush=True)
+        print(summary_line(res), flush=True)
+        if "reference_forward" in res:
+            print(summary_line({"shape": name, "forward": "reference", **res["reference_forward"]}), flush=True)
+        out.append(res)
+        del llm, model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+def summary_line(res: dict) -> str:
+    """One line of a profile: step, GPU replay, host parts, kernels per step."""
+    k = res["kernels"]
+    return (f"{res['shape']:>13} {res['forward']:>15}: step {res['decode_step_ms']:.3f} ms, graph replay "
+            f"{res['graph_replay_ms']:.3f} ms, host schedule/execute/rest {res['host_schedule_ms']:.3f}/"
+            f"{res['host_execute_ms']:.3f}/{res['host_rest_ms']:.3f} ms, graph steps {res['graph_steps']}/"
+            f"{res['decode_steps']}, {k['kernels_per_replay']:.0f} kernels ({k['kernel_us_per_replay']:.0f} us "
+            f"busy of {k['span_us_per_replay']:.0f}), eager {res['eager_forward_ms']:.2f} ms")
+
+
+def kv_bytes(cfg: ModelConfig) -> int:
+    """K and V bytes (bf16) at the mean context of the timed decode."""
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    return per_token * (PROMPT_LEN + OUTPUT_LEN // 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen2.5-0.5b,llama3.2-1b")
@@ -188,6 +393,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--hf-concurrency", help="concurrencies run with transformers (default: --concurrency)")
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true", help="only take the batch-1 decode step apart")
     args = ap.parse_args()
     import transformers
 
@@ -196,6 +402,12 @@ def main() -> None:
            "transformers": transformers.__version__,
            "copy_bandwidth_GBps": bw / 1e9, "results": []}
     print(json.dumps(out), flush=True)
+    if args.profile:
+        out["profile"] = profile_main(args.shapes.split(","), bw)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=2)
+        return
     for name in args.shapes.split(","):
         conc = [int(c) for c in args.concurrency.split(",")]
         hf_conc = [int(c) for c in args.hf_concurrency.split(",")] if args.hf_concurrency else conc

@@ -1,7 +1,8 @@
 """Runs one scheduled step on the model: flat batch in, logits of the sampling rows out.
 
 The batch is flat (``input_ids [T]``, ``positions [T]``): single-token decodes first, then prefill
-chunks. On GPU the weights and KV cache are bf16 and decode-only steps replay CUDA graphs captured for
+chunks. On GPU the weights and KV cache are bf16, the forward is the fused one of
+``engine.fused`` and decode-only steps replay CUDA graphs captured for
 batch buckets (1, 2, 4, 8, 16, 24, 32, ... up to ``cuda_graph_max_batch``); on CPU everything is fp32
 and eager.
 """
@@ -15,6 +16,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
+from engine.fused import fuse_for_cuda
 from engine.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache, blocks_for_budget, blocks_for_gpu
 from engine.model import LlamaForCausalLM, rope_inv_freq
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -50,6 +52,8 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         # RoPE frequencies stay fp32: bf16 would put angles off by radians at positions in the thousands
         self.model.rotary.inv_freq = rope_inv_freq(model.config).to(self.device)
+        if self.is_cuda:  # fused QKV / gate-up weights and Triton norm/RoPE/SwiGLU kernels (engine.fused)
+            self.model = fuse_for_cuda(self.model)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)

@@ -10,6 +10,7 @@ from .paged_decode import paged_decode_attention, paged_decode_attention_referen
 from .paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from .rope import rope, rope_reference
+from .silu_mul import silu_mul, silu_mul_reference
 from .store_kv import store_kv, store_kv_reference
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "rms_norm_reference",
     "rope",
     "rope_reference",
+    "silu_mul",
+    "silu_mul_reference",
     "store_kv",
     "store_kv_reference",
 ]

@@ -52,3 +52,31 @@ def test_bf16_gpu_logprobs_close_to_fp32_reference():
     assert out.token_ids == ref
     for tok, lp in out.logprobs[0].items():
         assert abs(lp - float(logits[tok])) < 1e-2 * float(logits.abs().max())
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied", "llama3-rope-scaling"])
+@torch.inference_mode()
+def test_fused_cuda_forward_close_to_fp32_reference(variant):
+    """The fused bf16 forward (Triton norm/RoPE/SwiGLU, fused QKV and gate/up GEMMs) vs fp32 on CPU."""
+    from engine.fused import FusedLlama
+    from engine.model import DenseKVCache, rope_inv_freq
+
+    prompt = random_prompts([40], seed=5)[0]
+    ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
+    ref_model = tiny_model(variant, seed=7)
+    ref = ref_model.logits(ref_model(ids, pos, DenseKVCache(ref_model.config, len(prompt))))
+    model = tiny_model(variant, seed=7).to("cuda", torch.bfloat16)
+    model.rotary.inv_freq = rope_inv_freq(model.config).cuda()  # fp32 angles, as the runner keeps them
+    fused = FusedLlama(model)
+    cache = DenseKVCache(ref_model.config, len(prompt), torch.bfloat16, "cuda")
+    got = fused.logits(fused(ids.cuda(), pos.cuda(), cache)).cpu()
+    assert not torch.isnan(got).any()
+    assert float((got - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_engine_runs_the_fused_forward_on_cuda():
+    from engine.fused import FusedLlama
+
+    llm = LLM(tiny_model("llama-gqa"), engine_config=EngineConfig(device="cuda", gpu_memory_utilization=0.3,
+                                                                  max_model_len=256, max_num_seqs=8))
+    assert isinstance(llm.engine.runner.model, FusedLlama)

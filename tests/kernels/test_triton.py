@@ -20,6 +20,7 @@ from kernels import (
     rms_norm_reference,
     rope,
     rope_reference,
+    silu_mul,
     store_kv,
 )
 from kernels._common import HAS_TRITON, _interpreting
@@ -153,3 +154,15 @@ def test_rope(dtype, model):
     qr, kr = rope(q, k, cos, sin, backend="triton")
     rq, rk = rope_reference(q.float(), k.float(), cos, sin)
     assert rel_err(qr, rq) < TOL[dtype] and rel_err(kr, rk) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1536, 4864, 8192])
+def test_silu_mul(dtype, inter):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(19, 2 * inter, generator=gen) * 3).to(DEVICE, dtype)
+    out = torch.full((19, inter), float("nan"), dtype=dtype, device=DEVICE)
+    silu_mul(gate_up, out=out, backend="triton")
+    g, u = gate_up[:, :inter].double(), gate_up[:, inter:].double()
+    assert not torch.isnan(out).any()
+    assert rel_err(out, torch.nn.functional.silu(g) * u) < TOL[dtype]

@@ -1,0 +1,117 @@
+"""The fused CUDA forward of the Llama decoder: fewer, larger kernels for the same function.
+
+The reference model (``engine.model``) launches ~50 small kernels per layer (fp32 upcasts of RMSNorm, the
+RoPE tables rebuilt per projection, separate q/k/v and gate/up GEMMs). A batch-1 decode step replayed from
+a CUDA graph is then bound by kernel count, not by the weight bytes it must read (docs/benchmarks.md). Per
+layer this path runs: add+RMSNorm, one QKV GEMM, RoPE of q and k, the attention backend (KV store +
+attention), the O GEMM, add+RMSNorm, one gate/up GEMM, SiLU*mul and the down GEMM. The cos/sin tables are
+built once per forward.
+
+:func:`fuse_for_cuda` concatenates each layer's q/k/v and gate/up weights once, at load, and re-points the
+original parameters at row slices of the fused tensors, so no weight is stored twice and the wrapped model
+still runs its own (reference) forward on the same weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from engine.model import AttentionBackend, LlamaForCausalLM
+
+
+@dataclasses.dataclass
+class FusedLayerWeights:
+    """One decoder layer's weights in the fused layout (views share storage with the model's parameters)."""
+
+    qkv: torch.Tensor              # [(Hq + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D]
+    gate_up: torch.Tensor          # [2 * I, hidden]
+
+
+def _concat_into(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
+    """Concatenate the linears' `attr` along dim 0 and re-point each parameter at its slice."""
+    params = [getattr(lin, attr) for lin in linears]
+    if params[0] is None:
+        return None
+    fused = torch.cat([p.detach() for p in params])
+    row = 0
+    for p in params:
+        p.data = fused[row:row + p.shape[0]]
+        row += p.shape[0]
+    return fused
+
+
+@torch.no_grad()
+def fuse_layer_weights(model: LlamaForCausalLM) -> list[FusedLayerWeights]:
+    """Build every layer's fused QKV and gate/up weights (the model's parameters become views of them)."""
+    out = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        lins = [attn.q_proj, attn.k_proj, attn.v_proj]
+        out.append(FusedLayerWeights(_concat_into(lins, "weight"), _concat_into(lins, "bias"),
+                                     _concat_into([mlp.gate_proj, mlp.up_proj], "weight")))
+    return out
+
+
+class FusedLlama(nn.Module):
+    """Same interface as :class:`LlamaForCausalLM` for the runner: ``forward`` and ``logits``."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.base = model
+        self.config = model.config
+        self.fused = fuse_layer_weights(model)
+        cfg = model.config
+        self._q, self._kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.base.layers
+
+    @property
+    def rotary(self) -> nn.Module:
+        return self.base.rotary
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend):
+        """input_ids/positions [T] -> last hidden state [T, hidden], as the reference forward."""
+        h = self.base.embed(input_ids)                      # [T, hidden]
+        cos, sin = self.base.rotary.cos_sin(positions)      # [T, D] fp32, shared by every layer
+        residual = None
+        for layer, w in zip(self.base.layers, self.fused, strict=True):
+            h, residual = self._layer(layer, w, h, residual, cos, sin, backend)
+        return h + residual
+
+    def _layer(self, layer, w: FusedLayerWeights, h, residual, cos, sin, backend):
+        """One decoder layer on (layer input h, residual stream) -> (MLP output, residual stream)."""
+        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        if residual is None:
+            x, residual = kernels.rms_norm(h, norm1.weight, norm1.eps), h
+        else:
+            x, residual = kernels.add_rms_norm(h, residual, norm1.weight, norm1.eps)
+        attn = layer.self_attn
+        t, d = x.shape[0], attn.head_dim
+        qkv = F.linear(x, w.qkv, w.qkv_bias)                # [T, (Hq + 2 Hkv) * D]
+        q = qkv[:, :self._q].view(t, attn.num_heads, d)
+        k = qkv[:, self._q:self._q + self._kv].view(t, attn.num_kv_heads, d)
+        v = qkv[:, self._q + self._kv:].view(t, attn.num_kv_heads, d)
+        q, k = kernels.rope(q, k, cos, sin)
+        o = backend.attend(attn.layer_idx, q, k, v)         # [T, Hq, D]
+        h = attn.o_proj(o.reshape(t, -1))
+        x, residual = kernels.add_rms_norm(h, residual, norm2.weight, norm2.eps)
+        mlp = layer.mlp
+        return mlp.down_proj(kernels.silu_mul(F.linear(x, w.gate_up))), residual
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + head: hidden [T, hidden] -> logits [T, vocab] (fp32)."""
+        norm = self.base.model.norm
+        return self.base.lm_head(kernels.rms_norm(h, norm.weight, norm.eps)).float()
+
+
+def fuse_for_cuda(model: LlamaForCausalLM) -> FusedLlama:
+    """The model with the fused forward (the runner's choice on CUDA)."""
+    return FusedLlama(model)

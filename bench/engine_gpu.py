@@ -356,13 +356,17 @@ def profile_main(names: list[str], bw: float) -> list[dict]:
                "forward": type(fused).__name__, **forward_rel_errs(fused, model, cfg.vocab_size)}
         res.update(profile_shape(llm, cfg.vocab_size))
         if fused is not model:
+            fused.use_gemv = False
+            switch_forward(llm, fused)
+            res["fused_cublas_forward"] = profile_shape(llm, cfg.vocab_size)
             switch_forward(llm, model)
             res["reference_forward"] = profile_shape(llm, cfg.vocab_size)
         print(f"{name}: floor {res['floor_ms']:.3f} ms, logits rel err vs fp32: fused bf16 "
               f"{res['fused_bf16_vs_fp32']:.2e}, reference bf16 {res['reference_bf16_vs_fp32']:.2e}", flush=True)
         print(summary_line(res), flush=True)
-        if "reference_forward" in res:
-            print(summary_line({"shape": name, "forward": "reference", **res["reference_forward"]}), flush=True)
+        for key in ("fused_cublas_forward", "reference_forward"):
+            if key in res:
+                print(summary_line({"shape": name, "forward": key.removesuffix("_forward"), **res[key]}), flush=True)
         out.append(res)
         del llm, model
         gc.collect()

@@ -17,6 +17,7 @@ the unfused torch ops for RMSNorm and RoPE.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -254,13 +255,81 @@ def sweep(gen) -> None:
         print(f"prefill variant {i}: {t}")
 
 
+# (name, N, K, bias) of the batch-1 decode GEMMs, fused QKV / gate-up as engine.fused runs them
+GEMV_SHAPES = [
+    ("qwen qkv", 1152, 896, True), ("qwen o", 896, 896, False), ("qwen gate_up", 9728, 896, False),
+    ("qwen down", 896, 4864, False), ("qwen lm_head", 151936, 896, False),
+    ("llama qkv", 3072, 2048, False), ("llama o", 2048, 2048, False), ("llama gate_up", 16384, 2048, False),
+    ("llama down", 2048, 8192, False), ("llama lm_head", 128256, 2048, False),
+]
+GEMV_VARIANTS = [kernels.GemvTuning(bn, bk, w, st) for bn in (1, 2, 4, 8, 16) for bk in (256, 512, 1024, 2048)
+                 for w in (4, 8) for st in (1, 3) if bn * bk <= 8192]
+
+
+def _graph_us(fn, calls: int) -> float:
+    """µs per call of `fn(i)` for i in range(calls), captured in one CUDA graph (median of 7 replays)."""
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    g.replay()
+    ts = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(ts)[3]
+
+
+def _gemv_case(name: str, n: int, k: int, has_bias: bool) -> dict:
+    copies = rotations(n * k * 2)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x.double(), ws[0].double(), None if bias is None else bias.double())
+    err = float((kernels.gemv(x, ws[0], bias).double() - ref).norm() / ref.norm())
+    calls = max(copies, 8)
+    cublas = _graph_us(lambda i: F.linear(x, ws[i % copies], bias), calls)
+    default = _graph_us(lambda i: kernels.gemv(x, ws[i % copies], bias, out=out), calls)
+    timed = [(_graph_us(lambda i, t=t: kernels.gemv(x, ws[i % copies], bias, out=out, tuning=t), calls), t)
+             for t in GEMV_VARIANTS]
+    best = min(timed, key=lambda r: r[0])
+    gbps = {key: n * k * 2 / (us * 1e-6) / 1e9 for key, us in (("cublas", cublas), ("gemv", default),
+                                                                ("best", best[0]))}
+    print(f"| {name} {n}x{k} | {cublas:.1f} ({gbps['cublas']:.0f}) | {default:.1f} ({gbps['gemv']:.0f}) | "
+          f"{best[0]:.1f} ({gbps['best']:.0f}) {best[1]} | {err:.1e} |", flush=True)
+    return dict(case=name, n=n, k=k, cublas_us=cublas, gemv_us=default, best_us=best[0],
+                best=dataclasses.asdict(best[1]), rel_err=err, GBps=gbps,
+                all_us={str(dataclasses.astuple(t)): us for us, t in timed})
+
+
+def gemv_sweep(bw: float) -> list[dict]:
+    """Batch-1 GEMMs: cuBLAS (F.linear) vs kernels.gemv (default tuning, best variant), weights rotated."""
+    return [_gemv_case(*shape) for shape in GEMV_SHAPES]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer cases")
     ap.add_argument("--out", default=None, help="write all numbers as JSON here")
     ap.add_argument("--sweep", action="store_true", help="time launch-parameter variants instead")
+    ap.add_argument("--gemv", action="store_true", help="only the batch-1 GEMM table (cuBLAS vs kernels.gemv)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.gemv:
+        bw = copy_bandwidth()
+        print(f"copy bandwidth {bw / 1e9:.0f} GB/s\n| GEMM N x K | cuBLAS µs (GB/s) | gemv µs (GB/s) | best µs | err |")
+        rows = gemv_sweep(bw)
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_bw=bw, rows=rows),
+                                                 indent=1))
+        return
     if args.sweep:
         sweep(gen)
         return

@@ -5,7 +5,8 @@ RoPE tables rebuilt per projection, separate q/k/v and gate/up GEMMs). A batch-1
 a CUDA graph is then bound by kernel count, not by the weight bytes it must read (docs/benchmarks.md). Per
 layer this path runs: add+RMSNorm, one QKV GEMM, RoPE of q and k, the attention backend (KV store +
 attention), the O GEMM, add+RMSNorm, one gate/up GEMM, SiLU*mul and the down GEMM. The cos/sin tables are
-built once per forward.
+built once per forward. A single-row batch (batch-1 decode) runs its layer GEMMs through
+``kernels.gemv`` (weight-streaming, no split-K reduce kernel) rather than cuBLAS.
 
 :func:`fuse_for_cuda` concatenates each layer's q/k/v and gate/up weights once, at load, and re-points the
 original parameters at row slices of the fused tensors, so no weight is stored twice and the wrapped model
@@ -61,9 +62,10 @@ def fuse_layer_weights(model: LlamaForCausalLM) -> list[FusedLayerWeights]:
 class FusedLlama(nn.Module):
     """Same interface as :class:`LlamaForCausalLM` for the runner: ``forward`` and ``logits``."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, use_gemv: bool = True) -> None:
         super().__init__()
         self.base = model
+        self.use_gemv = use_gemv  # single-row GEMMs through kernels.gemv (batch-1 decode) instead of cuBLAS
         self.config = model.config
         self.fused = fuse_layer_weights(model)
         cfg = model.config
@@ -95,16 +97,22 @@ class FusedLlama(nn.Module):
             x, residual = kernels.add_rms_norm(h, residual, norm1.weight, norm1.eps)
         attn = layer.self_attn
         t, d = x.shape[0], attn.head_dim
-        qkv = F.linear(x, w.qkv, w.qkv_bias)                # [T, (Hq + 2 Hkv) * D]
+        qkv = self._linear(x, w.qkv, w.qkv_bias)            # [T, (Hq + 2 Hkv) * D]
         q = qkv[:, :self._q].view(t, attn.num_heads, d)
         k = qkv[:, self._q:self._q + self._kv].view(t, attn.num_kv_heads, d)
         v = qkv[:, self._q + self._kv:].view(t, attn.num_kv_heads, d)
         q, k = kernels.rope(q, k, cos, sin)
         o = backend.attend(attn.layer_idx, q, k, v)         # [T, Hq, D]
-        h = attn.o_proj(o.reshape(t, -1))
+        h = self._linear(o.reshape(t, -1), attn.o_proj.weight)
         x, residual = kernels.add_rms_norm(h, residual, norm2.weight, norm2.eps)
-        mlp = layer.mlp
-        return mlp.down_proj(kernels.silu_mul(F.linear(x, w.gate_up))), residual
+        act = kernels.silu_mul(self._linear(x, w.gate_up))  # [T, I]
+        return self._linear(act, layer.mlp.down_proj.weight), residual
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] @ weight[N, K]^T (+ bias): one row goes through the GEMV kernel, more through cuBLAS."""
+        if self.use_gemv and x.shape[0] == 1 and x.is_cuda:
+            return kernels.gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + head: hidden [T, hidden] -> logits [T, vocab] (fp32)."""

@@ -6,6 +6,7 @@ a ValueError) and runs the Triton kernel on CUDA tensors when Triton imports, th
 """
 
 from .errors import BackendUnavailableError, KernelError, KernelInputError
+from .gemv import GemvTuning, gemv, gemv_reference
 from .paged_decode import paged_decode_attention, paged_decode_attention_reference
 from .paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
@@ -15,6 +16,9 @@ from .store_kv import store_kv, store_kv_reference
 
 __all__ = [
     "BackendUnavailableError",
+    "GemvTuning",
+    "gemv",
+    "gemv_reference",
     "add_rms_norm",
     "add_rms_norm_reference",
     "KernelError",

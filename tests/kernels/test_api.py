@@ -22,7 +22,7 @@ def test_exported_members():
         "paged_prefill_attention", "paged_prefill_attention_reference",
         "store_kv", "store_kv_reference",
         "rms_norm", "rms_norm_reference", "add_rms_norm", "add_rms_norm_reference", "rope", "rope_reference",
-        "silu_mul", "silu_mul_reference",
+        "silu_mul", "silu_mul_reference", "GemvTuning", "gemv", "gemv_reference",
     ])
     for name in kernels.__all__:
         assert getattr(kernels, name).__module__.startswith("kernels.")

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from kernels import (
+    GemvTuning,
     add_rms_norm,
+    gemv,
     paged_decode_attention,
     paged_decode_attention_reference,
     paged_prefill_attention,
@@ -166,3 +168,20 @@ def test_silu_mul(dtype, inter):
     g, u = gate_up[:, :inter].double(), gate_up[:, inter:].double()
     assert not torch.isnan(out).any()
     assert rel_err(out, torch.nn.functional.silu(g) * u) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,bias,m", [(1152, 896, True, 1), (896, 4864, False, 1), (100, 70, True, 3),
+                                        (2048, 2048, False, 2)])
+def test_gemv(dtype, n, k, bias, m):
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    gemv(x, w, b, out=out, backend="triton")
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < TOL[dtype]
+    for tune in (GemvTuning(1, 256, 4, 1), GemvTuning(16, 512, 8, 3)):
+        assert rel_err(gemv(x, w, b, tuning=tune, backend="triton"), ref) < TOL[dtype]

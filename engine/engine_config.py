@@ -27,6 +27,8 @@ class EngineConfig:
         cuda_graphs: capture decode steps in CUDA graphs (GPU only).
         cuda_graph_max_batch: largest decode batch captured.
         num_threads: torch threads on CPU (None = leave torch's setting).
+        cpu_packed_weights: on CPU, run the linears on oneDNN-packed weight copies (engine.cpu_linear;
+            faster few-row products, one extra copy of the weights in memory).
         seed: seed of the generator used by requests without their own seed.
     """
 
@@ -45,6 +47,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
     num_threads: int | None = None
+    cpu_packed_weights: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from engine.config import ModelConfig
+from engine.cpu_linear import pack_linears
 from engine.engine_config import EngineConfig
 from engine.fused import fuse_for_cuda
 from engine.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache, blocks_for_budget, blocks_for_gpu
@@ -54,6 +55,8 @@ class ModelRunner:
         self.model.rotary.inv_freq = rope_inv_freq(model.config).to(self.device)
         if self.is_cuda:  # fused QKV / gate-up weights and Triton norm/RoPE/SwiGLU kernels (engine.fused)
             self.model = fuse_for_cuda(self.model)
+        elif config.cpu_packed_weights:  # oneDNN-packed linears: no per-call weight re-pack (engine.cpu_linear)
+            pack_linears(self.model)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)

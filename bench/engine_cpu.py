@@ -5,17 +5,23 @@ Measures, in one run and with the same torch thread count for both:
    ignored): our engine (continuous batching, paged KV) vs ``transformers`` ``generate`` with static,
    left-padded batches (a static batch runs until its longest request is done; only requested tokens
    are counted as useful output for both);
-2. single-request decode tokens/s (128-token prompt): (t(129 new) - t(1 new)) / 128 for both;
+2. single-request decode tokens/s (128-token prompt): (t(65 new) - t(1 new)) / 64 for both, the median of
+   ``--decode-repeats`` alternating measurements;
 3. KV slot usage under the workload: tokens held / slots allocated, paged (blocks in use) vs a contiguous
    per-sequence reservation of the workload's maximum length, time-averaged over engine steps.
 
-Usage: python bench/engine_cpu.py [--threads 2] [--hf-batch 8] [--quick]
+The load average of the machine is recorded at the start and the end (other jobs skew CPU figures).
+``--hf-batch`` may be given several times to measure more than one static batch size for the peer in
+the same run; ``throughput_ratio`` is against the first.
+
+Usage: python bench/engine_cpu.py [--threads 2] [--hf-batch 8 [--hf-batch 32]] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -111,11 +117,14 @@ def decode_rate_hf(hf, prompt: list[int], n: int, pad_id: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--hf-batch", type=int, action="append", help="static batch size(s) of the peer (default 8)")
     ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--decode-repeats", type=int, default=3, help="single-request rates: median of this many")
     ap.add_argument("--quick", action="store_true", help="short prompts/outputs (smoke test)")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
+    batches = args.hf_batch or [8]
+    load_start = os.getloadavg()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -129,20 +138,26 @@ def main() -> None:
     work = workload(args.requests, 0, args.quick)
     llm.generate([work[0][0]], SamplingParams(max_tokens=2))  # warm-up
     dt_o, tok_o, kv = run_ours(llm, work)
-    dt_h, tok_h, comp_h = run_hf(hf, work, args.hf_batch, pad_id)
+    peers = {b: run_hf(hf, work, b, pad_id) for b in batches}
+    dt_h, tok_h, comp_h = peers[batches[0]]
     prompt = workload(1, 1, False)[0][0][:128]
     prompt += [101] * (128 - len(prompt))
     n_dec = 32 if args.quick else 64
-    r_o = decode_rate_ours(llm, prompt, n_dec)
-    r_h = decode_rate_hf(hf, prompt, n_dec, pad_id)
+    rates = [(decode_rate_ours(llm, prompt, n_dec), decode_rate_hf(hf, prompt, n_dec, pad_id))
+             for _ in range(args.decode_repeats)]  # alternating, so a load change hits both sides
+    r_o = statistics.median(r for r, _ in rates)
+    r_h = statistics.median(r for _, r in rates)
     res = {
         "threads": args.threads, "requests": len(work),
         "prompt_tokens": sum(len(p) for p, _ in work), "output_tokens": tok_o,
         "ours_s": dt_o, "ours_tok_s": tok_o / dt_o,
-        f"hf_static_b{args.hf_batch}_s": dt_h, "hf_tok_s": tok_h / dt_h, "hf_computed_tokens": comp_h,
+        f"hf_static_b{batches[0]}_s": dt_h, "hf_tok_s": tok_h / dt_h, "hf_computed_tokens": comp_h,
         "throughput_ratio": (tok_o / dt_o) / (tok_h / dt_h),
+        **{f"hf_static_b{b}": {"s": d, "tok_s": t / d, "computed_tokens": c, "ratio": (tok_o / dt_o) / (t / d)}
+           for b, (d, t, c) in peers.items() if b != batches[0]},
         "decode_ours_tok_s": r_o, "decode_hf_tok_s": r_h, "decode_ratio": r_o / r_h,
         "kv_used_fraction_paged": kv["paged"], "kv_used_fraction_contiguous": kv["contiguous"],
+        "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
     }
     print(json.dumps(res, indent=2))
     if args.json:

@@ -33,3 +33,13 @@ def test_packed_linear_matches_f_linear_at_any_row_count(rows):
     lin = torch.nn.Linear(64, 48, bias=True)
     x = torch.randn(rows, 64)
     torch.testing.assert_close(PackedLinear(lin, rows_hint=8)(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_large_packed_linear_one_row_path_matches(rows):
+    """A weight of >= 4M elements (an LM head) also keeps a transposed copy for one-row products."""
+    lin = torch.nn.Linear(256, 1 << 14, bias=True)
+    packed = PackedLinear(lin)
+    assert packed.weight_t is not None
+    x = torch.randn(rows, 256)
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)

@@ -143,7 +143,8 @@ class PagedAttention:
     def _attend_cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
                     vc: torch.Tensor) -> torch.Tensor:
         if self._plan is None:  # same indices in every layer: build them once per step
-            self._plan = cpu_attention.plan_step(self.meta, kc.shape[1], kc.shape[2], q.shape[0])
+            self._plan = cpu_attention.plan_step(self.meta, kc.shape[1], kc.shape[2], q.shape[0],
+                                                 q.shape[1] // kc.shape[2])
         nd, t = self.meta.num_decode, q.shape[0]
         parts = []
         if nd:

@@ -41,7 +41,7 @@ def test_decode_matches_reference(group_cost):
     lens = torch.tensor(ctx, dtype=torch.int32)
     meta = AttentionMetadata(slot_mapping=torch.zeros(len(ctx), dtype=torch.long), num_decode=len(ctx),
                              decode_block_tables=tables, decode_context_lens=lens)
-    plan = plan_step(meta, BS, HKV, len(ctx), group_cost)
+    plan = plan_step(meta, BS, HKV, len(ctx), HQ // HKV, group_cost)
     assert (len(plan.decode) > 1) == (group_cost < 10**9)
     got = decode_attention(q, kc, vc, plan, D ** -0.5)
     ref = kernels.paged_decode_attention_reference(q, kc, vc, tables, lens, D ** -0.5)
@@ -62,7 +62,7 @@ def test_prefill_with_and_without_earlier_context_matches_reference():
     meta = AttentionMetadata(slot_mapping=torch.zeros(t, dtype=torch.long), num_decode=0,
                              prefill_block_tables=tables, prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
                              prefill_context_lens=torch.tensor(ctx, dtype=torch.int32), prefill_max_q=13)
-    plan = plan_step(meta, BS, HKV, t)
+    plan = plan_step(meta, BS, HKV, t, HQ // HKV)
     assert [c.slots is None for c in plan.prefill] == [True, False, True]
     got = prefill_attention(q, k, v, kc, vc, plan, D ** -0.5)
     ref = kernels.paged_prefill_attention_reference(q, kc, vc, tables, meta.prefill_cu_seqlens_q,

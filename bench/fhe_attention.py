@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import time
 
 import numpy as np
@@ -23,8 +24,9 @@ from engine.loader import load_model
 from fhe import wire
 from fhe.attention import BlockClient, EncryptedAttentionLayer, required_rotation_steps
 from fhe.ckks import CKKSClient
-from fhe.params import ckks_params_for
-from fhe.plan import load_default_plan
+from engine.model import DenseKVCache
+from fhe.params import CKKSParams, ckks_params_for
+from fhe.plan import Plan, load_default_plan
 
 #: Concrete ML's published encrypted GPT-2 attention block (their LLM use-case page).
 CONCRETE_GPT2 = "encrypted GPT-2 attention block, 863 s for 8 tokens on a 196-core machine"
@@ -45,59 +47,85 @@ def fill_cache(layer: EncryptedAttentionLayer, client: CKKSClient, cache, tokens
 
 
 @torch.inference_mode()
-def fidelity(model, plan, positions: int, prompt_index: int = 0) -> dict:
-    """Next-token top-1 agreement and KL(plain || encrypted) over the first ``positions`` tokens of a
-    held-out evaluation prompt, every plan layer's attention run under CKKS (teacher forcing).
+def fidelity(model, plan, prompts: list[int], params=None, positions: int = 0, json_path=None) -> dict:
+    """Next-token top-1 agreement and KL(plain || encrypted) over every position of held-out evaluation
+    prompts (teacher forcing), every plan layer's attention run under CKKS; ``positions`` > 0 keeps only
+    the first positions of each prompt. With ``json_path`` the rows so far are written after each prompt.
 
     Also reports the same against the plaintext simulator, to separate approximation error from
-    CKKS noise.
+    CKKS noise. ``params`` overrides the plan's CKKS parameters (same plan, other ring or primes).
     """
-    from engine.model import DenseKVCache
     from engine.tokenizer import Tokenizer
     from fhe.calibrate import load_prompts
-    from fhe.simulator import SimulatedBackend, simulated_model
+    from fhe.simulator import sequence_logits, simulated_model
 
     tok = Tokenizer.from_folder(default_model_dir())
-    text = load_prompts("evaluation")[prompt_index]
-    ids = torch.tensor(tok.apply_chat_template([{"role": "user", "content": text}])[:positions])
-    cfg, n = model.config, len(ids)
-    lp0 = plan.layers[0].approx
-    params = ckks_params_for(lp0.kind, lp0.squarings)
+    cfg, lp0 = model.config, plan.layers[0].approx
+    params = params or CKKSParams.from_dict(plan.ckks)
+    t0 = time.perf_counter()
     client = CKKSClient(params, required_rotation_steps(cfg, params, lp0.kind, lp0.squarings))
-    keys = client.server_keys()
+    keys, keygen = client.server_keys(), time.perf_counter() - t0
     sim_model = simulated_model(model, plan)
-    blocks = {i: EncryptedAttentionLayer.from_plan(sim_model, plan, i, params, max_tokens=max(64, n))
+    blocks = {i: EncryptedAttentionLayer.from_plan(sim_model, plan, i, params, max_tokens=64)
               for i in plan.layer_indices}
-    caches = {i: b.new_cache() for i, b in blocks.items()}
     bc = BlockClient.for_model(client, cfg, lp0.kind, lp0.squarings)
-    plain_cache, enc_cache = DenseKVCache(cfg, n), DenseKVCache(cfg, n)
-    sim_backend = SimulatedBackend(sim_model, plan, n)
-    agree = agree_sim = 0
-    kls, kls_sim = [], []
-    for t in range(n):
+    rows = []
+    for index in prompts:
+        ids = tok.apply_chat_template([{"role": "user", "content": load_prompts("evaluation")[index]}])
+        ids = torch.tensor(ids[:positions] if positions else ids)
+        ref = sequence_logits(model, ids.tolist(), None).log_softmax(-1)
+        sim = sequence_logits(sim_model, ids.tolist(), plan).log_softmax(-1)
+        enc = _encrypted_logits(sim_model, blocks, bc, keys, ids)
+        for t in range(len(ids)):
+            rows.append({"prompt": index, "position": t, "agree": int(enc[t].argmax() == ref[t].argmax()),
+                         "agree_sim": int(enc[t].argmax() == sim[t].argmax()),
+                         "kl": float((ref[t].exp() * (ref[t] - enc[t])).sum()),
+                         "kl_sim": float((sim[t].exp() * (sim[t] - enc[t])).sum())})
+        print(f"prompt {index}: {len(ids)} positions, running top-1 "
+              f"{np.mean([r['agree'] for r in rows]):.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        res = {"params": params.to_dict(), "plan": plan.content_hash, "layers": list(plan.layer_indices),
+               "keygen_s": keygen, "seconds": time.perf_counter() - t0, "rows": rows}
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(res, f)
+    return res
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Top-1 agreement and mean/max KL over fidelity rows (vs plaintext and vs the simulator)."""
+    col = {k: np.array([r[k] for r in rows]) for k in ("agree", "agree_sim", "kl", "kl_sim")}
+    return {"positions": len(rows), "top1_vs_plain": float(col["agree"].mean()),
+            "mean_kl_vs_plain": float(col["kl"].mean()), "max_kl_vs_plain": float(col["kl"].max()),
+            "top1_vs_simulator": float(col["agree_sim"].mean()),
+            "mean_kl_vs_simulator": float(col["kl_sim"].mean())}
+
+
+def _indices(spec: str) -> list[int]:
+    """'0-3,7' -> [0, 1, 2, 3, 7]."""
+    out = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _encrypted_logits(sim_model, blocks, bc, keys, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities [T, vocab] with the plan's attention blocks under CKKS, token by token."""
+    caches = {i: b.new_cache() for i, b in blocks.items()}
+    enc_cache, out = DenseKVCache(sim_model.config, len(ids)), []
+    for t in range(len(ids)):
         pos = torch.tensor([t])
-        ref = model.logits(model(ids[t:t + 1], pos, plain_cache)).log_softmax(-1)
-        plain_cache.advance()
-        sim = sim_model.logits(sim_model(ids[t:t + 1], pos, sim_backend)).log_softmax(-1)
-        sim_backend.advance()
         h = sim_model.embed(ids[t:t + 1])
         for i, layer in enumerate(sim_model.layers):
             if i in blocks:
                 x = layer.input_layernorm.normalize(h)
-                out = blocks[i].forward(caches[i], bc.encrypt_input(x)[0], t, keys)
-                y, z = bc.decrypt_output([out])
+                y, z = bc.decrypt_output([blocks[i].forward(caches[i], bc.encrypt_input(x)[0], t, keys)])
                 h = layer.mlp_block(h + BlockClient.finish(y, z).to(h.dtype))
             else:
                 h = layer(h, pos, sim_model.rotary, enc_cache)
         enc_cache.advance()
-        enc = sim_model.logits(h).log_softmax(-1)
-        agree += int(enc.argmax() == ref.argmax())
-        agree_sim += int(enc.argmax() == sim.argmax())
-        kls.append(float((ref.exp() * (ref - enc)).sum()))
-        kls_sim.append(float((sim.exp() * (sim - enc)).sum()))
-    return {"positions": n, "layers": plan.layer_indices, "top1_vs_plain": agree / n,
-            "mean_kl_vs_plain": float(np.mean(kls)), "top1_vs_simulator": agree_sim / n,
-            "mean_kl_vs_simulator": float(np.mean(kls_sim))}
+        out.append(sim_model.logits(h).log_softmax(-1)[0])
+    return torch.stack(out)
 
 
 def main() -> None:
@@ -106,21 +134,30 @@ def main() -> None:
     ap.add_argument("--contexts", default="16,128,512")
     ap.add_argument("--prefill", type=int, default=32)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--fidelity", type=int, default=0, help="run N positions through the encrypted plan")
+    ap.add_argument("--plan", default=None, help="plan file (default: the shipped plan)")
+    ap.add_argument("--fidelity", default=None, metavar="PROMPTS",
+                    help="fidelity through the encrypted path over these evaluation prompts, e.g. 0-3 or 4,5")
+    ap.add_argument("--positions", type=int, default=0, help="fidelity: first N positions of each prompt")
+    ap.add_argument("--params", default=None, metavar="N:BITS:SCALE",
+                    help="override the plan's CKKS parameters, e.g. 16384:48,30,...,60:30")
+    ap.add_argument("--json", default=None, help="fidelity: write rows here")
+    ap.add_argument("--merge", nargs="+", default=None, help="summarize fidelity JSON files of several runs")
     args = ap.parse_args()
+    if args.merge:
+        runs = [json.load(open(path)) for path in args.merge]
+        print(json.dumps({"params": runs[0]["params"], "plan": runs[0]["plan"]}
+                         | summarize([r for run in runs for r in run["rows"]])))
+        return
     torch.set_num_threads(1)
-    model, plan = load_model(default_model_dir()), load_default_plan()
-    if args.fidelity:
-        t = time.perf_counter()
-        res = fidelity(model, plan, args.fidelity)
-        print(res, f"{time.perf_counter() - t:.0f} s")
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(f"Encrypted-path fidelity (default plan, first {res['positions']} positions of "
-                        f"evaluation prompt 0, layers {res['layers']} under CKKS): top-1 agreement vs "
-                        f"plaintext {res['top1_vs_plain']:.3f}, mean KL {res['mean_kl_vs_plain']:.2e}; "
-                        f"vs the simulator: top-1 {res['top1_vs_simulator']:.3f}, "
-                        f"mean KL {res['mean_kl_vs_simulator']:.2e}.\n")
+    model = load_model(default_model_dir())
+    plan = Plan.load(args.plan) if args.plan else load_default_plan()
+    if args.fidelity is not None:
+        params = None
+        if args.params:
+            n, bits, scale = args.params.split(":")
+            params = CKKSParams(int(n), tuple(int(b) for b in bits.split(",")), int(scale))
+        res = fidelity(model, plan, _indices(args.fidelity), params, args.positions, args.json)
+        print(json.dumps({k: v for k, v in res.items() if k != "rows"} | summarize(res["rows"])))
         return
     lp = plan.layer(args.layer)
     params = ckks_params_for(lp.approx.kind, lp.approx.squarings)

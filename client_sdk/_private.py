@@ -178,6 +178,7 @@ class PrivateRuntime:
         """The encrypted attention of ``layer`` for positions start.. (x̂ [T, hidden] -> attn_out [T, hidden])."""
         from fhe import wire
         from fhe.envelope import Envelope, parse
+        from fhe.errors import FHEError
 
         block = self.blocks[layer]
         blobs = tuple(wire.encrypt_to_wire(self.ckks, block.layout_input(row)) for row in x_normed)
@@ -193,9 +194,12 @@ class PrivateRuntime:
         env = parse(resp.content, 1 << 30, 1 << 34)
         if env.positions != (start, len(blobs)) or env.layer != layer:
             raise PrivateModeError("server answered another step")
-        cts = [wire.load_ciphertext(b, self.ckks.kit, self.ckks.fingerprint) for b in env.blobs]
-        y, z = block.decrypt_output(cts)
-        return block.finish(y, z)
+        try:
+            cts = [wire.load_ciphertext(b, self.ckks.kit, self.ckks.fingerprint) for b in env.blobs]
+            y, z = block.decrypt_output(cts)
+            return block.finish(y, z)
+        except FHEError as exc:   # garbage, another key, or an output out of range: never a silent token
+            raise PrivateModeError(f"layer {layer}: unusable server answer ({type(exc).__name__}: {exc})") from exc
 
     # -- generation --------------------------------------------------------------------------------------
     @torch.inference_mode()

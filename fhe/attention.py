@@ -30,7 +30,7 @@ import torch
 from engine.config import ModelConfig
 from engine.model import DecoderLayer, RotaryEmbedding
 from fhe.ckks import CKKSClient, ServerKeys
-from fhe.errors import LevelError, ParameterError, PlanMismatchError, ShapeError
+from fhe.errors import LevelError, OutputRangeError, ParameterError, PlanMismatchError, ShapeError
 from fhe.hazmat.seal import Ciphertext, Kit
 from fhe.linalg import HybridMatvec, SlotMap, Steps, replicate_input, rotate_sum
 from fhe.linalg import rotate_sum_steps as _rs_steps
@@ -43,6 +43,8 @@ from fhe.simulator import BlockWeights, block_weights
 OUTPUT_HEADROOM_BITS = 2
 #: Margin over the plan's observed max of a s + b when sizing p (calibration's own margin is 1.25).
 X_MARGIN = 1.5
+#: Margin over the plan's observed largest denominator and normalized output when sizing p.
+OUTPUT_MARGIN = 2.0
 
 
 @dataclass(frozen=True)
@@ -251,21 +253,23 @@ def _base_max(plan: LayerPlan) -> float:
     return 1.0 + x_hi / 2 ** approx.squarings if approx.kind == "sqexp" else max(approx.bound, 1e-6)
 
 
-def _fold_scores(bw: BlockWeights, plan: LayerPlan, g: float):
+def _fold_scores(bw: BlockWeights, plan: LayerPlan, g: float, boost: float = 1.0):
     """Fold the score scaling into the projections: Wq, bq, Wk, bk and beta, all float64.
 
     The squared base is ``g * (alpha_h s + beta_h)`` with ``s = q.k / sqrt(D)``; the factor
     ``f_h = g * alpha_h / sqrt(D)`` is split between q and k (k's share per KV head ``c_g =
-    sqrt(max_h |f_h|)``) so both stay well above the CKKS noise floor. Exact normalization on the
-    client cancels the common factor g^n (n = 2^squarings).
+    sqrt(max_h |f_h|)``). Both are further multiplied by ``boost``: q and k then carry ``boost`` times
+    larger values over the same absolute CKKS noise, and the q.k rescale by a prime ``boost^2`` times the
+    scale takes the factor back out (see :meth:`EncryptedAttentionLayer._scale_chain`). Exact
+    normalization on the client cancels the common factor g^n (n = 2^squarings).
     """
     approx = plan.approx
     alpha, beta = (np.asarray(v, np.float64) for v in approx.base_affine())
     f = alpha * g / math.sqrt(bw.head_dim)                                   # [Hq]
     grp = bw.num_heads // bw.num_kv_heads
     c = np.sqrt(np.abs(f).reshape(bw.num_kv_heads, grp).max(1)).clip(1e-12)  # [Hkv]
-    fq = np.repeat(f / np.repeat(c, grp), bw.head_dim)                       # [Hq*D]
-    fk = np.repeat(c, bw.head_dim)                                           # [Hkv*D]
+    fq = np.repeat(f / np.repeat(c, grp), bw.head_dim) * boost               # [Hq*D]
+    fk = np.repeat(c, bw.head_dim) * boost                                   # [Hkv*D]
 
     def scaled(w, b, per_row):
         return w.numpy() * per_row[:, None], None if b is None else b.numpy() * per_row
@@ -286,6 +290,33 @@ def _value_gain(bw: BlockWeights) -> float:
         m = bw.wo[:, h * d:(h + 1) * d] @ bw.wv[(h // g) * d:(h // g + 1) * d]   # [hidden, hidden]
         worst = max(worst, float(m.norm(dim=1).max()))
     return worst * math.sqrt(bw.wq.shape[1])
+
+
+@dataclass(frozen=True)
+class _Extent:
+    """Bounds on the block's outputs in the score map's units (p_j <= ``p_max``): z <= tokens * p_max and
+    |y_h| <= z * ``gain`` always; when the plan measured them, z <= margin * z_obs and |y_h| <= z * margin
+    * out_obs on its data, usually far tighter (SmolLM2 layers 2-5: out_obs ~5 vs gain ~100, z_obs ~1)."""
+
+    p_max: float
+    gain: float
+    z_obs: float = math.inf
+    out_obs: float = math.inf
+
+    @classmethod
+    def build(cls, plan: LayerPlan, p_max: float, gain: float) -> _Extent:
+        if plan.observed_output is None:
+            return cls(p_max, gain)
+        z_obs, out_obs = plan.observed_output
+        return cls(p_max, gain, OUTPUT_MARGIN * z_obs, OUTPUT_MARGIN * out_obs)
+
+    def worst(self, tokens: int) -> float:
+        """Worst-case max(z, |y|) at this context length (what the setup sizes g for)."""
+        return tokens * self.p_max * self.gain
+
+    def sized(self, tokens: int) -> float:
+        """The bound a step at this context length sizes p for."""
+        return min(tokens * self.p_max, self.z_obs) * max(1.0, min(self.gain, self.out_obs))
 
 
 @dataclass
@@ -334,8 +365,12 @@ class EncryptedAttentionLayer:
         # p <= limit / (tokens * gain) keeps y, z below the last prime; g is sized for max_tokens here
         # and raised per step to the current context length (:meth:`_step_gain`), for precision.
         self._n = 2 ** approx.num_squarings
-        g = (limit / (max_tokens * max(1.0, _value_gain(bw)))) ** (1.0 / self._n) / _base_max(layer_plan)
-        wq, bq, wk, bk, self.beta = _fold_scores(bw, layer_plan, g)
+        # q and k are computed qk_boost times larger; the q.k rescale by a prime of qk_boost^2 * scale
+        # brings the product back (1 with uniform primes; a larger q.k prime buys q/k precision)
+        self._qk_boost = math.sqrt(self.kit.prime(self.geo.level_qk) / self.kit.scale)
+        self._extent = _Extent.build(layer_plan, _base_max(layer_plan) ** self._n, max(1.0, _value_gain(bw)))
+        g = (limit / self._extent.worst(max_tokens)) ** (1.0 / self._n)
+        wq, bq, wk, bk, self.beta = _fold_scores(bw, layer_plan, g, self._qk_boost)
         self.maps = BlockMaps.build(self.geo, wq, wk, bw.wv.numpy(), bw.wo.numpy())
         self._v_bias = None if bw.bv is None else bw.bv.numpy()
         self._bias = self._bias_vector(bq, bk)
@@ -370,7 +405,7 @@ class EncryptedAttentionLayer:
         """Scales after each stage, computed exactly as SEAL does (double ops)."""
         kit, geo = self.kit, self.geo
         delta = kit.scale
-        s = delta * delta / kit.prime(geo.level_qk)                 # after q*K rescale
+        s = delta * delta * self._qk_boost ** 2 / kit.prime(geo.level_qk)   # after q*K rescale (= delta)
         self.scale_s = s
         lvl = geo.level_qk - 1
         for _ in range(geo.squarings):
@@ -454,10 +489,10 @@ class EncryptedAttentionLayer:
         cache.length += 1
 
     def _step_gain(self, tokens: int) -> float:
-        """Extra factor on the base at a context of ``tokens``: (max_tokens / tokens)^(1/n) >= 1.
-
-        z <= tokens * p_max, so short contexts can afford larger p (further above the noise floor)."""
-        return (self.max_tokens / max(1, tokens)) ** (1.0 / self._n)
+        """Extra factor (>= 1) on the base at a context of ``tokens``: p is sized for this step's bound on
+        max(z, |y|) instead of the setup's worst case, so it sits further above the noise floor."""
+        ext = self._extent
+        return (ext.worst(self.max_tokens) / ext.sized(max(1, tokens))) ** (1.0 / self._n)
 
     def _beta(self, rows: int, tokens: int):
         """Plaintext beta_h (times the step gain) on the first ``rows`` rows (cached within a step)."""
@@ -550,5 +585,12 @@ class BlockClient:
 
     @staticmethod
     def finish(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """attn_out [T, hidden] = sum_h y_h / z_h (the exact normalization, on the client)."""
+        """attn_out [T, hidden] = sum_h y_h / z_h (the exact normalization, on the client).
+
+        Every z_h is a sum of positive weights; a z <= 0 or a non-finite value means the server's
+        values overflowed the last prime (inputs far outside the plan's calibrated range) or were
+        tampered with: OutputRangeError rather than a silently wrong token.
+        """
+        if not (torch.isfinite(y).all() and torch.isfinite(z).all() and (z > 0).all()):
+            raise OutputRangeError("decrypted attention output out of range (z <= 0 or not finite)")
         return (y / z[..., None]).sum(1)

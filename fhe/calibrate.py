@@ -188,6 +188,17 @@ class BlockFit(nn.Module):
         pv = torch.einsum("bhqk,bkhd->bqhd", p, vh) / z.transpose(1, 2)[..., None]
         return self.proj["o_proj"](pv.flatten(2)), s, mask, z
 
+    def output_extent(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[float, float]:
+        """(max z, max over heads h and outputs o of |(sum_j p_hj v_j / z_h) Wo_h[o]|) on valid positions."""
+        s, v, mask = self.affine(x)
+        p = score_map(s, self.kind, self.scale, self.shift, self.squarings, mask)
+        z = p.sum(-1)                                                   # [B, Hq, T]
+        vh = v.repeat_interleave(self.hq // self.hkv, dim=2)
+        pv = torch.einsum("bhqk,bkhd->bqhd", p, vh) / z.transpose(1, 2)[..., None]   # [B, T, Hq, D]
+        wo = self.proj["o_proj"].weight.view(-1, self.hq, self.d)       # [hidden, Hq, D]
+        y = torch.einsum("nhd,ohd->nho", pv[valid], wo)                # [positions, Hq, hidden]
+        return float(z.transpose(1, 2)[valid].max()), float(y.abs().max())
+
     def x_range(self, s: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """a s + b on real, unmasked entries (flat)."""
         x = self.scale[:, None, None] * s + self.shift[:, None, None]
@@ -241,16 +252,18 @@ def fit_layer(model: LlamaForCausalLM, index: int, data: LayerData, cfg: Calibra
         loss = float(rel_mse(out, data.target, data.valid))
         x = fit.x_range(s, mask, data.valid)
         min_z = float(z.transpose(1, 2)[data.valid].min())
+        extent = fit.output_extent(data.x, data.valid)
     lo, hi = float(x.min()), float(x.max())
     bound = cfg.margin * max(abs(lo), abs(hi))
     info = {"layer": index, "rel_mse_initial": losses[0] if losses else loss, "rel_mse": loss,
             "observed_range": [lo, hi], "bound": bound, "min_denominator": min_z,
+            "observed_output": list(extent),
             "fits": bound <= cfg.max_bound, "seconds": round(time.perf_counter() - start, 2)}
     if not info["fits"]:
         return None, info
     approx = ScoreApprox(cfg.kind, tuple(fit.scale.tolist()), tuple(fit.shift.tolist()), cfg.squarings, bound)
     weights = _adjusted_weights(fit) if cfg.distill_weights else {}
-    return LayerPlan(index, approx, (lo, hi), weights), info
+    return LayerPlan(index, approx, (lo, hi), weights, extent), info
 
 
 def _optimize(fit: BlockFit, data: LayerData, cfg: CalibrationConfig) -> list[float]:

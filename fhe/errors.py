@@ -10,7 +10,8 @@ Hierarchy::
     ├── LevelError                a ciphertext is at the wrong level/scale for the operation
     ├── WireError                 bytes that do not parse (garbage, truncated, wrong kind/version)
     │   └── SizeLimitError        a blob over its size limit (checked before deserializing)
-    └── PlanMismatchError         a plan whose content hash does not match what the block was built for
+    ├── PlanMismatchError         a plan whose content hash does not match what the block was built for
+    └── OutputRangeError          a decrypted block output that cannot be (overflow or tampering)
 
 Foreign errors (SEAL's C++ exceptions surfacing as RuntimeError/ValueError through pybind11) are
 translated to these in one place, :func:`fhe.hazmat.seal.translate`.
@@ -53,3 +54,8 @@ class SizeLimitError(WireError):
 
 class PlanMismatchError(FHEError):
     """A plan (or request) names a content hash other than the one the block was built from."""
+
+
+class OutputRangeError(FHEError):
+    """A decrypted block output is impossible (a denominator <= 0 or not finite): the values overflowed
+    the last prime or the ciphertext was tampered with."""

@@ -23,8 +23,9 @@ MIN_RING = 16384
 #: (Not more: SEAL's key-switching noise grows as first prime / special prime, see docs/fhe.md.)
 FIRST_PRIME_HEADROOM_BITS = 18
 SPECIAL_PRIME_BITS = 60
-#: Below ~2^36 the block's error exceeds 1e-3 (measured: 2^30 -> 5e-3, 2^40 -> 3e-4 on SmolLM2).
-MIN_SCALE_BITS, MAX_SCALE_BITS = 36, 40
+#: Scales tried, largest first. Measured on SmolLM2 layer 3, 24 real tokens, max error of the block
+#: vs the simulator: 2^30 (N = 16384) 1.5e-2, 2^40 9.3e-4, 2^50 3.0e-5 (N = 32768); see docs/fhe.md.
+MIN_SCALE_BITS, MAX_SCALE_BITS = 36, 50
 #: Levels spent outside the softmax replacement: projection, repack/RoPE, q.k, x V, x Wo.
 BASE_DEPTH = 5
 

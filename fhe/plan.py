@@ -52,12 +52,17 @@ class LayerPlan:
         approx: its score map.
         observed_range: (min, max) of ``a s + b`` over the calibration positions, if measured.
         weights: adjusted attention weights by name (``ADJUSTABLE``), HF layout, gain not folded.
+        observed_output: (max z, max |y_h / z_h|) over the calibration positions, if measured: the
+            largest denominator (in the score map's own units) and the
+            largest per-head normalized output ``(sum_j p_j v_j / z) Wo_h``; the encrypted block sizes
+            its values from these (with a margin) instead of from worst-case bounds.
     """
 
     index: int
     approx: ScoreApprox
     observed_range: tuple[float, float] | None = None
     weights: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    observed_output: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.index < 0:
@@ -68,7 +73,10 @@ class LayerPlan:
 
     def to_dict(self) -> dict:
         rng = None if self.observed_range is None else [float(v) for v in self.observed_range]
-        return {"index": self.index, "approx": self.approx.to_dict(), "observed_range": rng}
+        out = {"index": self.index, "approx": self.approx.to_dict(), "observed_range": rng}
+        if self.observed_output is not None:
+            out["observed_output"] = [float(v) for v in self.observed_output]
+        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -268,8 +276,17 @@ def _from_doc(doc: dict, tensors: dict[str, torch.Tensor]) -> Plan:
 def _layer_from_dict(d: dict, tensors: dict[str, torch.Tensor]) -> LayerPlan:
     prefix = f"layers.{d['index']}."
     weights = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
-    rng = d.get("observed_range")
-    rng = None if rng is None else (float(rng[0]), float(rng[1]))
-    if rng is not None and not all(math.isfinite(v) for v in rng):
-        raise PlanError("observed range must be finite")
-    return LayerPlan(int(d["index"]), ScoreApprox.from_dict(d["approx"]), rng, weights)
+    rng, out = (_pair(d.get(key), key) for key in ("observed_range", "observed_output"))
+    if out is not None and not all(v > 0 for v in out):
+        raise PlanError("observed output bounds must be positive")
+    return LayerPlan(int(d["index"]), ScoreApprox.from_dict(d["approx"]), rng, weights, out)
+
+
+def _pair(value, what: str) -> tuple[float, float] | None:
+    """A finite (a, b) from a plan document, or None."""
+    if value is None:
+        return None
+    pair = (float(value[0]), float(value[1]))
+    if not all(math.isfinite(v) for v in pair):
+        raise PlanError(f"{what.replace('_', ' ')} must be finite")
+    return pair

@@ -19,6 +19,8 @@ class PrivateSettings(BaseModel):
     max_blob_bytes: int = Field(16 << 20, ge=1024, description="one serialized ciphertext")
     max_step_bytes: int = Field(256 << 20, ge=1024, description="one step's body")
     max_key_bytes: int = Field(1 << 30, ge=1024, description="one evaluation-key upload (N=32768 keys: ~720 MB)")
+    max_keys_per_worker: int = Field(2, ge=1, description="evaluation keys one worker keeps loaded "
+                                     "(N=32768: ~6 GB each); the least recently used idle one is dropped")
     task_timeout_s: float = Field(600.0, gt=0, description="a worker task running longer is killed")
     key_lifetime_s: float | None = Field(30 * 86400.0, gt=0, description="expiry of a registered key")
     audit_checkpoint_every: int = Field(64, ge=1, description="records between signed checkpoints")

@@ -63,6 +63,7 @@ class PrivateService:
         self.sessions = SessionTable(cfg.session_ttl_s, clock or time.monotonic)
         self._screened: dict[str, Inspection] = {}
         self._loaded: set[tuple[int, str]] = set()  # (worker, fingerprint) holding the key
+        self._key_used: dict[tuple[int, str], float] = {}  # last session opened with it there
         pool.on_restart = self._worker_lost
         registry.add_cancel_hook(self._key_left_active)
 
@@ -152,12 +153,15 @@ class PrivateService:
                                  retry_after=5, code="too_many_sessions")
         lease = self._lease(tenant, key_id, actor, request_id)
         rec = lease.record
-        worker = self.pool.least_loaded()
+        worker = self._pick_worker(rec.fingerprint)
         s = Session(self.sessions.new_id(), tenant, key_id, rec.version, rec.fingerprint, worker,
                     self.sessions.now(), self.sessions.now(), lease)
         try:
             await self._ensure_key(worker, tenant, lease)
             await self.pool.submit(worker, tenant, "open_session", s.id, rec.fingerprint)
+        except RateLimitError:
+            lease.release()
+            raise
         except WorkerError as exc:
             lease.release()
             raise ServiceUnavailableError("encrypted worker unavailable", retry_after=1, code="worker_lost") from exc
@@ -176,10 +180,35 @@ class PrivateService:
 
     async def _ensure_key(self, worker: int, tenant: str, lease) -> None:
         fp = lease.record.fingerprint
+        self._key_used[(worker, fp)] = self.sessions.now()
         if (worker, fp) not in self._loaded:
+            await self._make_room(worker, tenant)
             material = self.registry.load_material(lease)
             await self.pool.submit(worker, tenant, "load_key", fp, material)
             self._loaded.add((worker, fp))
+
+    def _pick_worker(self, fp: str) -> int:
+        """A worker that already holds the key, else one with room for it, else the least loaded."""
+        holders = [w for w, f in self._loaded if f == fp]
+        room = [w for w in range(self.pool.size)
+                if sum(1 for v, _ in self._loaded if v == w) < self.cfg.max_keys_per_worker]
+        return self.pool.least_loaded(holders or room)
+
+    async def _make_room(self, worker: int, tenant: str) -> None:
+        """Keep at most ``max_keys_per_worker`` keys in a worker: drop the least recently used key that
+        no open session there uses, or refuse with 429 when every loaded key is in use."""
+        held = [fp for w, fp in self._loaded if w == worker]
+        if len(held) < self.cfg.max_keys_per_worker:
+            return
+        busy = {s.fingerprint for s in self.sessions.on_worker(worker)}
+        idle = [fp for fp in held if fp not in busy]
+        if not idle:
+            raise RateLimitError("every encrypted worker holds its maximum of keys in use; retry later",
+                                 retry_after=5, code="worker_keys_full")
+        victim = min(idle, key=lambda fp: self._key_used.get((worker, fp), 0.0))
+        await self.pool.submit(worker, tenant, "drop_key", victim)
+        self._loaded.discard((worker, victim))
+        self._key_used.pop((worker, victim), None)
 
     def session_for(self, tenant: str, sid: str) -> Session:
         """The tenant's session (404 for unknown ids and for other tenants' ids alike)."""

@@ -146,9 +146,10 @@ class WorkerPool:
     def _spawn(self) -> _Worker:
         return _Worker(self._ctx, self.factory, self.factory_args, self.start_timeout)
 
-    def least_loaded(self) -> int:
-        """Index of the worker with the fewest queued tasks (for pinning a new session)."""
-        return min(range(self.size), key=lambda i: self._slots[i].pending)
+    def least_loaded(self, among: list[int] | None = None) -> int:
+        """Index of the worker with the fewest queued tasks (for pinning a new session), optionally
+        among some workers only."""
+        return min(among or range(self.size), key=lambda i: self._slots[i].pending)
 
     async def submit(self, worker: int, tenant: str, method: str, *args, timeout: float | None = None) -> Any:
         """Run ``state.method(*args)`` on worker ``worker``; cancel-safe before the task starts."""

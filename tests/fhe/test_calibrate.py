@@ -9,7 +9,7 @@ import torch
 
 from fhe.calibrate import CalibrationConfig, CalibrationError, calibrate, collect, fit_layer, load_prompts
 from fhe.plan import Plan, load_default_plan
-from fhe.simulator import sequence_logits, simulated_model
+from fhe.simulator import sequence_logits, simulate_block, simulated_model
 from tests.fhe.test_simulator import tiny_model
 
 
@@ -52,6 +52,16 @@ def test_sqexp_fit_lowers_block_error_and_range_fits():
     assert info0["observed_range"][1] == pytest.approx(0.0, abs=1e-5)       # uncalibrated: x <= 0
     lo, hi = lp.observed_range
     assert max(-lo, hi) * cfg.margin == pytest.approx(lp.approx.bound) and lp.approx.bound <= 48.0
+    # output extent, recomputed by hand from the simulator: max z and max |y_h / z_h| over the positions
+    z_max, out_max = lp.observed_output
+    zs, outs, gain = [], [], model.layers[1].input_layernorm.weight.double()
+    for b in range(data[1].x.shape[0]):
+        n = int(data[1].valid[b].sum())
+        x_hat = data[1].x[b, :n].double() / gain                        # LayerData holds gain * x_hat
+        y, z, _ = simulate_block(model.layers[1], model.rotary, x_hat, torch.arange(n), None, lp)
+        zs.append(z.max().item())
+        outs.append((y / z[..., None]).abs().max().item())
+    assert z_max == pytest.approx(max(zs), rel=1e-4) and out_max == pytest.approx(max(outs), rel=1e-4)
 
 
 def test_range_that_does_not_fit_is_refused():

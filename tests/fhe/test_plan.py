@@ -16,7 +16,7 @@ from tests.fhe.test_simulator import tiny_model
 def _plan(weights: bool = False) -> Plan:
     a = ScoreApprox("sqexp", (1.0, 1.5, 0.75, 1.0), (-2.0, -1.0, -3.0, -4.0), 6, 30.0)
     w = {"o_proj.weight": torch.randn(32, 32), "q_proj.bias": torch.randn(32)} if weights else {}
-    layers = (LayerPlan(2, a, (-20.0, -0.5), w), LayerPlan(0, a, (-10.0, 0.0)))
+    layers = (LayerPlan(2, a, (-20.0, -0.5), w, (2.5, 7.0)), LayerPlan(0, a, (-10.0, 0.0)))
     return Plan("tiny", "ab" * 32, layers, {"poly_modulus_degree": 16384}, "test", {"seed": 0})
 
 
@@ -26,6 +26,7 @@ def test_json_round_trip(tmp_path):
     back = Plan.load(path)
     assert back.content_hash == plan.content_hash and back.layer_indices == (0, 2)
     assert back.layer(2).approx == plan.layer(2).approx and back.layer(2).observed_range == (-20.0, -0.5)
+    assert back.layer(2).observed_output == (2.5, 7.0) and back.layer(0).observed_output is None
     assert json.loads(path.read_text())["content_hash"] == plan.content_hash
 
 
@@ -46,9 +47,12 @@ def test_hash_covers_parameters_and_tensors():
     q = Plan(p.model_id, p.weights_sha256, (LayerPlan(2, a2, (-20.0, -0.5)), p.layer(0)), p.ckks,
              p.created_by, p.calibration)
     assert p.content_hash != q.content_hash
+    r = Plan(p.model_id, p.weights_sha256, (LayerPlan(2, p.layer(2).approx, (-20.0, -0.5), {}, (2.5, 7.5)),
+                                            p.layer(0)), p.ckks, p.created_by, p.calibration)
+    assert p.content_hash != r.content_hash             # the output bounds size the encrypted values
 
 
-@pytest.mark.parametrize("edit", ["scale", "version", "format", "hash", "garbage", "drop_key"])
+@pytest.mark.parametrize("edit", ["scale", "version", "format", "hash", "garbage", "drop_key", "output"])
 def test_tampered_json_is_refused(tmp_path, edit):
     path = _plan().save(tmp_path / "p.json")
     doc = json.loads(path.read_text())
@@ -62,6 +66,8 @@ def test_tampered_json_is_refused(tmp_path, edit):
         doc["content_hash"] = "0" * 64
     elif edit == "drop_key":
         del doc["layers"][0]["approx"]["kind"]
+    elif edit == "output":
+        doc["layers"][1]["observed_output"] = [-1.0, 7.0]
     path.write_text("{not json" if edit == "garbage" else json.dumps(doc))
     with pytest.raises(PlanError) as info:
         Plan.load(path)
@@ -126,4 +132,6 @@ def test_default_plan_ships_and_verifies():
         assert lp.approx.kind == "sqexp" and lp.approx.num_heads == 9 and not lp.weights
         lo, hi = lp.observed_range
         assert max(abs(lo), abs(hi)) <= lp.approx.bound <= 0.75 * 2 ** lp.approx.squarings
+        z_max, out_max = lp.observed_output                # the encrypted block sizes its values by these
+        assert 0.5 < z_max < 20 and 0.5 < out_max < 50
     assert plan.ckks["poly_modulus_degree"] >= 16384

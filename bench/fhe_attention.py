@@ -47,48 +47,106 @@ def fill_cache(layer: EncryptedAttentionLayer, client: CKKSClient, cache, tokens
 
 
 @torch.inference_mode()
-def fidelity(model, plan, prompts: list[int], params=None, positions: int = 0, json_path=None) -> dict:
-    """Next-token top-1 agreement and KL(plain || encrypted) over every position of held-out evaluation
-    prompts (teacher forcing), every plan layer's attention run under CKKS; ``positions`` > 0 keeps only
-    the first positions of each prompt. With ``json_path`` the rows so far are written after each prompt.
+def fidelity(model, plan, prompts: list[int], params=None, answer: int = 16, json_path=None,
+             count_prefix: bool = True) -> dict:
+    """Next-token top-1 agreement and KL(plain || encrypted), every plan layer's attention under CKKS.
+
+    Sequences: each held-out evaluation prompt in the chat template followed by ``answer`` tokens of the
+    plaintext model's greedy answer; every position is teacher-forced. The chat template's system
+    prompt is the same for every prompt: it runs through the encrypted path once, its encrypted and
+    plaintext caches are kept, and each prompt continues from them (``count_prefix``: count those
+    positions, once). Rows are written to ``json_path`` after each prompt.
 
     Also reports the same against the plaintext simulator, to separate approximation error from
     CKKS noise. ``params`` overrides the plan's CKKS parameters (same plan, other ring or primes).
     """
+    from engine.model import greedy_generate
     from engine.tokenizer import Tokenizer
     from fhe.calibrate import load_prompts
     from fhe.simulator import sequence_logits, simulated_model
 
-    tok = Tokenizer.from_folder(default_model_dir())
+    tok, texts = Tokenizer.from_folder(default_model_dir()), load_prompts("evaluation")
+    seqs = {}
+    for index in prompts:
+        ids = tok.apply_chat_template([{"role": "user", "content": texts[index]}])
+        seqs[index] = ids + greedy_generate(model, ids, answer)[:answer]
+    prefix = min(next((i for i, (a, b) in enumerate(zip(s0, s1)) if a != b), len(s0))
+                 for s0 in seqs.values() for s1 in seqs.values() if s0 is not s1) if len(seqs) > 1 else 0
     cfg, lp0 = model.config, plan.layers[0].approx
     params = params or CKKSParams.from_dict(plan.ckks)
     t0 = time.perf_counter()
     client = CKKSClient(params, required_rotation_steps(cfg, params, lp0.kind, lp0.squarings))
     keys, keygen = client.server_keys(), time.perf_counter() - t0
     sim_model = simulated_model(model, plan)
-    blocks = {i: EncryptedAttentionLayer.from_plan(sim_model, plan, i, params, max_tokens=64)
+    blocks = {i: EncryptedAttentionLayer.from_plan(sim_model, plan, i, params, max_tokens=128)
               for i in plan.layer_indices}
-    bc = BlockClient.for_model(client, cfg, lp0.kind, lp0.squarings)
+    runner = _EncryptedRun(sim_model, blocks, BlockClient.for_model(client, cfg, lp0.kind, lp0.squarings), keys,
+                           max(map(len, seqs.values())))
+    first = next(iter(seqs.values()))
+    shared = runner.run(torch.tensor(first[:prefix]), 0)
+    snapshot = runner.snapshot()
     rows = []
-    for index in prompts:
-        ids = tok.apply_chat_template([{"role": "user", "content": load_prompts("evaluation")[index]}])
-        ids = torch.tensor(ids[:positions] if positions else ids)
+    for n, (index, ids) in enumerate(seqs.items()):
+        ids = torch.tensor(ids)
+        runner.restore(snapshot)
+        enc = torch.cat([shared, runner.run(ids[prefix:], prefix)])
         ref = sequence_logits(model, ids.tolist(), None).log_softmax(-1)
         sim = sequence_logits(sim_model, ids.tolist(), plan).log_softmax(-1)
-        enc = _encrypted_logits(sim_model, blocks, bc, keys, ids)
-        for t in range(len(ids)):
+        for t in range(0 if n == 0 and count_prefix else prefix, len(ids)):
             rows.append({"prompt": index, "position": t, "agree": int(enc[t].argmax() == ref[t].argmax()),
                          "agree_sim": int(enc[t].argmax() == sim[t].argmax()),
                          "kl": float((ref[t].exp() * (ref[t] - enc[t])).sum()),
                          "kl_sim": float((sim[t].exp() * (sim[t] - enc[t])).sum())})
-        print(f"prompt {index}: {len(ids)} positions, running top-1 "
+        print(f"prompt {index}: {len(ids)} tokens, {len(rows)} positions so far, running top-1 "
               f"{np.mean([r['agree'] for r in rows]):.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
         res = {"params": params.to_dict(), "plan": plan.content_hash, "layers": list(plan.layer_indices),
-               "keygen_s": keygen, "seconds": time.perf_counter() - t0, "rows": rows}
+               "answer_tokens": answer, "shared_prefix": prefix, "keygen_s": keygen,
+               "seconds": time.perf_counter() - t0, "rows": rows}
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(res, f)
     return res
+
+
+class _EncryptedRun:
+    """The model with the plan's attention blocks under CKKS, token by token, with cache snapshots."""
+
+    def __init__(self, sim_model, blocks, bc: BlockClient, keys, max_len: int) -> None:
+        self.model, self.blocks, self.bc, self.keys = sim_model, blocks, bc, keys
+        self.caches = {i: b.new_cache() for i, b in blocks.items()}
+        self.plain = DenseKVCache(sim_model.config, max_len)
+
+    def snapshot(self):
+        """Copies of the cache lists (cached ciphertexts are never modified in place) and tensors."""
+        enc = {i: (list(c.k_blocks), list(c.v_blocks), c.length) for i, c in self.caches.items()}
+        return enc, self.plain.k.clone(), self.plain.v.clone(), self.plain.length
+
+    def restore(self, snap) -> None:
+        enc, k, v, length = snap
+        for i, (kb, vb, n) in enc.items():
+            c = self.caches[i]
+            c.k_blocks, c.v_blocks, c.length = list(kb), list(vb), n
+        self.plain.k.copy_(k)
+        self.plain.v.copy_(v)
+        self.plain.length = length
+
+    def run(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Log-probabilities [T, vocab] for positions start.. (the caches must hold start tokens)."""
+        out, model, bc = [], self.model, self.bc
+        for j in range(len(ids)):
+            t, pos = start + j, torch.tensor([start + j])
+            h = model.embed(ids[j:j + 1])
+            for i, layer in enumerate(model.layers):
+                if i in self.blocks:
+                    x = layer.input_layernorm.normalize(h)
+                    ct = self.blocks[i].forward(self.caches[i], bc.encrypt_input(x)[0], t, self.keys)
+                    y, z = bc.decrypt_output([ct])
+                    h = layer.mlp_block(h + BlockClient.finish(y, z).to(h.dtype))
+                else:
+                    h = layer(h, pos, model.rotary, self.plain)
+            self.plain.advance()
+            out.append(model.logits(h).log_softmax(-1)[0])
+        return torch.stack(out) if out else torch.empty(0, model.config.vocab_size)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -109,25 +167,6 @@ def _indices(spec: str) -> list[int]:
     return out
 
 
-def _encrypted_logits(sim_model, blocks, bc, keys, ids: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities [T, vocab] with the plan's attention blocks under CKKS, token by token."""
-    caches = {i: b.new_cache() for i, b in blocks.items()}
-    enc_cache, out = DenseKVCache(sim_model.config, len(ids)), []
-    for t in range(len(ids)):
-        pos = torch.tensor([t])
-        h = sim_model.embed(ids[t:t + 1])
-        for i, layer in enumerate(sim_model.layers):
-            if i in blocks:
-                x = layer.input_layernorm.normalize(h)
-                y, z = bc.decrypt_output([blocks[i].forward(caches[i], bc.encrypt_input(x)[0], t, keys)])
-                h = layer.mlp_block(h + BlockClient.finish(y, z).to(h.dtype))
-            else:
-                h = layer(h, pos, sim_model.rotary, enc_cache)
-        enc_cache.advance()
-        out.append(sim_model.logits(h).log_softmax(-1)[0])
-    return torch.stack(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layer", type=int, default=3)
@@ -137,7 +176,8 @@ def main() -> None:
     ap.add_argument("--plan", default=None, help="plan file (default: the shipped plan)")
     ap.add_argument("--fidelity", default=None, metavar="PROMPTS",
                     help="fidelity through the encrypted path over these evaluation prompts, e.g. 0-3 or 4,5")
-    ap.add_argument("--positions", type=int, default=0, help="fidelity: first N positions of each prompt")
+    ap.add_argument("--answer", type=int, default=16, help="fidelity: greedy answer tokens after each prompt")
+    ap.add_argument("--no-prefix-count", action="store_true", help="fidelity: do not count the shared prefix")
     ap.add_argument("--params", default=None, metavar="N:BITS:SCALE",
                     help="override the plan's CKKS parameters, e.g. 16384:48,30,...,60:30")
     ap.add_argument("--json", default=None, help="fidelity: write rows here")
@@ -156,7 +196,8 @@ def main() -> None:
         if args.params:
             n, bits, scale = args.params.split(":")
             params = CKKSParams(int(n), tuple(int(b) for b in bits.split(",")), int(scale))
-        res = fidelity(model, plan, _indices(args.fidelity), params, args.positions, args.json)
+        res = fidelity(model, plan, _indices(args.fidelity), params, args.answer, args.json,
+                       not args.no_prefix_count)
         print(json.dumps({k: v for k, v in res.items() if k != "rows"} | summarize(res["rows"])))
         return
     lp = plan.layer(args.layer)

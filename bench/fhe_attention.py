@@ -108,6 +108,32 @@ def fidelity(model, plan, prompts: list[int], params=None, answer: int = 16, jso
     return res
 
 
+@torch.inference_mode()
+def precision(model, plan, layer: int, tokens: int, params=None, prompt: int = 1) -> dict:
+    """Max |error| of the decrypted block output (sum_h y_h / z_h) vs the simulator on the first
+    ``tokens`` real tokens of a held-out evaluation prompt, through ``prefill``."""
+    from engine.tokenizer import Tokenizer
+    from fhe.calibrate import load_prompts
+    from fhe.simulator import finish, simulate_block
+
+    tok = Tokenizer.from_folder(default_model_dir())
+    ids = torch.tensor(tok.apply_chat_template(
+        [{"role": "user", "content": load_prompts("evaluation")[prompt]}])[:tokens])
+    h = model.run_layers(model.embed(ids), torch.arange(len(ids)), DenseKVCache(model.config, len(ids)), 0, layer)
+    x, lp = model.layers[layer].input_layernorm.normalize(h), plan.layer(layer)
+    params = params or CKKSParams.from_dict(plan.ckks)
+    block = EncryptedAttentionLayer(model.layers[layer], model.rotary, lp, model.config, params, max_tokens=1024)
+    client = CKKSClient(params, sorted(block.rotation_steps))
+    bc = BlockClient.for_model(client, model.config, lp.approx.kind, lp.approx.squarings)
+    t = time.perf_counter()
+    outs = block.prefill(block.new_cache(), bc.encrypt_input(x), 0, client.server_keys())
+    seconds = (time.perf_counter() - t) / len(ids)
+    ys, zs, _ = simulate_block(model.layers[layer], model.rotary, x, torch.arange(len(ids)), None, lp)
+    err = (finish(*bc.decrypt_output(outs)) - finish(ys, zs)).abs()
+    return {"params": params.to_dict(), "plan": plan.content_hash, "layer": layer, "tokens": len(ids),
+            "max_error": err.max().item(), "mean_error": err.mean().item(), "seconds_per_token": seconds}
+
+
 class _EncryptedRun:
     """The model with the plan's attention blocks under CKKS, token by token, with cache snapshots."""
 
@@ -180,6 +206,8 @@ def main() -> None:
     ap.add_argument("--no-prefix-count", action="store_true", help="fidelity: do not count the shared prefix")
     ap.add_argument("--params", default=None, metavar="N:BITS:SCALE",
                     help="override the plan's CKKS parameters, e.g. 16384:48,30,...,60:30")
+    ap.add_argument("--precision", type=int, default=0, metavar="T",
+                    help="block error vs the simulator on T real tokens of layer --layer")
     ap.add_argument("--json", default=None, help="fidelity: write rows here")
     ap.add_argument("--merge", nargs="+", default=None, help="summarize fidelity JSON files of several runs")
     args = ap.parse_args()
@@ -191,11 +219,14 @@ def main() -> None:
     torch.set_num_threads(1)
     model = load_model(default_model_dir())
     plan = Plan.load(args.plan) if args.plan else load_default_plan()
+    params = None
+    if args.params:
+        n, bits, scale = args.params.split(":")
+        params = CKKSParams(int(n), tuple(int(b) for b in bits.split(",")), int(scale))
+    if args.precision:
+        print(json.dumps(precision(model, plan, args.layer, args.precision, params)))
+        return
     if args.fidelity is not None:
-        params = None
-        if args.params:
-            n, bits, scale = args.params.split(":")
-            params = CKKSParams(int(n), tuple(int(b) for b in bits.split(",")), int(scale))
         res = fidelity(model, plan, _indices(args.fidelity), params, args.answer, args.json,
                        not args.no_prefix_count)
         print(json.dumps({k: v for k, v in res.items() if k != "rows"} | summarize(res["rows"])))

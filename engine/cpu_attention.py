@@ -19,9 +19,13 @@ large torch ops over them:
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # kv_cache imports this module
+    from engine.kv_cache import AttentionMetadata
 
 # Fixed cost of one extra decode group, in gathered (row, position) units: ~90 us of per-op overhead
 # against ~0.3 us per gathered position per layer on this model (measured on a 2-core EPYC).
@@ -93,9 +97,9 @@ def group_by_length(lens: list[int], cost: int = GROUP_COST) -> list[list[int]]:
     return groups[::-1]
 
 
-def plan_step(meta, block_size: int, num_kv_heads: int, num_rows: int, group_size: int,
+def plan_step(meta: AttentionMetadata, block_size: int, num_kv_heads: int, num_rows: int, group_size: int,
               group_cost: int = GROUP_COST) -> StepPlan:
-    """Build the step's plan from its AttentionMetadata (see ``engine.kv_cache``)."""
+    """Build the step's plan from its metadata (``num_rows`` = T, ``group_size`` = Hq / Hkv)."""
     decode, order = [], None
     if meta.num_decode:
         lens = meta.decode_context_lens.tolist()

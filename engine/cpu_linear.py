@@ -28,7 +28,9 @@ _ONE_ROW_MIN_NUMEL = 1 << 22
 
 def onednn_available() -> bool:
     """Whether this torch build has the oneDNN packed-linear ops."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
+            and hasattr(ops, "_reorder_linear_weight"))
 
 
 class PackedLinear(nn.Module):

@@ -188,11 +188,14 @@ class PrivateService:
             self._loaded.add((worker, fp))
 
     def _pick_worker(self, fp: str) -> int:
-        """A worker that already holds the key, else one with room for it, else the least loaded."""
+        """A worker that already holds the key, else one with room for it, else one holding a key no open
+        session uses (it will be dropped), else the least loaded (which will answer 429)."""
         holders = [w for w, f in self._loaded if f == fp]
-        room = [w for w in range(self.pool.size)
-                if sum(1 for v, _ in self._loaded if v == w) < self.cfg.max_keys_per_worker]
-        return self.pool.least_loaded(holders or room)
+        held = {w: [f for v, f in self._loaded if v == w] for w in range(self.pool.size)}
+        room = [w for w, keys in held.items() if len(keys) < self.cfg.max_keys_per_worker]
+        busy = {(s.worker, s.fingerprint) for s in self.sessions.open_sessions()}
+        evictable = [w for w, keys in held.items() if any((w, f) not in busy for f in keys)]
+        return self.pool.least_loaded(holders or room or evictable)
 
     async def _make_room(self, worker: int, tenant: str) -> None:
         """Keep at most ``max_keys_per_worker`` keys in a worker: drop the least recently used key that

@@ -1,7 +1,9 @@
 """cipherlm's model engine: Llama-family model, loaders, tokenizer, paged KV cache, scheduler, sampler."""
 
+from engine.async_llm import AsyncLLM
 from engine.config import ModelConfig
 from engine.default_model import default_model_dir
+from engine.engine_config import EngineConfig
 from engine.errors import (
     EngineError,
     EngineOverloadedError,
@@ -9,16 +11,14 @@ from engine.errors import (
     ModelLoadError,
     UnsupportedModelError,
 )
-from engine.loader import load_model
-from engine.model import DenseKVCache, LlamaForCausalLM, greedy_generate
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.engine_config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.metrics import EngineStats, MetricsListener, RequestStats, VLLM_METRIC_NAMES
-from engine.llm_engine import LLMEngine
 from engine.llm import LLM
-from engine.async_llm import AsyncLLM
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model
+from engine.metrics import VLLM_METRIC_NAMES, EngineStats, MetricsListener, RequestStats
+from engine.model import DenseKVCache, LlamaForCausalLM, greedy_generate
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
     "DenseKVCache",

@@ -362,8 +362,8 @@ class EncryptedAttentionLayer:
         bw = block_weights(layer, layer_plan, torch.float64)
         self.max_tokens = max_tokens
         limit = 2.0 ** (params.coeff_mod_bit_sizes[0] - params.scale_bits - OUTPUT_HEADROOM_BITS)
-        # p <= limit / (tokens * gain) keeps y, z below the last prime; g is sized for max_tokens here
-        # and raised per step to the current context length (:meth:`_step_gain`), for precision.
+        # p <= limit / bound keeps y, z below the last prime: g is sized for the worst case at max_tokens
+        # here and raised per step to the plan's observed extent at the current context (:meth:`_step_gain`)
         self._n = 2 ** approx.num_squarings
         # q and k are computed qk_boost times larger; the q.k rescale by a prime of qk_boost^2 * scale
         # brings the product back (1 with uniform primes; a larger q.k prime buys q/k precision)

@@ -10,34 +10,23 @@ import pytest
 import torch
 
 from engine.fused import FusedLlama
-from engine.model import DenseKVCache
 from tests.engine.engine_helpers import random_prompts, tiny_model
 from tests.engine.hf_tiny import VARIANTS
-
-
-def run_steps(model, cfg, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """Logits of every position, fed in chunks through a dense cache: [len(ids), V]."""
-    cache, out, start = DenseKVCache(cfg, len(ids)), [], 0
-    for n in chunks:
-        h = model(torch.tensor(ids[start:start + n]), torch.arange(start, start + n), cache)
-        cache.advance()
-        out.append(model.logits(h))
-        start += n
-    return torch.cat(out)
+from tests.engine.test_model import our_logits
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @torch.inference_mode()
 def test_fused_forward_equals_reference(variant):
     model = tiny_model(variant, seed=3)
-    ids = random_prompts([21], seed=4)[0]
+    ids = torch.tensor(random_prompts([21], seed=4)[0])
     chunks = [13, 1, 1, 6]
-    want = run_steps(model, model.config, ids, chunks)
+    want = our_logits(model, ids, chunks)
     fused = FusedLlama(model)
-    got = run_steps(fused, model.config, ids, chunks)
+    got = our_logits(fused, ids, chunks)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # the reference forward still runs on the (now sliced) parameters
-    torch.testing.assert_close(run_steps(model, model.config, ids, chunks), want, rtol=0, atol=0)
+    torch.testing.assert_close(our_logits(model, ids, chunks), want, rtol=0, atol=0)
 
 
 def test_fused_weights_share_storage_with_the_model():

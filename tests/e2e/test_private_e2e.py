@@ -29,6 +29,7 @@ import torch
 
 from client_sdk import Client, Timeout
 from server.tenants import hash_api_key
+from tests.server.app_helpers import wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -73,17 +74,7 @@ def server(tmp_path_factory, one_layer_plan, default_model_dir):
     proc = subprocess.Popen([sys.executable, "-m", "server.cli_serve", "--config", str(root / "settings.toml")],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
-        try:
-            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        pytest.fail("server did not become ready")
+    wait_ready(url, proc, 600, root / "server.log")
     yield {"url": url, "root": root, "proc": proc, "plan": one_layer_plan}
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(60)

@@ -4,7 +4,11 @@ settings with one tenant of each kind, and a started engine (the real AsyncLLM, 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import time
 from pathlib import Path
+
+import httpx
 
 import pytest
 import torch
@@ -184,3 +188,18 @@ def live_server(tiny_model_dir, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180, log: Path | None = None) -> None:
+    """Poll ``url``/health/ready until 200; fail if the server process exits (with its log's tail) or
+    the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "server exited early" + ("" if log is None else ":\n" + log.read_text()[-3000:])
+        try:
+            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("server not ready")

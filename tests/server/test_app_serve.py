@@ -17,21 +17,9 @@ from tests.server.app_helpers import (  # noqa: F401 (fixtures)
     LiveServer,
     free_port,
     tiny_model_dir,
+    wait_ready,
     write_settings_toml,
 )
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited early"
-        try:
-            if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError("server not ready")
 
 
 def test_zero_config_first_run_writes_demo_settings(tiny_model_dir, tmp_path):  # noqa: F811
@@ -52,7 +40,7 @@ def test_zero_config_first_run_writes_demo_settings(tiny_model_dir, tmp_path):  
         assert all(k not in text for k in keys.values()) and text.count("sha256:") == 2
         assert (path.stat().st_mode & 0o777) == 0o600
         url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, proc)
+        wait_ready(url, proc)
         me = httpx.get(url + "/v1/tenant", headers={"Authorization": f"Bearer {keys['demo-encrypted']}"}).json()
         assert me["privacy_mode"] == "encrypted"
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},

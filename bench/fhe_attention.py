@@ -21,10 +21,10 @@ import torch
 
 from engine.default_model import default_model_dir
 from engine.loader import load_model
+from engine.model import DenseKVCache
 from fhe import wire
 from fhe.attention import BlockClient, EncryptedAttentionLayer, required_rotation_steps
 from fhe.ckks import CKKSClient
-from engine.model import DenseKVCache
 from fhe.params import CKKSParams, ckks_params_for
 from fhe.plan import Plan, load_default_plan
 
@@ -70,7 +70,7 @@ def fidelity(model, plan, prompts: list[int], params=None, answer: int = 16, jso
     for index in prompts:
         ids = tok.apply_chat_template([{"role": "user", "content": texts[index]}])
         seqs[index] = ids + greedy_generate(model, ids, answer)[:answer]
-    prefix = min(next((i for i, (a, b) in enumerate(zip(s0, s1)) if a != b), len(s0))
+    prefix = min(next((i for i, (a, b) in enumerate(zip(s0, s1, strict=False)) if a != b), len(s0))
                  for s0 in seqs.values() for s1 in seqs.values() if s0 is not s1) if len(seqs) > 1 else 0
     cfg, lp0 = model.config, plan.layers[0].approx
     params = params or CKKSParams.from_dict(plan.ckks)

@@ -27,13 +27,14 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
-from server.private.config import PrivateSettings  # noqa: I001 - a leaf module, no cycle
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from server.private.config import PrivateSettings
 
 TENANT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,19 +28,13 @@ import torch
 
 from client_sdk import Client, Timeout
 from server.tenants import hash_api_key
-from tests.server.app_helpers import wait_ready
+from tests.server.app_helpers import free_port, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 KEYS = {"enc-a": "clm-e2e-tenant-a-0000000000000000", "enc-b": "clm-e2e-tenant-b-1111111111111111"}
 PROMPT = "The capital of France is"
 TIMEOUT = Timeout(connect=10, read=900, write=900, pool=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +56,7 @@ def one_layer_plan(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, one_layer_plan, default_model_dir):
     root = tmp_path_factory.mktemp("server")
-    port = _free_port()
+    port = free_port()
     tenants = "".join(f'[[tenants]]\nid = "{t}"\napi_key_hashes = ["{hash_api_key(k)}"]\n'
                       f'privacy_mode = "encrypted"\n' for t, k in KEYS.items())
     (root / "settings.toml").write_text(

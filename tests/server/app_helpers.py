@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 import pytest
 import torch
 
@@ -17,6 +16,7 @@ from engine.config import ModelConfig
 from engine.default_model import default_model_dir
 from engine.loader import save_hf_folder
 from engine.model import LlamaForCausalLM
+from server.cli_demo import free_port
 from server.settings import LimitSettings, Settings, TenantSettings
 from server.tenants import hash_api_key
 
@@ -101,15 +101,6 @@ async def engine(tiny_loaded):
 
 
 # --- a real `cipherlm serve` process on loopback ----------------------------------------------------
-
-
-def free_port() -> int:
-    """A port that was free a moment ago on 127.0.0.1."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_settings_toml(path: Path, model_dir: Path, port: int, drain_timeout_s: float = 30.0) -> Path:

@@ -9,8 +9,9 @@ carries (``fhe.wire``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 
@@ -52,13 +53,20 @@ class CKKSClient:
     rotation_steps: tuple[int, ...]
     kit: seal.Kit = field(init=False)
     keys: seal.SecretKeys = field(init=False, repr=False)
-    public_blobs: dict[str, bytes] = field(init=False, repr=False)
+    public_blobs: Mapping[str, bytes] = field(init=False, repr=False)
+    #: SHA-256 fingerprint of the public material (what the server and the audit log name). Computed once:
+    #: it hashes every public blob (~700 MB at N = 32768), and every ciphertext sent or received names it.
+    fingerprint: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.rotation_steps = tuple(sorted({int(s) % self.params.slots for s in self.rotation_steps} - {0}))
         self.kit = seal.Kit(self.params)
         self.keys = seal.generate_keys(self.kit, self.rotation_steps)
-        self.public_blobs = dict(self.keys.blobs)
+        self._set_public(self.keys.blobs)
+
+    def _set_public(self, blobs: Mapping[str, bytes]) -> None:
+        self.public_blobs = MappingProxyType(dict(blobs))   # read-only: the fingerprint names these bytes
+        self.fingerprint = key_fingerprint(self.params, self.public_blobs)
 
     @classmethod
     def restore(cls, params: CKKSParams, rotation_steps: Iterable[int], secret: bytes,
@@ -75,17 +83,12 @@ class CKKSClient:
         self.keys = seal.SecretKeys(seal.from_bytes("secret_key", self.kit, secret),
                                     seal.from_bytes("public_key", self.kit, public_blobs["public_key"]),
                                     None, None, dict(public_blobs))
-        self.public_blobs = dict(public_blobs)
+        self._set_public(public_blobs)
         return self
 
     def unsafe_export_secret(self) -> bytes:
         """The serialized secret key, for the SDK's encrypted key store only. Never send it anywhere."""
         return seal.to_bytes(self.keys.secret)
-
-    @property
-    def fingerprint(self) -> str:
-        """SHA-256 fingerprint of the public material (what the server and the audit log name)."""
-        return key_fingerprint(self.params, self.public_blobs)
 
     def server_keys(self) -> ServerKeys:
         """The public material as a server would load it (in-process, for tests and benchmarks)."""

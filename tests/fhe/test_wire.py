@@ -13,6 +13,7 @@ from fhe.errors import (
     SizeLimitError,
     WireError,
 )
+from fhe.fingerprint import key_fingerprint
 from fhe.hazmat import seal
 from fhe.params import CKKSParams
 
@@ -43,6 +44,26 @@ def test_round_trip_and_fingerprint(client, server):
     blob2 = wire.dump_ciphertext(ct, P, client.fingerprint)
     again = wire.load_ciphertext(blob2, server.kit, client.fingerprint)
     assert np.allclose(client.decrypt(again)[:5], np.arange(5.0), atol=1e-6)
+
+
+def test_fingerprint_is_fixed_at_key_creation(client, monkeypatch):
+    """The fingerprint hashes every public blob (~700 MB at N = 32768) and every ciphertext sent or
+    received names it: computed once per key set, never per message, and over bytes that cannot change."""
+    import fhe.ckks
+
+    secret = client.unsafe_export_secret()
+    restored = CKKSClient.restore(P, (1, 2), secret, dict(client.public_blobs))
+    assert restored.fingerprint == client.fingerprint == key_fingerprint(P, client.public_blobs)
+
+    def no_rehash(*_):
+        raise AssertionError("fingerprint recomputed per message")
+
+    monkeypatch.setattr(fhe.ckks, "key_fingerprint", no_rehash)
+    blob = wire.encrypt_to_wire(restored, np.arange(3.0))
+    ct = wire.load_ciphertext(blob, client.kit, restored.fingerprint)
+    assert np.allclose(client.decrypt(ct)[:3], np.arange(3.0), atol=1e-6)
+    with pytest.raises(TypeError):
+        client.public_blobs["galois_keys"] = b"other bytes"
 
 
 def test_seeded_upload_is_smaller(client):

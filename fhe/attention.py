@@ -214,7 +214,10 @@ class BlockMaps:
         v_dst = lay.slot(np.arange(lay.head_dim)[None, :], 0, k_heads[:, None])
         v_repack = SlotMap(s, v_dst.ravel(), kv_src.ravel(), np.ones(v_dst.size), Steps(kv_pre, kv_baby, e_n))
         n_rows = lay.hidden // lay.head_dim
-        out = SlotMap(s, *_out_triples(lay, wo), Steps(0, -lay.num_heads, n_rows, lay.band, lay.head_dim))
+        # 9 x 64 diagonals: babies over rows and two bands, giants over band pairs (48 rotations, not 71)
+        half = 2 if lay.head_dim % 2 == 0 else 1
+        out = SlotMap(s, *_out_triples(lay, wo), Steps(0, -lay.num_heads, n_rows, half * lay.band,
+                                                       lay.head_dim // half, lay.band, half))
         _, zs = lay.output_slots()
         z = SlotMap(s, zs, lay.slot(0, 0, np.arange(lay.num_heads)), np.ones(lay.num_heads),
                     Steps(0, -lay.num_heads, n_rows + 1))
@@ -530,9 +533,11 @@ class EncryptedAttentionLayer:
         u = kit.relin_rescale(kit.add_many(pv), keys.relin)
         u = rotate_sum(kit, u, lay.num_heads, lay.block_tokens, gk, horner=True)
         u.scale = self.scale_u
-        z = rotate_sum(kit, kit.add_many(ps), lay.num_heads, lay.block_tokens, gk, horner=True)
+        # z's row sum runs one level lower (where the z map reads it): same values, cheaper rotations
+        z = kit.drop_to(kit.add_many(ps), self.geo.level_p - 1)
+        z = rotate_sum(kit, z, lay.num_heads, lay.block_tokens, gk, horner=True)
         y = self.enc_out(kit, u, gk)
-        zo = self.enc_z(kit, kit.drop_to(z, self.geo.level_p - 1), gk)
+        zo = self.enc_z(kit, z, gk)
         zo.scale = y.scale
         return kit.add(y, zo)
 

@@ -48,11 +48,15 @@ def _bsgs_split(offsets: np.ndarray, slots: int) -> int:
 
 @dataclass(frozen=True)
 class Steps:
-    """Few-key BSGS structure: every offset is ``pre + k*baby + m*giant`` (k < n_baby, m < n_giant).
+    """Few-key BSGS structure: every offset is ``pre + k*baby + j*mid + m*giant`` (k < n_baby, j < n_mid,
+    m < n_giant).
 
-    Babies are made by repeated rotation by ``baby`` and giants summed Horner-style by repeated
-    rotation by ``giant``, so a map needs at most three Galois keys (pre, baby, giant) whatever its
-    number of diagonals; it costs ``(n_baby - 1) + (n_giant - 1) (+1 for pre)`` rotations.
+    Babies are made by repeated rotation by ``baby`` (then, for j > 0, of those by ``mid``) and giants
+    summed Horner-style by repeated rotation by ``giant``, so a map needs at most four Galois keys (pre,
+    baby, mid, giant) whatever its number of diagonals; it costs ``(n_baby - 1) + n_baby (n_mid - 1) +
+    (n_giant - 1) (+1 for pre)`` rotations. The middle dimension balances a map whose diagonals form a long
+    arithmetic run: 9 x 64 offsets cost 8 + 63 = 71 rotations with ``giant = W``, 8 + 9 + 31 = 48 with
+    ``mid = W, giant = 2W``.
     """
 
     pre: int
@@ -60,18 +64,22 @@ class Steps:
     n_baby: int
     giant: int = 0
     n_giant: int = 1
+    mid: int = 0
+    n_mid: int = 1
 
     def decompose(self, offsets: np.ndarray, slots: int) -> dict[int, tuple[int, int]]:
-        """offset (mod S) -> (k, m); ShapeError if an offset has no decomposition."""
+        """offset (mod S) -> (baby index k + n_baby * j, m); ShapeError if an offset has no decomposition."""
         table = {}
         for m in range(self.n_giant - 1, -1, -1):
-            for k in range(self.n_baby - 1, -1, -1):
-                table[(self.pre + k * self.baby + m * self.giant) % slots] = (k, m)
+            for j in range(self.n_mid - 1, -1, -1):
+                for k in range(self.n_baby - 1, -1, -1):
+                    off = self.pre + k * self.baby + j * self.mid + m * self.giant
+                    table[off % slots] = (k + self.n_baby * j, m)
         out = {}
         for r in offsets:
             key = int(r) % slots
             if key not in table:
-                raise ShapeError(f"offset {int(r)} is not pre + k*baby + m*giant for {self}")
+                raise ShapeError(f"offset {int(r)} is not pre + k*baby + j*mid + m*giant for {self}")
             out[int(r)] = table[key]
         return out
 
@@ -79,6 +87,8 @@ class Steps:
         ks = {self.pre} if self.pre else set()
         if self.n_baby > 1:
             ks.add(self.baby)
+        if self.n_mid > 1:
+            ks.add(self.mid)
         if self.n_giant > 1:
             ks.add(self.giant)
         return ks
@@ -123,9 +133,6 @@ class SlotMap:
     def _giant_step(self, m: int) -> int:
         return m if self.steps is None else m * self.steps.giant
 
-    def _baby_step(self, k: int) -> int:
-        return k if self.steps is None else self.steps.pre + k * self.steps.baby
-
     @property
     def rotation_steps(self) -> set[int]:
         """Rotation steps (Galois keys) this map needs."""
@@ -169,6 +176,25 @@ class SlotMap:
         return y
 
 
+def _babies(kit: Kit, ct: Ciphertext, steps: Steps, needed: set[int], galois) -> dict[int, Ciphertext]:
+    """The rotations of ``ct`` by ``pre + k*baby + j*mid`` that index ``k + n_baby*j`` in ``needed`` names:
+    k by repeated rotation by ``baby``, then j by repeated rotation of those by ``mid``."""
+    nb = steps.n_baby
+    top_k = max(i % nb for i in needed)
+    top_j = max(i // nb for i in needed)
+    row, cur = {}, kit.rotate(ct, steps.pre, galois)
+    for k in range(top_k + 1):
+        if k:
+            cur = kit.rotate(cur, steps.baby, galois)
+        row[k] = cur
+    out = {k: c for k, c in row.items() if k in needed}
+    for j in range(1, top_j + 1):
+        row = {k: kit.rotate(c, steps.mid, galois) for k, c in row.items()
+               if any(k + nb * jj in needed for jj in range(j, top_j + 1))}
+        out.update({k + nb * j: c for k, c in row.items() if k + nb * j in needed})
+    return out
+
+
 @dataclass
 class EncodedMap:
     """A :class:`SlotMap` with its diagonals encoded for one input level."""
@@ -186,11 +212,7 @@ class EncodedMap:
         if sm.steps is None:
             rotated = {k: kit.rotate(ct, k, galois) for k in ks}
         else:
-            rotated, cur = {}, kit.rotate(ct, sm.steps.pre, galois)
-            for k in range(ks[-1] + 1):
-                if k:
-                    cur = kit.rotate(cur, sm.steps.baby, galois)
-                rotated[k] = cur
+            rotated = _babies(kit, ct, sm.steps, set(ks), galois)
         parts = {m: kit.add_many([kit.mul_plain(rotated[k], pt) for k, pt in grp])
                  for m, grp in self.plaintexts.items()}
         if sm.steps is None:

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -132,6 +133,10 @@ def running_server(root: Path, port: int | None, plan: Path | None, workers: int
     proc = subprocess.Popen([sys.executable, "-m", "server.cli_serve", "--config", str(settings),
                              "--log-level", "warning"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # the server runs in its own session (a terminal's Ctrl-C reaches only us): a SIGTERM to this process
+    # must still stop it, or its workers (several GB each) outlive us
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main else None
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_ready(proc, url, log_path, READY_TIMEOUT_S)
@@ -139,6 +144,12 @@ def running_server(root: Path, port: int | None, plan: Path | None, workers: int
     finally:
         stop_server(proc)
         log.close()
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def client_timeout():

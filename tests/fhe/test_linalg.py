@@ -48,6 +48,21 @@ def test_slot_map_with_steps_equals_plain(rng):
         enc(client.kit, client.kit.drop_to(client.encrypt(x), 2), client.server_keys().galois)
 
 
+def test_slot_map_with_a_middle_step_equals_plain(rng):
+    """pre + k*baby + j*mid + m*giant: babies over k and j, Horner over m (the output map's structure)."""
+    s = P.slots
+    steps = Steps(3, -9, 4, 200, 3, mid=100, n_mid=2)
+    dst = rng.choice(s, 300, replace=False)
+    off = 3 - 9 * rng.integers(0, 4, 300) + 100 * rng.integers(0, 2, 300) + 200 * rng.integers(0, 3, 300)
+    sm = SlotMap(s, dst, (dst + off) % s, rng.standard_normal(300), steps)
+    assert sm.rotation_steps == {3, s - 9, 100, 200}
+    client = _client(sm.rotation_steps)
+    x = rng.standard_normal(s)
+    enc = sm.encode(client.kit, client.kit.top)
+    got = client.decrypt(enc(client.kit, client.encrypt(x), client.server_keys().galois))
+    assert np.abs(got - sm.apply_plain(x)).max() < 1e-4
+
+
 def test_steps_refuse_offsets_they_cannot_make():
     with pytest.raises(ShapeError):
         SlotMap(64, np.array([0]), np.array([3]), np.array([1.0]), Steps(0, 2, 2))

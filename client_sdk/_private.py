@@ -239,7 +239,7 @@ class PrivateRuntime:
             stop_ids |= set(self.model.config.eos_token_ids)
             if self.tokenizer.eos_token_id is not None:
                 stop_ids.add(self.tokenizer.eos_token_id)
-        detok = self.tokenizer.detokenizer(list(prompt_ids))
+        detok = self.tokenizer.detokenizer(list(prompt_ids), params.skip_special_tokens)
         stats = StepStats()
         try:  # a stream left early, or an error, still closes the server's session
             cache, logits = self._replay(list(prompt_ids), max_len, stats)
@@ -345,7 +345,8 @@ def sampling_params(body: dict[str, Any]) -> Any:
                               top_p=body.get("top_p", 1.0), top_k=body.get("top_k") or -1,
                               seed=body.get("seed"), stop=[stop] if isinstance(stop, str) else list(stop),
                               presence_penalty=body.get("presence_penalty") or 0.0,
-                              frequency_penalty=body.get("frequency_penalty") or 0.0)
+                              frequency_penalty=body.get("frequency_penalty") or 0.0,
+                              skip_special_tokens=body.get("skip_special_tokens", True))
     except InvalidRequestError as exc:
         raise PrivateModeError(str(exc)) from exc
 

@@ -14,8 +14,10 @@ from engine.tokenizer import Tokenizer
 class SeqText:
     """Incremental text of one sequence with stop-string detection."""
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stops: list[str]) -> None:
-        self.detok = tokenizer.detokenizer(prompt_ids) if tokenizer is not None else None  # None: ids only
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stops: list[str],
+                 skip_special_tokens: bool = True) -> None:
+        # None: ids only
+        self.detok = None if tokenizer is None else tokenizer.detokenizer(prompt_ids, skip_special_tokens)
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.full = ""     # text so far (cut at a stop string once one is found)
@@ -83,7 +85,8 @@ class OutputProcessor:
     def _text_of(self, seq: Sequence) -> SeqText:
         st = self._text.get(seq.seq_id)
         if st is None:
-            st = SeqText(self.tokenizer, seq.request.prompt_token_ids, seq.params.stop)
+            st = SeqText(self.tokenizer, seq.request.prompt_token_ids, seq.params.stop,
+                         seq.params.skip_special_tokens)
             self._text[seq.seq_id] = st
         return st
 

@@ -86,8 +86,9 @@ class Tokenizer:
         text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
 
-    def detokenizer(self, prompt_ids: list[int] | None = None) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_ids or [])
+    def detokenizer(self, prompt_ids: list[int] | None = None,
+                    skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_ids or [], skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -99,8 +100,9 @@ class IncrementalDetokenizer:
 
     _CONTEXT = 5  # tokens of left context so merges (leading spaces) decode as in the full text
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-self._CONTEXT:])
         self._prefix = 0
         self._read = len(self.ids)
@@ -109,8 +111,8 @@ class IncrementalDetokenizer:
     def step(self, new_ids: list[int]) -> str:
         """Add token ids; return the newly completed text (possibly '')."""
         self.ids.extend(new_ids)
-        prefix_text = self._tok.decode(self.ids[self._prefix:self._read])
-        full = self._tok.decode(self.ids[self._prefix:])
+        prefix_text = self._tok.decode(self.ids[self._prefix:self._read], self._skip)
+        full = self._tok.decode(self.ids[self._prefix:], self._skip)
         if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
             delta = full[len(prefix_text):]
             self._prefix, self._read = self._read, len(self.ids)

@@ -183,7 +183,7 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens
             min_p=body.min_p, repetition_penalty=body.repetition_penalty,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=body.seed,
             stop=stop, stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-            logprobs=logprobs)
+            skip_special_tokens=body.skip_special_tokens, logprobs=logprobs)
     except Exception as exc:
         raise from_engine_error(exc) from exc
 

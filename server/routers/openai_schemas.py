@@ -51,6 +51,7 @@ class _SamplingFields(BaseModel):
     min_p: float = Field(0.0, ge=0, le=1, description="extra")
     repetition_penalty: float = Field(1.0, gt=0, le=100, description="extra")
     ignore_eos: bool = Field(False, description="extra")
+    skip_special_tokens: bool = Field(True, description="extra: leave special tokens out of the text")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64, description="extra")
 
 

@@ -27,6 +27,14 @@ def test_chat_template_is_the_models(tok):
     assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
 
 
+def test_detokenizer_keeps_special_tokens_when_asked(tok):
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    for skip, has_marker in [(True, False), (False, True)]:
+        detok = tok.detokenizer(ids[:1], skip_special_tokens=skip)
+        text = "".join(detok.step([i]) for i in ids[1:])
+        assert ("<|im_start|>" in text) is has_marker and "assistant" in text
+
+
 @pytest.mark.parametrize("text", [
     "plain ascii words, with punctuation!",
     "Ünïcödé: 日本語のテキスト, emoji 🎉🚀 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 letters",

@@ -213,8 +213,7 @@ class EncodedMap:
             rotated = {k: kit.rotate(ct, k, galois) for k in ks}
         else:
             rotated = _babies(kit, ct, sm.steps, set(ks), galois)
-        parts = {m: kit.add_many([kit.mul_plain(rotated[k], pt) for k, pt in grp])
-                 for m, grp in self.plaintexts.items()}
+        parts = {m: kit.dot_plain([(rotated[k], pt) for k, pt in grp]) for m, grp in self.plaintexts.items()}
         if sm.steps is None:
             out = kit.add_many([kit.rotate(a, m, galois) for m, a in parts.items()])
         else:  # Horner over the giant index: one Galois key

@@ -120,6 +120,17 @@ class Kit:
         self.evaluator.multiply_plain(ct, pt, out)
         return out
 
+    def dot_plain(self, pairs: Sequence[tuple[sa.Ciphertext, sa.Plaintext]]) -> sa.Ciphertext:
+        """sum_i ct_i * pt_i, accumulated in place through one scratch ciphertext (a product per term
+        into a new ciphertext, then add_many, allocates every term: ~25% slower for the block's maps)."""
+        (ct0, pt0), *rest = pairs
+        acc = self.mul_plain(ct0, pt0)
+        tmp = sa.Ciphertext()
+        for ct, pt in rest:
+            self.evaluator.multiply_plain(ct, pt, tmp)
+            self.evaluator.add_inplace(acc, tmp)
+        return acc
+
     def mul(self, a: sa.Ciphertext, b: sa.Ciphertext) -> sa.Ciphertext:
         """Ciphertext product (size 3: relinearize before rotating)."""
         out = sa.Ciphertext()

@@ -10,7 +10,9 @@ real tokens end to end. Writes a markdown snippet for docs/benchmarks.md.
 
 ``--maps``: the output stage's rotation schedules against their former ones, in the same run, on the
 same ciphertexts (the output map with a middle baby step, 48 rotations, against the plain 71-rotation
-BSGS; z's row sum one level lower against at level_p), with the largest output difference.
+BSGS; z's row sum one level lower against at level_p), and the plaintext-product sums of the output
+and projection maps accumulated in place (``Kit.dot_plain``) against one new ciphertext per product
+summed by ``add_many``; each with the largest output difference.
 """
 
 from __future__ import annotations
@@ -190,7 +192,7 @@ def summarize(rows: list[dict]) -> dict:
 
 def compare_maps(layer: EncryptedAttentionLayer, client: CKKSClient, keys, reps: int = 3) -> dict:
     """Seconds per call of the output stage's schedules vs their former ones (same run, same inputs)."""
-    from fhe.linalg import SlotMap, Steps, rotate_sum
+    from fhe.linalg import SlotMap, Steps, _babies, rotate_sum
 
     geo, lay, kit, gk = layer.geo, layer.geo.layout, layer.kit, keys.galois
     rng = np.random.default_rng(0)
@@ -216,7 +218,17 @@ def compare_maps(layer: EncryptedAttentionLayer, client: CKKSClient, keys, reps:
     z_low, tz_low = timed(lambda: rotate_sum(kit, kit.drop_to(p, geo.level_p - 1), *row_sum, horner=True))
     z_high, tz_high = timed(lambda: rotate_sum(kit, p, *row_sum, horner=True))
     dec = client.decrypt
-    return {"out_map_s": t_new, "out_map_former_s": t_old,
+    products = {}
+    for name, enc, lvl in [("out", layer.enc_out, geo.level_p - 1), ("qk", layer.enc_qk.encoded, geo.top)]:
+        x = kit.drop_to(client.encrypt(lay.valid(1) * rng.standard_normal(kit.slots)), lvl)
+        rot = _babies(kit, x, enc.map.steps, {k for grp in enc.plaintexts.values() for k, _ in grp}, gk)
+        groups = [[(rot[k], pt) for k, pt in grp] for grp in enc.plaintexts.values()]
+        acc, t_acc = timed(lambda groups=groups: [kit.dot_plain(g) for g in groups])
+        lst, t_lst = timed(lambda groups=groups: [kit.add_many([kit.mul_plain(c, p) for c, p in g]) for g in groups])
+        products |= {f"{name}_products_s": t_acc, f"{name}_products_former_s": t_lst,
+                     f"{name}_products_max_diff": max(float(np.abs(dec(a) - dec(b)).max())
+                                                      for a, b in zip(acc, lst, strict=True))}
+    return products | {"out_map_s": t_new, "out_map_former_s": t_old,
             "out_map_max_diff": float(np.abs(dec(y_new) - dec(y_old)).max()),
             "z_row_sum_s": tz_low, "z_row_sum_former_s": tz_high,
             "z_row_sum_max_diff": float(np.abs(dec(z_low) - dec(z_high)).max()), "reps": reps}

@@ -55,7 +55,7 @@ class CKKSClient:
     keys: seal.SecretKeys = field(init=False, repr=False)
     public_blobs: Mapping[str, bytes] = field(init=False, repr=False)
     #: SHA-256 fingerprint of the public material (what the server and the audit log name). Computed once:
-    #: it hashes every public blob (~700 MB at N = 32768), and every ciphertext sent or received names it.
+    #: it hashes every public blob (829 MB at the shipped N = 32768), and every ciphertext sent or received names it.
     fingerprint: str = field(init=False)
 
     def __post_init__(self) -> None:

@@ -122,7 +122,7 @@ class Kit:
 
     def dot_plain(self, pairs: Sequence[tuple[sa.Ciphertext, sa.Plaintext]]) -> sa.Ciphertext:
         """sum_i ct_i * pt_i, accumulated in place through one scratch ciphertext (a product per term
-        into a new ciphertext, then add_many, allocates every term: ~25% slower for the block's maps)."""
+        into a new ciphertext, then add_many, allocates every term: ~20% slower for the block's maps)."""
         (ct0, pt0), *rest = pairs
         acc = self.mul_plain(ct0, pt0)
         tmp = sa.Ciphertext()

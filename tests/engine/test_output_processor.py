@@ -10,7 +10,7 @@ class PieceTokenizer:
 
     PIECES = ["Hel", "lo", " wor", "ld", "!", " S", "TO", "P", " more"]
 
-    def detokenizer(self, prompt_ids):
+    def detokenizer(self, prompt_ids, skip_special_tokens=True):
         pieces = self.PIECES
 
         class Detok:

@@ -94,20 +94,24 @@ def write_settings(root: Path, port: int, plan: Path | None, workers: int,
     return path, keys
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
-    """Poll ``/health/ready`` until 200; RuntimeError (with the log's tail) if the server dies or hangs."""
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path | None = None,
+               poll_s: float = 1.0) -> None:
+    """Poll ``url``/health/ready until 200; RuntimeError (with the log's tail, when there is a log) if
+    the server process exits or is not ready in time."""
     import httpx
+
+    def tail() -> str:
+        return "" if log_path is None else ":\n" + log_path.read_text(errors="replace")[-3000:]
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the server exited with status {proc.returncode}:\n{tail}")
+            raise RuntimeError(f"the server exited with status {proc.returncode}{tail()}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
                 return
-        time.sleep(1)
-    raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s (log: {log_path})")
+        time.sleep(poll_s)
+    raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s{tail()}")
 
 
 def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
@@ -139,7 +143,7 @@ def running_server(root: Path, port: int | None, plan: Path | None, workers: int
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main else None
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_ready(proc, url, log_path, READY_TIMEOUT_S)
+        wait_ready(proc, url, READY_TIMEOUT_S, log_path)
         yield DemoServer(url, keys, proc, root, log_path)
     finally:
         stop_server(proc)

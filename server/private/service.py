@@ -191,20 +191,25 @@ class PrivateService:
         """A worker that already holds the key, else one with room for it, else one holding a key no open
         session uses (it will be dropped), else the least loaded (which will answer 429)."""
         holders = [w for w, f in self._loaded if f == fp]
-        held = {w: [f for v, f in self._loaded if v == w] for w in range(self.pool.size)}
-        room = [w for w, keys in held.items() if len(keys) < self.cfg.max_keys_per_worker]
-        busy = {(s.worker, s.fingerprint) for s in self.sessions.open_sessions()}
-        evictable = [w for w, keys in held.items() if any((w, f) not in busy for f in keys)]
+        workers = range(self.pool.size)
+        room = [w for w in workers if len(self._keys_in(w)) < self.cfg.max_keys_per_worker]
+        evictable = [w for w in workers if self._idle_keys(w)]
         return self.pool.least_loaded(holders or room or evictable)
+
+    def _keys_in(self, worker: int) -> list[str]:
+        return [fp for w, fp in self._loaded if w == worker]
+
+    def _idle_keys(self, worker: int) -> list[str]:
+        """Keys loaded in ``worker`` that no open session there uses (the ones a new key may replace)."""
+        busy = {s.fingerprint for s in self.sessions.on_worker(worker)}
+        return [fp for fp in self._keys_in(worker) if fp not in busy]
 
     async def _make_room(self, worker: int, tenant: str) -> None:
         """Keep at most ``max_keys_per_worker`` keys in a worker: drop the least recently used key that
         no open session there uses, or refuse with 429 when every loaded key is in use."""
-        held = [fp for w, fp in self._loaded if w == worker]
-        if len(held) < self.cfg.max_keys_per_worker:
+        if len(self._keys_in(worker)) < self.cfg.max_keys_per_worker:
             return
-        busy = {s.fingerprint for s in self.sessions.on_worker(worker)}
-        idle = [fp for fp in held if fp not in busy]
+        idle = self._idle_keys(worker)
         if not idle:
             raise RateLimitError("every encrypted worker holds its maximum of keys in use; retry later",
                                  retry_after=5, code="worker_keys_full")

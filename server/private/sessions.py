@@ -79,11 +79,7 @@ class SessionTable:
         return [s for s in self._sessions.values() if now - s.last_used > self.ttl_s]
 
     def on_worker(self, worker: int) -> list[Session]:
-        return [s for s in self.open_sessions() if s.worker == worker]
-
-    def open_sessions(self) -> list[Session]:
-        """Open sessions on any worker."""
-        return [s for s in self._sessions.values() if s.state is SessionState.OPEN]
+        return [s for s in self._sessions.values() if s.worker == worker and s.state is SessionState.OPEN]
 
     def with_key(self, tenant: str, key_id: str, version: int) -> list[Session]:
         return [s for s in self._sessions.values()

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from client_sdk import Client, Timeout
+from server.cli_demo import free_port, wait_ready
 from server.tenants import hash_api_key
-from tests.server.app_helpers import free_port, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -67,7 +67,7 @@ def server(tmp_path_factory, one_layer_plan, default_model_dir):
     proc = subprocess.Popen([sys.executable, "-m", "server.cli_serve", "--config", str(root / "settings.toml")],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url, proc, 600, root / "server.log")
+    wait_ready(proc, url, 600, root / "server.log", poll_s=0.3)
     yield {"url": url, "root": root, "proc": proc, "plan": one_layer_plan}
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(60)

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ from engine.config import ModelConfig
 from engine.default_model import default_model_dir
 from engine.loader import save_hf_folder
 from engine.model import LlamaForCausalLM
-from server.cli_demo import free_port
+from server.cli_demo import free_port, wait_ready
 from server.settings import LimitSettings, Settings, TenantSettings
 from server.tenants import hash_api_key
 
@@ -129,34 +127,22 @@ class LiveServer:
 
     def start(self, timeout_s: float = 180.0) -> LiveServer:
         import os
-        import subprocess
         import sys
-        import time
-
-        import httpx
 
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         self._log_fh = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(self.config),
                                       "--log-level", "warning"], stdout=self._log_fh, stderr=subprocess.STDOUT,
                                      env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health/ready", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+        try:
+            wait_ready(self.proc, self.url, timeout_s, self.log, poll_s=0.3)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM, wait; kill if it does not exit. Returns the exit status."""
-        import subprocess
-
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -180,17 +166,3 @@ def live_server(tiny_model_dir, tmp_path_factory):
     yield server
     server.stop()
 
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180, log: Path | None = None) -> None:
-    """Poll ``url``/health/ready until 200; fail if the server process exits (with its log's tail) or
-    the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited early" + ("" if log is None else ":\n" + log.read_text()[-3000:])
-        try:
-            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError("server not ready")

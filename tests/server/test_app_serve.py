@@ -40,7 +40,7 @@ def test_zero_config_first_run_writes_demo_settings(tiny_model_dir, tmp_path):  
         assert all(k not in text for k in keys.values()) and text.count("sha256:") == 2
         assert (path.stat().st_mode & 0o777) == 0o600
         url = f"http://127.0.0.1:{port}"
-        wait_ready(url, proc)
+        wait_ready(proc, url, 180, poll_s=0.3)
         me = httpx.get(url + "/v1/tenant", headers={"Authorization": f"Bearer {keys['demo-encrypted']}"}).json()
         assert me["privacy_mode"] == "encrypted"
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},

@@ -340,13 +340,16 @@ def sampling_params(body: dict[str, Any]) -> Any:
         if body.get(name) not in (None, 1, False):
             raise PrivateModeError(f"{name!r} is not supported in encrypted mode")
     stop = body.get("stop") or []
+    skip = body.get("skip_special_tokens", True)
+    if not isinstance(skip, bool):
+        raise PrivateModeError("'skip_special_tokens' must be true or false")
     try:
         return SamplingParams(max_tokens=body.get("max_tokens") or 16, temperature=body.get("temperature", 1.0),
                               top_p=body.get("top_p", 1.0), top_k=body.get("top_k") or -1,
                               seed=body.get("seed"), stop=[stop] if isinstance(stop, str) else list(stop),
                               presence_penalty=body.get("presence_penalty") or 0.0,
                               frequency_penalty=body.get("frequency_penalty") or 0.0,
-                              skip_special_tokens=body.get("skip_special_tokens", True))
+                              skip_special_tokens=skip)
     except InvalidRequestError as exc:
         raise PrivateModeError(str(exc)) from exc
 

@@ -115,6 +115,7 @@ async def test_streamed_chat(client):
     ({"prompt": "x", "n": 9}, "n"),
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
+    ({"prompt": "x", "skip_special_tokens": "maybe"}, "skip_special_tokens"),
     ({"max_tokens": 3}, "prompt"),
 ])
 async def test_bad_completion_input_is_400(client, body, param):

@@ -283,7 +283,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in res.items() if k != "rows"} | summarize(res["rows"])))
         return
     lp = plan.layer(args.layer)
-    params = ckks_params_for(lp.approx.kind, lp.approx.squarings)
+    params = params or ckks_params_for(lp.approx.kind, lp.approx.squarings)
     cfg = model.config
     t = time.perf_counter()
     client = CKKSClient(params, required_rotation_steps(cfg, params, lp.approx.kind, lp.approx.squarings))

@@ -11,6 +11,7 @@ Hierarchy::
     ├── WireError                 bytes that do not parse (garbage, truncated, wrong kind/version)
     │   └── SizeLimitError        a blob over its size limit (checked before deserializing)
     ├── PlanMismatchError         a plan whose content hash does not match what the block was built for
+    ├── BackendMismatchError      material or a request made for another evaluator backend or parameter set
     └── OutputRangeError          a decrypted block output that cannot be (overflow or tampering)
 
 Foreign errors (SEAL's C++ exceptions surfacing as RuntimeError/ValueError through pybind11) are
@@ -54,6 +55,11 @@ class SizeLimitError(WireError):
 
 class PlanMismatchError(FHEError):
     """A plan (or request) names a content hash other than the one the block was built from."""
+
+
+class BackendMismatchError(FHEError):
+    """Ciphertexts, keys or a request name another evaluator backend (``seal``, ``gpu``, ...) or another
+    CKKS parameter set than the one serving them (a client error: HTTP 400/409, never a 500)."""
 
 
 class OutputRangeError(FHEError):

@@ -1,7 +1,7 @@
 """The encrypted attention block of SmolLM2-135M (one layer, default plan): time per decode token at
 several context lengths, a prefill, bytes up/down per token, public-key sizes.
 
-    flock /tmp/cipherlm-bench.lock python bench/fhe_attention.py --out /tmp/fhe_attention.md
+    flock /tmp/cipherlm-heavy.lock nice python bench/fhe_attention.py --out /tmp/fhe_attention.md
 
 Decode at context c: the session cache is filled with c-1 tokens' worth of encrypted K/V blocks
 (random values, encrypted under the session key and brought to the cache's levels: a decode step's
@@ -40,13 +40,13 @@ CONCRETE_GPT2 = "encrypted GPT-2 attention block, 863 s for 8 tokens on a 196-co
 
 def fill_cache(layer: EncryptedAttentionLayer, client: CKKSClient, cache, tokens: int) -> None:
     """Put ``tokens`` tokens' worth of encrypted random K/V blocks into ``cache``."""
-    geo, lay, rng = layer.geo, layer.geo.layout, np.random.default_rng(0)
+    geo, lay, ev, rng = layer.geo, layer.geo.layout, layer.ev, np.random.default_rng(0)
     full, rest = divmod(tokens, lay.block_tokens)
     for rows in [lay.block_tokens] * full + ([rest] if rest else []):
-        k = client.kit.drop_to(client.encrypt(lay.valid(rows) * rng.standard_normal(lay.slots) * 0.1),
-                               geo.level_qk)
-        v = client.kit.drop_to(client.encrypt(lay.valid(rows) * rng.standard_normal(lay.slots)), geo.level_p)
-        k.scale = v.scale = client.kit.scale
+        k = ev.mod_switch(client.encrypt(lay.valid(rows) * rng.standard_normal(lay.slots) * 0.1), geo.level_qk)
+        v = ev.mod_switch(client.encrypt(lay.valid(rows) * rng.standard_normal(lay.slots)), geo.level_p)
+        ev.set_scale(k, ev.scale)
+        ev.set_scale(v, ev.scale)
         cache.k_blocks.append(k)
         cache.v_blocks.append(v)
     cache.length = tokens
@@ -194,15 +194,16 @@ def compare_maps(layer: EncryptedAttentionLayer, client: CKKSClient, keys, reps:
     """Seconds per call of the output stage's schedules vs their former ones (same run, same inputs)."""
     from fhe.linalg import SlotMap, Steps, _babies, rotate_sum
 
-    geo, lay, kit, gk = layer.geo, layer.geo.layout, layer.kit, keys.galois
+    geo, lay, ev, gk = layer.geo, layer.geo.layout, layer.ev, keys
     rng = np.random.default_rng(0)
     wo = layer.maps.out
-    former = SlotMap(kit.slots, wo.dst, wo.src, wo.weight,
+    former = SlotMap(ev.slots, wo.dst, wo.src, wo.weight,
                      Steps(0, -lay.num_heads, lay.hidden // lay.head_dim, lay.band, lay.head_dim))
-    enc_former = former.encode(kit, geo.level_p - 1)
-    u = kit.drop_to(client.encrypt(lay.valid(1) * rng.standard_normal(kit.slots)), geo.level_p - 1)
-    p = kit.drop_to(client.encrypt(lay.valid(lay.block_tokens) * rng.random(kit.slots)), geo.level_p)
-    u.scale = p.scale = kit.scale
+    enc_former = former.encode(ev, geo.level_p - 1)
+    u = ev.mod_switch(client.encrypt(lay.valid(1) * rng.standard_normal(ev.slots)), geo.level_p - 1)
+    p = ev.mod_switch(client.encrypt(lay.valid(lay.block_tokens) * rng.random(ev.slots)), geo.level_p)
+    ev.set_scale(u, ev.scale)
+    ev.set_scale(p, ev.scale)
 
     def timed(fn):
         out, best = None, float("inf")
@@ -212,19 +213,19 @@ def compare_maps(layer: EncryptedAttentionLayer, client: CKKSClient, keys, reps:
             best = min(best, time.perf_counter() - t)
         return out, best
 
-    y_new, t_new = timed(lambda: layer.enc_out(kit, u, gk))
-    y_old, t_old = timed(lambda: enc_former(kit, u, gk))
+    y_new, t_new = timed(lambda: layer.enc_out(ev, u, gk))
+    y_old, t_old = timed(lambda: enc_former(ev, u, gk))
     row_sum = (lay.num_heads, lay.block_tokens, gk)
-    z_low, tz_low = timed(lambda: rotate_sum(kit, kit.drop_to(p, geo.level_p - 1), *row_sum, horner=True))
-    z_high, tz_high = timed(lambda: rotate_sum(kit, p, *row_sum, horner=True))
+    z_low, tz_low = timed(lambda: rotate_sum(ev, ev.mod_switch(p, geo.level_p - 1), *row_sum, horner=True))
+    z_high, tz_high = timed(lambda: rotate_sum(ev, p, *row_sum, horner=True))
     dec = client.decrypt
     products = {}
     for name, enc, lvl in [("out", layer.enc_out, geo.level_p - 1), ("qk", layer.enc_qk.encoded, geo.top)]:
-        x = kit.drop_to(client.encrypt(lay.valid(1) * rng.standard_normal(kit.slots)), lvl)
-        rot = _babies(kit, x, enc.map.steps, {k for grp in enc.plaintexts.values() for k, _ in grp}, gk)
+        x = ev.mod_switch(client.encrypt(lay.valid(1) * rng.standard_normal(ev.slots)), lvl)
+        rot = _babies(ev, x, enc.map.steps, {k for grp in enc.plaintexts.values() for k, _ in grp}, gk)
         groups = [[(rot[k], pt) for k, pt in grp] for grp in enc.plaintexts.values()]
-        acc, t_acc = timed(lambda groups=groups: [kit.dot_plain(g) for g in groups])
-        lst, t_lst = timed(lambda groups=groups: [kit.add_many([kit.mul_plain(c, p) for c, p in g]) for g in groups])
+        acc, t_acc = timed(lambda groups=groups: [ev.dot_plain(g) for g in groups])
+        lst, t_lst = timed(lambda groups=groups: [ev.add_many([ev.mul_plain(c, p) for c, p in g]) for g in groups])
         products |= {f"{name}_products_s": t_acc, f"{name}_products_former_s": t_lst,
                      f"{name}_products_max_diff": max(float(np.abs(dec(a) - dec(b)).max())
                                                       for a, b in zip(acc, lst, strict=True))}

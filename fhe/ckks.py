@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import ClassVar
 
 import numpy as np
 
@@ -23,8 +24,10 @@ from fhe.params import CKKSParams
 
 @dataclass
 class ServerKeys:
-    """Public evaluation material as the server holds it (no secret key, by construction)."""
+    """Public evaluation material as the server holds it (no secret key, by construction); the SEAL
+    backend's :class:`fhe.evaluator.EvalKeys`."""
 
+    backend: ClassVar[str] = "seal"
     kit: seal.Kit
     public: seal.sa.PublicKey
     relin: seal.sa.RelinKeys

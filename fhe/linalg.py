@@ -9,6 +9,7 @@ Every linear map here is a *slot map*: ``y[dst] = sum w * x[src]`` over a sparse
 with baby steps j (rotations of the input, shared) and giant steps G (one rotation per group).
 The rotated diagonals are encoded once (:meth:`SlotMap.encode`), at the input's level and at scale
 ``q_l`` (the prime the following rescale drops), so the output comes back at the input's scale.
+Everything runs through an :class:`fhe.evaluator.Evaluator` (any backend) and its opaque keys.
 
 :class:`HybridMatvec` is the dense matrix x vector product used for the projections: the client
 replicates ``x`` with period ``P`` over all slots, output ``o`` is accumulated in ``c`` partial sums
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fhe.errors import LevelError, ShapeError
-from fhe.hazmat.seal import Ciphertext, Kit
+from fhe.evaluator import Ciphertext, EvalKeys, Evaluator
 
 
 def _signed(r: np.ndarray | int, slots: int):
@@ -158,13 +159,13 @@ class SlotMap:
                     out.setdefault(m, []).append((k, np.roll(diag, self._giant_step(m))))
         return out
 
-    def encode(self, kit: Kit, level: int, weight: np.ndarray | None = None,
+    def encode(self, ev: Evaluator, level: int, weight: np.ndarray | None = None,
                extra_scale: float = 1.0) -> EncodedMap:
         """Pre-encode the diagonals for inputs at ``level`` (output rescaled to level - 1)."""
         if level < 2:
             raise LevelError("a slot map needs a level to rescale into")
-        scale = kit.prime(level) * extra_scale
-        enc = {m: [(k, kit.encode(d, level, scale)) for k, d in grp]
+        scale = ev.prime(level) * extra_scale
+        enc = {m: [(k, ev.encode(d, level, scale)) for k, d in grp]
                for m, grp in self.diagonals(weight).items()}
         return EncodedMap(self, level, enc)
 
@@ -176,20 +177,21 @@ class SlotMap:
         return y
 
 
-def _babies(kit: Kit, ct: Ciphertext, steps: Steps, needed: set[int], galois) -> dict[int, Ciphertext]:
+def _babies(ev: Evaluator, ct: Ciphertext, steps: Steps, needed: set[int],
+            keys: EvalKeys) -> dict[int, Ciphertext]:
     """The rotations of ``ct`` by ``pre + k*baby + j*mid`` that index ``k + n_baby*j`` in ``needed`` names:
     k by repeated rotation by ``baby``, then j by repeated rotation of those by ``mid``."""
     nb = steps.n_baby
     top_k = max(i % nb for i in needed)
     top_j = max(i // nb for i in needed)
-    row, cur = {}, kit.rotate(ct, steps.pre, galois)
+    row, cur = {}, ev.rotate(ct, steps.pre, keys)
     for k in range(top_k + 1):
         if k:
-            cur = kit.rotate(cur, steps.baby, galois)
+            cur = ev.rotate(cur, steps.baby, keys)
         row[k] = cur
     out = {k: c for k, c in row.items() if k in needed}
     for j in range(1, top_j + 1):
-        row = {k: kit.rotate(c, steps.mid, galois) for k, c in row.items()
+        row = {k: ev.rotate(c, steps.mid, keys) for k, c in row.items()
                if any(k + nb * jj in needed for jj in range(j, top_j + 1))}
         out.update({k + nb * j: c for k, c in row.items() if k + nb * j in needed})
     return out
@@ -203,28 +205,28 @@ class EncodedMap:
     level: int
     plaintexts: dict
 
-    def __call__(self, kit: Kit, ct: Ciphertext, galois, rescale: bool = True) -> Ciphertext:
+    def __call__(self, ev: Evaluator, ct: Ciphertext, keys: EvalKeys, rescale: bool = True) -> Ciphertext:
         """Apply to ``ct`` (at :attr:`level`); returns the result rescaled to ``level - 1``."""
-        if ct.coeff_modulus_size() != self.level:
-            raise LevelError(f"map encoded for level {self.level}, input at {ct.coeff_modulus_size()}")
+        if ev.level(ct) != self.level:
+            raise LevelError(f"map encoded for level {self.level}, input at {ev.level(ct)}")
         sm = self.map
         ks = sorted({k for grp in self.plaintexts.values() for k, _ in grp})
         if sm.steps is None:
-            rotated = {k: kit.rotate(ct, k, galois) for k in ks}
+            rotated = ev.rotate_many(ct, ks, keys)       # one input, many steps: hoisted where available
         else:
-            rotated = _babies(kit, ct, sm.steps, set(ks), galois)
-        parts = {m: kit.dot_plain([(rotated[k], pt) for k, pt in grp]) for m, grp in self.plaintexts.items()}
+            rotated = _babies(ev, ct, sm.steps, set(ks), keys)
+        parts = {m: ev.dot_plain([(rotated[k], pt) for k, pt in grp]) for m, grp in self.plaintexts.items()}
         if sm.steps is None:
-            out = kit.add_many([kit.rotate(a, m, galois) for m, a in parts.items()])
+            out = ev.add_many([ev.rotate(a, m, keys) for m, a in parts.items()])
         else:  # Horner over the giant index: one Galois key
             out = None
             for m in range(max(parts), -1, -1):
                 if out is not None:
-                    out = kit.rotate(out, sm.steps.giant, galois)
+                    out = ev.rotate(out, sm.steps.giant, keys)
                 if m in parts:
-                    out = parts[m] if out is None else kit.add(out, parts[m])
+                    out = parts[m] if out is None else ev.add(out, parts[m])
         if rescale:
-            kit.evaluator.rescale_to_next_inplace(out)
+            ev.rescale_inplace(out)
         return out
 
 
@@ -243,7 +245,8 @@ def rotate_sum_steps(step: int, count: int) -> list[int]:
     return steps
 
 
-def rotate_sum(kit: Kit, ct: Ciphertext, step: int, count: int, galois, horner: bool = False) -> Ciphertext:
+def rotate_sum(ev: Evaluator, ct: Ciphertext, step: int, count: int, keys: EvalKeys,
+               horner: bool = False) -> Ciphertext:
     """sum_{k < count} rot(ct, k*step), exact in slot s for the terms s + k*step.
 
     Default: a log-depth tree (power-of-two partial sums P_1, P_2, P_4..., then shifted copies of the
@@ -253,17 +256,17 @@ def rotate_sum(kit: Kit, ct: Ciphertext, step: int, count: int, galois, horner: 
     if horner:
         out = ct
         for _ in range(count - 1):
-            out = kit.add(kit.rotate(out, step, galois), ct)
+            out = ev.add(ev.rotate(out, step, keys), ct)
         return out
     partial = {1: ct}
     have = 1
     while have * 2 <= count:
-        partial[have * 2] = kit.add(partial[have], kit.rotate(partial[have], step * have, galois))
+        partial[have * 2] = ev.add(partial[have], ev.rotate(partial[have], step * have, keys))
         have *= 2
     out, done = partial[have], have
     while done < count:
         take = 1 << ((count - done).bit_length() - 1)
-        out = kit.add(out, kit.rotate(partial[take], step * done, galois))
+        out = ev.add(out, ev.rotate(partial[take], step * done, keys))
         done += take
     return out
 
@@ -318,8 +321,8 @@ class HybridMatvec:
     def rotation_steps(self) -> set[int]:
         return self.map.rotation_steps | set(rotate_sum_steps(self.window, self.fold))
 
-    def encode(self, kit: Kit, level: int) -> EncodedMatvec:
-        return EncodedMatvec(self, self.map.encode(kit, level))
+    def encode(self, ev: Evaluator, level: int) -> EncodedMatvec:
+        return EncodedMatvec(self, self.map.encode(ev, level))
 
 
 @dataclass
@@ -329,9 +332,9 @@ class EncodedMatvec:
     mv: HybridMatvec
     encoded: EncodedMap
 
-    def __call__(self, kit: Kit, ct: Ciphertext, galois) -> Ciphertext:
-        partial = self.encoded(kit, ct, galois)
-        return rotate_sum(kit, partial, self.mv.window, self.mv.fold, galois)
+    def __call__(self, ev: Evaluator, ct: Ciphertext, keys: EvalKeys) -> Ciphertext:
+        partial = self.encoded(ev, ct, keys)
+        return rotate_sum(ev, partial, self.mv.window, self.mv.fold, keys)
 
 
 def hybrid_slots(slots: int, period: int, fold: int, count: int) -> np.ndarray:
@@ -378,27 +381,27 @@ class PlainMatrix:
     Client encrypts :meth:`layout` of x; server calls :meth:`__call__`; client reads :meth:`extract`.
     """
 
-    kit: Kit
+    ev: Evaluator
     weight: np.ndarray            # [n_in, n_out], x @ W
     mv: HybridMatvec = field(init=False)
     encoded: EncodedMatvec = field(init=False)
 
     def __post_init__(self) -> None:
         n_in, n_out = self.weight.shape
-        fold, period = pick_fold(self.kit.slots, n_in, n_out)
-        slots_out = hybrid_slots(self.kit.slots, period, fold, n_out)
-        self.mv = HybridMatvec(self.kit.slots, np.asarray(self.weight, np.float64).T, slots_out, period, fold)
-        self.encoded = self.mv.encode(self.kit, self.kit.top)
+        fold, period = pick_fold(self.ev.slots, n_in, n_out)
+        slots_out = hybrid_slots(self.ev.slots, period, fold, n_out)
+        self.mv = HybridMatvec(self.ev.slots, np.asarray(self.weight, np.float64).T, slots_out, period, fold)
+        self.encoded = self.mv.encode(self.ev, self.ev.top)
 
     @property
     def rotation_steps(self) -> set[int]:
         return self.mv.rotation_steps
 
     def layout(self, x: np.ndarray) -> np.ndarray:
-        return replicate_input(x, self.kit.slots, self.mv.period)
+        return replicate_input(x, self.ev.slots, self.mv.period)
 
-    def __call__(self, ct: Ciphertext, galois) -> Ciphertext:
-        return self.encoded(self.kit, ct, galois)
+    def __call__(self, ct: Ciphertext, keys: EvalKeys) -> Ciphertext:
+        return self.encoded(self.ev, ct, keys)
 
     def extract(self, slots_vec: np.ndarray) -> np.ndarray:
         return slots_vec[self.mv.out_slots]

@@ -90,7 +90,7 @@ class PrivateCompute:
         cache = caches[layer]
         if cache.length != start:
             raise ShapeError(f"layer {layer} holds {cache.length} positions, step starts at {start}")
-        cts = [wire.load_ciphertext(b, block.kit, keys.fingerprint, level=block.kit.top) for b in blobs]
+        cts = [wire.load_ciphertext(b, keys.kit, keys.fingerprint, level=block.ev.top) for b in blobs]
         outs = block.prefill(cache, cts, start, keys)
         out = [wire.dump_ciphertext(c, self.params, keys.fingerprint) for c in outs]
         return out, sum(c.nbytes() for c in caches.values())

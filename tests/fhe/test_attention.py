@@ -92,14 +92,14 @@ def test_bad_positions_and_inputs_are_typed_errors(tiny_run):
     with pytest.raises(ShapeError):
         server.forward(cache, ct, 0, keys)                  # position != cache length
     with pytest.raises(LevelError):
-        server.forward(cache, client.kit.drop_to(ct, 2), cache.length, keys)
+        server.forward(cache, server.ev.mod_switch(ct, 2), cache.length, keys)
     with pytest.raises(ShapeError):
         bc.encrypt_input(torch.zeros(1, 7))
     with pytest.raises(ShapeError):
         client.encrypt(np.full(4, np.nan))
     with pytest.raises(ParameterError):
         EncryptedAttentionLayer(model.layers[1], model.rotary, LayerPlan(1, ScoreApprox.exact(4)),
-                                model.config, server.kit.params)
+                                model.config, server.ev.params)
 
 
 @pytest.mark.slow

@@ -1,0 +1,104 @@
+"""Geometry of the encrypted attention block: where every value sits, and at which level.
+
+Depends only on public shapes (the model config) and the CKKS parameters, never on weights or a
+backend. Slot layouts are drawn in ``docs/fhe.md`` §2; the band layout itself is :mod:`fhe.packing`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.config import ModelConfig
+from fhe.errors import ParameterError, ShapeError
+from fhe.packing import BandLayout
+from fhe.params import CKKSParams, block_depth
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Everything about the block's layout that depends only on public shapes and parameters.
+
+    The input period P is the smallest ``W * 2^i >= hidden`` dividing S (E = P/W bands per period,
+    so the projection's ``fold = E`` partial sums wrap cyclically). Projection outputs (d = E*p + e):
+    ``q_hd`` at ``P*p + h + Hq*e``, ``k_gd`` / ``v_gd`` at ``P*p + Hq*E + G*g + s_k*e`` (G query
+    heads per KV head, ``s_k = G*(Hkv-1) + 1``), chosen so that moving them to row 0 of band d needs
+    rotations by only ``-(W - Hq)*e`` (q) or ``Hq*E + (s_k - W)*e`` (k, v), plus S/2 for RoPE's
+    partner dims: few diagonals, few Galois keys.
+    """
+
+    params: CKKSParams
+    layout: BandLayout
+    period: int
+    squarings: int
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, params: CKKSParams, kind: str, squarings: int) -> Geometry:
+        lay = BandLayout(params.slots, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                         cfg.head_dim)
+        if params.depth < block_depth(kind, squarings):
+            raise ParameterError(f"{params} has depth {params.depth} < {block_depth(kind, squarings)}")
+        period = lay.band
+        while period < lay.hidden:
+            period *= 2
+        geo = cls(params, lay, period, squarings if kind == "sqexp" else 1)
+        if params.slots % period or geo.k_pos(lay.num_kv_heads - 1, geo.bands_per_period - 1) >= lay.band:
+            raise ShapeError(f"model shape {lay} does not fit the band layout at "
+                             f"N = {params.poly_modulus_degree}")
+        return geo
+
+    @property
+    def bands_per_period(self) -> int:
+        """E = P / W."""
+        return self.period // self.layout.band
+
+    @property
+    def fold(self) -> int:
+        """Partial sums per projection output: P / w, w = the smallest power of two above every output's
+        in-period position (fewer offsets = fewer top-level rotations than w = W)."""
+        top = int(self.k_pos(self.layout.num_kv_heads - 1, self.bands_per_period - 1)) + 1
+        w = 1
+        while w < top:
+            w *= 2
+        return self.period // w
+
+    @property
+    def k_stride(self) -> int:
+        lay = self.layout
+        return lay.group * (lay.num_kv_heads - 1) + 1
+
+    def k_pos(self, g, e):
+        """In-band position of k/v of KV head g, dim class e, in the projection output."""
+        lay = self.layout
+        base = lay.num_heads * self.bands_per_period
+        return base + lay.group * np.asarray(g) + self.k_stride * np.asarray(e)
+
+    def q_slots(self) -> np.ndarray:
+        """[Hq, D] projection output slots of q."""
+        lay = self.layout
+        h, d = np.meshgrid(np.arange(lay.num_heads), np.arange(lay.head_dim), indexing="ij")
+        p, e = np.divmod(d, self.bands_per_period)
+        return self.period * p + h + lay.num_heads * e
+
+    def kv_slots(self) -> np.ndarray:
+        """[Hkv, D] projection output slots of k (and, in their own ciphertext, v)."""
+        lay = self.layout
+        g, d = np.meshgrid(np.arange(lay.num_kv_heads), np.arange(lay.head_dim), indexing="ij")
+        p, e = np.divmod(d, self.bands_per_period)
+        return self.period * p + self.k_pos(g, e)
+
+    # levels (number of data primes) at each stage
+    @property
+    def top(self) -> int:
+        return self.params.depth + 1
+
+    @property
+    def level_qk(self) -> int:
+        """Level of q, k after projection + repack."""
+        return self.top - 2
+
+    @property
+    def level_p(self) -> int:
+        """Level of p (after q.k and the squarings) = level of the V cache."""
+        return self.level_qk - 1 - self.squarings

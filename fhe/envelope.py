@@ -6,7 +6,9 @@ Layout of one message (request or response body)::
     version                   u8      (ENVELOPE_VERSION)
     header length             u32 LE  (<= MAX_HEADER_BYTES)
     header                    canonical JSON (RFC 8785): session, key fingerprint, layer, kind,
-                              positions [start, count], sizes [n_0, n_1, ...] of the blobs
+                              positions [start, count], sizes [n_0, n_1, ...] of the blobs, and the
+                              evaluator backend and parameter hash the blobs are made for (``backend``,
+                              ``params``; optional on input: absent means ``seal`` and unchecked)
     blobs                     concatenated; their lengths are the header's ``sizes``
 
 Everything is checked before any blob reaches a deserializer: the magic, the version, the header
@@ -48,11 +50,15 @@ class Envelope:
     kind: str
     positions: tuple[int, int]  # (first position, token count)
     blobs: tuple[bytes, ...]
+    #: Backend whose ciphertext format the blobs are in (``fhe.backends``), and the SHA-256 of the CKKS
+    #: parameter set (``fhe.fingerprint.params_hash``; "" = not stated). A mismatch is BackendMismatchError.
+    backend: str = "seal"
+    params: str = ""
 
     def header(self) -> dict:
         return {"v": ENVELOPE_VERSION, "session": self.session, "key_fingerprint": self.key_fingerprint,
                 "layer": self.layer, "kind": self.kind, "positions": list(self.positions),
-                "sizes": [len(b) for b in self.blobs]}
+                "sizes": [len(b) for b in self.blobs], "backend": self.backend, "params": self.params}
 
     def to_bytes(self) -> bytes:
         """Serialize (canonical header, so equal envelopes give equal bytes)."""
@@ -90,7 +96,7 @@ def parse(body: bytes, max_blob_bytes: int, max_total_bytes: int) -> Envelope:
         blobs.append(body[offset:offset + n])
         offset += n
     return Envelope(head["session"], head["key_fingerprint"], head["layer"], head["kind"],
-                    tuple(head["positions"]), tuple(blobs))
+                    tuple(head["positions"]), tuple(blobs), head.get("backend", "seal"), head.get("params", ""))
 
 
 def _check_header(head: object, max_blob_bytes: int) -> list[int]:
@@ -101,6 +107,7 @@ def _check_header(head: object, max_blob_bytes: int) -> list[int]:
     for name, typ in types.items():
         if not isinstance(head.get(name), typ) or isinstance(head.get(name), bool):
             raise EnvelopeError(f"header field {name!r} missing or not a {typ.__name__}")
+    _check_backend_fields(head)
     if head["kind"] not in KINDS:
         raise EnvelopeError(f"kind must be one of {KINDS}")
     pos, sizes = head["positions"], head["sizes"]
@@ -114,6 +121,14 @@ def _check_header(head: object, max_blob_bytes: int) -> list[int]:
         if n > max_blob_bytes:
             raise EnvelopeError(f"blob of {n} bytes exceeds the limit of {max_blob_bytes}", too_large=True)
     return sizes
+
+
+def _check_backend_fields(head: dict) -> None:
+    backend, params = head.get("backend", "seal"), head.get("params", "")
+    if not isinstance(backend, str) or not 0 < len(backend) <= 32:
+        raise EnvelopeError("header field 'backend' must be a short string")
+    if not isinstance(params, str) or (params and (len(params) != 64 or params.strip("0123456789abcdef"))):
+        raise EnvelopeError("header field 'params' must be '' or a SHA-256 hex digest")
 
 
 # --- key uploads ------------------------------------------------------------------------------------

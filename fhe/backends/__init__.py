@@ -12,6 +12,7 @@ import importlib
 
 from fhe.errors import BackendMismatchError
 from fhe.evaluator import Evaluator
+from fhe.fingerprint import params_hash
 from fhe.params import CKKSParams
 
 #: backend name -> module defining ``make_evaluator(params) -> Evaluator``.
@@ -31,4 +32,21 @@ def evaluator_for(params: CKKSParams, name: str = DEFAULT_BACKEND) -> Evaluator:
     return module.make_evaluator(params)
 
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "evaluator_for"]
+def describe(params: CKKSParams, name: str = DEFAULT_BACKEND) -> dict:
+    """What a manifest publishes about the evaluation: the backend (ciphertext and key format) and the
+    parameter set with its hash (what envelopes name in ``backend`` / ``params``)."""
+    return {"name": name, "params": params.to_dict(), "params_hash": params_hash(params)}
+
+
+def check_backend(declared: str, declared_params: str, *, name: str, params: CKKSParams) -> None:
+    """BackendMismatchError unless a request made for backend ``declared`` and parameter hash
+    ``declared_params`` ("" = not stated) fits a server running ``name`` with ``params``."""
+    if declared != name:
+        raise BackendMismatchError(f"request made for backend {declared!r}, this server evaluates {name!r}")
+    if declared_params and declared_params != params_hash(params):
+        raise BackendMismatchError(f"request made for CKKS parameters {declared_params[:16]}..., this server "
+                                   f"runs {params_hash(params)[:16]}... (N = {params.poly_modulus_degree}); "
+                                   "fetch the manifest again and make keys for it")
+
+
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "check_backend", "describe", "evaluator_for"]

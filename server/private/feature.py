@@ -101,10 +101,13 @@ def build_bundle(model_dir: Path, plan: Any, root: Path) -> tuple[Path, dict]:
 
 def build_manifest(model_name: str, plan: Any, bundle: dict, cfg: PrivateSettings, num_layers: int) -> dict:
     """What a client needs to know before it generates keys and opens sessions."""
+    from fhe.backends import describe
+    from fhe.params import CKKSParams
+
     enc = list(plan.layer_indices)
     return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "model": model_name,
             "model_sha256": plan.weights_sha256, "plan_hash": plan.content_hash,
-            "plan": plan.metadata(), "ckks": dict(plan.ckks),
+            "plan": plan.metadata(), "ckks": dict(plan.ckks), "backend": describe(CKKSParams.from_dict(plan.ckks)),
             "layers": {"total": num_layers, "encrypted_attention": enc,
                        "client": [i for i in range(num_layers)]},
             "bundle": {"sha256": bundle["sha256"], "size": bundle["size"], "withheld": bundle["withheld"],
@@ -129,6 +132,8 @@ class AuditFallbackRecorder:
 async def start(app: Any) -> None:
     """Bring the private service up on ``app.state`` (called from the app's lifespan)."""
     from engine.default_model import default_model_dir
+    from fhe.backends import DEFAULT_BACKEND
+    from fhe.params import CKKSParams
     from fhe.plan import Plan, PlanError
 
     settings = app.state.settings
@@ -165,6 +170,7 @@ async def start(app: Any) -> None:
         inspect=lambda data: holder["svc"].screened_inspect(data))
     await pool.start()
     svc = holder["svc"] = PrivateService(cfg, plan.content_hash, plan.layer_indices, pool, registry, audit)
+    svc.backend_name, svc.backend_params = DEFAULT_BACKEND, CKKSParams.from_dict(plan.ckks)
     app.state.private = svc
     app.state.private_sweeper = asyncio.create_task(_sweep_forever(svc))
 

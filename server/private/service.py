@@ -15,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fhe import envelope
+from fhe.backends import check_backend
+from fhe.errors import BackendMismatchError
 from server.audit import Event, Outcome
 from server.errors import (
     APIError,
@@ -48,11 +50,16 @@ SOURCE = "server.private"
 #: worker exception names that mean "the client sent bad ciphertext/key bytes" (-> 400)
 CLIENT_FAULTS = {"WireError", "SizeLimitError", "SecretKeyRefusedError", "PlanMismatchError", "ShapeError",
                  "LevelError", "KeyMismatchError", "ParameterError", "FHEError", "MalformedKeyError",
-                 "EnvelopeError", "ValueError"}
+                 "EnvelopeError", "ValueError", "BackendMismatchError"}
 
 
 class PrivateService:
     """Keys, sessions and steps of encrypted tenants (one per app; runs on the app's event loop)."""
+
+    #: The evaluator backend and CKKS parameters the workers run (set by ``feature.start``); a step that
+    #: names others is a 400 ``backend_mismatch`` before any worker sees it.
+    backend_name: str = "seal"
+    backend_params: Any = None
 
     def __init__(self, cfg: PrivateSettings, plan_hash: str, encrypted_layers: tuple[int, ...],
                  pool: WorkerPool, registry: KeyRegistry, audit: Any, clock: Callable[[], float] | None = None) -> None:
@@ -249,7 +256,8 @@ class PrivateService:
         s.next_position[env.layer] = start + count
         s.nbytes = nbytes
         self.sessions.touch(s)
-        out = envelope.Envelope(s.id, s.fingerprint, env.layer, "result", (start, count), tuple(blobs)).to_bytes()
+        out = envelope.Envelope(s.id, s.fingerprint, env.layer, "result", (start, count), tuple(blobs),
+                                env.backend, env.params).to_bytes()
         s.last_step[env.layer] = ((start, count), out)
         return out
 
@@ -267,6 +275,11 @@ class PrivateService:
             raise InvalidRequestError("envelope names another session", code="session_mismatch")
         if env.key_fingerprint != s.fingerprint:
             raise PermissionDeniedError("key fingerprint does not match the session's key", code="key_mismatch")
+        if self.backend_params is not None:
+            try:
+                check_backend(env.backend, env.params, name=self.backend_name, params=self.backend_params)
+            except BackendMismatchError as exc:
+                raise InvalidRequestError(str(exc), code="backend_mismatch") from exc
         if env.layer not in self.layers:
             raise InvalidRequestError(f"layer {env.layer} is not encrypted in this plan {self.layers}",
                                       code="bad_layer")

@@ -69,3 +69,40 @@ def test_header_field_types():
     body = MAGIC + bytes([1]) + struct.pack("<I", len(head)) + head
     with pytest.raises(EnvelopeError, match="layer"):
         parse(body, **LIMITS)
+
+
+def test_backend_and_parameters_travel_and_default_to_seal():
+    env = Envelope("s", "ab" * 32, 3, "decode", (1, 1), (b"x",), "gpu", "cd" * 32)
+    assert parse(env.to_bytes(), **LIMITS) == env
+    old = make()                                  # an envelope that states neither
+    head = old.header()
+    del head["backend"], head["params"]
+    import rfc8785
+
+    raw = rfc8785.dumps(head)
+    body = struct.pack("<4sBI", MAGIC, 1, len(raw)) + raw + b"".join(old.blobs)
+    got = parse(body, **LIMITS)
+    assert (got.backend, got.params) == ("seal", "")
+
+
+@pytest.mark.parametrize("backend,params", [("", ""), ("x" * 33, ""), (3, ""), ("seal", "zz" * 32),
+                                            ("seal", "ab")])
+def test_bad_backend_fields_are_refused(backend, params):
+    env = Envelope("s", "ab" * 32, 3, "decode", (1, 1), (b"x",), backend, params)
+    with pytest.raises(EnvelopeError):
+        parse(env.to_bytes(), **LIMITS)
+
+
+def test_a_backend_or_parameter_mismatch_is_a_typed_error():
+    from fhe.backends import check_backend, describe
+    from fhe.errors import BackendMismatchError
+    from fhe.params import CKKSParams
+
+    params, other = CKKSParams(8192, (60, 40, 40, 60), 40), CKKSParams(16384, (60, 40, 40, 60), 40)
+    desc = describe(params)
+    check_backend("seal", desc["params_hash"], name="seal", params=params)
+    check_backend("seal", "", name="seal", params=params)            # not stated: not checked
+    with pytest.raises(BackendMismatchError):
+        check_backend("gpu", desc["params_hash"], name="seal", params=params)
+    with pytest.raises(BackendMismatchError, match="N = 16384"):
+        check_backend("seal", desc["params_hash"], name="seal", params=other)

@@ -6,6 +6,7 @@ Hierarchy::
     ├── ParameterError            a CKKS parameter set is invalid or not 128-bit secure
     ├── KeyMismatchError          material made under another key or context (fingerprint/parms mismatch)
     ├── SecretKeyRefusedError     a blob that would give the server a secret key
+    │   └── KeyRefusedError       an upload blob outside the allow-list (name, kind, type, parameters)
     ├── ShapeError                wrong sizes: vector length, token count, slots, positions
     ├── LevelError                a ciphertext is at the wrong level/scale for the operation
     ├── WireError                 bytes that do not parse (garbage, truncated, wrong kind/version)
@@ -35,6 +36,12 @@ class KeyMismatchError(FHEError):
 
 class SecretKeyRefusedError(FHEError):
     """Someone tried to hand secret-key material to the server side."""
+
+
+class KeyRefusedError(SecretKeyRefusedError):
+    """A key-upload blob outside the allow-list: an unexpected name or kind, bytes that do not parse as
+    the named SEAL type, other parameters, Galois keys the plan does not use. Refused like a secret key,
+    since it could carry one."""
 
 
 class ShapeError(FHEError, ValueError):

@@ -28,9 +28,9 @@ import torch
 from engine.default_model import default_model_dir
 from engine.loader import load_model
 from engine.model import DenseKVCache
-from fhe import wire
 from fhe.attention import BlockClient, EncryptedAttentionLayer, required_rotation_steps
-from fhe.ckks import CKKSClient
+from fhe.backends.seal import wire
+from fhe.backends.seal.keys import CKKSClient
 from fhe.params import CKKSParams, ckks_params_for
 from fhe.plan import Plan, load_default_plan
 

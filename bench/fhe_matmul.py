@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from fhe.backends import evaluator_for
-from fhe.ckks import CKKSClient
+from fhe.backends.seal.keys import CKKSClient
 from fhe.linalg import PlainMatrix
 from fhe.params import CKKSParams
 

@@ -2,8 +2,9 @@
 approximations, plans.
 
 Safe recipes are exported here; the evaluator protocol is :mod:`fhe.evaluator`, its backends live in
-:mod:`fhe.backends` (raw SEAL operations in :mod:`fhe.hazmat`). Errors: :mod:`fhe.errors`. The SEAL-backed
-key holders (``CKKSClient``, ``ServerKeys``) load lazily, so importing the block does not load a library.
+:mod:`fhe.backends` (SEAL: :mod:`fhe.backends.seal`, raw operations in its ``hazmat``). Errors:
+:mod:`fhe.errors`. The SEAL-backed key holders (``CKKSClient``, ``ServerKeys``) load lazily, so importing
+the block does not load a library.
 """
 
 from fhe.approx import ScoreApprox
@@ -23,7 +24,8 @@ from fhe.params import CKKSParams, ckks_params_for
 from fhe.plan import LayerPlan, Plan, PlanError
 from fhe.simulator import SimulatedBackend, finish, simulate_block
 
-_LAZY = {"CKKSClient": "fhe.ckks", "ServerKeys": "fhe.ckks", "evaluator_for": "fhe.backends"}
+_LAZY = {"CKKSClient": "fhe.backends.seal.keys", "ServerKeys": "fhe.backends.seal.keys",
+         "evaluator_for": "fhe.backends"}
 
 
 def __getattr__(name: str):

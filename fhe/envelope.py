@@ -137,7 +137,7 @@ KEY_NAMES = ("public_key", "relin_keys", "galois_keys")
 
 
 def pack_key_upload(blobs: dict[str, bytes]) -> bytes:
-    """One upload body from the public key blobs (``fhe.wire.dump_public_keys``); fixed order."""
+    """One upload body from the public key blobs (``fhe.backends.seal.wire.dump_public_keys``); fixed order."""
     names = [n for n in KEY_NAMES if n in blobs]
     head = rfc8785.dumps({"v": ENVELOPE_VERSION, "names": names, "sizes": [len(blobs[n]) for n in names]})
     return _PREFIX.pack(KEY_MAGIC, ENVELOPE_VERSION, len(head)) + head + b"".join(blobs[n] for n in names)

@@ -16,7 +16,7 @@ Hierarchy::
     └── OutputRangeError          a decrypted block output that cannot be (overflow or tampering)
 
 Foreign errors (SEAL's C++ exceptions surfacing as RuntimeError/ValueError through pybind11) are
-translated to these in one place, :func:`fhe.hazmat.seal.translate`.
+translated to these in one place, :func:`fhe.backends.seal.hazmat.translate`.
 """
 
 from __future__ import annotations

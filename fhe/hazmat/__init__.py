@@ -1,20 +1,14 @@
-"""Raw CKKS building blocks (SEAL through ``tenseal.sealapi``). Hazardous: no safety checks.
+"""Moved to :mod:`fhe.backends.seal.hazmat` (raw SEAL operations; no safety checks).
 
-Use ``fhe.backend`` / ``fhe.attention`` instead unless you know the level and scale of every operand.
+``from fhe.hazmat import seal`` keeps working while other code still uses it; new code imports the
+backend module. Use :mod:`fhe.evaluator` (through :func:`fhe.backends.evaluator_for`) unless you know the
+level and scale of every operand.
 """
 
-from fhe.hazmat.seal import (
-                             Kit,
-                             SecretKeys,
-                             build_context,
-                             decrypt,
-                             encrypt,
-                             from_bytes,
-                             galois_elements,
-                             generate_keys,
-                             to_bytes,
-                             translate,
-)
+import sys
 
-__all__ = ["Kit", "SecretKeys", "build_context", "decrypt", "encrypt", "from_bytes", "galois_elements",
-           "generate_keys", "to_bytes", "translate"]
+from fhe.backends.seal import hazmat as seal
+
+sys.modules.setdefault("fhe.hazmat.seal", seal)
+
+__all__ = ["seal"]

@@ -1,7 +1,7 @@
 """The state of one worker process: the plan's encrypted layers, loaded keys, per-session KV caches.
 
 Runs only inside :mod:`server.private.workers` processes: every byte from a client is parsed here
-(``fhe.wire`` checks sizes, parameter hashes and key fingerprints before SEAL parses). The methods are
+(the SEAL backend's wire checks sizes, parameter hashes and key fingerprints before SEAL parses). The methods are
 the worker's task names.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from fhe import wire
 from fhe.attention import EncryptedAttentionLayer, EncryptedKVCache
-from fhe.ckks import ServerKeys
+from fhe.backends.seal import wire
+from fhe.backends.seal.keys import ServerKeys
 from fhe.envelope import EnvelopeError, parse_key_upload
 from fhe.errors import FHEError, KeyMismatchError, SecretKeyRefusedError, ShapeError, WireError
 from fhe.fingerprint import params_hash

@@ -8,7 +8,7 @@ from engine.config import ModelConfig
 from engine.model import DenseKVCache, LlamaForCausalLM
 from fhe.approx import ScoreApprox
 from fhe.attention import BlockClient, EncryptedAttentionLayer, required_rotation_steps
-from fhe.ckks import CKKSClient
+from fhe.backends.seal.keys import CKKSClient
 from fhe.errors import LevelError, OutputRangeError, ParameterError, ShapeError
 from fhe.params import ckks_params_for
 from fhe.plan import LayerPlan

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fhe.ckks import CKKSClient
+from fhe.backends.seal.keys import CKKSClient
 from fhe.errors import LevelError, ShapeError
 from fhe.linalg import PlainMatrix, SlotMap, Steps, rotate_sum, rotate_sum_steps
 from fhe.params import CKKSParams

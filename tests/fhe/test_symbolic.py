@@ -37,7 +37,7 @@ def wide_model() -> LlamaForCausalLM:
 
 
 def test_symbolic_primes_are_seals():
-    from fhe.hazmat.seal import Kit
+    from fhe.backends.seal.hazmat import Kit
 
     for params in (P, ckks_params_for("sqexp", 6), ckks_params_for("2quad")):
         assert seal_primes(params)[:-1] == Kit(params).primes

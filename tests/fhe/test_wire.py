@@ -5,8 +5,9 @@ import struct
 import numpy as np
 import pytest
 
-from fhe import wire
-from fhe.ckks import CKKSClient
+from fhe.backends.seal import hazmat as seal
+from fhe.backends.seal import wire
+from fhe.backends.seal.keys import CKKSClient
 from fhe.errors import (
     FHEError,
     KeyMismatchError,
@@ -17,7 +18,6 @@ from fhe.errors import (
     WireError,
 )
 from fhe.fingerprint import key_fingerprint
-from fhe.hazmat import seal
 from fhe.params import CKKSParams
 
 P = CKKSParams(8192, (60, 40, 40, 60), 40)
@@ -52,7 +52,7 @@ def test_round_trip_and_fingerprint(client, server):
 def test_fingerprint_is_fixed_at_key_creation(client, monkeypatch):
     """The fingerprint hashes every public blob (~700 MB at N = 32768) and every ciphertext sent or
     received names it: computed once per key set, never per message, and over bytes that cannot change."""
-    import fhe.ckks
+    import fhe.backends.seal.keys
 
     secret = client.unsafe_export_secret()
     restored = CKKSClient.restore(P, (1, 2), secret, dict(client.public_blobs))
@@ -61,7 +61,7 @@ def test_fingerprint_is_fixed_at_key_creation(client, monkeypatch):
     def no_rehash(*_):
         raise AssertionError("fingerprint recomputed per message")
 
-    monkeypatch.setattr(fhe.ckks, "key_fingerprint", no_rehash)
+    monkeypatch.setattr(fhe.backends.seal.keys, "key_fingerprint", no_rehash)
     blob = wire.encrypt_to_wire(restored, np.arange(3.0))
     ct = wire.load_ciphertext(blob, client.kit, restored.fingerprint)
     assert np.allclose(client.decrypt(ct)[:3], np.arange(3.0), atol=1e-6)

@@ -1,9 +1,9 @@
 """The SEAL implementation of :class:`fhe.evaluator.Evaluator` (through ``tenseal.sealapi``).
 
-A thin layer over :class:`fhe.hazmat.seal.Kit` (context, encoder, SEAL evaluator, level table): every
+A thin layer over :class:`fhe.backends.seal.hazmat.Kit` (context, encoder, SEAL evaluator, level table): every
 operation is SEAL's own, with the protocol's ownership rules (out-of-place unless ``_inplace``). SEAL has
 no hoisted rotations through sealapi, so :meth:`rotate_many` loops (:class:`fhe.evaluator.LoopRotations`).
-Keys are :class:`fhe.ckks.ServerKeys` (relinearization and Galois keys as SEAL objects).
+Keys are :class:`fhe.backends.seal.keys.ServerKeys` (relinearization and Galois keys as SEAL objects).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from fhe.ckks import ServerKeys
-from fhe.errors import KeyMismatchError, ShapeError, WireError
+from fhe.backends.seal import hazmat as seal
+from fhe.backends.seal import wire
+from fhe.backends.seal.hazmat import Ciphertext, Kit, Plaintext
+from fhe.backends.seal.keys import ServerKeys
+from fhe.errors import ShapeError
 from fhe.evaluator import LoopRotations
-from fhe.fingerprint import key_fingerprint
-from fhe.hazmat import seal
-from fhe.hazmat.seal import Ciphertext, Kit, Plaintext
 from fhe.params import CKKSParams
 
 sa = seal.sa
@@ -129,17 +129,9 @@ class SealEvaluator(LoopRotations):
         return ct
 
     def load_keys(self, blobs: Mapping[str, bytes], rotation_steps: Iterable[int]) -> ServerKeys:
-        missing = {"public_key", "relin_keys", "galois_keys"} - set(blobs)
-        if missing:
-            raise WireError(f"key upload lacks {sorted(missing)}")
-        objs = {name: seal.from_bytes(name, self.kit, blobs[name])
-                for name in ("public_key", "relin_keys", "galois_keys")}
-        steps = tuple(sorted({int(s) % self.slots for s in rotation_steps} - {0}))
-        for elt in seal.galois_elements(steps, self.slots):
-            if not objs["galois_keys"].has_key(elt):
-                raise KeyMismatchError(f"Galois key for element {elt} missing")
-        return ServerKeys(self.kit, objs["public_key"], objs["relin_keys"], objs["galois_keys"], steps,
-                          key_fingerprint(self.params, blobs))
+        """SEAL payloads by name -> ServerKeys through the upload allow-list (:mod:`fhe.backends.seal.wire`);
+        the keys share this evaluator's context."""
+        return wire.keys_from_payloads(blobs, self.kit, rotation_steps)
 
 
 def make_evaluator(params: CKKSParams) -> SealEvaluator:

@@ -1,0 +1,126 @@
+"""CKKS key holders: the client (secret key) and the server (public evaluation material only).
+
+The client generates every key; the server receives the public key, the relinearization key and the
+Galois keys of exactly the rotation steps the plan's blocks use, never the secret key. Both sides build
+the same SEAL context from :class:`fhe.params.CKKSParams`; material made under another context or key
+is refused (``KeyMismatchError``) through the parameter hash and the key fingerprint the wire format
+carries (:mod:`fhe.backends.seal.wire`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import ClassVar
+
+import numpy as np
+
+from fhe.backends.seal import hazmat as seal
+from fhe.errors import LevelError, ShapeError
+from fhe.fingerprint import key_fingerprint
+from fhe.params import CKKSParams
+
+
+@dataclass
+class ServerKeys:
+    """Public evaluation material as the server holds it (no secret key, by construction); the SEAL
+    backend's :class:`fhe.evaluator.EvalKeys`."""
+
+    backend: ClassVar[str] = "seal"
+    kit: seal.Kit
+    public: seal.sa.PublicKey
+    relin: seal.sa.RelinKeys
+    galois: seal.sa.GaloisKeys
+    rotation_steps: tuple[int, ...]
+    fingerprint: str
+
+    @property
+    def params(self) -> CKKSParams:
+        return self.kit.params
+
+    def check_input(self, ct: seal.Ciphertext) -> None:
+        """A client input must be fresh: top level, size 2, default scale (LevelError otherwise)."""
+        if ct.size() != 2 or ct.coeff_modulus_size() != self.kit.top:
+            raise LevelError(f"input ciphertext must be fresh (size 2, level {self.kit.top}), got "
+                             f"size {ct.size()} level {ct.coeff_modulus_size()}")
+        if abs(ct.scale / self.kit.scale - 1) > 1e-9:
+            raise LevelError(f"input scale {ct.scale} != 2^{self.kit.params.scale_bits}")
+
+
+@dataclass
+class CKKSClient:
+    """The client's key pair and encrypt/decrypt helpers (holds the secret key: never send it)."""
+
+    params: CKKSParams
+    rotation_steps: tuple[int, ...]
+    kit: seal.Kit = field(init=False)
+    keys: seal.SecretKeys = field(init=False, repr=False)
+    public_blobs: Mapping[str, bytes] = field(init=False, repr=False)
+    #: SHA-256 fingerprint of the public material (what the server and the audit log name). Computed once:
+    #: it hashes every public blob (829 MB at the shipped N = 32768), and every ciphertext sent or received names it.
+    fingerprint: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rotation_steps = tuple(sorted({int(s) % self.params.slots for s in self.rotation_steps} - {0}))
+        self.kit = seal.Kit(self.params)
+        self.keys = seal.generate_keys(self.kit, self.rotation_steps)
+        self._set_public(self.keys.blobs)
+
+    def _set_public(self, blobs: Mapping[str, bytes]) -> None:
+        self.public_blobs = MappingProxyType(dict(blobs))   # read-only: the fingerprint names these bytes
+        self.fingerprint = key_fingerprint(self.params, self.public_blobs)
+
+    @classmethod
+    def restore(cls, params: CKKSParams, rotation_steps: Iterable[int], secret: bytes,
+                public_blobs: dict[str, bytes]) -> CKKSClient:
+        """The same key set again, from stored material (the SDK's key store); nothing is regenerated.
+
+        A restored client encrypts and decrypts; it does not load its own relin/Galois keys (only the
+        server evaluates), so :meth:`server_keys` is not available on it.
+        """
+        self = object.__new__(cls)
+        self.params = params
+        self.rotation_steps = tuple(sorted({int(s) % params.slots for s in rotation_steps} - {0}))
+        self.kit = seal.Kit(params)
+        self.keys = seal.SecretKeys(seal.from_bytes("secret_key", self.kit, secret),
+                                    seal.from_bytes("public_key", self.kit, public_blobs["public_key"]),
+                                    None, None, dict(public_blobs))
+        self._set_public(public_blobs)
+        return self
+
+    def unsafe_export_secret(self) -> bytes:
+        """The serialized secret key, for the SDK's encrypted key store only. Never send it anywhere."""
+        return seal.to_bytes(self.keys.secret)
+
+    def server_keys(self) -> ServerKeys:
+        """The public material as a server would load it (in-process, for tests and benchmarks)."""
+        return ServerKeys(self.kit, self.keys.public, self.keys.relin, self.keys.galois,
+                          self.rotation_steps, self.fingerprint)
+
+    def _check(self, values: np.ndarray) -> np.ndarray:
+        values = np.asarray(values, np.float64)
+        if values.ndim != 1 or len(values) > self.kit.slots:
+            raise ShapeError(f"need a vector of <= {self.kit.slots} values, got shape {values.shape}")
+        if not np.all(np.isfinite(values)):
+            raise ShapeError("cannot encrypt NaN/inf")
+        return values
+
+    def encrypt(self, values: np.ndarray) -> seal.Ciphertext:
+        """Encrypt a real vector of at most ``slots`` values at the fresh level.
+
+        Secret-key (symmetric) encryption: the client holds the key, and its fresh noise is ~2^10 times
+        smaller than public-key encryption's, which the block's precision needs (docs/fhe.md).
+        """
+        return seal.encrypt_symmetric(self.kit, self.keys.secret, self._check(values))
+
+    def encrypt_bytes(self, values: np.ndarray) -> bytes:
+        """Like :meth:`encrypt`, serialized in SEAL's seeded form (half the upload)."""
+        return seal.encrypt_symmetric_seeded(self.kit, self.keys.secret, self._check(values))
+
+    def decrypt(self, ct: seal.Ciphertext) -> np.ndarray:
+        """Decrypt to the [slots] real vector."""
+        return seal.decrypt(self.kit, self.keys.secret, ct)
+
+    def decrypt_many(self, cts: Iterable[seal.Ciphertext]) -> list[np.ndarray]:
+        return [self.decrypt(c) for c in cts]

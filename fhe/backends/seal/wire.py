@@ -1,0 +1,263 @@
+"""The SEAL backend's wire format: CKKS ciphertexts and public keys in a small versioned blob envelope.
+
+One blob (the unit ``fhe.envelope`` carries; the protocol message wraps several)::
+
+    magic        b"CLMC"            4 bytes
+    version      u8                 (WIRE_VERSION)
+    kind         u8                 1 ciphertext, 2 public key, 3 relin keys, 4 Galois keys (5: secret key,
+                                    always refused)
+    params hash  32 bytes           sha256 of the canonical CKKS parameter JSON (fhe.fingerprint)
+    key fp       32 bytes           fingerprint of the key set the ciphertext belongs to (zeros for keys)
+    length       u64 LE             payload bytes
+    payload                         SEAL's own serialization (zstd; seeded for client ciphertexts)
+
+Checks happen in this order, all before SEAL sees a byte: total size against the kind's limit
+(:class:`SizeLimitError`), magic/version/kind/length (:class:`WireError`), parameter hash and key
+fingerprint (:class:`KeyMismatchError`), SEAL's 16-byte header (declared size == payload length).
+Then SEAL loads and validates the object against the context; its exceptions become WireError.
+A ciphertext made under another key *with the same fingerprint forged* cannot be detected by any
+format check: it decrypts to noise on the client (documented in docs/fhe.md).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from fhe.backends.seal import hazmat as seal
+from fhe.backends.seal.keys import CKKSClient, ServerKeys
+from fhe.errors import (
+    KeyMismatchError,
+    KeyRefusedError,
+    SecretKeyRefusedError,
+    ShapeError,
+    SizeLimitError,
+    WireError,
+)
+from fhe.fingerprint import PUBLIC_BLOBS, key_fingerprint, params_hash
+from fhe.params import CKKSParams
+
+MAGIC = b"CLMC"
+WIRE_VERSION = 1
+KINDS = {"ciphertext": 1, "public_key": 2, "relin_keys": 3, "galois_keys": 4, "secret_key": 5}
+_KIND_NAMES = {v: k for k, v in KINDS.items()}
+_HEAD = struct.Struct("<4sBB32s32sQ")
+_SEAL_HEAD = struct.Struct("<HBBBBHQ")   # magic 0xA15E, header size, major, minor, compr mode, reserved, size
+SEAL_MAGIC = 0xA15E
+#: Default limits per kind (bytes, whole blob). A top-level ciphertext at N=32768 is ~3.5 MB.
+DEFAULT_LIMITS = {"ciphertext": 16 << 20, "public_key": 16 << 20, "relin_keys": 256 << 20,
+                  "galois_keys": 1 << 30}
+
+
+def _pack(kind: str, params: CKKSParams, fingerprint: str | None, payload: bytes) -> bytes:
+    fp = bytes.fromhex(fingerprint) if fingerprint else bytes(32)
+    return _HEAD.pack(MAGIC, WIRE_VERSION, KINDS[kind], bytes.fromhex(params_hash(params)), fp,
+                      len(payload)) + payload
+
+
+def _unpack(data: bytes, kind: str, params: CKKSParams, fingerprint: str | None,
+            limit: int | None) -> bytes:
+    """Validate the envelope of ``data`` for ``kind``; return the SEAL payload (not yet parsed)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"expected bytes, got {type(data).__name__}")
+    cap = DEFAULT_LIMITS[kind] if limit is None else limit
+    if len(data) > cap:
+        raise SizeLimitError(f"{kind} blob of {len(data)} bytes exceeds the limit of {cap}")
+    if len(data) < _HEAD.size + _SEAL_HEAD.size:
+        raise WireError(f"blob of {len(data)} bytes is too short")
+    magic, version, code, p_hash, fp, length = _HEAD.unpack_from(data)
+    if magic != MAGIC or version != WIRE_VERSION:
+        raise WireError("not a cipherlm CKKS blob (bad magic or version)")
+    if code == KINDS["secret_key"]:
+        raise SecretKeyRefusedError("refusing a secret-key blob")
+    if _KIND_NAMES.get(code) != kind:
+        raise WireError(f"expected a {kind} blob, got kind {_KIND_NAMES.get(code, code)!r}")
+    if length != len(data) - _HEAD.size:
+        raise WireError(f"declared payload length {length} != {len(data) - _HEAD.size}")
+    if p_hash.hex() != params_hash(params):
+        raise KeyMismatchError(f"{kind} was made for other CKKS parameters")
+    if fingerprint is not None and fp.hex() != fingerprint:
+        raise KeyMismatchError(f"{kind} belongs to another key set")
+    payload = bytes(data[_HEAD.size:])
+    _check_seal_header(payload)
+    return payload
+
+
+def _check_seal_header(payload: bytes) -> None:
+    magic, head_size, _major, _minor, _mode, _res, size = _SEAL_HEAD.unpack_from(payload)
+    if magic != SEAL_MAGIC or head_size != _SEAL_HEAD.size or size != len(payload):
+        raise WireError("payload is not one well-formed SEAL object")
+
+
+# --- ciphertexts -------------------------------------------------------------------------------
+def dump_ciphertext(ct: seal.Ciphertext, params: CKKSParams, fingerprint: str) -> bytes:
+    """Serialize a ciphertext (server results, or client inputs made with :meth:`CKKSClient.encrypt`)."""
+    return _pack("ciphertext", params, fingerprint, seal.to_bytes(ct))
+
+
+def encrypt_to_wire(client: CKKSClient, values) -> bytes:
+    """Client: encrypt and serialize in SEAL's seeded form (about half the bytes of a full ciphertext)."""
+    return _pack("ciphertext", client.params, client.fingerprint, client.encrypt_bytes(values))
+
+
+def load_ciphertext(data: bytes, kit: seal.Kit, fingerprint: str, *, limit: int | None = None,
+                    level: int | None = None) -> seal.Ciphertext:
+    """Parse an untrusted ciphertext blob for ``kit`` and key set ``fingerprint``.
+
+    Args:
+        level: if given, the ciphertext must have exactly this many data primes (e.g. ``kit.top`` for
+            a client input), else :class:`ShapeError`.
+    """
+    payload = _unpack(data, "ciphertext", kit.params, fingerprint, limit)
+    ct = seal.from_bytes("ciphertext", kit, payload)
+    if ct.size() != 2:
+        raise ShapeError(f"ciphertext of size {ct.size()} (expected 2)")
+    if level is not None and ct.coeff_modulus_size() != level:
+        raise ShapeError(f"ciphertext at level {ct.coeff_modulus_size()}, expected {level}")
+    return ct
+
+
+# --- public keys --------------------------------------------------------------------------------
+def dump_public_keys(client: CKKSClient) -> dict[str, bytes]:
+    """The client's upload: public, relin and Galois keys, each in its envelope. Never the secret key."""
+    return {name: _pack(name, client.params, None, blob) for name, blob in client.public_blobs.items()}
+
+
+def unpack_public_keys(blobs: Mapping[str, bytes], params: CKKSParams) -> dict[str, bytes]:
+    """Inverse of :func:`dump_public_keys` (envelopes checked): the raw SEAL blobs by name."""
+    return {name: _unpack(data, name, params, None, None) for name, data in blobs.items()}
+
+
+def public_key_sizes(blobs: Mapping[str, bytes]) -> dict[str, int]:
+    """Bytes per public blob (what the benchmark reports)."""
+    return {k: len(v) for k, v in blobs.items()}
+
+
+@dataclass(frozen=True)
+class ParsedKeys:
+    """A key upload that passed the allow-list: the loaded keys and their canonical serialization.
+
+    ``canonical`` holds each blob re-serialized from the parsed SEAL object (in its envelope): the only
+    bytes a server stores. SEAL ignores bytes after the object it reads (a zstd skippable frame, or plain
+    trailing bytes inside the declared size), so the uploaded bytes themselves are never kept.
+    """
+
+    keys: ServerKeys
+    canonical: dict[str, bytes]
+
+
+def parse_server_keys(blobs: Mapping[str, bytes], params: CKKSParams, rotation_steps: Iterable[int],
+                      *, limits: Mapping[str, int] | None = None, fingerprint: str | None = None,
+                      canonical: bool = True) -> ParsedKeys:
+    """Server: parse an untrusted key upload against an allow-list.
+
+    Exactly the blobs :data:`fhe.fingerprint.PUBLIC_BLOBS` names, each in an envelope of its own kind,
+    made for ``params``, that SEAL loads as that type at the key level of the context; relinearization
+    keys for the square only; Galois keys for exactly the plan's rotations. Anything else is refused.
+
+    Args:
+        fingerprint: the key set's fingerprint when ``blobs`` are a canonical re-serialization (it names
+            the client's original bytes); None: computed from ``blobs``.
+        canonical: also re-serialize the parsed objects (what a registry stores).
+
+    Raises:
+        SecretKeyRefusedError: a secret-key blob (by name or kind). KeyRefusedError: any other blob outside
+        the allow-list. WireError: a blob missing or malformed. KeyMismatchError: other parameters.
+    """
+    _check_names(blobs)
+    limits = dict(limits or {})
+    payloads = {name: _unpack(blobs[name], name, params, None, limits.get(name)) for name in PUBLIC_BLOBS}
+    keys = keys_from_payloads(payloads, seal.Kit(params), rotation_steps, fingerprint=fingerprint)
+    objs = {"public_key": keys.public, "relin_keys": keys.relin, "galois_keys": keys.galois}
+    canon = ({name: _pack(name, params, None, seal.to_bytes(obj)) for name, obj in objs.items()}
+             if canonical else {})
+    return ParsedKeys(keys, canon)
+
+
+def keys_from_payloads(payloads: Mapping[str, bytes], kit: seal.Kit, rotation_steps: Iterable[int], *,
+                       fingerprint: str | None = None) -> ServerKeys:
+    """SEAL payloads (no blob envelope) -> ServerKeys, through the same allow-list as
+    :func:`parse_server_keys` (what :meth:`fhe.backends.seal.SealEvaluator.load_keys` calls)."""
+    extra, missing = set(payloads) - set(PUBLIC_BLOBS), set(PUBLIC_BLOBS) - set(payloads)
+    if extra:
+        raise KeyRefusedError(f"not public evaluation keys: {sorted(n[:32] for n in extra)[:8]}")
+    if missing:
+        raise WireError(f"key upload lacks {sorted(missing)}")
+    params = kit.params
+    objs = {name: _load_key_object(name, kit, payloads[name]) for name in PUBLIC_BLOBS}
+    steps = tuple(sorted({int(s) % params.slots for s in rotation_steps} - {0}))
+    _check_key_counts(objs, steps, params)
+    return ServerKeys(kit, objs["public_key"], objs["relin_keys"], objs["galois_keys"], steps,
+                      fingerprint or key_fingerprint(params, payloads))
+
+
+def load_server_keys(blobs: Mapping[str, bytes], params: CKKSParams, rotation_steps: Iterable[int],
+                     *, limits: Mapping[str, int] | None = None, fingerprint: str | None = None) -> ServerKeys:
+    """:func:`parse_server_keys` without the re-serialization: the keys only.
+
+    Returns ServerKeys whose fingerprint is ``fingerprint`` or else computed from the SEAL bytes received
+    (what the client and the audit log compute too).
+    """
+    return parse_server_keys(blobs, params, rotation_steps, limits=limits, fingerprint=fingerprint,
+                             canonical=False).keys
+
+
+def _check_names(blobs: Mapping[str, bytes]) -> None:
+    """Exactly the public blob names; a secret key named anything, or carried under any name, refused."""
+    for name, data in blobs.items():
+        if name == "secret_key" or _kind_code(data) == KINDS["secret_key"]:
+            raise SecretKeyRefusedError(f"the upload contains a secret key (blob {name[:32]!r})")
+    extra = set(blobs) - set(PUBLIC_BLOBS)
+    if extra:
+        raise KeyRefusedError(f"the upload holds blobs that are not public evaluation keys: "
+                              f"{sorted(n[:32] for n in extra)[:8]}")
+    missing = set(PUBLIC_BLOBS) - set(blobs)
+    if missing:
+        raise WireError(f"key upload lacks {sorted(missing)}")
+    for name, data in blobs.items():
+        code = _kind_code(data)
+        if code is not None and code != KINDS[name]:
+            raise KeyRefusedError(f"{name} blob declares kind {_KIND_NAMES.get(code, code)!r}")
+
+
+def _kind_code(data: bytes) -> int | None:
+    if isinstance(data, (bytes, bytearray, memoryview)) and len(data) >= _HEAD.size:
+        return _HEAD.unpack_from(data)[2]
+    return None
+
+
+def _load_key_object(name: str, kit: seal.Kit, payload: bytes):
+    """The blob as exactly its named SEAL type at the key level; anything else is refused as such."""
+    try:
+        obj = seal.from_bytes(name, kit, payload)
+    except WireError as exc:
+        raise KeyRefusedError(f"{name} blob is not a valid {name} for these parameters") from exc
+    if list(obj.parms_id()) != list(kit.context.key_parms_id()):
+        raise KeyRefusedError(f"{name} is not at the key level of the parameter chain")
+    return obj
+
+
+def _check_key_counts(objs: Mapping, steps: tuple[int, ...], params: CKKSParams) -> None:
+    """Relin keys for the square only; Galois keys for exactly the plan's rotations (no more, no less)."""
+    if objs["relin_keys"].size() != 1:
+        raise KeyRefusedError(f"relin_keys holds {objs['relin_keys'].size()} keys, expected 1")
+    elements = seal.galois_elements(steps, params.slots)
+    galois = objs["galois_keys"]
+    for elt in elements:
+        if not galois.has_key(elt):
+            raise KeyMismatchError(f"Galois key for element {elt} missing")
+    if galois.size() != len(elements):
+        raise KeyRefusedError(f"galois_keys holds {galois.size()} keys; the plan uses {len(elements)}")
+
+
+def refuse_private_tenseal_context(data: bytes) -> None:
+    """For TenSEAL-format uploads: raise SecretKeyRefusedError if the context carries a secret key."""
+    import tenseal as ts
+
+    try:
+        ctx = ts.context_from(data)
+    except Exception as exc:  # TenSEAL raises bare Exceptions on bad protobufs
+        raise WireError(f"not a TenSEAL context: {exc}") from exc
+    if ctx.is_private():
+        raise SecretKeyRefusedError("the TenSEAL context carries a secret key")

@@ -17,9 +17,10 @@ produces can be evaluated by any backend):
 * **Scale.** A ciphertext carries the real number ``scale`` by which its slot values were multiplied
   before rounding: ``message = decoded / scale``. Products multiply scales; :meth:`Evaluator.rescale`
   divides the scale by the dropped prime ``prime(level)`` (``q_{level-1}``, the chain's last data prime).
-  Additions need equal scales (relative difference < 1e-9 is accepted as equal, like SEAL's
-  ``are_close``). :meth:`Evaluator.set_scale` only relabels (the stored integers do not change, so the
-  message is multiplied by old/new): the block uses it to absorb ``prime / scale`` ratios of ~1 ± 2^-20.
+  Additions need equal scales (SEAL's ``are_close``: equal up to double rounding, so compute scales
+  with the same double operations on both sides). :meth:`Evaluator.set_scale` only relabels (the stored
+  integers do not change, so the message is multiplied by old/new): the block uses it to absorb
+  ``prime / scale`` ratios of ~1 ± 2^-20.
 * **Form.** Ciphertexts and plaintexts are kept in NTT (evaluation) form, as SEAL's CKKS does; an
   implementation may store them otherwise internally but serializes SEAL's layout.
 * **Size.** A fresh or relinearized ciphertext has 2 polynomials; :meth:`Evaluator.mul` and
@@ -47,6 +48,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from fhe.errors import BackendMismatchError, LevelError
 from fhe.params import CKKSParams
 
 #: An opaque ciphertext handle of one backend (never inspect it above the seam: ask the evaluator).
@@ -228,8 +230,6 @@ def add_plain_values(ev: Evaluator, ct: Ciphertext, values: np.ndarray) -> Ciphe
 def check_fresh(ev: Evaluator, keys: EvalKeys, ct: Ciphertext) -> None:
     """A client input must be fresh: size 2, top level, default scale (LevelError otherwise), and the
     keys must be this evaluator's (backend and parameters)."""
-    from fhe.errors import BackendMismatchError, LevelError
-
     if keys.backend != ev.name or keys.params != ev.params:
         raise BackendMismatchError(f"keys loaded by {keys.backend!r} for other parameters than this "
                                    f"{ev.name!r} evaluator's")

@@ -1,8 +1,53 @@
-"""Configuration of the serving engine (KV cache, scheduler, runner), validated on construction."""
+"""Configuration of the serving engine, validated on construction.
+
+:class:`EngineConfig` is the flat set of knobs users and the server pass (``EngineConfig(**settings.engine)``).
+The components get their own slice, each a dataclass validated in ``__post_init__``:
+:class:`CacheConfig` (block manager / KV pool) and :class:`SchedulerConfig` (scheduler); the model runner
+reads the device and CUDA-graph fields of the ``EngineConfig`` itself.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The block manager's and KV pool's knobs (see :class:`EngineConfig` for their meaning)."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_bytes: int = 1 << 30
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_size", "kv_cache_bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's knobs (see :class:`EngineConfig` for their meaning)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_num_seqs", "max_num_batched_tokens")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+
+
+def _positive(cfg: object, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
 
 
 @dataclasses.dataclass
@@ -55,20 +100,23 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:i]', got {self.device!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto/bfloat16/float16/float32, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
-                     "cuda_graph_max_batch"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        _positive(self, "cuda_graph_max_batch")
+        self.cache_config()       # validates the cache's fields
+        self.scheduler_config()   # and the scheduler's
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+    def cache_config(self) -> CacheConfig:
+        """The block manager's / KV pool's slice of this config."""
+        return CacheConfig(self.block_size, self.gpu_memory_utilization, self.kv_cache_bytes,
+                           self.num_kv_blocks, self.enable_prefix_caching)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's slice of this config."""
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting,
+                               self.enable_chunked_prefill)
 
     def resolved_device(self) -> str:
         """The torch device string this config runs on."""

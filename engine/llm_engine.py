@@ -2,9 +2,12 @@
 
 ``LLMEngine`` ties the pieces in request-path order: requests are validated and queued here, the
 :class:`~engine.scheduler.Scheduler` picks each step's batch over the
-:class:`~engine.block_manager.BlockManager`'s blocks, the :class:`~engine.model_runner.ModelRunner` runs
-it, the :class:`~engine.sampler.Sampler` picks tokens and the
-:class:`~engine.output_processor.OutputProcessor` turns them into text and :class:`RequestOutput` deltas.
+:class:`~engine.block_manager.BlockManager`'s blocks, the :class:`~engine.executor.Executor` runs it
+(in process: a :class:`~engine.model_runner.ModelRunner`), the :class:`~engine.sampler.Sampler` picks
+tokens and the :class:`~engine.output_processor.OutputProcessor` turns them into text and
+:class:`RequestOutput` deltas. Every part comes from an :class:`~engine.parts.EngineParts` factory, so
+tests and new features (tensor parallelism, speculative decoding) can swap one without touching the rest.
+The engine is the only writer of a sequence's output state (tokens, logprobs, finish reason).
 
 Not thread-safe, except :meth:`make_request` (validation and admission), which the async front end
 calls from the event loop while the engine thread steps.
@@ -19,17 +22,15 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.metrics import EngineStats, MetricsListener, request_stats
 from engine.model import LlamaForCausalLM
-from engine.model_runner import ModelRunner
-from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.parts import EngineParts
+from engine.sampler import SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler
+from engine.scheduler import ScheduledSeq
 from engine.sequence import Request, Sequence
 from engine.tokenizer import Tokenizer
 
@@ -38,23 +39,25 @@ class LLMEngine:
     """Continuous-batching engine over one model."""
 
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer | None,
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, parts: EngineParts | None = None) -> None:
         self.config = config = config or EngineConfig()
+        parts = parts or EngineParts()
         self.model_config = model.config
         self.tokenizer = tokenizer
         if config.num_threads and config.resolved_device() == "cpu":
             torch.set_num_threads(config.num_threads)
         max_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(model, config, max_len)
-        self.num_blocks = self.runner.init_kv_cache()
+        self.executor = parts.executor(model, config, max_len)
+        self.device = self.executor.device
+        self.num_blocks = self.executor.init_kv_cache()
         self.max_model_len = min(max_len, self.num_blocks * config.block_size)
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.sampler = Sampler(torch.Generator(self.runner.device).manual_seed(config.seed))
+        self.block_manager = parts.block_manager(self.num_blocks, config.cache_config())
+        self.scheduler = parts.scheduler(config.scheduler_config(), self.block_manager)
+        self.sampler = parts.sampler(torch.Generator(self.device).manual_seed(config.seed))
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
-        self.output_processor = OutputProcessor(tokenizer, sorted(eos), self.max_model_len)
+        self.output_processor = parts.output_processor(tokenizer, sorted(eos), self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.stream_outputs = True  # False: step() returns finished requests only (offline use)
         self.listeners: list[MetricsListener] = []
@@ -64,6 +67,11 @@ class LLMEngine:
         self._token_times: dict[str, list[float]] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    @property
+    def runner(self):
+        """The in-process executor's ModelRunner (benchmarks and GPU tests look inside it)."""
+        return self.executor.runner  # type: ignore[attr-defined]
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -129,7 +137,7 @@ class LLMEngine:
             self._release_admission(request)
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         seed = request.params.seed
-        gen = None if seed is None else torch.Generator(self.runner.device).manual_seed(seed)
+        gen = None if seed is None else torch.Generator(self.device).manual_seed(seed)
         seq = Sequence(next(self._seq_ids), request, 0, request.prompt_token_ids, gen)
         request.seqs.append(seq)
         self.requests[request.request_id] = request
@@ -144,12 +152,12 @@ class LLMEngine:
             return None
         for seq in request.seqs:
             if not seq.finished:
-                seq.finish_reason = "abort"
+                seq.finish("abort")
                 self.scheduler.finish(seq)
         request.forked = True
         while len(request.seqs) < request.params.n:  # unforked completions end as aborted too
             child = Sequence(next(self._seq_ids), request, len(request.seqs), request.prompt_token_ids, None)
-            child.finish_reason = "abort"
+            child.finish("abort")
             self.scheduler.finish(child)
             request.seqs.append(child)
         return self._finish_request(request)
@@ -170,11 +178,9 @@ class LLMEngine:
         now = time.time()
         for s in sched.scheduled:
             self._mark_scheduled(s.seq.request, now)
-        logits, sampling = self.runner.execute(sched)
-        for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            self.block_manager.cache_full_blocks(s.seq)
-        outputs = self._process_samples(logits, sampling)
+        result = self.executor.execute(sched)
+        self.scheduler.commit_step(sched)
+        outputs = self._process_samples(result.logits, result.sampling)
         if self.listeners:
             stats = self.stats()
             for listener in self.listeners:
@@ -193,26 +199,14 @@ class LLMEngine:
 
     # ---- internals --------------------------------------------------------------------------------
     def _process_samples(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[RequestOutput]:
-        rows: list[int] = []
-        seqs: list[Sequence] = []
-        for i, s in enumerate(sampling):
-            for seq in [s.seq] + self._fork(s.seq):
-                rows.append(i)
-                seqs.append(seq)
-        if len(rows) != len(sampling):
+        rows, seqs = self._sampling_rows(sampling)
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        if all(q.request.plain_greedy for q in seqs):
-            result = SamplerOutput(logits.argmax(-1).tolist(), [None] * len(seqs))
-        else:
-            result = self.sampler(logits, [SamplingRow(q.params, q.request.prompt_token_ids,
-                                                       q.output_token_ids if q.params.has_penalties else [],
-                                                       q.generator) for q in seqs])
+        result = self._sample(logits, seqs)
         now = time.time()
         touched: dict[str, Request] = {}
-        for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=False):
-            self.output_processor.append_token(seq, tok, lp)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
+        for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
+            self._append(seq, tok, lp)
             touched[seq.request.request_id] = seq.request
         self.generation_tokens_total += len(seqs)
         outputs = []
@@ -226,6 +220,35 @@ class LLMEngine:
                 outputs.append(self.output_processor.build(request))
         return outputs
 
+    def _sampling_rows(self, sampling: list[ScheduledSeq]) -> tuple[list[int], list[Sequence]]:
+        """Logits row of every sequence to sample: a new request's n - 1 forks share its parent's row."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        row = 0
+        for s in sampling:
+            assert s.num_logits_rows == 1, "multi-row (verify) steps need a speculative proposer"
+            for seq in [s.seq] + self._fork(s.seq):
+                rows.append(row)
+                seqs.append(seq)
+            row += s.num_logits_rows
+        return rows, seqs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """One token per row; plain greedy batches (no processor, penalty or logprobs) take the argmax."""
+        if all(q.request.plain_greedy for q in seqs):
+            return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(seqs))
+        return self.sampler(logits, [SamplingRow(q.params, q.request.prompt_token_ids,
+                                                 q.output_token_ids if q.params.needs_history else [],
+                                                 q.generator) for q in seqs])
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        """The one place a sequence's output grows or ends."""
+        seq.append_token(token, logprobs)
+        verdict = self.output_processor.check_finish(seq, token)
+        if verdict is not None:
+            seq.finish(*verdict)
+            self.scheduler.finish(seq)
+
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """On a request's first sample, create its other n - 1 completions sharing the parent's blocks."""
         request = parent.request
@@ -235,7 +258,7 @@ class LLMEngine:
         children = []
         for index in range(1, request.params.n):
             seed = request.params.seed
-            gen = None if seed is None else torch.Generator(self.runner.device).manual_seed(seed + index)
+            gen = None if seed is None else torch.Generator(self.device).manual_seed(seed + index)
             child = Sequence(next(self._seq_ids), request, index, parent.token_ids, gen)
             self.block_manager.fork(parent, child)
             self.scheduler.add_running(child)

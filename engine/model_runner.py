@@ -1,7 +1,9 @@
 """Runs one scheduled step on the model: flat batch in, logits of the sampling rows out.
 
-The batch is flat (``input_ids [T]``, ``positions [T]``): single-token decodes first, then prefill
-chunks. On GPU the weights and KV cache are bf16, the forward is the fused one of
+The batch is flat (``input_ids [T]``, ``positions [T]``): single-token decodes first, then every
+sequence with several query tokens (prefill chunks, and verify steps that score draft tokens behind a
+context) through the varlen path. A sequence may yield several logits rows (``ScheduledSeq.num_logits_rows``:
+the last rows of its query). On GPU the weights and KV cache are bf16, the forward is the fused one of
 ``engine.fused`` and decode-only steps replay CUDA graphs captured for
 batch buckets (1, 2, 4, 8, 16, 24, 32, ... up to ``cuda_graph_max_batch``); on CPU everything is fp32
 and eager.
@@ -32,8 +34,8 @@ class StepInputs:
     input_ids: torch.Tensor       # [T] int64
     positions: torch.Tensor       # [T] int64
     meta: AttentionMetadata
-    logits_rows: torch.Tensor     # [S] int64 rows whose logits are sampled
-    sampling: list[ScheduledSeq]  # the S sequences, in row order
+    logits_rows: torch.Tensor     # [R] int64 rows whose logits are sampled
+    sampling: list[ScheduledSeq]  # the sequences that yield rows, in row order (num_logits_rows each)
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -112,28 +114,27 @@ class ModelRunner:
 
     # ---- batch building ---------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        """Build the flat batch: decodes first, then prefill chunks."""
-        decodes = [s for s in sched.scheduled if s.num_tokens == 1]
-        prefills = [s for s in sched.scheduled if s.num_tokens != 1]
+        """Build the flat batch: single-token decodes first, then multi-token queries (varlen)."""
+        decodes = [s for s in sched.scheduled if s.num_query_tokens == 1]
+        prefills = [s for s in sched.scheduled if s.num_query_tokens != 1]
         ids, pos, slots, rows, sampling = [], [], [], [], []
         for s in decodes + prefills:
-            toks = s.seq.token_ids[s.start:s.start + s.num_tokens]
-            ids += toks
-            pos += range(s.start, s.start + s.num_tokens)
+            ids += s.query_token_ids()
+            pos += range(s.start, s.start + s.num_query_tokens)
             slots += self._slots(s)
-            if s.samples:
-                rows.append(len(ids) - 1)
+            if s.num_logits_rows:
+                rows += range(len(ids) - s.num_logits_rows, len(ids))
                 sampling.append(s)
         meta = self._meta(
             slots, len(decodes),
             [s.seq.block_table for s in decodes], [s.start + 1 for s in decodes],
-            [s.seq.block_table for s in prefills], [0] + _cumsum([s.num_tokens for s in prefills]),
-            [s.start + s.num_tokens for s in prefills])
+            [s.seq.block_table for s in prefills], [0] + _cumsum([s.num_query_tokens for s in prefills]),
+            [s.start + s.num_query_tokens for s in prefills])
         return StepInputs(self._t(ids), self._t(pos), meta, self._t(rows), sampling)
 
     def _slots(self, s: ScheduledSeq) -> list[int]:
         bs, table = self.block_size, s.seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(s.start, s.start + s.num_tokens)]
+        return [table[p // bs] * bs + p % bs for p in range(s.start, s.start + s.num_query_tokens)]
 
     def _meta(self, slots, num_decode, d_tables, d_lens, p_tables, p_cu, p_lens) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=self._t(slots), num_decode=num_decode)
@@ -159,17 +160,17 @@ class ModelRunner:
     # ---- execution --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run the step; return logits [S, V] (fp32) of the sampling rows and their sequences."""
+        """Run the step; return logits [R, V] (fp32) of the sampling rows and their sequences."""
         assert self.kv is not None, "init_kv_cache() first"
         self.kv.copy_blocks(sched.copies)
         n = len(sched.scheduled)
-        if self._graphs and n <= self._max_graph and all(s.num_tokens == 1 for s in sched.scheduled):
+        if self._graphs and n <= self._max_graph and all(s.num_query_tokens == 1 for s in sched.scheduled):
             return self._run_graph(sched.scheduled)
         inputs = self.prepare(sched)
         backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim,
                                  cpu_decode=not self.is_cuda)
         h = self.model(inputs.input_ids, inputs.positions, backend)       # [T, hidden]
-        return self.model.logits(h[inputs.logits_rows]), inputs.sampling  # [S, V]
+        return self.model.logits(h[inputs.logits_rows]), inputs.sampling  # [R, V]
 
     # ---- CUDA graphs ------------------------------------------------------------------------------
     # Decode inputs live in two device buffers, filled from two pinned host mirrors with one copy each

@@ -22,6 +22,7 @@ class SeqText:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.full = ""     # text so far (cut at a stop string once one is found)
         self.emitted = 0   # characters already streamed
+        self.emitted_tokens = 0  # output token ids already streamed (the engine's cursor)
 
     def add(self, token_id: int) -> str | None:
         """Detokenize one more token; return the stop string it completed, if any (text is cut before it)."""
@@ -57,21 +58,27 @@ class OutputProcessor:
         self._text: dict[int, SeqText] = {}
 
     def append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
-        """Add a sampled token to ``seq`` and set its finish reason if it is done."""
-        seq.token_ids.append(token)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
+        """Add a sampled token to ``seq`` and set its finish reason if it is done (for callers outside the
+        engine; the engine applies :meth:`check_finish`'s verdict itself)."""
+        seq.append_token(token, logprobs)
+        verdict = self.check_finish(seq, token)
+        if verdict is not None:
+            seq.finish(*verdict)
+
+    def check_finish(self, seq: Sequence, token: int) -> tuple[str, str | int | None] | None:
+        """Detokenize ``token`` (just appended to ``seq``); return ``(finish_reason, stop_reason)`` if it ends
+        the sequence. Writes only this processor's text state, never the sequence."""
         params = seq.params
         if token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif token in self.eos and not params.ignore_eos:
-            seq.finish_reason = "stop"
-        else:
-            stop = self._text_of(seq).add(token)
-            if stop is not None:
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
+            return "stop", token
+        if token in self.eos and not params.ignore_eos:
+            return "stop", None
+        stop = self._text_of(seq).add(token)
+        if stop is not None:
+            return "stop", stop
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
 
     def build(self, request: Request) -> RequestOutput:
         """The request's output with the deltas since its previous output."""
@@ -95,8 +102,8 @@ class OutputProcessor:
         st = self._text_of(seq)
         delta_text = st.take_delta(finished)
         out_ids = seq.output_token_ids
-        new_ids = out_ids[seq.num_emitted_tokens:]
-        logprobs = seq.logprobs[seq.num_emitted_tokens:] if seq.params.logprobs is not None else None
-        seq.num_emitted_tokens = len(out_ids)
+        new_ids = out_ids[st.emitted_tokens:]
+        logprobs = seq.logprobs[st.emitted_tokens:] if seq.params.logprobs is not None else None
+        st.emitted_tokens = len(out_ids)
         return CompletionOutput(seq.index, out_ids, st.full[:st.emitted], delta_text, new_ids, logprobs,
                                 seq.finish_reason, seq.stop_reason)

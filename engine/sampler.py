@@ -1,11 +1,16 @@
 """Batched token sampling with per-row parameters.
 
 One call handles a batch in which every row may have its own temperature, top-k, top-p, min-p,
-penalties, seed and logprobs request. Order of operations (vLLM's): penalties on the raw logits ->
-greedy rows take the argmax -> temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the
+penalties, logits processors, seed and logprobs request. Order of operations (vLLM's): logits processors
+(:mod:`engine.logits_process`) -> penalties -> greedy rows take the argmax -> temperature -> top-k ->
+top-p -> min-p -> sample. Sampling uses the
 exponential race ``argmax(p / E)`` with ``E ~ Exp(1)`` drawn from the row's own generator when the
 request has a seed, so a seeded request samples the same tokens whatever else shares its batch.
-Logprobs are those of the model's raw distribution (before penalties and temperature).
+Logprobs are those of the model's distribution after the logits processors (before penalties and
+temperature).
+
+A sequence may own several rows of one call (a speculative verify step scores several positions of it);
+each row carries the token history it is sampled after.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 
 import torch
 
+from engine.logits_process import apply_logits_processors
 from engine.sampling_params import SamplingParams
 
 
@@ -25,6 +31,11 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None
+
+    @property
+    def processors(self) -> list:
+        """The request's logits processors."""
+        return self.params.logits_processors
 
 
 @dataclasses.dataclass
@@ -46,6 +57,8 @@ class Sampler:
         """logits [B, V] (any float dtype) -> one token per row."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         raw = logits.float()
+        if any(r.params.logits_processors for r in rows):
+            raw = apply_logits_processors(raw.clone() if raw is logits else raw, rows)
         x = apply_penalties(raw, rows) if any(r.params.has_penalties for r in rows) else raw
         tokens = x.argmax(-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]

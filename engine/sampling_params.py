@@ -7,6 +7,8 @@ so the server can turn it into an HTTP 400 before any work is done.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from engine.errors import InvalidRequestError
 
@@ -34,6 +36,9 @@ class SamplingParams:
         ignore_eos: keep generating past the model's end-of-sequence token.
         logprobs: return the log-probabilities of the sampled token and of the top-n tokens.
         skip_special_tokens: drop special tokens from the text.
+        logits_processors: vLLM-style callables ``(output_token_ids, logits) -> logits`` (or
+            ``(prompt_token_ids, output_token_ids, logits)``) applied to this request's logits row before
+            sampling, greedy included; see :mod:`engine.logits_process` for the batched form.
     """
 
     n: int = 1
@@ -51,12 +56,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logits_processors: list[Callable[..., Any]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logits_processors = list(self.logits_processors or [])
         self._check_ints()
         self._check_floats()
         self._check_lists()
@@ -87,11 +94,18 @@ class SamplingParams:
                  f"stop must be a list of non-empty strings, got {self.stop!r}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                  f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        _require(all(callable(p) for p in self.logits_processors),
+                 "logits_processors must be callables (token_ids, logits) -> logits")
 
     @property
     def greedy(self) -> bool:
         """True when tokens are picked by argmax."""
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_history(self) -> bool:
+        """True when sampling looks at the tokens generated so far (penalties, logits processors)."""
+        return self.has_penalties or bool(self.logits_processors)
 
     @property
     def has_penalties(self) -> bool:

@@ -14,22 +14,43 @@ import bisect
 import dataclasses
 
 from engine.block_manager import BlockManager
-from engine.engine_config import EngineConfig
+from engine.engine_config import EngineConfig, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclasses.dataclass
 class ScheduledSeq:
-    """A sequence and the tokens of it computed in this step: ``token_ids[start:start + num_tokens]``."""
+    """A sequence and the tokens of it computed in this step.
+
+    The step's query tokens are ``token_ids[start:start + num_tokens]`` followed by ``draft_token_ids``
+    (speculative tokens not yet part of the sequence: a verify step scores them all in one forward).
+    A step that reaches the sequence's last token yields ``1 + len(draft_token_ids)`` logits rows, the
+    last ones of its query; any other step (a prefill chunk) yields none.
+    """
 
     seq: Sequence
     start: int
     num_tokens: int
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def samples(self) -> bool:
-        """This step reaches the sequence's last token, so it yields the next one."""
+        """This step reaches the sequence's last token, so it yields the next one(s)."""
         return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens this step computes for the sequence (its rows in the flat batch)."""
+        return self.num_tokens + len(self.draft_token_ids)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows of logits this step returns for the sequence: 1 + drafts when it samples, else 0."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
+
+    def query_token_ids(self) -> list[int]:
+        """The token ids the step feeds the model for this sequence."""
+        return self.seq.token_ids[self.start:self.start + self.num_tokens] + self.draft_token_ids
 
 
 @dataclasses.dataclass
@@ -48,8 +69,8 @@ class SchedulerOutput:
 class Scheduler:
     """Continuous batching over a :class:`BlockManager`."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
-        self.config = config
+    def __init__(self, config: SchedulerConfig | EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config.scheduler_config() if isinstance(config, EngineConfig) else config
         self.bm = block_manager
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
@@ -77,6 +98,12 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def commit_step(self, sched: SchedulerOutput) -> None:
+        """After the forward: the step's tokens have K/V now; register their full blocks for reuse."""
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+            self.bm.cache_full_blocks(s.seq)
 
     def schedule(self) -> SchedulerOutput:
         """Pick the next step's batch."""

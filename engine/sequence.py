@@ -4,6 +4,12 @@ A :class:`Request` is what a caller submitted (prompt, parameters, salt, priorit
 :class:`Sequence` objects, one per completion. Only the first sequence runs the prompt; when its prefill
 finishes the engine forks the other ``n - 1`` from it, sharing every KV block (copy-on-write for the
 last, partly filled one).
+
+Who writes what (one writer per kind of state): the *output* state of a sequence (``token_ids`` beyond the
+prompt, ``logprobs``, ``finish_reason`` / ``stop_reason``) changes only through :meth:`Sequence.append_token`
+and :meth:`Sequence.finish`, called by ``LLMEngine`` alone (the output processor decides a finish, the
+engine applies it); the *scheduling* state (``status``, ``num_computed_tokens``, block table and hashes)
+is written by the scheduler and the block manager it drives.
 """
 
 from __future__ import annotations
@@ -26,19 +32,22 @@ class Request:
     """One submitted prompt and the state shared by its completions."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, cache_salt: str | None = None, priority: int = 0) -> None:
+                 arrival_time: float, cache_salt: str | None = None, priority: int = 0,
+                 tenant: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.cache_salt = cache_salt
         self.priority = priority
+        # fair-share key of the scheduler; the server's per-tenant salt identifies the tenant by default
+        self.tenant = tenant if tenant is not None else cache_salt
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.seqs: list[Sequence] = []
         self.num_cached_tokens = 0
         self.forked = params.n == 1
         self.holds_waiting_slot = True  # counts against EngineConfig.max_waiting until first scheduled
         # argmax with nothing else to compute: the sampler's fast path
-        self.plain_greedy = params.greedy and params.logprobs is None and not params.has_penalties
+        self.plain_greedy = params.greedy and params.logprobs is None and not params.needs_history
 
     @property
     def finished(self) -> bool:
@@ -67,7 +76,6 @@ class Sequence:
         self.generator = generator
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.num_emitted_tokens = 0           # output tokens already streamed
         self.logprobs: list[dict[int, float]] = []
 
     @property
@@ -89,6 +97,16 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token: int, logprobs: dict[int, float] | None = None) -> None:
+        """Add one generated token (and its logprobs, when asked for)."""
+        self.token_ids.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        """Record why the sequence ended ("stop", "length", "abort"); the scheduler then frees it."""
+        self.finish_reason, self.stop_reason = reason, stop_reason
 
     def sort_key(self) -> tuple[int, float, int]:
         """Scheduling order: lower priority value first, then arrival (vLLM's convention)."""

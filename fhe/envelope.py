@@ -83,10 +83,7 @@ def parse(body: bytes, max_blob_bytes: int, max_total_bytes: int) -> Envelope:
         raise EnvelopeError(f"envelope version {version} not supported (expected {ENVELOPE_VERSION})")
     if head_len > MAX_HEADER_BYTES or _PREFIX.size + head_len > len(body):
         raise EnvelopeError(f"bad header length {head_len}")
-    try:
-        head = json.loads(body[_PREFIX.size:_PREFIX.size + head_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EnvelopeError("header is not valid JSON") from exc
+    head = _load_header(body[_PREFIX.size:_PREFIX.size + head_len], "header is not valid JSON")
     sizes = _check_header(head, max_blob_bytes)
     offset = _PREFIX.size + head_len
     if offset + sum(sizes) != len(body):
@@ -99,6 +96,16 @@ def parse(body: bytes, max_blob_bytes: int, max_total_bytes: int) -> Envelope:
                     tuple(head["positions"]), tuple(blobs), head.get("backend", "seal"), head.get("params", ""))
 
 
+def _load_header(raw: bytes, message: str) -> object:
+    """JSON of a header; every failure (bad UTF-8, bad JSON, nesting too deep for the parser) is an
+    EnvelopeError. The header is at most MAX_HEADER_BYTES, but ``[`` x 4000 still exhausts Python's
+    recursion limit inside ``json.loads``, hence the RecursionError."""
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise EnvelopeError(message) from exc
+
+
 def _check_header(head: object, max_blob_bytes: int) -> list[int]:
     if not isinstance(head, dict):
         raise EnvelopeError("header must be a JSON object")
@@ -107,6 +114,8 @@ def _check_header(head: object, max_blob_bytes: int) -> list[int]:
     for name, typ in types.items():
         if not isinstance(head.get(name), typ) or isinstance(head.get(name), bool):
             raise EnvelopeError(f"header field {name!r} missing or not a {typ.__name__}")
+    if head["v"] != ENVELOPE_VERSION:
+        raise EnvelopeError(f"header version {head['v']} not supported (expected {ENVELOPE_VERSION})")
     _check_backend_fields(head)
     if head["kind"] not in KINDS:
         raise EnvelopeError(f"kind must be one of {KINDS}")
@@ -136,6 +145,19 @@ KEY_MAGIC = b"CLMK"
 KEY_NAMES = ("public_key", "relin_keys", "galois_keys")
 
 
+def _check_key_header(head: object) -> tuple[list[str], list[int]]:
+    """``names`` (distinct strings) and ``sizes`` (non-negative ints, one per name) of a key upload."""
+    if not isinstance(head, dict) or head.get("v") != ENVELOPE_VERSION or isinstance(head.get("v"), bool):
+        raise EnvelopeError("bad key-upload header (not a version-1 JSON object)")
+    names, sizes = head.get("names"), head.get("sizes")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise EnvelopeError("bad key-upload header: names must be distinct strings")
+    if (not isinstance(sizes, list) or len(sizes) != len(names)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)):
+        raise EnvelopeError("bad key-upload header: sizes must be one non-negative int per name")
+    return names, sizes
+
+
 def pack_key_upload(blobs: dict[str, bytes]) -> bytes:
     """One upload body from the public key blobs (``fhe.backends.seal.wire.dump_public_keys``); fixed order."""
     names = [n for n in KEY_NAMES if n in blobs]
@@ -156,13 +178,8 @@ def parse_key_upload(body: bytes, max_total_bytes: int) -> dict[str, bytes]:
     magic, version, head_len = _PREFIX.unpack_from(body)
     if magic != KEY_MAGIC or version != ENVELOPE_VERSION or head_len > MAX_HEADER_BYTES:
         raise EnvelopeError("not a cipherlm key upload")
-    try:
-        head = json.loads(body[_PREFIX.size:_PREFIX.size + head_len])
-        names, sizes = list(head["names"]), [int(n) for n in head["sizes"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise EnvelopeError("bad key-upload header") from exc
-    if len(names) != len(sizes) or len(set(names)) != len(names) or any(n < 0 for n in sizes):
-        raise EnvelopeError("bad key-upload header")
+    head = _load_header(body[_PREFIX.size:_PREFIX.size + head_len], "bad key-upload header")
+    names, sizes = _check_key_header(head)
     offset = _PREFIX.size + head_len
     if offset + sum(sizes) != len(body):
         raise EnvelopeError("key-upload sizes do not add up to the body length")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 _GROUPS = (
@@ -17,6 +18,38 @@ _GROUPS = (
     "server.cli_fhe",       # fhe calibrate, plan-info
     "server.cli_demo",      # demo: plaintext vs encrypted tenant side by side
 )
+
+
+def plain_help(doc: str | None) -> str:
+    """A module docstring as terminal help: reStructuredText/markdown marks (``x``, **x**) removed."""
+    text = re.sub(r"``([^`]+)``", r"\1", doc or "")
+    return re.sub(r"\*\*([^*]+)\*\*", r"\1", text)
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def threads_arg(value: str) -> int | None:
+    """argparse type of ``--threads``: ``auto`` -> None (the policy of engine.threads), else N >= 1."""
+    from engine.threads import parse_threads
+
+    try:
+        return parse_threads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError("expected 'auto' or a positive integer") from exc
+
+
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    """``--threads`` (same meaning on every command that runs the model)."""
+    parser.add_argument("--threads", type=threads_arg, default="auto", metavar="N|auto",
+                        help="CPU threads for torch; auto: the physical cores not busy with other work, "
+                             "or $CIPHERLM_THREADS / $OMP_NUM_THREADS when set (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:

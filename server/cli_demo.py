@@ -239,7 +239,7 @@ def run_encrypted(server: DemoServer, prompt: str, max_tokens: int, cache_dir: P
               f"public evaluation keys registered ({_mb(setup.key_upload_bytes)} uploaded) in "
               f"{setup.keys_s:.2f} s", flush=True)
         print(f"  encrypted layers: {list(setup.encrypted_layers)} of {runtime.model.config.num_hidden_layers}"
-              " (every other layer, the embedding and the head run on this machine)", flush=True)
+              " (all the other layers, the embedding and the head run on this machine)", flush=True)
         ids = runtime.tokenizer.encode(prompt)
         params = SamplingParams(max_tokens=max_tokens, temperature=0)
         text = []
@@ -259,6 +259,11 @@ def run_encrypted(server: DemoServer, prompt: str, max_tokens: int, cache_dir: P
 
 def demo(args: argparse.Namespace) -> int:
     """Start a server, answer the prompt with both tenants, stop the server."""
+    from engine.threads import configure
+
+    # this process runs the client's clear layers; the server subprocess inherits the choice through
+    # $OMP_NUM_THREADS (engine.threads reads it there)
+    configure(args.threads, verbose=True)
     with tempfile.TemporaryDirectory(prefix="cipherlm-demo-") as tmp:
         root = Path(tmp)
         plan = plan_with_layers(args.layers, root)
@@ -285,11 +290,14 @@ def _layers_arg(value: str) -> str:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``cipherlm demo``."""
+    from server.cli import add_threads_option, plain_help
+
     p = subparsers.add_parser("demo", help="the same prompt answered by a plaintext and an encrypted tenant",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"raw completion prompt (default {DEFAULT_PROMPT!r})")
     p.add_argument("--max-tokens", type=int, default=4, help="tokens to generate (default 4)")
     p.add_argument("--layers", default="all", type=_layers_arg,
                    help="'all' (the default plan) or N: only the plan's first N encrypted layers (faster)")
     p.add_argument("--port", type=int, help="server port (default: a free one)")
+    add_threads_option(p)
     p.set_defaults(func=demo)

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from server.cli import DefaultsHelpFormatter, add_threads_option
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the model commands and ``generate``."""
@@ -22,15 +24,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     info.add_argument("--verify", action="store_true", help="re-hash cached files against the manifest")
     info.set_defaults(func=_info)
 
-    gen = sub.add_parser("generate", help="generate text on the CPU (streams to the terminal)")
+    gen = sub.add_parser("generate", help="generate text on the CPU (streams to the terminal)",
+                         description="Generate text on the CPU with the engine and stream it to the terminal.",
+                         formatter_class=DefaultsHelpFormatter)
     gen.add_argument("prompt", help="the user message (rendered with the model's chat template)")
     gen.add_argument("--model", default="default", help="'default', a model folder or a .gguf file")
-    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
     gen.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as text")
+    add_threads_option(gen)
     gen.set_defaults(func=_generate)
 
 
@@ -58,7 +63,8 @@ def _list(args: argparse.Namespace) -> int:
     from engine.default_model import MANIFEST, models_dir
 
     root = models_dir()
-    folders = sorted(p for p in root.glob("*") if (p / MANIFEST).exists()) if root.exists() else []
+    folders = (sorted(p for p in root.glob("*") if not p.name.startswith(".") and (p / MANIFEST).exists())
+               if root.exists() else [])  # hidden: a pull's staging folder
     if not folders:
         print(f"no models cached under {root} (run: cipherlm model pull)")
     for p in folders:
@@ -77,9 +83,10 @@ def _info(args: argparse.Namespace) -> int:
     print(json.dumps({k: v for k, v in cfg.__dict__.items()}, indent=2, default=str))
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     print(f"parameters: {n_params:,}")
-    for name, t in list(model.state_dict().items())[:12]:
+    state = model.state_dict()
+    for name, t in list(state.items())[:12]:
         print(f"  {name:50s} {tuple(t.shape)} {t.dtype}")
-    print(f"  ... {len(model.state_dict())} tensors")
+    print(f"  ... {_tensor_count(state)}")
     if path.is_dir():
         for f in sorted(path.iterdir()):
             print(f"file {f.name:32s} {f.stat().st_size / 1e6:10.1f} MB")
@@ -90,7 +97,17 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tensor_count(state: dict) -> str:
+    """Tensor count as loading reports it: a tied weight (lm_head = embedding) is one tensor."""
+    unique = len({t.data_ptr() for t in state.values()})
+    tied = len(state) - unique
+    return f"{unique} tensors" + (f" ({tied} more name(s) tied to one of them)" if tied else "")
+
+
 def _generate(args: argparse.Namespace) -> int:
+    from engine.threads import configure
+
+    configure(args.threads, verbose=True)  # before torch loads: OpenMP reads its environment once
     from engine.engine_config import EngineConfig
     from engine.errors import InvalidRequestError
     from engine.llm_engine import LLMEngine

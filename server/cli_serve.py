@@ -116,6 +116,9 @@ def _server_class():
 
 def serve(args: argparse.Namespace) -> int:
     """Build the app and run uvicorn until drained."""
+    from engine.threads import configure
+
+    configure(args.threads, verbose=True)  # before torch loads: OpenMP reads its environment once
     import uvicorn
 
     from server.app import create_app
@@ -132,13 +135,17 @@ def serve(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``cipherlm serve``."""
+    from server.cli import add_threads_option, plain_help
+
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="settings TOML file (default: the demo file, written on first run)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--model", help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default info)")
+    add_threads_option(p)
     p.set_defaults(func=serve)
 
 

@@ -141,12 +141,18 @@ def get_registry(request: Request, settings: SettingsDep) -> TenantRegistry:
     return registry
 
 
+MAX_CREDENTIAL_CHARS = 1024  # API keys are ~50 characters; anything far longer is refused unparsed
+
+
 def _bearer_key(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
+    api_key = request.headers.get("x-api-key", "")
+    if len(auth) > MAX_CREDENTIAL_CHARS or len(api_key) > MAX_CREDENTIAL_CHARS:
+        raise AuthenticationError(f"credentials over {MAX_CREDENTIAL_CHARS} characters", code="invalid_api_key")
     scheme, _, key = auth.partition(" ")
     if scheme.lower() == "bearer" and key.strip():
         return key.strip()
-    return request.headers.get("x-api-key") or None
+    return api_key or None
 
 
 def get_tenant(request: Request, registry: Annotated[TenantRegistry, Depends(get_registry)]) -> Tenant:

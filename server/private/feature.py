@@ -60,8 +60,8 @@ def open_audit(root: Path, pseudonym_key: bytes, checkpoint_every: int) -> Audit
         signer = keys.load()
     except SigningKeyError:
         signer = keys.create()
-        log.warning("created the audit signing key in %s; publish it with `cipherlm audit publish-key`",
-                    root / "audit-signing")
+        log.warning("created the audit signing key in %s; publish it with "
+                    "`cipherlm audit publish-key --key-dir %s`", root / "audit-signing", root / "audit-signing")
     (root / "audit").mkdir(parents=True, exist_ok=True)
     return AuditLog.open(AuditConfig(root / "audit" / "audit.log", checkpoint_every=checkpoint_every),
                          signer, Pseudonymizer(pseudonym_key))

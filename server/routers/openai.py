@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.errors import EngineError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, InvalidRequestError, NotFoundError, from_engine_error
@@ -42,6 +44,7 @@ from server.settings import Settings, SettingsDep
 from server.tenants import PlaintextTenantDep, Tenant, TenantDep
 
 router = APIRouter(tags=["openai"])
+log = logging.getLogger("cipherlm.server")
 
 
 def served_model_name(settings: Settings, engine: Any = None) -> str:
@@ -197,10 +200,11 @@ def _prepare(body, request: Request, tenant: Tenant, limiter: TenantLimiter, set
         raise InvalidRequestError(f"n must be <= {settings.max_n}", param="n")
     try:
         prompts = _tokenize(body, engine, settings)
-    except APIError:
+    except (APIError, EngineError):
         raise
-    except Exception as exc:
-        raise from_engine_error(exc) from exc
+    except Exception as exc:  # a bug: log it, and never show the library's message to the client
+        log.exception("tokenizing a %s request failed", type(body).__name__)
+        raise APIError("internal server error") from exc
     room = _max_model_len(engine) - max(len(p) for p in prompts)
     max_tokens = _max_tokens(body, tenant, max(room, 1))
     _check_context(prompts, max_tokens, tenant, engine)

@@ -5,6 +5,9 @@ accepts (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_to
 too. Fields we do not implement are accepted only at their neutral value (e.g. ``echo=false``,
 ``tools`` empty) and refused with a 400 otherwise, rather than silently ignored. Unknown fields are
 ignored, as OpenAI's own server does for forward compatibility.
+
+Types are strict (pydantic strict mode): ``"stream": "yes"``, ``"max_tokens": true`` or ``"n": "2"`` are
+400s, not coerced; an integer where a number is expected (``"temperature": 1``) is still a number.
 """
 
 from __future__ import annotations
@@ -24,14 +27,14 @@ StopField = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | N
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with the usage."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     model: str | None = Field(None, description="the served model's name (GET /v1/models)")
     max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
@@ -71,7 +74,7 @@ class CompletionRequest(_SamplingFields):
 class TextContentPart(BaseModel):
     """A ``{"type": "text", "text": ...}`` part of a message's content."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
@@ -79,7 +82,7 @@ class TextContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message of a chat."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextContentPart], Field(max_length=256)] | None = None
     name: str | None = None

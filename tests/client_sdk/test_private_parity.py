@@ -217,3 +217,26 @@ def test_async_client_sends_its_own_bytes(app_client, tenants, key_store):
     assert text == expected["text"]
     assert any(p.endswith("/steps") for p in sent) and "/v1/private/sessions" in sent
     assert not any(p.startswith("/v1/private/keys/") for p in sent)   # the key store's key: not uploaded again
+
+
+def test_lost_session_is_replayed_without_a_new_key(app_client, tenants):
+    """The server closes the session between two tokens: the runtime opens a new one on the same key,
+    replays the positions so far and the answer is unchanged; no key is uploaded again."""
+    http, _ = app_client
+    spec = SPECS[0]
+    expected = _run(tenants["plain"], spec)
+    client = tenants["enc"]
+    runtime = client._private
+    sent: list[str] = []
+    http.event_hooks["request"].append(lambda request: sent.append(f"{request.method} {request.url.path}"))
+    stream = client.completions.create(prompt=PROMPT, stream=True,
+                                       extra_body={k: v for k, v in spec.body.items() if k != "prompt"})
+    pieces = [next(stream).choices[0].text]
+    sid = runtime.session.id
+    r = http.delete(f"/v1/private/sessions/{sid}", headers={"Authorization": f"Bearer {KEYS['enc']}"})
+    assert r.status_code == 204
+    pieces += [c.choices[0].text for c in stream]
+    http.event_hooks["request"].pop()
+    assert "".join(pieces) == expected["text"]
+    assert sent.count("POST /v1/private/sessions") == 2 and runtime.session is None
+    assert not any(s.startswith("POST /v1/private/keys") for s in sent)

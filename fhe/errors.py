@@ -6,11 +6,13 @@ Hierarchy::
     ├── ParameterError            a CKKS parameter set is invalid or not 128-bit secure
     ├── KeyMismatchError          material made under another key or context (fingerprint/parms mismatch)
     ├── SecretKeyRefusedError     a blob that would give the server a secret key
+    │   └── KeyRefusedError       an upload blob outside the allow-list (name, kind, type, parameters)
     ├── ShapeError                wrong sizes: vector length, token count, slots, positions
     ├── LevelError                a ciphertext is at the wrong level/scale for the operation
     ├── WireError                 bytes that do not parse (garbage, truncated, wrong kind/version)
     │   └── SizeLimitError        a blob over its size limit (checked before deserializing)
     ├── PlanMismatchError         a plan whose content hash does not match what the block was built for
+    ├── BackendMismatchError      material or a request made for another evaluator backend or parameter set
     └── OutputRangeError          a decrypted block output that cannot be (overflow or tampering)
 
 Foreign errors (SEAL's C++ exceptions surfacing as RuntimeError/ValueError through pybind11) are
@@ -36,6 +38,12 @@ class SecretKeyRefusedError(FHEError):
     """Someone tried to hand secret-key material to the server side."""
 
 
+class KeyRefusedError(SecretKeyRefusedError):
+    """A key-upload blob outside the allow-list: an unexpected name or kind, bytes that do not parse as
+    the named SEAL type, other parameters, Galois keys the plan does not use. Refused like a secret key,
+    since it could carry one."""
+
+
 class ShapeError(FHEError, ValueError):
     """Wrong sizes: vector length, number of tokens, positions out of range, cache full."""
 
@@ -54,6 +62,11 @@ class SizeLimitError(WireError):
 
 class PlanMismatchError(FHEError):
     """A plan (or request) names a content hash other than the one the block was built from."""
+
+
+class BackendMismatchError(FHEError):
+    """Ciphertexts, keys or a request name another evaluator backend (``seal``, ``gpu``, ...) or another
+    CKKS parameter set than the one serving them (a client error: HTTP 400/409, never a 500)."""
 
 
 class OutputRangeError(FHEError):

@@ -23,10 +23,18 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from fhe.ckks import CKKSClient, ServerKeys
-from fhe.errors import KeyMismatchError, SecretKeyRefusedError, ShapeError, SizeLimitError, WireError
-from fhe.fingerprint import key_fingerprint, params_hash
+from fhe.errors import (
+    KeyMismatchError,
+    KeyRefusedError,
+    SecretKeyRefusedError,
+    ShapeError,
+    SizeLimitError,
+    WireError,
+)
+from fhe.fingerprint import PUBLIC_BLOBS, key_fingerprint, params_hash
 from fhe.hazmat import seal
 from fhe.params import CKKSParams
 
@@ -126,29 +134,108 @@ def public_key_sizes(blobs: Mapping[str, bytes]) -> dict[str, int]:
     return {k: len(v) for k, v in blobs.items()}
 
 
-def load_server_keys(blobs: Mapping[str, bytes], params: CKKSParams, rotation_steps: Iterable[int],
-                     *, limits: Mapping[str, int] | None = None) -> ServerKeys:
-    """Server: parse an untrusted key upload, refusing secret keys and missing Galois keys.
+@dataclass(frozen=True)
+class ParsedKeys:
+    """A key upload that passed the allow-list: the loaded keys and their canonical serialization.
 
-    Returns ServerKeys whose fingerprint is computed from the SEAL bytes received (what the client and
-    the audit log compute too).
+    ``canonical`` holds each blob re-serialized from the parsed SEAL object (in its envelope): the only
+    bytes a server stores. SEAL ignores bytes after the object it reads (a zstd skippable frame, or plain
+    trailing bytes inside the declared size), so the uploaded bytes themselves are never kept.
     """
+
+    keys: ServerKeys
+    canonical: dict[str, bytes]
+
+
+def parse_server_keys(blobs: Mapping[str, bytes], params: CKKSParams, rotation_steps: Iterable[int],
+                      *, limits: Mapping[str, int] | None = None, fingerprint: str | None = None,
+                      canonical: bool = True) -> ParsedKeys:
+    """Server: parse an untrusted key upload against an allow-list.
+
+    Exactly the blobs :data:`fhe.fingerprint.PUBLIC_BLOBS` names, each in an envelope of its own kind,
+    made for ``params``, that SEAL loads as that type at the key level of the context; relinearization
+    keys for the square only; Galois keys for exactly the plan's rotations. Anything else is refused.
+
+    Args:
+        fingerprint: the key set's fingerprint when ``blobs`` are a canonical re-serialization (it names
+            the client's original bytes); None: computed from ``blobs``.
+        canonical: also re-serialize the parsed objects (what a registry stores).
+
+    Raises:
+        SecretKeyRefusedError: a secret-key blob (by name or kind). KeyRefusedError: any other blob outside
+        the allow-list. WireError: a blob missing or malformed. KeyMismatchError: other parameters.
+    """
+    _check_names(blobs)
     limits = dict(limits or {})
-    if "secret_key" in blobs:
-        raise SecretKeyRefusedError("the upload contains a secret key")
-    missing = {"public_key", "relin_keys", "galois_keys"} - set(blobs)
+    payloads = {name: _unpack(blobs[name], name, params, None, limits.get(name)) for name in PUBLIC_BLOBS}
+    kit = seal.Kit(params)
+    objs = {name: _load_key_object(name, kit, payloads[name]) for name in PUBLIC_BLOBS}
+    steps = tuple(sorted({int(s) % params.slots for s in rotation_steps} - {0}))
+    _check_key_counts(objs, steps, params)
+    keys = ServerKeys(kit, objs["public_key"], objs["relin_keys"], objs["galois_keys"], steps,
+                      fingerprint or key_fingerprint(params, payloads))
+    canon = ({name: _pack(name, params, None, seal.to_bytes(obj)) for name, obj in objs.items()}
+             if canonical else {})
+    return ParsedKeys(keys, canon)
+
+
+def load_server_keys(blobs: Mapping[str, bytes], params: CKKSParams, rotation_steps: Iterable[int],
+                     *, limits: Mapping[str, int] | None = None, fingerprint: str | None = None) -> ServerKeys:
+    """:func:`parse_server_keys` without the re-serialization: the keys only.
+
+    Returns ServerKeys whose fingerprint is ``fingerprint`` or else computed from the SEAL bytes received
+    (what the client and the audit log compute too).
+    """
+    return parse_server_keys(blobs, params, rotation_steps, limits=limits, fingerprint=fingerprint,
+                             canonical=False).keys
+
+
+def _check_names(blobs: Mapping[str, bytes]) -> None:
+    """Exactly the public blob names; a secret key named anything, or carried under any name, refused."""
+    for name, data in blobs.items():
+        if name == "secret_key" or _kind_code(data) == KINDS["secret_key"]:
+            raise SecretKeyRefusedError(f"the upload contains a secret key (blob {name[:32]!r})")
+    extra = set(blobs) - set(PUBLIC_BLOBS)
+    if extra:
+        raise KeyRefusedError(f"the upload holds blobs that are not public evaluation keys: "
+                              f"{sorted(n[:32] for n in extra)[:8]}")
+    missing = set(PUBLIC_BLOBS) - set(blobs)
     if missing:
         raise WireError(f"key upload lacks {sorted(missing)}")
-    kit = seal.Kit(params)
-    payloads = {name: _unpack(blobs[name], name, params, None, limits.get(name))
-                for name in ("public_key", "relin_keys", "galois_keys")}
-    objs = {name: seal.from_bytes(name, kit, p) for name, p in payloads.items()}
-    steps = tuple(sorted({int(s) % params.slots for s in rotation_steps} - {0}))
-    for elt in seal.galois_elements(steps, params.slots):
-        if not objs["galois_keys"].has_key(elt):
+    for name, data in blobs.items():
+        code = _kind_code(data)
+        if code is not None and code != KINDS[name]:
+            raise KeyRefusedError(f"{name} blob declares kind {_KIND_NAMES.get(code, code)!r}")
+
+
+def _kind_code(data: bytes) -> int | None:
+    if isinstance(data, (bytes, bytearray, memoryview)) and len(data) >= _HEAD.size:
+        return _HEAD.unpack_from(data)[2]
+    return None
+
+
+def _load_key_object(name: str, kit: seal.Kit, payload: bytes):
+    """The blob as exactly its named SEAL type at the key level; anything else is refused as such."""
+    try:
+        obj = seal.from_bytes(name, kit, payload)
+    except WireError as exc:
+        raise KeyRefusedError(f"{name} blob is not a valid {name} for these parameters") from exc
+    if list(obj.parms_id()) != list(kit.context.key_parms_id()):
+        raise KeyRefusedError(f"{name} is not at the key level of the parameter chain")
+    return obj
+
+
+def _check_key_counts(objs: Mapping, steps: tuple[int, ...], params: CKKSParams) -> None:
+    """Relin keys for the square only; Galois keys for exactly the plan's rotations (no more, no less)."""
+    if objs["relin_keys"].size() != 1:
+        raise KeyRefusedError(f"relin_keys holds {objs['relin_keys'].size()} keys, expected 1")
+    elements = seal.galois_elements(steps, params.slots)
+    galois = objs["galois_keys"]
+    for elt in elements:
+        if not galois.has_key(elt):
             raise KeyMismatchError(f"Galois key for element {elt} missing")
-    return ServerKeys(kit, objs["public_key"], objs["relin_keys"], objs["galois_keys"], steps,
-                      key_fingerprint(params, payloads))
+    if galois.size() != len(elements):
+        raise KeyRefusedError(f"galois_keys holds {galois.size()} keys; the plan uses {len(elements)}")
 
 
 def refuse_private_tenseal_context(data: bytes) -> None:

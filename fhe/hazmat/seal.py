@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -231,30 +230,59 @@ _LOADABLE = {"ciphertext": sa.Ciphertext, "public_key": sa.PublicKey, "relin_key
              "galois_keys": sa.GaloisKeys, "secret_key": sa.SecretKey}
 
 
-def to_bytes(obj) -> bytes:
-    """SEAL's own serialization (zstd-compressed when SEAL was built with it)."""
-    fd, path = tempfile.mkstemp(prefix="cipherlm-seal-")
-    os.close(fd)
+@contextlib.contextmanager
+def _memory_path() -> Iterator[tuple[int, str]]:
+    """An anonymous in-memory file (``memfd``) and a path SEAL can open it by.
+
+    sealapi saves to and loads from paths only. A named temporary file would put a client's secret key
+    (or a tenant's ciphertext) on disk, where a crash between write and unlink leaves it; a memfd has no
+    name in any filesystem, lives in RAM and vanishes with its last descriptor, crash or not.
+    """
+    if not hasattr(os, "memfd_create"):
+        raise OSError("in-memory SEAL serialization needs memfd_create (Linux)")
+    fd = os.memfd_create("cipherlm-seal", getattr(os, "MFD_CLOEXEC", 0))
     try:
+        yield fd, f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    chunks, offset = [], 0
+    while offset < size:
+        chunk = os.pread(fd, min(size - offset, 1 << 30), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def to_bytes(obj) -> bytes:
+    """SEAL's own serialization (zstd-compressed when SEAL was built with it), through memory only."""
+    with _memory_path() as (fd, path):
         with translate("serialize"):
             obj.save(path)
-        with open(path, "rb") as f:
-            return f.read()
-    finally:
-        os.unlink(path)
+        return _read_all(fd)
 
 
 def from_bytes(kind: str, kit: Kit, data: bytes):
-    """Load a SEAL object of ``kind`` for ``kit.context``; SEAL validates it against the context."""
+    """Load a SEAL object of ``kind`` for ``kit.context``; SEAL validates it against the context.
+
+    The bytes go through an in-memory file only (never a file on disk: see :func:`_memory_path`).
+    """
     obj = _LOADABLE[kind]()
-    fd, path = tempfile.mkstemp(prefix="cipherlm-seal-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+    with _memory_path() as (fd, path):
+        _write_all(fd, data)
         with translate(f"deserialize {kind}"):
             obj.load(kit.context, path)
             if not sa.is_valid_for(obj, kit.context):
                 raise ValueError("not valid for this context")
-    finally:
-        os.unlink(path)
     return obj

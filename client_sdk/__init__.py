@@ -10,7 +10,9 @@ Plaintext half (OpenAI-style, for tenants in ``plaintext`` mode)::
 calls privately (local layers + CKKS steps on the server, ``docs/sdk.md``) unless a call passes
 ``non_sensitive=True`` for a plaintext fallback its tenant's policy allows.
 ``client.tenant()`` tells which mode the server enforces for the key. Exceptions: see
-:mod:`client_sdk._exceptions` (all importable from here).
+:mod:`client_sdk._exceptions` (all importable from here). ``progress=print_progress`` (or a
+:class:`ProgressPrinter`, or any callable taking a :class:`Progress`) shows the encrypted mode's
+one-time setup: bundle download, key generation, key upload.
 """
 
 from client_sdk._base import RetryPolicy, Timeout
@@ -27,11 +29,13 @@ from client_sdk._exceptions import (
     NotFoundError,
     PermissionDeniedError,
     PrivacyModeError,
+    PrivateModeError,
     RateLimitError,
     ServiceUnavailableError,
 )
 from client_sdk._keystore_errors import InvalidKeyStoreAccess, KeyStoreError
-from client_sdk._private import PrivateModeError
+from client_sdk._progress import ProgressPrinter, print_progress
+from client_sdk._protocol import Progress
 from client_sdk._types import (
     ChatChoice,
     ChatChunkChoice,
@@ -76,6 +80,8 @@ __all__ = [
     "PermissionDeniedError",
     "PrivacyModeError",
     "PrivateModeError",
+    "Progress",
+    "ProgressPrinter",
     "PromptTokensDetails",
     "RateLimitError",
     "RetryPolicy",
@@ -84,4 +90,5 @@ __all__ = [
     "TenantInfo",
     "Timeout",
     "Usage",
+    "print_progress",
 ]

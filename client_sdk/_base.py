@@ -48,8 +48,10 @@ class Timeout:
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"Timeout.{name} must be a finite positive number, got {value!r}")
 
-    def to_httpx(self) -> httpx.Timeout:
-        return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
+    def to_httpx(self, read: float | None = None) -> httpx.Timeout:
+        """httpx's form; ``read`` overrides the read timeout (the private path's plan-derived waits)."""
+        return httpx.Timeout(connect=self.connect, read=self.read if read is None else read, write=self.write,
+                             pool=self.pool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +102,15 @@ class BaseClient:
         default_headers: sent with every request.
         key_store: encrypted mode only: an open :class:`client_sdk.KeyStore` that keeps the CKKS key set
             (secret encrypted at rest) across processes; None: a fresh key set per client.
+        progress: encrypted mode only: called with a :class:`client_sdk.Progress` during the one-time
+            setup (bundle download, key generation, key upload); None (default): silent.
+            :func:`client_sdk.print_progress` prints a progress line to stderr.
     """
 
     def __init__(self, api_key: str | None = None, base_url: str | None = None, *,
                  timeout: Timeout | None = None, max_retries: int = 2, privacy: ClientPrivacy = "plaintext",
-                 default_headers: dict[str, str] | None = None, key_store: Any = None) -> None:
+                 default_headers: dict[str, str] | None = None, key_store: Any = None,
+                 progress: Callable[[Any], None] | None = None) -> None:
         self.api_key = api_key or os.environ.get("CIPHERLM_API_KEY")
         if not self.api_key:
             raise ValueError("no API key: pass api_key= or set CIPHERLM_API_KEY")
@@ -115,6 +121,7 @@ class BaseClient:
             raise ValueError(f"privacy must be 'plaintext' or 'encrypted', got {privacy!r}")
         self.privacy: ClientPrivacy = privacy
         self.key_store = key_store
+        self.progress = progress
         self._headers = {"Authorization": f"Bearer {self.api_key}", "User-Agent": "cipherlm-sdk/0.1",
                          **(default_headers or {})}
         self._rand: Callable[[], float] = random.random
@@ -127,6 +134,25 @@ class BaseClient:
                 "server. Completions of an encrypted-mode Client run privately; pass non_sensitive=True "
                 "only for a request your tenant's policy allows to fall back to plaintext.")
         return {SENSITIVITY_HEADER: "non-sensitive"} if non_sensitive else {}
+
+    def _build(self, http: Any, method: str, path: str, json: Any, headers: dict[str, str] | None,
+               content: bytes | None, read_timeout: float | None, progress: str | None,
+               is_async: bool) -> httpx.Request:
+        """An httpx request; a labelled binary body is sent in chunks that report progress."""
+        all_headers = {**self._headers, **(headers or {})}
+        body: Any = content
+        if content is not None and progress and self.progress is not None:
+            all_headers["Content-Length"] = str(len(content))
+            chunks = _chunks(content, progress, self.progress)
+            body = _async_iter(chunks) if is_async else chunks
+        return http.build_request(method, self.base_url + path, json=json, content=body, headers=all_headers,
+                                  timeout=self.timeout.to_httpx(read_timeout))
+
+    def _report(self, label: str | None, done: int, total: int | None) -> None:
+        if label and self.progress is not None:
+            from client_sdk._protocol import Progress
+
+            self.progress(Progress(label, done, total))
 
     @staticmethod
     def _check(response: httpx.Response) -> None:
@@ -177,3 +203,27 @@ def parse_sse_line(line: str) -> dict[str, Any] | None | Literal[False]:
         raise APIStatusError(str(err.get("message")), status_code=500, body=event, type=err.get("type"),
                              code=err.get("code"))
     return event
+
+
+PROGRESS_CHUNK = 1 << 20
+
+
+def _chunks(data: bytes, label: str, progress: Callable[[Any], None]):
+    """``data`` in 1 MiB pieces, reporting the bytes handed to the transport."""
+    from client_sdk._protocol import Progress
+
+    view = memoryview(data)
+    for start in range(0, len(data), PROGRESS_CHUNK):
+        yield bytes(view[start:start + PROGRESS_CHUNK])
+        progress(Progress(label, min(start + PROGRESS_CHUNK, len(data)), len(data)))
+
+
+async def _async_iter(chunks):
+    for chunk in chunks:
+        yield chunk
+
+
+def content_length(response: httpx.Response) -> int | None:
+    """The response's declared length, if any."""
+    value = response.headers.get("content-length")
+    return int(value) if value and value.isdigit() else None

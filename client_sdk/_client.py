@@ -15,8 +15,10 @@ from typing import Any, Generic, TypeVar
 
 import httpx
 
-from client_sdk._base import BaseClient, chat_body, completion_body, parse_sse_line
+from client_sdk._base import PROGRESS_CHUNK, BaseClient, chat_body, completion_body, content_length, parse_sse_line
 from client_sdk._exceptions import map_transport_errors
+from client_sdk._private import aclose_private, async_private_call, private_call
+from client_sdk._protocol import Call, Reply
 from client_sdk._types import ChatCompletion, ChatCompletionChunk, Completion, Model, TenantInfo
 
 T = TypeVar("T")
@@ -108,21 +110,22 @@ class Client(BaseClient):
         return TenantInfo.from_dict(self._json(self._request("GET", "/v1/tenant")))
 
     def _request(self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
-                 stream: bool = False, content: bytes | None = None) -> httpx.Response:
+                 stream: bool = False, content: bytes | None = None, read_timeout: float | None = None,
+                 progress: str | None = None) -> httpx.Response:
         """Send with retries; return a successful response (streamed bodies left unread)."""
         attempt = 0
         while True:
             try:
-                return self._send_once(method, path, json, headers, stream, content)
+                request = self._build(self._http, method, path, json, headers, content, read_timeout, progress,
+                                      is_async=False)
+                return self._send_once(request, stream)
             except Exception as exc:
                 if not self.retry.should_retry(attempt, exc):
                     raise
                 self._sleep(self.retry.delay(attempt, exc, self._rand))
                 attempt += 1
 
-    def _send_once(self, method, path, json, headers, stream, content=None) -> httpx.Response:
-        request = self._http.build_request(method, self.base_url + path, json=json, content=content,
-                                           headers={**self._headers, **(headers or {})})
+    def _send_once(self, request: httpx.Request, stream: bool) -> httpx.Response:
         with map_transport_errors():
             response = self._http.send(request, stream=stream)
             if response.status_code >= 400 and stream:
@@ -130,6 +133,24 @@ class Client(BaseClient):
                 response.close()
         self._check(response)
         return response
+
+    def _exchange(self, call: Call) -> Reply:
+        """Perform one call of the private runtime (the blocking driver)."""
+        download = bool(call.progress and self.progress is not None and call.method == "GET")
+        response = self._request(call.method, call.path, json=call.json, content=call.content,
+                                 headers=call.headers, read_timeout=call.read_timeout, progress=call.progress,
+                                 stream=download)
+        if not download:
+            return Reply(response.content)
+        total, parts = content_length(response), []
+        with map_transport_errors():
+            try:
+                for chunk in response.iter_bytes(PROGRESS_CHUNK):
+                    parts.append(chunk)
+                    self._report(call.progress, sum(map(len, parts)), total)
+            finally:
+                response.close()
+        return Reply(b"".join(parts))
 
     def close(self) -> None:
         """Close the private session (if any) and the connection pool."""
@@ -216,8 +237,6 @@ class Models:
 
 def _call(client: Client, path: str, body: dict, non_sensitive: bool, stream: bool, parse):
     if client.privacy == "encrypted" and not non_sensitive:
-        from client_sdk._private import private_call
-
         return private_call(client, path, body, stream)
     headers = client._plaintext_headers(non_sensitive)
     response = client._request("POST", path, json=body, headers=headers, stream=stream)
@@ -246,20 +265,21 @@ class AsyncClient(BaseClient):
         return TenantInfo.from_dict(self._json(await self._request("GET", "/v1/tenant")))
 
     async def _request(self, method: str, path: str, *, json: Any = None,
-                       headers: dict[str, str] | None = None, stream: bool = False) -> httpx.Response:
+                       headers: dict[str, str] | None = None, stream: bool = False, content: bytes | None = None,
+                       read_timeout: float | None = None, progress: str | None = None) -> httpx.Response:
         attempt = 0
         while True:
             try:
-                return await self._send_once(method, path, json, headers, stream)
+                request = self._build(self._http, method, path, json, headers, content, read_timeout, progress,
+                                      is_async=True)
+                return await self._send_once(request, stream)
             except Exception as exc:
                 if not self.retry.should_retry(attempt, exc):
                     raise
                 await self._sleep(self.retry.delay(attempt, exc, self._rand))
                 attempt += 1
 
-    async def _send_once(self, method, path, json, headers, stream) -> httpx.Response:
-        request = self._http.build_request(method, self.base_url + path, json=json,
-                                           headers={**self._headers, **(headers or {})})
+    async def _send_once(self, request: httpx.Request, stream: bool) -> httpx.Response:
         with map_transport_errors():
             response = await self._http.send(request, stream=stream)
             if response.status_code >= 400 and stream:
@@ -268,11 +288,27 @@ class AsyncClient(BaseClient):
         self._check(response)
         return response
 
+    async def _aexchange(self, call: Call) -> Reply:
+        """Perform one call of the private runtime (the asyncio driver: this client's own connections)."""
+        download = bool(call.progress and self.progress is not None and call.method == "GET")
+        response = await self._request(call.method, call.path, json=call.json, content=call.content,
+                                       headers=call.headers, read_timeout=call.read_timeout,
+                                       progress=call.progress, stream=download)
+        if not download:
+            return Reply(response.content)
+        total, parts = content_length(response), []
+        with map_transport_errors():
+            try:
+                async for chunk in response.aiter_bytes(PROGRESS_CHUNK):
+                    parts.append(chunk)
+                    self._report(call.progress, sum(map(len, parts)), total)
+            finally:
+                await response.aclose()
+        return Reply(b"".join(parts))
+
     async def close(self) -> None:
-        """Close the private twin (if any) and the connection pool."""
-        twin = getattr(self, "_private_twin", None)
-        if twin is not None:
-            await asyncio.to_thread(twin.close)
+        """Close the private session (if any) and the connection pool."""
+        await aclose_private(self)
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncClient:
@@ -284,8 +320,6 @@ class AsyncClient(BaseClient):
 
 async def _acall(client: AsyncClient, path: str, body: dict, non_sensitive: bool, stream: bool, parse):
     if client.privacy == "encrypted" and not non_sensitive:
-        from client_sdk._private import async_private_call
-
         return await async_private_call(client, path, body, stream)
     headers = client._plaintext_headers(non_sensitive)
     response = await client._request("POST", path, json=body, headers=headers, stream=stream)

@@ -14,7 +14,9 @@ Hierarchy::
     │   ├── InternalServerError       500 and other 5xx
     │   └── ServiceUnavailableError   503 (draining or starting; ``retry_after``)
     ├── APIResponseValidationError    the server's body is not what the API promises
-    └── PrivacyModeError              the call does not fit the client's privacy mode
+    ├── PrivacyModeError              the call does not fit the client's privacy mode
+    └── PrivateModeError              the encrypted-mode runtime cannot proceed (bad bundle, plan changed,
+                                      unusable key, a request field it refuses: ``param`` names it)
 
 HTTP statuses are mapped to classes in :func:`status_error` and transport failures in
 :func:`map_transport_errors` — the only two places foreign errors become SDK errors.
@@ -48,6 +50,18 @@ class APIResponseValidationError(CipherlmError):
 
 class PrivacyModeError(CipherlmError):
     """The requested operation does not fit the client's (or the tenant's) privacy mode."""
+
+
+class PrivateModeError(CipherlmError):
+    """The private runtime cannot proceed (bad bundle, plan changed, unusable key, invalid request field).
+
+    Attributes:
+        param: the offending request field, if any (the same name the server's 400 would give).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class APIStatusError(CipherlmError):

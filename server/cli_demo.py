@@ -185,15 +185,14 @@ def prepare_private(client, cache_dir: Path):
 
     runtime = client._private = PrivateRuntime(client, key_id="demo", cache_dir=cache_dir)
     t0 = time.perf_counter()
-    man = client._json(client._request("GET", "/v1/private/manifest"))
+    man = runtime.fetch_manifest()
     t1 = time.perf_counter()
-    runtime._load_bundle(man)
+    runtime.load_bundle(man)
     t2 = time.perf_counter()
-    runtime._make_keys(man)
+    runtime.make_keys(man)
     t3 = time.perf_counter()
     runtime.manifest = man
-    setup = Setup(t1 - t0, t2 - t1, int(man["bundle"]["size"]), t3 - t2, runtime.upload_bytes,
-                  runtime.layers)
+    setup = Setup(t1 - t0, t2 - t1, man.bundle_size, t3 - t2, runtime.upload_bytes, runtime.layers)
     return runtime, setup
 
 
@@ -227,12 +226,13 @@ def run_plaintext(server: DemoServer, prompt: str, max_tokens: int) -> str:
 
 def run_encrypted(server: DemoServer, prompt: str, max_tokens: int, cache_dir: Path) -> str:
     """Set up the private runtime (timed), then stream the encrypted tenant's answer; returns the text."""
-    from client_sdk import Client
+    from client_sdk import Client, ProgressPrinter
     from engine.sampling_params import SamplingParams
 
     print("\n== encrypted tenant (the server sees only CKKS ciphertexts) ==", flush=True)
+    # no hand-set timeouts: the SDK derives each encrypted step's wait from the server's plan
     with Client(api_key=server.keys["demo-encrypted"], base_url=server.url, privacy="encrypted",
-                timeout=client_timeout()) as client:
+                progress=ProgressPrinter(sys.stdout)) as client:
         runtime, setup = prepare_private(client, cache_dir)
         print(f"  one-time setup: manifest {setup.manifest_s:.2f} s; bundle {_mb(setup.bundle_bytes)} "
               f"downloaded and SHA-256 verified in {setup.bundle_s:.2f} s; CKKS keys generated locally and "

@@ -11,7 +11,8 @@ def test_client_sdk_all_is_pinned():
         "Completion", "CompletionChoice", "InternalServerError", "Model", "NotFoundError",
         "PermissionDeniedError", "PrivacyModeError", "PromptTokensDetails", "RateLimitError", "RetryPolicy",
         "ServiceUnavailableError", "Stream", "TenantInfo", "Timeout", "Usage",
-        "InvalidKeyStoreAccess", "KeyStore", "KeyStoreError", "PrivateModeError",
+        "InvalidKeyStoreAccess", "KeyStore", "KeyStoreError", "PrivateModeError", "Progress", "ProgressPrinter",
+        "print_progress",
     }
     assert sorted(client_sdk.__all__) == list(client_sdk.__all__)  # kept sorted, one place to look
 

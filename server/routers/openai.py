@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.errors import EngineError
+from engine import openai_api
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, InvalidRequestError, NotFoundError, from_engine_error
@@ -93,21 +94,17 @@ def _max_model_len(engine: Any) -> int:
 
 
 def _check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    if body.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
-    if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
-        if body.suffix:
-            raise InvalidRequestError("suffix is not supported", param="suffix")
-        if body.best_of is not None and body.best_of != body.n:
-            raise InvalidRequestError("best_of must equal n (or be omitted)", param="best_of")
-    else:
-        if body.tools:
-            raise InvalidRequestError("tools are not supported", param="tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("only response_format {'type': 'text'} is supported",
-                                      param="response_format")
+    with _as_400():
+        openai_api.check_unsupported(dict(body), chat=isinstance(body, ChatCompletionRequest))
+
+
+@contextlib.contextmanager
+def _as_400():
+    """The shared translation's errors (engine.openai_api) as 400s naming the field."""
+    try:
+        yield
+    except openai_api.OpenAIRequestError as exc:
+        raise InvalidRequestError(str(exc), param=exc.param) from exc
 
 
 def _check_model(body: CompletionRequest | ChatCompletionRequest, settings: Settings, engine: Any) -> str:
@@ -145,18 +142,9 @@ def _tokenize(body: CompletionRequest | ChatCompletionRequest, engine: Any,
 
 def _max_tokens(body: CompletionRequest | ChatCompletionRequest, tenant: Tenant, room: int) -> int:
     """The request's max_tokens (chat default: what fits the context, capped), checked against limits."""
-    requested = body.max_tokens
-    if isinstance(body, ChatCompletionRequest):
-        requested = body.max_completion_tokens or requested
-        default = min(room, tenant.limits.max_tokens or room, 1024)
-    else:
-        default = 16
-    value = requested if requested is not None else max(1, default)
-    cap = tenant.limits.max_tokens
-    if cap is not None and value > cap:
-        raise InvalidRequestError(f"max_tokens {value} exceeds this tenant's limit of {cap}",
-                                  param="max_tokens")
-    return value
+    with _as_400():
+        return openai_api.resolve_max_tokens(dict(body), chat=isinstance(body, ChatCompletionRequest),
+                                             room=room, cap=tenant.limits.max_tokens)
 
 
 def _check_context(prompts: list[list[int]], max_tokens: int, tenant: Tenant, engine: Any) -> None:
@@ -173,22 +161,9 @@ def _check_context(prompts: list[list[int]], max_tokens: int, tenant: Tenant, en
 
 def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
     """Translate OpenAI fields (+ vLLM extras) to the engine's SamplingParams (400 on bad values)."""
-    if isinstance(body, ChatCompletionRequest):
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    else:
-        logprobs = body.logprobs
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    try:
-        return SamplingParams(
-            n=body.n, max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
-            min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=body.seed,
-            stop=stop, stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens, logprobs=logprobs)
-    except Exception as exc:
-        raise from_engine_error(exc) from exc
+    with _as_400():
+        return openai_api.sampling_params(dict(body), chat=isinstance(body, ChatCompletionRequest),
+                                          max_tokens=max_tokens)
 
 
 def _prepare(body, request: Request, tenant: Tenant, limiter: TenantLimiter, settings: Settings,

@@ -10,6 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
+from engine.openai_api import chat_logprobs, completion_logprobs
 from engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -37,51 +38,6 @@ def usage(finals: list[RequestOutput]) -> dict[str, Any]:
 def _finish_reason(c: CompletionOutput) -> str | None:
     # the engine's "abort" is not an OpenAI reason; a cut-short completion reads as "length"
     return {"abort": "length"}.get(c.finish_reason, c.finish_reason) if c.finish_reason else None
-
-
-_LP_FLOOR = -9999.0  # JSON has no -inf; a masked token's logprob is reported as this
-
-
-def _lp(lp: dict[int, float], tid: int) -> float:
-    value = lp.get(tid, _LP_FLOOR)
-    return value if value > _LP_FLOOR else _LP_FLOOR
-
-
-def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return [(t, _lp(lp, t)) for t, _ in sorted(lp.items(), key=lambda kv: -kv[1])[:k]]
-
-
-def completion_logprobs(token_ids: list[int], lps: list[dict[int, float]] | None, k: int, decode,
-                        offset: int = 0) -> dict[str, Any] | None:
-    """The legacy completions ``logprobs`` object for ``token_ids`` (text_offset starts at ``offset``)."""
-    if lps is None:
-        return None
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, lp in zip(token_ids, lps, strict=False):
-        text = decode(tid)
-        tokens.append(text)
-        token_lps.append(_lp(lp, tid))
-        tops.append({decode(t): v for t, v in _top(lp, k)} if k else None)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _lp_entry(tid: int, value: float, decode) -> dict[str, Any]:
-    text = decode(tid)
-    return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
-
-
-def chat_logprobs(token_ids: list[int], lps: list[dict[int, float]] | None, k: int, decode) -> dict | None:
-    """The chat ``logprobs`` object (``{"content": [...]}``) for ``token_ids``."""
-    if lps is None:
-        return None
-    content = []
-    for tid, lp in zip(token_ids, lps, strict=False):
-        entry = _lp_entry(tid, _lp(lp, tid), decode)
-        entry["top_logprobs"] = [_lp_entry(t, v, decode) for t, v in _top(lp, k)]
-        content.append(entry)
-    return {"content": content}
 
 
 def _logprobs_for(meta: ResponseMeta, c: CompletionOutput, ids: list[int], lps, decode):

@@ -111,13 +111,14 @@ def test_disconnect_cancels_engine_request(live_server):  # noqa: F811
 
 def test_skip_special_tokens_reaches_the_detokenizer():
     """The API's and the SDK's ``skip_special_tokens`` extra lands in SamplingParams (the output processor
-    hands it to the detokenizer: tests/engine/test_tokenizer.py)."""
-    from client_sdk._private import PrivateModeError, sampling_params
+    hands it to the detokenizer: tests/engine/test_tokenizer.py); both go through engine.openai_api."""
+    from engine.openai_api import OpenAIRequestError, sampling_params
     from server.routers.openai import _sampling_params
     from server.routers.openai_schemas import CompletionRequest
 
     assert _sampling_params(CompletionRequest(prompt="x"), 4).skip_special_tokens is True
     assert _sampling_params(CompletionRequest(prompt="x", skip_special_tokens=False), 4).skip_special_tokens is False
-    assert sampling_params({"prompt": "x", "skip_special_tokens": False}).skip_special_tokens is False
-    with pytest.raises(PrivateModeError, match="skip_special_tokens"):
-        sampling_params({"prompt": "x", "skip_special_tokens": "no"})
+    sdk = sampling_params({"prompt": "x", "skip_special_tokens": False}, chat=False, max_tokens=4)
+    assert sdk.skip_special_tokens is False
+    with pytest.raises(OpenAIRequestError, match="skip_special_tokens"):
+        sampling_params({"prompt": "x", "skip_special_tokens": "no"}, chat=False, max_tokens=4)

@@ -25,8 +25,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.errors import EngineError
 from engine import openai_api
+from engine.errors import EngineError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, InvalidRequestError, NotFoundError, from_engine_error

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
+# "fair": decodes first, then prefill budget shared across tenants (least served first, a quantum per
+# prefill, leftovers back to capped prefills); "fcfs": the original policy (running first, whole budget
+# to a running prefill, waiting in (priority, arrival) order) -- kept so benchmarks compare both in one run.
+SCHEDULING_POLICIES = ("fair", "fcfs")
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
@@ -37,11 +42,23 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fair"
+    prefill_quantum: int | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.prefill_quantum is not None and self.prefill_quantum <= 0:
+            raise ValueError(f"prefill_quantum must be positive, got {self.prefill_quantum}")
+
+    @property
+    def quantum(self) -> int:
+        """A prefill's share of a step in the fair pass (``prefill_quantum``, default a quarter budget)."""
+        return self.prefill_quantum or max(1, self.max_num_batched_tokens // 4)
 
 
 def _positive(cfg: object, *names: str) -> None:
@@ -69,6 +86,11 @@ class EngineConfig:
         enable_prefix_caching: share full KV blocks between requests with the same prefix (and salt).
         enable_chunked_prefill: split long prompts over several steps (otherwise a prompt waits until
             it fits the budget whole).
+        scheduling_policy: "fair" (default: decodes first, prefill budget shared fairly across tenants,
+            see docs/engine.md "Scheduling") or "fcfs" (the original first-come-first-served policy).
+        prefill_quantum: under "fair", the most tokens one prefill takes in a step's first pass, so
+            that the other waiting prompts get into the same step; budget left over goes back to the
+            capped prefills. None: ``max_num_batched_tokens // 4``.
         cuda_graphs: capture decode steps in CUDA graphs (GPU only).
         cuda_graph_max_batch: largest decode batch captured.
         num_threads: torch threads on CPU (None = leave torch's setting).
@@ -89,6 +111,8 @@ class EngineConfig:
     max_waiting: int = 1024
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fair"
+    prefill_quantum: int | None = None
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
     num_threads: int | None = None
@@ -116,7 +140,7 @@ class EngineConfig:
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's slice of this config."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting,
-                               self.enable_chunked_prefill)
+                               self.enable_chunked_prefill, self.scheduling_policy, self.prefill_quantum)
 
     def resolved_device(self) -> str:
         """The torch device string this config runs on."""

@@ -6,6 +6,8 @@ A tiny random model with an 8,192-token context (SmolLM2's) is served, so the 4,
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -91,3 +93,13 @@ async def test_default_token_rate_bounds_one_tenants_backlog(long_engine, long_m
         clock.now += 4.0              # 4 s refill 4,000 tokens
         r = await c.post("/v1/completions", json=_body(3999, 1), headers=auth("plain"))
         assert r.status_code == 200
+
+
+def test_operator_guide_states_the_shipped_defaults():
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "operator-guide.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", guide.split("## Limits", 1)[1], re.M))
+    for name, value in LimitSettings().model_dump().items():
+        stated = rows[name].split(" (")[0].replace(" ", "")
+        assert stated == ("none" if value is None else str(value)), name

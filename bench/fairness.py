@@ -14,8 +14,9 @@ In each phase, for ``--duration`` seconds:
 Then new B requests stop, A's load continues, and the phase ends when every B request has its first
 token (no censored samples). The driver steps the engine in this thread and submits requests between
 steps, as ``AsyncLLM``'s engine thread does; a request's TTFT is counted from its *scheduled* arrival,
-so the part of a step it arrived during counts too. Reported per phase: B's TTFT p50/p99/max, A's
-prompt tokens per second (the cost side), step count and mean step time.
+so the part of a step it arrived during counts too. Reported per phase: B's TTFT p50/p99/max; the
+cost side: tokens the engine computed per second of stepping (``computed_tok_s``, partial prefills
+included), A's finished prompts; step count and mean step time.
 
 ``--throughput`` also runs ``bench/engine_cpu.py``'s offline workload (32 mixed prompts, one tenant)
 under each policy at that benchmark's budget (512), same run: the continuous-batching throughput cost.
@@ -76,6 +77,14 @@ class Phase:
         self.ttft: list[float] = []
         self.a_prompt_tokens = 0
         self.count = 0
+        self.computed = {"A": 0, "B": 0}         # tokens the engine computed per tenant (partial prefills too)
+        commit = engine.scheduler.commit_step
+
+        def counting_commit(sched):
+            for s in sched.scheduled:
+                self.computed[s.seq.request.cache_salt] += s.num_tokens
+            commit(sched)
+        engine.scheduler.commit_step = counting_commit
 
     def _submit(self, tenant: str, n: int, max_tokens: int, arrival: float) -> str:
         rid = f"{tenant}-{self.count}"
@@ -123,6 +132,8 @@ class Phase:
                 "b_ttft_p99_s": percentile(self.ttft, 99), "b_ttft_max_s": max(self.ttft),
                 "b_ttft_mean_s": statistics.mean(self.ttft), "a_prompts_done": self.a_prompt_tokens // args.a_prompt,
                 "a_prompt_tok_s": self.a_prompt_tokens / wall, "phase_s": wall, "steps": steps,
+                "computed_tok_s": sum(self.computed.values()) / step_s,
+                "a_computed_tokens": self.computed["A"], "b_computed_tokens": self.computed["B"],
                 "mean_step_s": step_s / max(steps, 1), "preemptions": eng.scheduler.num_preemptions}
 
 

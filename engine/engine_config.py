@@ -15,6 +15,11 @@ import dataclasses
 # to a running prefill, waiting in (priority, arrival) order) -- kept so benchmarks compare both in one run.
 SCHEDULING_POLICIES = ("fair", "fcfs")
 
+# Default step budgets. A CPU step is compute-bound: 512 rows already run the linears at their GEMM peak
+# (docs/benchmarks.md), and a shorter step is what bounds a waiting request's time to first token
+# (a 2,048-token step at 8k context takes ~15 s on one core).
+DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512}
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
@@ -81,7 +86,8 @@ class EngineConfig:
         num_kv_blocks: force the pool size (tests); overrides the two above.
         max_model_len: longest prompt + output; defaults to the model's max_position_embeddings.
         max_num_seqs: sequences running at once.
-        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes); None: 2048 on
+            CUDA, 512 on CPU (``DEFAULT_BATCHED_TOKENS``; resolved on construction).
         max_waiting: requests allowed to wait for admission; more raise EngineOverloadedError.
         enable_prefix_caching: share full KV blocks between requests with the same prefix (and salt).
         enable_chunked_prefill: split long prompts over several steps (otherwise a prompt waits until
@@ -107,7 +113,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     max_waiting: int = 1024
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -125,6 +131,9 @@ class EngineConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto/bfloat16/float16/float32, got {self.dtype!r}")
         _positive(self, "cuda_graph_max_batch")
+        if self.max_num_batched_tokens is None:
+            kind = "cuda" if self.resolved_device().startswith("cuda") else "cpu"
+            self.max_num_batched_tokens = DEFAULT_BATCHED_TOKENS[kind]
         self.cache_config()       # validates the cache's fields
         self.scheduler_config()   # and the scheduler's
         if self.max_model_len is not None and self.max_model_len <= 0:

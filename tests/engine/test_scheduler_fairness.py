@@ -172,3 +172,10 @@ def test_config_rejects_unknown_policy_and_bad_quantum():
     with pytest.raises(ValueError, match="prefill_quantum"):
         EngineConfig(prefill_quantum=0)
     assert SchedulerConfig(max_num_batched_tokens=2048).quantum == 512
+
+
+def test_step_budget_default_depends_on_the_device():
+    assert EngineConfig(device="cpu").max_num_batched_tokens == 512     # short CPU steps: bounded TTFT
+    assert EngineConfig(device="cuda").max_num_batched_tokens == 2048
+    assert EngineConfig(device="cpu", max_num_batched_tokens=2048).max_num_batched_tokens == 2048
+    assert EngineConfig(device="cpu").scheduler_config().quantum == 128

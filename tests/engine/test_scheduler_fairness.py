@@ -179,3 +179,30 @@ def test_step_budget_default_depends_on_the_device():
     assert EngineConfig(device="cuda").max_num_batched_tokens == 2048
     assert EngineConfig(device="cpu", max_num_batched_tokens=2048).max_num_batched_tokens == 2048
     assert EngineConfig(device="cpu").scheduler_config().quantum == 128
+
+
+def test_engine_under_both_policies_generates_the_same_tokens_and_fair_answers_b_first():
+    """Real engine, tiny model: the policy changes who runs when, never what a request generates."""
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from tests.engine.engine_helpers import random_prompts, tiny_model
+
+    model = tiny_model()
+    long_a, short_b = random_prompts([200, 6], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    results = {}
+    for policy in ("fcfs", "fair"):
+        eng = LLMEngine(model, None, EngineConfig(device="cpu", block_size=4, num_kv_blocks=256,
+                                                  max_num_batched_tokens=32, scheduling_policy=policy))
+        eng.add_request("a", long_a, params, cache_salt="A")
+        eng.step()                                   # A's prefill is running when B arrives
+        eng.add_request("b", short_b, params, cache_salt="B")
+        order, tokens = [], {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.outputs[0].token_ids and out.request_id not in order:
+                    order.append(out.request_id)
+                tokens[out.request_id] = out.outputs[0].token_ids
+        results[policy] = (order, tokens)
+    assert results["fcfs"][0] == ["a", "b"] and results["fair"][0] == ["b", "a"]
+    assert results["fair"][1] == results["fcfs"][1]

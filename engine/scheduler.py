@@ -268,7 +268,7 @@ class _FairStep:
 
     def _admit(self, seq: Sequence) -> ScheduledSeq | None:
         s = self.s
-        if not self.admitting or seq not in s.waiting or len(s.running) >= s.config.max_num_seqs:
+        if not self.admitting or len(s.running) >= s.config.max_num_seqs:
             return None
         hits = s.bm.match_prefix(seq)
         remaining = seq.num_tokens - len(hits) * s.bm.block_size

@@ -21,7 +21,10 @@ included), A's finished prompts; step count and mean step time.
 ``--throughput`` also runs ``bench/engine_cpu.py``'s offline workload (32 mixed prompts, one tenant)
 under each policy at that benchmark's budget (512), same run: the continuous-batching throughput cost.
 
+``--overhead`` measures only the scheduler's own cost per step (no model) under each policy.
+
 Usage: python bench/fairness.py [--threads 1] [--phase fcfs:2048 --phase fair:2048 ...] [--throughput]
+       python bench/fairness.py --overhead
 """
 
 from __future__ import annotations
@@ -157,6 +160,36 @@ def offline_throughput(model, tok, policy: str) -> dict:
     return {"s": dt, "tok_s": tokens / dt, "output_tokens": tokens}
 
 
+def scheduler_overhead(policy: str, steps: int = 200) -> float:
+    """Milliseconds per ``schedule()`` + commit with 256 decodes running and 500 prompts of 8 tenants
+    waiting (``max_num_seqs`` full): the per-step cost a GPU decode step (3-9 ms) would pay."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Request, Sequence
+
+    cfg = EngineConfig(device="cpu", max_num_batched_tokens=2048, max_num_seqs=256, num_kv_blocks=20000,
+                       block_size=16, scheduling_policy=policy)
+    sched = Scheduler(cfg, BlockManager(20000, 16))
+    for i in range(756):
+        ids = [i * 1000 + j for j in range(64)]
+        req = Request(f"r{i}", ids, SamplingParams(), float(i), f"t{i % 8}")
+        req.seqs.append(Sequence(i, req, 0, ids, None))
+        sched.add(req.seqs[0])
+
+    def step() -> None:
+        out = sched.schedule()
+        sched.commit_step(out)
+        for s in out.scheduled:
+            if s.samples:
+                s.seq.append_token(5)
+    for _ in range(20):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -169,8 +202,12 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--throughput", action="store_true", help="also the offline throughput per policy")
+    ap.add_argument("--overhead", action="store_true", help="only the scheduler's per-step cost (no model)")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
+    if args.overhead:
+        print(json.dumps({p: {"ms_per_step": scheduler_overhead(p)} for p in ("fcfs", "fair")}))
+        return
     phases = args.phase or ["fcfs:2048", "fair:2048", "fair:512"]
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()

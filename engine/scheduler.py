@@ -234,10 +234,16 @@ class _FairStep:
         for seq in self.s.running:
             if seq.seq_id not in self.taken and seq.num_tokens > seq.num_computed_tokens:
                 queues.setdefault(_tenant(seq), []).append(seq)
-        if self.admitting:
+        if self.admitting and len(self.s.running) < self.s.config.max_num_seqs:
             for seq in self.s.waiting:
                 queues.setdefault(_tenant(seq), []).append(seq)
         return queues
+
+    @staticmethod
+    def _running_only(queues: dict[Hashable, list[Sequence]]) -> dict[Hashable, list[Sequence]]:
+        """Once admission has stopped for the step, waiting candidates are dead weight: drop them."""
+        kept = {t: [q for q in qs if q.status is SequenceStatus.RUNNING] for t, qs in queues.items()}
+        return {t: qs for t, qs in kept.items() if qs}
 
     def _prefill_pass(self) -> list[ScheduledSeq]:
         """Hand the budget out one chunk at a time to the least-served tenant; return the capped chunks."""
@@ -249,9 +255,12 @@ class _FairStep:
             seq = queues[tenant].pop(0)
             if not queues[tenant]:
                 del queues[tenant]
+            admitting = self.admitting
             item = self._prefill(seq)
             if item is not None and item.start + item.num_tokens < seq.num_tokens:
                 capped.append(item)
+            if admitting and not self.admitting:
+                queues = self._running_only(queues)
         return capped
 
     def _chunk(self, remaining: int) -> int:
@@ -268,7 +277,9 @@ class _FairStep:
 
     def _admit(self, seq: Sequence) -> ScheduledSeq | None:
         s = self.s
-        if not self.admitting or len(s.running) >= s.config.max_num_seqs:
+        if len(s.running) >= s.config.max_num_seqs:
+            self.admitting = False
+        if not self.admitting:
             return None
         hits = s.bm.match_prefix(seq)
         remaining = seq.num_tokens - len(hits) * s.bm.block_size

@@ -111,7 +111,8 @@ def write_settings_toml(path: Path, model_dir: Path, port: int, drain_timeout_s:
                   f'privacy_mode = "{t.privacy_mode.value}"', f'fallback = "{t.fallback.value}"']
         if t.limits is not None:
             lines.append("[tenants.limits]")
-            lines += [f"{k} = {v}" for k, v in t.limits.model_dump().items() if v is not None]
+            # 0 switches a limit off (TOML has no null; an omitted key would mean the default)
+            lines += [f"{k} = {0 if v is None else v}" for k, v in t.limits.model_dump().items()]
         lines.append("")
     path.write_text("\n".join(lines))
     return path

@@ -34,6 +34,10 @@ def inner_product(D: torch.Tensor, key: torch.Tensor, lt: LevelTables) -> torch.
     """acc [2, L+1, N] = sum_J D[J] * key[J] over the ext rows; ``key [K, 2, K+1, N]`` (all rows)."""
     lev = D.shape[0]
     q = lt.ext.primes
+    if D.is_cuda:
+        from fhe.backends.gpu import triton_ops
+
+        return triton_ops.inner_product(D.contiguous(), key, q.view(-1).contiguous())
     data = mulmod(D[:, None, :lev], key[:lev, :, :lev], q[:lev], None)        # [L, 2, L, N]
     spec = mulmod(D[:, None, lev:], key[:lev, :, -1:], q[lev:], None)          # [L, 2, 1, N]
     return torch.cat((summod(data, q[:lev]), summod(spec, q[lev:])), dim=1)
@@ -73,7 +77,12 @@ def hoisted_correction(key: torch.Tensor, neg: torch.Tensor, lt: LevelTables) ->
 def hoisted_switch(D: torch.Tensor, perm: torch.Tensor, key: torch.Tensor, corr: torch.Tensor,
                    lt: LevelTables) -> torch.Tensor:
     """Key switch of sigma(c1) from c1's hoisted digits ``D``: permute, multiply, add the fix, finish."""
-    acc = inner_product(D[..., perm], key, lt)
+    if D.is_cuda:
+        from fhe.backends.gpu import triton_ops
+
+        acc = triton_ops.inner_product(D, key, lt.ext.primes.view(-1).contiguous(), perm)
+    else:
+        acc = inner_product(D[..., perm], key, lt)
     return finish(addmod(acc, corr, lt.ext.primes), lt)
 
 

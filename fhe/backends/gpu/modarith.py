@@ -28,12 +28,27 @@ def _mulmod_small(a: torch.Tensor, s: torch.Tensor, q: torch.Tensor, qf: torch.T
 
 def mulmod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, qf: torch.Tensor | None = None) -> torch.Tensor:
     """a * b mod q for residues a, b in [0, q) (any broadcastable shapes)."""
+    if a.is_cuda and q.dim() == 2 and q.shape[1] == 1:
+        return _mulmod_cuda(a, b, q)
     if qf is None:
         qf = q.to(torch.float64)
     hi = _mulmod_small(a, b >> 30, q, qf)
     hi = _mulmod_small(hi, torch.full_like(hi, 1 << 30), q, qf)
     lo = _mulmod_small(a, b & _LO, q, qf)
     return addmod(hi, lo, q)
+
+
+def _mulmod_cuda(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel over rows ``[..., P, N]`` (``q [P, 1]``); b broadcast to a's shape if needed."""
+    from fhe.backends.gpu import triton_ops
+
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    if shape[-2] != q.shape[0]:
+        raise ValueError(f"primes {tuple(q.shape)} do not match data {tuple(shape)}")
+    a = a.expand(shape).contiguous()
+    if b.dim() == 2 and b.shape[1] == 1 and b.shape[0] == q.shape[0]:
+        return triton_ops.mulmod_rows(a, b.reshape(-1).contiguous(), q.reshape(-1).contiguous())
+    return triton_ops.mulmod_rows(a, b.expand(shape).contiguous(), q.reshape(-1).contiguous())
 
 
 def addmod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,7 @@ class NTTTables:
 
     @classmethod
     def build(cls, primes: list[int], n: int, device: torch.device | str = "cpu") -> NTTTables:
-        fwd, inv = zip(*(_tables(q, n) for q in primes))
+        fwd, inv = zip(*(_tables(q, n) for q in primes), strict=True)
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         return cls(t(primes).view(-1, 1), t(list(fwd)), t(list(inv)),
                    t([pow(n, -1, q) for q in primes]).view(-1, 1))
@@ -89,6 +89,10 @@ def ntt(x: torch.Tensor, tab: NTTTables) -> torch.Tensor:
     """Forward negacyclic NTT of ``x [..., P, N]`` (coefficients mod each row's prime) -> SEAL's NTT form."""
     *lead, p, n = x.shape
     assert tab.roots.shape == (p, n), (tab.roots.shape, x.shape)
+    if x.is_cuda:
+        from fhe.backends.gpu import triton_ops
+
+        return triton_ops.ntt_(x.contiguous().clone(), tab.roots, tab.primes.view(-1), inverse=False)
     q = tab.primes.view(p, 1, 1)
     qf = q.to(torch.float64)
     m, gap = 1, n // 2
@@ -105,6 +109,11 @@ def intt(x: torch.Tensor, tab: NTTTables) -> torch.Tensor:
     """Inverse of :func:`ntt`: SEAL's NTT form ``[..., P, N]`` -> coefficients."""
     *lead, p, n = x.shape
     assert tab.inv_roots.shape == (p, n), (tab.inv_roots.shape, x.shape)
+    if x.is_cuda:
+        from fhe.backends.gpu import triton_ops
+
+        y = triton_ops.ntt_(x.contiguous().clone(), tab.inv_roots, tab.primes.view(-1), inverse=True)
+        return triton_ops.mulmod_rows(y, tab.n_inv.view(-1).contiguous(), tab.primes.view(-1))
     q = tab.primes.view(p, 1, 1)
     qf = q.to(torch.float64)
     m, gap = n // 2, 1

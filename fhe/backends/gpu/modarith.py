@@ -3,7 +3,8 @@
 A product of two 60-bit residues needs 120 bits, and torch has no 128-bit integers nor a
 ``mulhi``. We split one factor into 30-bit halves: a 60 x 30-bit product is < 2^91, whose quotient
 by q (< 2^31) a float64 estimates to within 1, so ``a*s - est*q`` computed in *wrapping* int64 is the
-exact remainder up to one correction each way. Three such small products make one full ``mulmod``.
+exact remainder up to one correction each way. A full ``mulmod`` is one such product (a * b_hi) and one
+more estimate of (that * 2^30 + a * b_lo), which is < q * 2^31 too.
 Every result is the canonical residue in [0, q), so any two correct implementations (SEAL's lazy
 Harvey/Barrett arithmetic, this one, the Triton kernels) agree bit for bit.
 
@@ -32,10 +33,13 @@ def mulmod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, qf: torch.Tensor |
         return _mulmod_cuda(a, b, q)
     if qf is None:
         qf = q.to(torch.float64)
-    hi = _mulmod_small(a, b >> 30, q, qf)
-    hi = _mulmod_small(hi, torch.full_like(hi, 1 << 30), q, qf)
-    lo = _mulmod_small(a, b & _LO, q, qf)
-    return addmod(hi, lo, q)
+    hi = _mulmod_small(a, b >> 30, q, qf)                     # a * b_hi mod q
+    lo = b & _LO
+    # hi * 2^30 + a * b_lo < q * 2^31 whatever q's size, so its quotient's float estimate is within 1
+    est = torch.floor((hi.to(torch.float64) * _TWO30 + a.to(torch.float64) * lo.to(torch.float64)) / qf)
+    r = hi * (1 << 30) + a * lo - est.to(torch.int64) * q     # wraps mod 2^64; true value in [-q, 2q)
+    r = torch.where(r < 0, r + q, r)
+    return torch.where(r >= q, r - q, r)
 
 
 def _mulmod_cuda(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -144,3 +144,5 @@ def test_bad_input_is_typed(setup):
         ev.rescale(ev.mod_switch(A, 1))
     with pytest.raises(ShapeError):
         ev.add_many([])
+    with pytest.raises(ShapeError):
+        ev.encode(np.ones(P.slots + 1), 3, ev.scale)

@@ -115,8 +115,10 @@ class GpuEvaluator:
     def encode(self, values: np.ndarray, level: int, scale: float) -> GpuPlaintext:
         if not 1 <= level <= self.top:
             raise LevelError(f"no level {level} (1..{self.top})")
-        with seal.translate("encode"):
-            pt = self.kit.encode(np.asarray(values, np.float64), level, scale)
+        values = np.asarray(values, np.float64)
+        if values.ndim != 1 or len(values) > self.slots:
+            raise ShapeError(f"need a vector of <= {self.slots} values, got shape {values.shape}")
+        pt = self.kit.encode(values, level, scale)
         _, sc, arr = sealio.read_plaintext(seal.to_bytes(pt), self.params.poly_modulus_degree)
         return GpuPlaintext(torch.from_numpy(arr.astype(np.int64)).to(self.device), sc)
 

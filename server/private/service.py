@@ -84,9 +84,9 @@ def task_error(exc: TaskError, request_id: str) -> APIError:
                     headers={"X-Request-Id": request_id})
 
 
-def _lost_worker(exc: WorkerError, message: str, code: str) -> APIError:
-    """A worker died or timed out (``exc``; task failures go through :func:`task_error`), or the pool
-    closed: not the client's fault, retry."""
+def _lost_worker(message: str, code: str) -> APIError:
+    """A worker died or timed out (task failures go through :func:`task_error`), or the pool closed: not
+    the client's fault, retry."""
     return ServiceUnavailableError(message, retry_after=1, code=code)
 
 
@@ -135,7 +135,7 @@ class PrivateService:
         except TaskError as exc:
             raise task_error(exc, request_id) from exc
         except WorkerError as exc:  # e.g. out of memory while parsing: not the client's fault
-            raise _lost_worker(exc, "the worker inspecting the key upload was lost; retry", "worker_lost") from exc
+            raise _lost_worker("the worker inspecting the key upload was lost; retry", "worker_lost") from exc
         if not isinstance(inspection, Inspection):
             raise TypeError(f"inspect_key returned {type(inspection).__name__}")
         return inspection
@@ -199,7 +199,7 @@ class PrivateService:
             raise task_error(exc, request_id or new_request_id()) from exc
         except WorkerError as exc:
             lease.release()
-            raise _lost_worker(exc, "encrypted worker unavailable", "worker_lost") from exc
+            raise _lost_worker("encrypted worker unavailable", "worker_lost") from exc
         lease.on_cancel(lambda reason, sid=s.id: self._mark_closed(sid, f"key {reason}"))
         self.sessions.add(s)
         self._audit_session(Event.SESSION_OPENED, s, actor, request_id)
@@ -386,7 +386,7 @@ class PrivateService:
                 s.state, s.reason = SessionState.LOST, "worker_lost"
             raise task_error(exc, request_id) from exc
         except WorkerError as exc:
-            raise _lost_worker(exc, "the worker holding this session was lost; open a new session and replay",
+            raise _lost_worker("the worker holding this session was lost; open a new session and replay",
                                "session_lost") from exc
 
     async def close_session(self, tenant: str, sid: str, *, actor: str, reason: str = "client",

@@ -14,7 +14,7 @@ from engine.config import ModelConfig
 from engine.default_model import default_model_dir
 from engine.loader import save_hf_folder
 from engine.model import LlamaForCausalLM
-from server.cli_demo import free_port, wait_ready
+from server.local_server import free_port, wait_ready
 from server.settings import LimitSettings, Settings, TenantSettings
 from server.tenants import hash_api_key
 

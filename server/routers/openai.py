@@ -161,7 +161,7 @@ def _check_context(prompts: list[list[int]], max_tokens: int, tenant: Tenant, en
 
 
 def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                     engine: Any) -> SamplingParams:
+                     engine: Any = None) -> SamplingParams:
     """Translate OpenAI fields (+ vLLM extras) to the engine's SamplingParams (400 on bad values)."""
     fields = dict(body)
     with _as_400():

@@ -206,10 +206,10 @@ def _guided(name: str, value: Any) -> GrammarSpec:
 
 
 def _schema_spec(schema: Any, param: str) -> GrammarSpec:
-    """A JSON schema (an object, or true/false) as its canonical text; properties keep their order."""
+    """A JSON schema object as its canonical text (properties keep their order: the output follows it)."""
     from engine.structured import GrammarSpec
 
-    if not isinstance(schema, (Mapping, bool)):
+    if not isinstance(schema, Mapping):  # the server's schema takes objects only; so does the SDK
         raise OpenAIRequestError(f"{param} must be a JSON schema object", param)
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         raise OpenAIRequestError(f"{param} is nested deeper than {MAX_SCHEMA_DEPTH} levels", param)

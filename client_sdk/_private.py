@@ -62,7 +62,8 @@ def prepare_job(runtime: PrivateRuntime, path: str, body: dict[str, Any]) -> _Jo
         ids = _prompt_ids(runtime, body, chat)
         room = runtime.max_len() - len(ids)
         max_tokens = openai_api.resolve_max_tokens(body, chat=chat, room=room, cap=runtime.tenant_max_tokens())
-        params = openai_api.sampling_params(body, chat=chat, max_tokens=max_tokens)
+        params = openai_api.sampling_params(body, chat=chat, max_tokens=max_tokens,
+                                            grammars=_grammars(runtime, body))
     except openai_api.OpenAIRequestError as exc:
         raise PrivateModeError(str(exc), param=exc.param) from exc
     except InvalidRequestError as exc:
@@ -74,6 +75,16 @@ def prepare_job(runtime: PrivateRuntime, path: str, body: dict[str, Any]) -> _Jo
                                f"{len(ids)} and max_tokens is {max_tokens}", param="max_tokens")
     options = body.get("stream_options") or {}
     return _Job(ids, params, chat, runtime.manifest.model, bool(options.get("include_usage")))
+
+
+def _grammars(runtime: PrivateRuntime, body: dict[str, Any]) -> Any:
+    """The client's grammar compiler when the body asks for structured output: the client owns the logits,
+    so the grammar's token mask runs here, in the same sampler as the server's."""
+    from engine import openai_api, structured
+
+    if openai_api.structured_spec(body) is None:
+        return None
+    return structured.model_compiler(runtime.tokenizer, runtime.model.config)
 
 
 def _prompt_ids(runtime: PrivateRuntime, body: dict[str, Any], chat: bool) -> list[int]:

@@ -10,6 +10,11 @@ the rows that share it** (``apply_batch`` over ``[R, V]``), so a processor share
 token ban, a grammar's bitmask — is one tensor operation, not R Python calls. Plain callables run row by
 row (vLLM's behaviour).
 
+Token masks: a processor that subclasses :class:`BitmaskLogitsProcessor` (a grammar, see
+:mod:`engine.structured`) only writes which tokens each of its rows may take, as bits of one
+``[B, ceil(V/32)]`` int32 mask shared by **every** such processor of the step; the mask is applied in one
+pass, after all other processors, so nothing that runs later can re-enable a token the grammar forbids.
+
 Processors run on the raw model logits, before penalties and temperature; logprobs are computed after
 them (a banned token has logprob ``-inf``), as in vLLM.
 """
@@ -46,6 +51,41 @@ class BatchLogitsProcessor:
         return self.apply_batch([[]], [list(output_token_ids)], logits[None])[0]
 
 
+class BitmaskLogitsProcessor(BatchLogitsProcessor):
+    """Base of processors that allow a set of tokens per row, written as bits (bit ``t % 32`` of word
+    ``t // 32`` set: token ``t`` allowed; xgrammar's layout)."""
+
+    def fill_bitmask(self, prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+                     bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Write the allowed tokens of history ``i`` into ``bitmask[rows[i]]`` (bitmask [B, W] int32, CPU)."""
+        raise NotImplementedError
+
+    @classmethod
+    def apply_bitmask(cls, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Set the logits of forbidden tokens to -inf in ``rows`` (logits [B, V], bitmask [B, W])."""
+        sel = torch.tensor(rows, device=logits.device)
+        words = bitmask.to(logits.device).index_select(0, sel)                 # [R, W]
+        bits = (words[:, :, None] >> _SHIFTS.to(logits.device)) & 1            # [R, W, 32]
+        allowed = bits.flatten(1)[:, : logits.shape[1]].bool()                 # [R, V]
+        logits.index_copy_(0, sel, logits.index_select(0, sel).masked_fill(~allowed, float("-inf")))
+
+    def apply_batch(self, prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+                    logits: torch.Tensor) -> torch.Tensor:
+        rows = list(range(logits.shape[0]))
+        bitmask = new_bitmask(logits.shape[0], logits.shape[1])
+        self.fill_bitmask(prompt_token_ids, output_token_ids, bitmask, rows)
+        self.apply_bitmask(logits, bitmask, rows)
+        return logits
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def new_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
+    """An all-allowed token bitmask [batch, ceil(vocab/32)] int32 (-1: every bit set)."""
+    return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
 class BanTokens(BatchLogitsProcessor):
     """Never pick the given token ids (their logits become -inf)."""
 
@@ -67,13 +107,17 @@ def apply_logits_processors(logits: torch.Tensor, rows: Sequence[ProcessorRow]) 
 
     Rows sharing a :class:`BatchLogitsProcessor` object are processed in one ``apply_batch`` call, in the
     order the processors first appear in the batch (a row's list order, unless two rows list shared
-    processors in different orders).
+    processors in different orders). :class:`BitmaskLogitsProcessor` s come last: they fill one shared
+    bitmask, applied in one pass per processor class.
     """
     groups: dict[int, tuple[Any, list[int]]] = {}
     for i, row in enumerate(rows):
         for proc in row.processors:
             groups.setdefault(id(proc), (proc, []))[1].append(i)
+    masks = [(p, idx) for p, idx in groups.values() if isinstance(p, BitmaskLogitsProcessor)]
     for proc, idx in groups.values():
+        if isinstance(proc, BitmaskLogitsProcessor):
+            continue
         if isinstance(proc, BatchLogitsProcessor):
             sel = torch.tensor(idx, device=logits.device)
             out = proc.apply_batch([rows[i].prompt_token_ids for i in idx],
@@ -86,7 +130,29 @@ def apply_logits_processors(logits: torch.Tensor, rows: Sequence[ProcessorRow]) 
             row = logits[i]
             logits[i] = proc(r.prompt_token_ids, r.output_token_ids, row) if three \
                 else proc(r.output_token_ids, row)
+    if masks:
+        _apply_bitmasks(logits, rows, masks)
     return logits
+
+
+def _apply_bitmasks(logits: torch.Tensor, rows: Sequence[ProcessorRow],
+                    masks: list[tuple[BitmaskLogitsProcessor, list[int]]]) -> None:
+    """Every bitmask processor fills its rows of one mask; one masking pass per processor class."""
+    bitmask = new_bitmask(logits.shape[0], logits.shape[1])
+    by_class: dict[type, list[int]] = {}
+    filled: set[int] = set()
+    for proc, idx in masks:
+        histories = ([rows[i].prompt_token_ids for i in idx], [rows[i].output_token_ids for i in idx])
+        if filled.isdisjoint(idx):
+            proc.fill_bitmask(*histories, bitmask, idx)
+        else:  # a row with two masks allows what both allow
+            own = new_bitmask(logits.shape[0], logits.shape[1])
+            proc.fill_bitmask(*histories, own, idx)
+            bitmask &= own
+        filled.update(idx)
+        by_class.setdefault(type(proc), []).extend(idx)
+    for cls, idx in by_class.items():
+        cls.apply_bitmask(logits, bitmask, sorted(set(idx)))
 
 
 def _takes_prompt(proc: Callable[..., Any]) -> bool:

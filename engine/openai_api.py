@@ -4,7 +4,9 @@ The server (``server/routers/openai.py``, after pydantic has parsed the body) an
 path (``client_sdk``, which builds the body itself) both call :func:`check_unsupported`,
 :func:`check_fields`, :func:`resolve_max_tokens` and :func:`sampling_params`, in that order, on a plain
 mapping of the body's fields, so both accept the same fields (OpenAI's plus vLLM's extras ``top_k``,
-``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``), apply
+``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, and the
+structured-output fields ``response_format``, ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar`` — compiled into the request's grammar processor, :mod:`engine.structured`), apply
 the same defaults (completions: 16 tokens; chat: what fits the context, capped by the tenant's limit and
 :data:`CHAT_MAX_TOKENS_CAP`) and refuse the same values, in the same order, with the same message and
 field name (:class:`OpenAIRequestError`).
@@ -15,11 +17,16 @@ No I/O and no server or SDK types here: a body is a ``Mapping[str, Any]`` (a pyd
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:  # engine.structured imports torch and xgrammar: loaded only when a body asks for it
+    from engine.structured import GrammarCompiler, GrammarSpec
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16   # OpenAI's legacy completions default
 CHAT_MAX_TOKENS_CAP = 1024           # chat default: what fits the context, at most this
@@ -51,9 +58,6 @@ def check_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
         return
     if body.get("tools"):
         raise OpenAIRequestError("tools are not supported", "tools")
-    fmt = body.get("response_format")
-    if fmt and (not isinstance(fmt, Mapping) or fmt.get("type", "text") != "text"):
-        raise OpenAIRequestError("only response_format {'type': 'text'} is supported", "response_format")
 
 
 def resolve_max_tokens(body: Mapping[str, Any], *, chat: bool, room: int, cap: int | None) -> int:
@@ -83,13 +87,23 @@ def resolve_max_tokens(body: Mapping[str, Any], *, chat: bool, room: int, cap: i
     return value
 
 
-def sampling_params(body: Mapping[str, Any], *, chat: bool, max_tokens: int) -> SamplingParams:
+def sampling_params(body: Mapping[str, Any], *, chat: bool, max_tokens: int,
+                    grammars: GrammarCompiler | None = None) -> SamplingParams:
     """``SamplingParams`` for an OpenAI-style body (None / missing fields take OpenAI's defaults).
 
+    Args:
+        body: the request's fields.
+        chat: a chat completion.
+        max_tokens: from :func:`resolve_max_tokens`.
+        grammars: compiles ``response_format`` / ``guided_*`` into the request's grammar processor
+            (:func:`engine.structured.compiler_for`); without it such a request is refused.
+
     Raises:
-        OpenAIRequestError: a field has a wrong type or is out of range (``param`` names it).
+        OpenAIRequestError: a field has a wrong type or is out of range, or a schema, regex or grammar does
+            not compile (``param`` names it).
     """
     check_fields(body, chat=chat)
+    processors = [] if (spec := structured_spec(body)) is None else [_grammar_processor(spec, grammars)]
     stop = body.get("stop")
     try:
         return SamplingParams(
@@ -100,11 +114,130 @@ def sampling_params(body: Mapping[str, Any], *, chat: bool, max_tokens: int) -> 
             frequency_penalty=_or(body, "frequency_penalty", 0.0), seed=body.get("seed"),
             stop=[stop] if isinstance(stop, str) else list(stop or []),
             stop_token_ids=list(body.get("stop_token_ids") or []), ignore_eos=_or(body, "ignore_eos", False),
-            skip_special_tokens=_or(body, "skip_special_tokens", True), logprobs=_logprobs(body, chat))
+            skip_special_tokens=_or(body, "skip_special_tokens", True), logprobs=_logprobs(body, chat),
+            logits_processors=processors)
     except OpenAIRequestError:
         raise
     except InvalidRequestError as exc:
         raise OpenAIRequestError(str(exc), str(exc).split(" ", 1)[0]) from exc
+
+
+def _grammar_processor(spec: GrammarSpec, grammars: GrammarCompiler | None) -> Any:
+    from engine.structured import GrammarError
+
+    if grammars is None:
+        raise OpenAIRequestError("structured output is not available here", spec.param)
+    try:
+        return grammars.processor(spec)
+    except GrammarError as exc:
+        raise OpenAIRequestError(str(exc), exc.param) from exc
+
+
+# --- structured output: response_format and vLLM's guided_* extras ----------------------------------
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+MAX_CHOICES = 256
+MAX_SCHEMA_DEPTH = 64
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
+
+
+def structured_spec(body: Mapping[str, Any]) -> GrammarSpec | None:
+    """The grammar the body asks for (``response_format`` other than text, or one ``guided_*``), or None.
+
+    Checks shapes only (types, sizes, at most one constraint); compiling is
+    :func:`sampling_params`' business.
+
+    Raises:
+        OpenAIRequestError: a malformed field, or two constraints at once (``param`` names the field).
+    """
+    specs = []
+    if body.get("response_format") is not None:
+        specs.append(_response_format(body["response_format"]))
+    specs += [_guided(name, body[name]) for name in GUIDED_FIELDS if body.get(name) is not None]
+    specs = [s for s in specs if s is not None]
+    if len(specs) > 1:
+        raise OpenAIRequestError("give at most one of response_format (json), " + ", ".join(GUIDED_FIELDS),
+                                 specs[1].param)
+    return specs[0] if specs else None
+
+
+def _response_format(fmt: Any) -> GrammarSpec | None:
+    from engine.structured import GrammarSpec
+
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_schema", '{"type":"object"}', "response_format")
+    if kind != "json_schema":
+        raise OpenAIRequestError("response_format must be {'type': 'text' | 'json_object' | 'json_schema'}",
+                                 "response_format")
+    param = "response_format.json_schema"
+    js = fmt.get("json_schema")
+    if not isinstance(js, Mapping):
+        raise OpenAIRequestError(f"{param} must be an object with 'name' and 'schema'", param)
+    name = js.get("name")
+    if not (isinstance(name, str) and _SCHEMA_NAME.match(name)):
+        raise OpenAIRequestError(f"{param}.name must be 1-64 letters, digits, '_' or '-'", f"{param}.name")
+    if js.get("strict") is not None and not isinstance(js.get("strict"), bool):
+        raise OpenAIRequestError(f"{param}.strict must be true or false", f"{param}.strict")
+    schema = js.get("schema", {"type": "object"})
+    return _schema_spec(schema, f"{param}.schema")
+
+
+def _guided(name: str, value: Any) -> GrammarSpec:
+    from engine.structured import GrammarSpec, choice_spec
+
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise OpenAIRequestError(f"guided_json is not valid JSON: {exc}", name) from exc
+        return _schema_spec(value, name)
+    if name == "guided_choice":
+        if not (isinstance(value, list) and 0 < len(value) <= MAX_CHOICES
+                and all(isinstance(c, str) and c for c in value)):
+            raise OpenAIRequestError(f"guided_choice must be a list of 1 to {MAX_CHOICES} non-empty strings", name)
+        return _spec(lambda: choice_spec(value, name), name)
+    if not (isinstance(value, str) and value):
+        raise OpenAIRequestError(f"{name} must be a non-empty string", name)
+    return _spec(lambda: GrammarSpec("regex" if name == "guided_regex" else "grammar", value, name), name)
+
+
+def _schema_spec(schema: Any, param: str) -> GrammarSpec:
+    """A JSON schema object as its canonical text (properties keep their order: the output follows it)."""
+    from engine.structured import GrammarSpec
+
+    if not isinstance(schema, Mapping):  # the server's schema takes objects only; so does the SDK
+        raise OpenAIRequestError(f"{param} must be a JSON schema object", param)
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise OpenAIRequestError(f"{param} is nested deeper than {MAX_SCHEMA_DEPTH} levels", param)
+    try:
+        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise OpenAIRequestError(f"{param} is not valid JSON: {exc}", param) from exc
+    return _spec(lambda: GrammarSpec("json_schema", text, param), param)
+
+
+def _spec(build, param: str) -> GrammarSpec:
+    """``build()``, with a too-long spec (GrammarError) as the request error."""
+    from engine.structured import GrammarError
+
+    try:
+        return build()
+    except GrammarError as exc:
+        raise OpenAIRequestError(str(exc), param) from exc
+
+
+def _depth(value: Any, limit: int = MAX_SCHEMA_DEPTH + 1) -> int:
+    """Nesting depth of a JSON value, counted no further than ``limit`` (a loop: any depth is safe)."""
+    depth, level = 0, [value]
+    while level and depth < limit:
+        depth += 1
+        level = [v for x in level if isinstance(x, (Mapping, list))
+                 for v in (x.values() if isinstance(x, Mapping) else x)]
+    return depth
 
 
 # --- logprobs in OpenAI's shapes (the server's responses and the SDK's encrypted path) -------------
@@ -185,6 +318,7 @@ def check_fields(body: Mapping[str, Any], *, chat: bool) -> None:
         if body.get(name) is not None and not isinstance(body.get(name), bool):
             raise OpenAIRequestError(f"{name} must be true or false, got {body.get(name)!r}", name)
     _check_stop(body.get("stop"))
+    structured_spec(body)
     ids = body.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and len(ids) <= MAX_STOP_TOKEN_IDS
                                 and all(_is_int(t) and 0 <= t <= 2**31 - 1 for t in ids)):

@@ -59,6 +59,11 @@ class Tokenizer:
         self._tok.save_pretrained(str(folder))
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped transformers tokenizer (for libraries that read a vocabulary, e.g. xgrammar)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tok)
 

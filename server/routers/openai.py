@@ -3,6 +3,7 @@
 Request path (cheap checks first, the engine last)::
 
     auth (401) → privacy mode (403) → draining (503) → requests/min + concurrency (429)
+      → grammar compile, in a thread (response_format / guided_*; cached)
       → body checks + tokenize (400) → tokens/min (429) → record fallback → engine admission (429)
       → stream (SSE) or collect → usage + metrics → release the concurrency slot
 
@@ -159,11 +160,40 @@ def _check_context(prompts: list[list[int]], max_tokens: int, tenant: Tenant, en
             param="max_tokens", code="context_length_exceeded")
 
 
-def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                     engine: Any = None) -> SamplingParams:
     """Translate OpenAI fields (+ vLLM extras) to the engine's SamplingParams (400 on bad values)."""
+    fields = dict(body)
     with _as_400():
-        return openai_api.sampling_params(dict(body), chat=isinstance(body, ChatCompletionRequest),
-                                          max_tokens=max_tokens)
+        grammars = _grammars(engine) if openai_api.structured_spec(fields) else None
+        return openai_api.sampling_params(fields, chat=isinstance(body, ChatCompletionRequest),
+                                          max_tokens=max_tokens, grammars=grammars)
+
+
+def _grammars(engine: Any):
+    """The engine's grammar compiler (None: an engine without a tokenizer cannot constrain text)."""
+    if getattr(engine, "tokenizer", None) is None:
+        return None
+    from engine import structured
+
+    return structured.model_compiler(engine.tokenizer, engine.model_config)
+
+
+async def _compile_ahead(body: CompletionRequest | ChatCompletionRequest, engine: Any) -> None:
+    """Compile the body's grammar in a worker thread, so that ``_prepare`` finds it in the compiler's cache
+    and the event loop never compiles; errors are left for ``_prepare`` to report (the SDK's order)."""
+    from engine.structured import GrammarError
+
+    try:
+        spec = openai_api.structured_spec(dict(body))
+    except openai_api.OpenAIRequestError:
+        return
+    if spec is None:
+        return
+    grammars = await asyncio.to_thread(_grammars, engine)  # the first one reads the vocabulary (~0.3 s)
+    if grammars is not None:
+        with contextlib.suppress(GrammarError):
+            await asyncio.to_thread(grammars.compile, spec)
 
 
 def _prepare(body, request: Request, tenant: Tenant, limiter: TenantLimiter, settings: Settings,
@@ -185,7 +215,7 @@ def _prepare(body, request: Request, tenant: Tenant, limiter: TenantLimiter, set
     room = _max_model_len(engine) - max(len(p) for p in prompts)
     max_tokens = _max_tokens(body, tenant, max(room, 1))
     _check_context(prompts, max_tokens, tenant, engine)
-    params = _sampling_params(body, max_tokens)
+    params = _sampling_params(body, max_tokens, engine)
     reserved = sum(len(p) for p in prompts) + len(prompts) * body.n * max_tokens
     charge_tokens(request, tenant, limiter, reserved)
     chat = isinstance(body, ChatCompletionRequest)
@@ -405,6 +435,7 @@ async def _serve(body, request: Request, tenant: Tenant, settings: Settings, eng
     limiter = admit_request(request, tenant)  # in the handler: a body that fails validation takes no slot
     job: _Job | None = None
     try:
+        await _compile_ahead(body, engine)
         job = _prepare(body, request, tenant, limiter, settings, engine)
         if request.state.fallback:
             record_fallback(request, tenant, job.meta.id, endpoint)

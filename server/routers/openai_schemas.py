@@ -1,10 +1,12 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic; they are also the OpenAPI schema).
 
 Fields OpenAI defines and we honour keep OpenAI's names and ranges; the extra sampling fields vLLM
-accepts (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``) are accepted
-too. Fields we do not implement are accepted only at their neutral value (e.g. ``echo=false``,
-``tools`` empty) and refused with a 400 otherwise, rather than silently ignored. Unknown fields are
-ignored, as OpenAI's own server does for forward compatibility.
+accepts (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, and the
+structured-output extras ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) are
+accepted too; ``response_format`` is accepted by both endpoints, as vLLM does. Fields we do not
+implement are accepted only at their neutral value (e.g. ``echo=false``, ``tools`` empty) and refused
+with a 400 otherwise, rather than silently ignored. Unknown fields are ignored, as OpenAI's own server
+does for forward compatibility.
 
 Types are strict (pydantic strict mode): ``"stream": "yes"``, ``"max_tokens": true`` or ``"n": "2"`` are
 400s, not coerced; an integer where a number is expected (``"temperature": 1``) is still a number.
@@ -56,6 +58,14 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = Field(False, description="extra")
     skip_special_tokens: bool = Field(True, description="extra: leave special tokens out of the text")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64, description="extra")
+    # structured output (engine/structured.py): at most one of these
+    response_format: dict[str, Any] | None = Field(
+        None, description="{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': {'name', 'schema', "
+                          "'strict'}}")
+    guided_json: dict[str, Any] | str | None = Field(None, description="extra: a JSON schema the output follows")
+    guided_regex: str | None = Field(None, description="extra: a regular expression the output matches")
+    guided_choice: list[str] | None = Field(None, description="extra: the output is one of these strings")
+    guided_grammar: str | None = Field(None, description="extra: an EBNF grammar (root rule 'root')")
 
 
 class CompletionRequest(_SamplingFields):
@@ -105,4 +115,3 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
     tool_choice: Any = Field(None, description="not supported")
-    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")

@@ -161,7 +161,8 @@ async def start(app: Any) -> None:
                                                 cfg_json["num_hidden_layers"])
     app.state.private_bundle_path = bundle_path
     pool = WorkerPool(cfg.workers, "server.private.compute:make_state",
-                      (str(model_dir), str(plan_path), cfg.max_session_tokens), task_timeout=cfg.task_timeout_s)
+                      (str(model_dir), str(plan_path), cfg.max_session_tokens), task_timeout=cfg.task_timeout_s,
+                      keep_running=cfg.min_workers, idle_stop_s=cfg.worker_idle_s)
     holder: dict[str, PrivateService] = {}
     registry = KeyRegistry(
         RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
@@ -170,6 +171,7 @@ async def start(app: Any) -> None:
         inspect=lambda data: holder["svc"].screened_inspect(data))
     await pool.start()
     svc = holder["svc"] = PrivateService(cfg, plan.content_hash, plan.layer_indices, pool, registry, audit)
+    pool.in_use = lambda worker: bool(svc.sessions.on_worker(worker))  # never idle-stop a session's worker
     svc.backend_name, svc.backend_params = DEFAULT_BACKEND, CKKSParams.from_dict(plan.ckks)
     app.state.private = svc
     app.state.private_sweeper = asyncio.create_task(_sweep_forever(svc))

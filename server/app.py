@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -67,7 +68,7 @@ class _ServingMiddleware:
         limit = body_limit(self.state.settings, path)
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
-            too_large = RequestTooLargeError(f"request body over {limit} bytes")
+            too_large = RequestTooLargeError(f"request body over {limit} bytes", code="request_too_large")
             await error_response(too_large)(scope, receive, send)
             return
         tracked = not path.startswith(_UNTRACKED)
@@ -89,10 +90,17 @@ class _ServingMiddleware:
             self.state.metrics.http_requests.labels(endpoint, str(status["code"])).inc()
 
 
+_STEP_PATH = re.compile(r"^/v1/private/sessions/[^/]+/steps$")
+_KEY_UPLOAD_PATH = re.compile(r"^/v1/private/keys/[^/]+$")
+
+
 def body_limit(settings: Settings, path: str) -> int:
-    """Largest request body for ``path``: key uploads and encrypted steps are binary and big."""
-    if path.startswith("/v1/private/"):
-        return max(settings.private.max_key_bytes, settings.private.max_step_bytes)
+    """Largest request body for ``path``: each binary endpoint has its own cap (a step's is far below a
+    key upload's); every other endpoint, JSON, gets ``max_request_bytes``."""
+    if _STEP_PATH.match(path):
+        return settings.private.max_step_bytes
+    if _KEY_UPLOAD_PATH.match(path):
+        return settings.private.max_key_bytes
     return settings.max_request_bytes
 
 
@@ -106,7 +114,7 @@ def _limited(receive: Receive, limit: int) -> Receive:
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             if seen > limit:
-                raise RequestTooLargeError(f"request body over {limit} bytes")
+                raise RequestTooLargeError(f"request body over {limit} bytes", code="request_too_large")
         return message
 
     return wrapped

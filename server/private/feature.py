@@ -187,7 +187,12 @@ async def _sweep_forever(svc: PrivateService) -> None:
 
 
 async def stop(app: Any) -> None:
-    """Close sessions, workers and the audit log (final signed checkpoint)."""
+    """Stop workers, close sessions and the audit log (final signed checkpoint), in bounded time.
+
+    The workers go first: killing them is instant, whereas asking each to close its sessions would wait
+    behind any step still running (up to ``task_timeout_s``) and the shutdown must fit the drain window.
+    The sessions are then closed (and audited) without a worker round trip.
+    """
     sweeper = getattr(app.state, "private_sweeper", None)
     if sweeper is not None:
         sweeper.cancel()
@@ -195,8 +200,8 @@ async def stop(app: Any) -> None:
             await sweeper
     svc = getattr(app.state, "private", None)
     if svc is not None:
-        await svc.close()
         await svc.pool.close()
+        await svc.close()  # close_session tasks now fail at once with WorkerError, which _close expects
         app.state.private = None
     audit = getattr(app.state, "audit", None)
     if audit is not None:

@@ -187,6 +187,7 @@ class WorkerPool:
         self._runners: list[asyncio.Task] = []
         self.restarts = 0   # processes lost (crash, kill, timeout); idle stops are not counted
         self.started = 0    # processes started
+        self._closed = False
 
     async def start(self) -> None:
         """Start the slot runners and the ``keep_running`` workers (in threads: a worker builds its state
@@ -211,6 +212,8 @@ class WorkerPool:
     async def submit(self, worker: int, tenant: str, method: str, *args, timeout: float | None = None) -> Any:
         """Run ``state.method(*args)`` on worker ``worker`` (starting it if needed); cancel-safe before
         the task starts."""
+        if self._closed:
+            raise WorkerError("worker pool closed")
         fut = asyncio.get_running_loop().create_future()
         self._slots[worker].put(tenant, (fut, method, args, timeout or self.task_timeout))
         return await fut
@@ -337,7 +340,8 @@ class WorkerPool:
             self._slots[i].worker.proc.kill()
 
     async def close(self) -> None:
-        """Stop the runners and the processes; queued tasks fail with :class:`WorkerError`."""
+        """Stop the runners and the processes; queued and later tasks fail with :class:`WorkerError`."""
+        self._closed = True
         for t in self._runners:
             t.cancel()
         await asyncio.gather(*self._runners, return_exceptions=True)

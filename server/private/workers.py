@@ -270,9 +270,10 @@ class WorkerPool:
             await self._lost(i, "died while idle")
         elif self._idle_expired(i):
             log.info("worker %d idle for %.0f s; stopping it", i, time.monotonic() - slot.last_active)
-            await self._drop(i)
-            if self.on_restart:
+            worker = self._detach(i)
+            if self.on_restart:  # before any await: a session opened meanwhile must not count on its keys
                 self.on_restart(i)
+            await asyncio.to_thread(worker.kill)
 
     def _idle_wait(self, i: int) -> float | None:
         """How long an idle runner may sleep: forever without a process, else until the next health
@@ -310,24 +311,33 @@ class WorkerPool:
         with contextlib.suppress(NotImplementedError):  # loops without add_reader: HEALTH_POLL_S polling
             loop.add_reader(fd, exited)
 
-    async def _drop(self, i: int) -> None:
-        """Forget slot ``i``'s process (killing it if still up); queued tasks addressed to it will fail."""
+    def _detach(self, i: int) -> _Worker | None:
+        """Forget slot ``i``'s process (synchronously: nothing can be queued for it in between); queued
+        tasks addressed to it will fail. Returns the process, for the caller to kill."""
         slot = self._slots[i]
         worker, slot.worker = slot.worker, None
         slot.generation += 1
         if worker is not None:
             with contextlib.suppress(NotImplementedError, ValueError, OSError):
                 asyncio.get_running_loop().remove_reader(worker.proc.sentinel)
+        return worker
+
+    async def _drop(self, i: int) -> None:
+        """Detach slot ``i``'s process and kill it if still up."""
+        worker = self._detach(i)
+        if worker is not None:
             await asyncio.to_thread(worker.kill)
 
     async def _lost(self, i: int, why: str) -> None:
         """Worker ``i`` died or was killed: report its state lost, replace it now if it held sessions."""
         had_sessions = self.in_use(i)
-        await self._drop(i)
+        worker = self._detach(i)
         self.restarts += 1
         log.warning("worker %d lost (%s)", i, why)
-        if self.on_restart:
+        if self.on_restart:  # before any await, as for an idle stop
             self.on_restart(i)
+        if worker is not None:
+            await asyncio.to_thread(worker.kill)
         if had_sessions or i < self.keep_running:
             try:
                 await self._spawn_into(i)

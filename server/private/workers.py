@@ -248,6 +248,7 @@ class WorkerPool:
                 await self._spawn_into(i)
             result = await asyncio.to_thread(slot.worker.call, method, args, timeout)
         except WorkerStartError as exc:  # nothing was running: nothing lost; the next task tries again
+            log.error("worker %d could not be started: %s", i, exc)
             _settle(fut, exc=exc)
         except (WorkerCrashedError, WorkerTimeoutError) as exc:
             await self._lost(i, type(exc).__name__)

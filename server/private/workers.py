@@ -251,8 +251,8 @@ class WorkerPool:
             log.error("worker %d could not be started: %s", i, exc)
             _settle(fut, exc=exc)
         except (WorkerCrashedError, WorkerTimeoutError) as exc:
+            _settle(fut, exc=exc)  # first: the caller need not wait for the replacement to start
             await self._lost(i, type(exc).__name__)
-            _settle(fut, exc=exc)
         except TaskError as exc:
             _settle(fut, exc=exc)
         else:

@@ -25,6 +25,13 @@ async def until(predicate, timeout_s: float = 10.0, poll_s: float = 0.02) -> flo
     return time.monotonic() - t0
 
 
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.fixture()
 async def lazy():
     """Two slots, none started, idle workers stopped after 0.5 s; sessions tracked in ``p.sessions``."""
@@ -51,7 +58,7 @@ async def test_idle_worker_is_stopped_and_its_state_reported_gone(lazy):
     # opened in between cannot count on keys the stopped process held
     await until(lambda: lazy.running() == [], 5, poll_s=0)
     assert lazy.lost == [0] and lazy.restarts == 0   # a stop, not a crash
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    await until(lambda: not running(pid), 5)      # and the process really ends (killed just after)
     assert (await lazy.submit(0, "a", "echo", 1))[2] == 1   # a fresh process (its first call) on demand
 
 

@@ -14,14 +14,15 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import RequestTooLargeError, error_response, install_error_handlers
+from server.errors import RequestTooLargeError, ServiceUnavailableError, error_response, install_error_handlers
 from server.limits import LimitRegistry
 from server.metrics import ServerMetrics
 from server.private import feature as private_feature
@@ -33,15 +34,18 @@ from server.tenants import FallbackRecorder, server_secret_bytes
 
 log = logging.getLogger("cipherlm.server")
 _UNTRACKED = ("/health/", "/metrics")  # not counted as in-flight work
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
 class Lifecycle:
-    """Admission state of the server: in-flight requests and the draining flag (SIGTERM)."""
+    """Admission state of the server: in-flight requests, the draining flag (SIGTERM), and the moment
+    the drain window ends (``cut()``), when responses still streaming end with an error event."""
 
     started_at: int = dataclasses.field(default_factory=lambda: int(time.time()))
     draining: bool = False
     in_flight: int = 0
+    closing: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> bool:
         """Stop admitting and wait for in-flight requests; True if all finished within ``timeout_s``."""
@@ -50,6 +54,44 @@ class Lifecycle:
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(poll_s)
         return self.in_flight == 0
+
+    def cut(self) -> None:
+        """The drain window is over: streams still running end now, with an in-band error event."""
+        self.draining = True
+        self.closing.set()
+
+    def reset(self) -> None:
+        """Admit again (a test client starting the app's lifespan anew)."""
+        self.draining = False
+        self.closing = asyncio.Event()
+
+    async def until_cut(self, items: AsyncIterator[T]) -> AsyncIterator[T]:
+        """``items`` until :meth:`cut`; then :class:`ServiceUnavailableError` ``server_shutdown`` (a stream's
+        generator turns it into its error event). However it ends, ``items`` is closed (which aborts the
+        engine requests behind it) and no item is left pending."""
+        closing = asyncio.ensure_future(self.closing.wait())
+        nxt: asyncio.Future | None = None
+        try:
+            while True:
+                nxt = asyncio.ensure_future(anext(items))
+                await asyncio.wait((nxt, closing), return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    raise ServiceUnavailableError("the server shut down before this response finished; retry",
+                                                  retry_after=1, code="server_shutdown")
+                try:
+                    item = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            closing.cancel()
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):  # cleanup: the cause is reported
+                    await nxt
+            aclose = getattr(items, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 class _ServingMiddleware:
@@ -67,7 +109,7 @@ class _ServingMiddleware:
         limit = body_limit(self.state.settings, path)
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
-            too_large = RequestTooLargeError(f"request body over {limit} bytes")
+            too_large = RequestTooLargeError(f"request body over {limit} bytes", code="request_too_large")
             await error_response(too_large)(scope, receive, send)
             return
         tracked = not path.startswith(_UNTRACKED)
@@ -89,10 +131,17 @@ class _ServingMiddleware:
             self.state.metrics.http_requests.labels(endpoint, str(status["code"])).inc()
 
 
+_STEP_PATH = re.compile(r"^/v1/private/sessions/[^/]+/steps$")
+_KEY_UPLOAD_PATH = re.compile(r"^/v1/private/keys/[^/]+$")
+
+
 def body_limit(settings: Settings, path: str) -> int:
-    """Largest request body for ``path``: key uploads and encrypted steps are binary and big."""
-    if path.startswith("/v1/private/"):
-        return max(settings.private.max_key_bytes, settings.private.max_step_bytes)
+    """Largest request body for ``path``: each binary endpoint has its own cap (a step's is far below a
+    key upload's); every other endpoint, JSON, gets ``max_request_bytes``."""
+    if _STEP_PATH.match(path):
+        return settings.private.max_step_bytes
+    if _KEY_UPLOAD_PATH.match(path):
+        return settings.private.max_key_bytes
     return settings.max_request_bytes
 
 
@@ -106,7 +155,7 @@ def _limited(receive: Receive, limit: int) -> Receive:
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             if seen > limit:
-                raise RequestTooLargeError(f"request body over {limit} bytes")
+                raise RequestTooLargeError(f"request body over {limit} bytes", code="request_too_large")
         return message
 
     return wrapped
@@ -128,7 +177,7 @@ def build_engine(settings: Settings) -> Any:
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Start and stop the engine when the app owns it (restartable: test clients cycle lifespans)."""
-    app.state.lifecycle.draining = False
+    app.state.lifecycle.reset()
     if app.state.owns_engine:
         engine = build_engine(app.state.settings)
         await engine.start()
@@ -137,7 +186,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        app.state.lifecycle.draining = True
+        app.state.lifecycle.cut()  # anything still streaming ends with an error event, not silently
         await private_feature.stop(app)
         if app.state.owns_engine and app.state.engine is not None:
             engine, app.state.engine = app.state.engine, None

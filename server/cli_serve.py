@@ -3,8 +3,10 @@
 With no ``--config`` (and no ``$CIPHERLM_CONFIG``), the settings file is
 ``$CIPHERLM_HOME/server/settings.toml``; on first run a demo file is written there with one plaintext
 tenant and one encrypted tenant, and their freshly generated API keys are printed **once** (the file
-keeps only their SHA-256). SIGTERM (or Ctrl-C) drains: ``/health/ready`` turns 503, new requests get 503,
-in-flight requests finish within ``drain_timeout_s``, then the process exits; a second signal exits now.
+keeps only their SHA-256). SIGTERM (or Ctrl-C) drains: ``/health/ready`` turns 503, new requests (and new
+encrypted sessions and key uploads) get 503, in-flight requests may finish within ``drain_timeout_s``; a
+stream still running then ends with an error event (``server_shutdown``), the final signed audit
+checkpoint is written and the process exits, about two seconds after the window; a second signal exits now.
 """
 
 from __future__ import annotations
@@ -83,11 +85,19 @@ def load_settings(args: argparse.Namespace):
     return settings
 
 
+#: after the drain window, how long uvicorn may still wait for responses to flush (the streams cut at
+#: the deadline send their error event) before it cancels them and runs the app's shutdown
+FLUSH_GRACE_S = 1.5
+
+
 def _server_class():
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn whose first SIGTERM/SIGINT drains (ready → 503, in-flight finish) before exiting."""
+        """uvicorn whose first SIGTERM/SIGINT drains before exiting: ready → 503, new work → 503, in-flight
+        requests get ``drain_timeout_s``; then streams still running are cut with an error event and the
+        app shuts down (final audit checkpoint). uvicorn's own graceful wait is only ``FLUSH_GRACE_S``:
+        it must not wait a second drain window after ours."""
 
         def __init__(self, config: uvicorn.Config, lifecycle, drain_timeout_s: float) -> None:
             super().__init__(config)
@@ -109,7 +119,14 @@ def _server_class():
                 return True
             if self.drain_deadline is None:
                 return False
-            return self.lifecycle.in_flight == 0 or time.monotonic() >= self.drain_deadline
+            if self.lifecycle.in_flight == 0:
+                return True
+            if time.monotonic() >= self.drain_deadline:
+                print(f"cipherlm: drain window over; ending {self.lifecycle.in_flight} request(s)",
+                      file=sys.stderr, flush=True)
+                self.lifecycle.cut()
+                return True
+            return False
 
     return DrainingServer
 
@@ -126,7 +143,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = load_settings(args)
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5)
+                            timeout_graceful_shutdown=FLUSH_GRACE_S)
     server = _server_class()(config, app.state.lifecycle, settings.drain_timeout_s)
     print(f"cipherlm: serving on http://{settings.host}:{settings.port}", flush=True)
     server.run()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 
 class PrivateSettings(BaseModel):
@@ -11,7 +11,12 @@ class PrivateSettings(BaseModel):
     enabled: bool | None = Field(None, description="None: on when some tenant is in encrypted mode")
     plan: str | None = Field(None, description="plan file/folder; None: the plan shipped for the default model")
     state_dir: str | None = Field(None, description="key store, audit log, bundle cache; None: $CIPHERLM_HOME/server")
-    workers: int = Field(2, ge=1, le=64, description="worker processes for ciphertext work")
+    workers: int = Field(2, ge=1, le=64, description="most worker processes for ciphertext work; each is "
+                         "started when an encrypted session (or key upload) first needs it")
+    min_workers: int = Field(0, ge=0, le=64, description="workers started with the server and never stopped "
+                             "when idle (0: an idle server runs none)")
+    worker_idle_s: float | None = Field(300.0, gt=0, description="a worker with no open session and no task "
+                                        "for this long is stopped, freeing its memory; None: never")
     session_ttl_s: float = Field(900.0, gt=0, description="idle sessions are closed after this")
     max_sessions_per_tenant: int = Field(8, ge=1)
     max_session_tokens: int = Field(512, ge=1, description="positions one session may hold (KV cache bound)")
@@ -24,3 +29,9 @@ class PrivateSettings(BaseModel):
     task_timeout_s: float = Field(600.0, gt=0, description="a worker task running longer is killed")
     key_lifetime_s: float | None = Field(30 * 86400.0, gt=0, description="expiry of a registered key")
     audit_checkpoint_every: int = Field(64, ge=1, description="records between signed checkpoints")
+
+    @model_validator(mode="after")
+    def _min_workers_fit(self) -> PrivateSettings:
+        if self.min_workers > self.workers:
+            raise ValueError(f"min_workers ({self.min_workers}) exceeds workers ({self.workers})")
+        return self

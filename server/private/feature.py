@@ -163,13 +163,15 @@ async def start(app: Any) -> None:
                                                 cfg_json["num_hidden_layers"])
     app.state.private_bundle_path = bundle_path
     pool = WorkerPool(cfg.workers, WORKER_FACTORY,
-                      (str(model_dir), str(plan_path), cfg.max_session_tokens), task_timeout=cfg.task_timeout_s)
+                      (str(model_dir), str(plan_path), cfg.max_session_tokens), task_timeout=cfg.task_timeout_s,
+                      keep_running=cfg.min_workers, idle_stop_s=cfg.worker_idle_s)
     registry = KeyRegistry(
         RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
                        state_path=root / "keys" / "registry.json"),
         audit, EvalKeyStorage(root / "keys" / "material", keys["storage_key"]))
     await pool.start()
     svc = PrivateService(cfg, plan.content_hash, plan.layer_indices, pool, registry, audit)
+    pool.in_use = lambda worker: bool(svc.sessions.on_worker(worker))  # never idle-stop a session's worker
     svc.backend_name, svc.backend_params = DEFAULT_BACKEND, CKKSParams.from_dict(plan.ckks)
     app.state.private = svc
     app.state.private_sweeper = asyncio.create_task(_sweep_forever(svc))
@@ -185,7 +187,12 @@ async def _sweep_forever(svc: PrivateService) -> None:
 
 
 async def stop(app: Any) -> None:
-    """Close sessions, workers and the audit log (final signed checkpoint)."""
+    """Stop workers, close sessions and the audit log (final signed checkpoint), in bounded time.
+
+    The workers go first: killing them is instant, whereas asking each to close its sessions would wait
+    behind any step still running (up to ``task_timeout_s``) and the shutdown must fit the drain window.
+    The sessions are then closed (and audited) without a worker round trip.
+    """
     sweeper = getattr(app.state, "private_sweeper", None)
     if sweeper is not None:
         sweeper.cancel()
@@ -193,8 +200,8 @@ async def stop(app: Any) -> None:
             await sweeper
     svc = getattr(app.state, "private", None)
     if svc is not None:
-        await svc.close()
         await svc.pool.close()
+        await svc.close()  # close_session tasks now fail at once with WorkerError, which _close expects
         app.state.private = None
     audit = getattr(app.state, "audit", None)
     if audit is not None:

@@ -2,6 +2,16 @@
 
 Bodies of steps and key uploads are binary (``application/octet-stream``); everything else is JSON.
 Errors use the OpenAI error shape (``server.errors``). See ``docs/protocol.md``.
+
+Every check a request can fail from its headers runs before a byte of its body is read::
+
+    auth (401) → encrypted-mode tenant (403) → draining: no new keys or sessions (503)
+      → session exists and is the tenant's (404/410) → declared Content-Length vs this endpoint's cap (413)
+      → requests/min + concurrency of the tenant (429) → body streamed up to the cap (413 past it) → work
+
+The caps are per endpoint (``max_step_bytes`` for steps, ``max_key_bytes`` for key uploads, the server's
+``max_request_bytes`` for JSON), enforced while streaming, so a body without a Content-Length cannot
+grow past them either (``server.app.body_limit`` applies the same caps in the middleware).
 """
 
 from __future__ import annotations
@@ -12,9 +22,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
-from server.errors import NotFoundError
+from server.errors import NotFoundError, PermissionDeniedError, RequestTooLargeError
 from server.keys import KeyRecord
 from server.private.service import PrivateService
+from server.routers.deps import admit_request, ensure_admitting
+from server.settings import PrivacyMode
 from server.tenants import Tenant, get_tenant
 
 router = APIRouter(prefix="/v1/private", tags=["private"])
@@ -30,8 +42,35 @@ def get_private(request: Request) -> PrivateService:
     return svc
 
 
+def require_encrypted_tenant(tenant: Annotated[Tenant, Depends(get_tenant)]) -> Tenant:
+    """FastAPI dependency: the tenant, if its privacy mode uses encrypted sessions (else 403)."""
+    if tenant.privacy_mode is PrivacyMode.PLAINTEXT:
+        raise PermissionDeniedError(f"tenant {tenant.id!r} is in plaintext mode: the /v1/private endpoints are "
+                                    "for encrypted-mode tenants; use /v1/completions", code="privacy_mode_plaintext")
+    return tenant
+
+
 Private = Annotated[PrivateService, Depends(get_private)]
-TenantDep = Annotated[Tenant, Depends(get_tenant)]
+TenantDep = Annotated[Tenant, Depends(require_encrypted_tenant)]
+_NEW_WORK = [Depends(ensure_admitting)]  # draining: no new keys or sessions; open sessions may finish
+
+
+def check_declared_size(request: Request, cap: int, code: str) -> None:
+    """413 when the declared Content-Length exceeds ``cap`` (checked before any byte is read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > cap):
+        raise RequestTooLargeError(f"request body over {cap} bytes", code=code)
+
+
+async def read_capped(request: Request, cap: int, code: str) -> bytes:
+    """The request body, streamed and refused with 413 the moment it passes ``cap`` bytes (so a body with
+    no or a false Content-Length is never held past the cap)."""
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > cap:
+            raise RequestTooLargeError(f"request body over {cap} bytes", code=code)
+    return bytes(buf)
 
 
 def _request_id(request: Request) -> str | None:
@@ -58,13 +97,18 @@ async def bundle(request: Request, tenant: TenantDep, svc: Private) -> FileRespo
                         headers={"X-Cipherlm-Bundle-SHA256": man["bundle"]["sha256"]})
 
 
-@router.post("/keys/{key_id}", status_code=201,
+@router.post("/keys/{key_id}", status_code=201, dependencies=_NEW_WORK,
              openapi_extra={"requestBody": {"content": {OCTET: {"schema": {"type": "string", "format": "binary"}}}}})
 async def register_key(key_id: Annotated[str, Field(pattern=KEY_ID_PATTERN)], request: Request,
                        tenant: TenantDep, svc: Private) -> dict:
     """Upload public evaluation keys (never a secret key: such uploads are refused and audited)."""
-    body = await request.body()
-    rec = await svc.register_key(tenant.id, key_id, body, actor=tenant.id, request_id=_request_id(request))
+    check_declared_size(request, svc.cfg.max_key_bytes, "key_too_large")
+    limiter = admit_request(request, tenant)
+    try:
+        body = await read_capped(request, svc.cfg.max_key_bytes, "key_too_large")
+        rec = await svc.register_key(tenant.id, key_id, body, actor=tenant.id, request_id=_request_id(request))
+    finally:
+        limiter.release()
     return _key_json(rec)
 
 
@@ -93,11 +137,15 @@ class OpenSession(BaseModel):
     plan_hash: str = Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")
 
 
-@router.post("/sessions", status_code=201)
+@router.post("/sessions", status_code=201, dependencies=_NEW_WORK)
 async def open_session(body: OpenSession, request: Request, tenant: TenantDep, svc: Private) -> dict:
-    """Open a session on an ACTIVE key for this server's plan."""
-    s = await svc.open_session(tenant.id, body.key_id, body.plan_hash, actor=tenant.id,
-                               request_id=_request_id(request))
+    """Open a session on an ACTIVE key for this server's plan (may start a worker: seconds)."""
+    limiter = admit_request(request, tenant)
+    try:
+        s = await svc.open_session(tenant.id, body.key_id, body.plan_hash, actor=tenant.id,
+                                   request_id=_request_id(request))
+    finally:
+        limiter.release()
     return {"session_id": s.id, "key_id": s.key_id, "key_version": s.key_version,
             "key_fingerprint": s.fingerprint, "layers": list(svc.layers), "ttl_s": svc.cfg.session_ttl_s,
             "max_tokens": svc.cfg.max_session_tokens, "max_step_tokens": svc.cfg.max_step_tokens}
@@ -108,7 +156,15 @@ async def open_session(body: OpenSession, request: Request, tenant: TenantDep, s
              responses={200: {"content": {OCTET: {}}, "description": "result envelope"}})
 async def step(session_id: str, request: Request, tenant: TenantDep, svc: Private) -> Response:
     """One encrypted layer over one or more positions (binary envelope in, binary envelope out)."""
-    out = await svc.step(tenant.id, session_id, await request.body(), request_id=_request_id(request))
+    svc.session_for(tenant.id, session_id)  # 404/410 before a byte of the body is read
+    check_declared_size(request, svc.cfg.max_step_bytes, "step_too_large")
+    limiter = admit_request(request, tenant)
+    try:
+        out = await svc.step(tenant.id, session_id, await read_capped(request, svc.cfg.max_step_bytes,
+                                                                      "step_too_large"),
+                              request_id=_request_id(request))
+    finally:
+        limiter.release()
     return Response(out, media_type=OCTET)
 
 

@@ -6,20 +6,33 @@ object built from an importable factory (``"package.module:function"``); a task 
 called on that state. A task that fails reports a code from the one table of
 :mod:`server.private.codes` (:class:`TaskError`), never an exception class name.
 
+Process lifecycle, per slot (``size`` slots):
+
+* **Started on demand.** A slot has no process until a task is queued for it (the first key upload or
+  session), except the first ``keep_running`` slots, started with the pool and never stopped when idle.
+  A worker's state (the model's encrypted layers) costs gigabytes, so an idle server holds none.
+* **Stopped when idle.** A worker with no queued task for ``idle_stop_s`` and nothing ``in_use`` (no
+  open session pinned to it) is stopped; its state — loaded keys — is gone, and ``on_restart`` says so.
+* **Watched.** Each process's sentinel is watched on the event loop, so a worker that dies *between*
+  tasks is noticed at once: ``on_restart`` reports its state lost (the service marks its sessions lost),
+  and it is replaced now when it held sessions (their clients are about to replay) or is kept running.
+* **Tasks are addressed to a process.** A task queued before its worker died fails with
+  :class:`WorkerCrashedError` instead of running on the replacement, which never had that state.
+
 Scheduling, per worker: one task at a time; waiting tasks are taken round-robin across tenants
 (a tenant with many queued steps cannot starve another); a task cancelled before it starts is dropped.
-A task that outlives its timeout, or a worker that dies mid-task, fails that task with a typed error;
-the worker is restarted (its in-memory state — sessions pinned to it — is lost, and
-:attr:`WorkerPool.on_restart` is told which worker lost it).
+A task that outlives its timeout, or a worker that dies mid-task, fails that task with a typed error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import importlib
 import logging
 import multiprocessing as mp
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +40,8 @@ from typing import Any
 from server.private.codes import TaskFailure, WorkerCode
 
 log = logging.getLogger("cipherlm.workers")
+#: how often an idle slot re-checks its process when no sentinel event arrives (belt and braces)
+HEALTH_POLL_S = 5.0
 
 
 class WorkerError(Exception):
@@ -34,11 +49,18 @@ class WorkerError(Exception):
 
 
 class WorkerCrashedError(WorkerError):
-    """The worker died while running the task (its state was lost)."""
+    """The worker died while running the task, or before it ran (its state was lost)."""
 
 
 class WorkerTimeoutError(WorkerError):
     """The task exceeded its timeout; the worker was killed and restarted."""
+
+
+class WorkerStartError(WorkerCrashedError):
+    """A worker process could not be started (its factory failed or did not answer in time).
+
+    A kind of crash for callers: the work did not happen and it is not the client's fault.
+    """
 
 
 class TaskError(WorkerError):
@@ -79,11 +101,14 @@ class _Worker:
         self.proc = ctx.Process(target=_worker_main, args=(child, factory, factory_args), daemon=True)
         self.proc.start()
         child.close()
-        if not self.conn.poll(start_timeout):
+        try:
+            ready = self.conn.poll(start_timeout) and self.conn.recv()[0] == "ready"
+        except (EOFError, OSError):  # the factory raised: the process exited before saying ready
+            ready = False
+        if not ready:
             self.kill()
-            raise WorkerError(f"worker did not start within {start_timeout} s")
-        status, _ = self.conn.recv()
-        assert status == "ready"
+            raise WorkerStartError(f"worker did not start within {start_timeout} s "
+                                   f"(exit code {self.proc.exitcode})")
 
     def call(self, method: str, args: tuple, timeout: float) -> Any:
         try:
@@ -107,16 +132,22 @@ class _Worker:
 
 
 class _Slot:
-    """A worker plus its fair queue (per-tenant FIFOs served round-robin)."""
+    """A worker (or none, while stopped) plus its fair queue (per-tenant FIFOs served round-robin).
+
+    ``generation`` counts the processes whose state was lost; a queued item remembers the generation it
+    was addressed to.
+    """
 
     def __init__(self) -> None:
         self.queues: dict[str, collections.deque] = collections.OrderedDict()
         self.wakeup = asyncio.Event()
         self.worker: _Worker | None = None
         self.pending = 0
+        self.generation = 0
+        self.last_active = time.monotonic()
 
     def put(self, tenant: str, item) -> None:
-        self.queues.setdefault(tenant, collections.deque()).append(item)
+        self.queues.setdefault(tenant, collections.deque()).append((*item, self.generation))
         self.pending += 1
         self.wakeup.set()
 
@@ -129,87 +160,212 @@ class _Slot:
         self.pending -= 1
         return item
 
+    def alive(self) -> bool:
+        return self.worker is not None and self.worker.proc.is_alive()
+
 
 class WorkerPool:
-    """``size`` worker processes with tenant-fair queues; use from one asyncio event loop."""
+    """Up to ``size`` worker processes with tenant-fair queues; use from one asyncio event loop.
+
+    Args:
+        size: slots (most processes at once).
+        factory: ``"module:function"`` building a worker's state; ``factory_args`` its arguments.
+        task_timeout: default seconds a task may run before its worker is killed.
+        start_timeout: seconds a new worker may take to build its state.
+        on_restart: told ``i`` whenever worker ``i``'s state is gone (crash, kill, timeout, idle stop).
+        keep_running: the first ``keep_running`` slots start with the pool and are never idle-stopped.
+        idle_stop_s: stop a worker after this long without tasks (None: never).
+        in_use: ``in_use(i)`` is True while worker ``i`` holds state that must not be dropped (sessions).
+    """
 
     def __init__(self, size: int, factory: str, factory_args: tuple = (), task_timeout: float = 120.0,
-                 start_timeout: float = 120.0, on_restart: Callable[[int], None] | None = None) -> None:
+                 start_timeout: float = 120.0, on_restart: Callable[[int], None] | None = None, *,
+                 keep_running: int | None = None, idle_stop_s: float | None = None,
+                 in_use: Callable[[int], bool] | None = None, health_poll_s: float = HEALTH_POLL_S) -> None:
         if size < 1:
             raise ValueError("a worker pool needs at least one worker")
         self.size, self.factory, self.factory_args = size, factory, factory_args
         self.task_timeout, self.start_timeout = task_timeout, start_timeout
         self.on_restart = on_restart
+        self.keep_running = size if keep_running is None else min(keep_running, size)
+        self.idle_stop_s, self.health_poll_s = idle_stop_s, health_poll_s
+        self.in_use = in_use or (lambda i: False)
         self._ctx = mp.get_context("spawn")
         self._slots = [_Slot() for _ in range(size)]
         self._runners: list[asyncio.Task] = []
-        self.restarts = 0
+        self.restarts = 0   # processes lost (crash, kill, timeout); idle stops are not counted
+        self.started = 0    # processes started
+        self._closed = False
 
     async def start(self) -> None:
-        """Start every worker (in threads: a worker builds its state at start-up)."""
-        for i, slot in enumerate(self._slots):
-            slot.worker = await asyncio.to_thread(self._spawn)
-            self._runners.append(asyncio.create_task(self._run(i), name=f"worker-{i}"))
+        """Start the slot runners and the ``keep_running`` workers (in threads: a worker builds its state
+        at start-up); the other slots start a process when their first task arrives."""
+        for i in range(self.keep_running):
+            await self._spawn_into(i)
+        self._runners = [asyncio.create_task(self._run(i), name=f"worker-{i}") for i in range(self.size)]
 
-    def _spawn(self) -> _Worker:
-        return _Worker(self._ctx, self.factory, self.factory_args, self.start_timeout)
+    def running(self) -> list[int]:
+        """Indices of the slots whose process is up."""
+        return [i for i, slot in enumerate(self._slots) if slot.alive()]
+
+    def pids(self) -> list[int]:
+        """Process ids of the running workers (for memory accounting and tests)."""
+        return [slot.worker.proc.pid for slot in self._slots if slot.alive()]
 
     def least_loaded(self, among: list[int] | None = None) -> int:
         """Index of the worker with the fewest queued tasks (for pinning a new session), optionally
-        among some workers only."""
-        return min(among or range(self.size), key=lambda i: self._slots[i].pending)
+        among some workers only; on a tie a running worker is preferred (no new process)."""
+        return min(among or range(self.size), key=lambda i: (self._slots[i].pending, not self._slots[i].alive()))
 
     async def submit(self, worker: int, tenant: str, method: str, *args, timeout: float | None = None) -> Any:
-        """Run ``state.method(*args)`` on worker ``worker``; cancel-safe before the task starts."""
+        """Run ``state.method(*args)`` on worker ``worker`` (starting it if needed); cancel-safe before
+        the task starts."""
+        if self._closed:
+            raise WorkerError("worker pool closed")
         fut = asyncio.get_running_loop().create_future()
         self._slots[worker].put(tenant, (fut, method, args, timeout or self.task_timeout))
         return await fut
 
     async def broadcast(self, method: str, *args) -> list[Any]:
-        """Run a task on every worker (e.g. dropping a revoked key everywhere)."""
-        return await asyncio.gather(*(self.submit(i, "_pool", method, *args) for i in range(self.size)))
+        """Run a task on every worker that is up or about to be (e.g. dropping a revoked key everywhere);
+        a stopped worker holds no state, so it is not started for this."""
+        live = [i for i, slot in enumerate(self._slots) if slot.worker is not None or slot.pending]
+        return await asyncio.gather(*(self.submit(i, "_pool", method, *args) for i in live))
 
+    # -- the slot runner -------------------------------------------------------------------------------
     async def _run(self, i: int) -> None:
         slot = self._slots[i]
         while True:
             if not slot.pending:
-                slot.wakeup.clear()
-                await slot.wakeup.wait()
+                await self._idle(i)
                 continue
-            fut, method, args, timeout = slot.take()
+            fut, method, args, timeout, generation = slot.take()
             if fut.cancelled():
                 continue
-            if not slot.worker.proc.is_alive():  # died while idle: its state is gone too
-                await self._restart(i)
-            try:
-                result = await asyncio.to_thread(slot.worker.call, method, args, timeout)
-            except (WorkerCrashedError, WorkerTimeoutError) as exc:
-                await self._restart(i)
-                _settle(fut, exc=exc)
-            except TaskError as exc:
-                _settle(fut, exc=exc)
-            else:
-                _settle(fut, result=result)
+            if slot.worker is not None and not slot.alive():  # died before this task ran
+                await self._lost(i, "died while idle")
+            if generation != slot.generation:  # addressed to a process whose state is gone
+                _settle(fut, exc=WorkerCrashedError("the worker died before the task ran; its sessions were lost"))
+                continue
+            await self._execute(i, fut, method, args, timeout)
 
-    async def _restart(self, i: int) -> None:
+    async def _execute(self, i: int, fut: asyncio.Future, method: str, args: tuple, timeout: float) -> None:
+        slot = self._slots[i]
+        try:
+            if slot.worker is None:
+                await self._spawn_into(i)
+            result = await asyncio.to_thread(slot.worker.call, method, args, timeout)
+        except WorkerStartError as exc:  # nothing was running: nothing lost; the next task tries again
+            log.error("worker %d could not be started: %s", i, exc)
+            _settle(fut, exc=exc)
+        except (WorkerCrashedError, WorkerTimeoutError) as exc:
+            _settle(fut, exc=exc)  # first: the caller need not wait for the replacement to start
+            await self._lost(i, type(exc).__name__)
+        except TaskError as exc:
+            _settle(fut, exc=exc)
+        else:
+            _settle(fut, result=result)
+        slot.last_active = time.monotonic()
+
+    async def _idle(self, i: int) -> None:
+        """Wait for a task; meanwhile notice a dead process and stop one idle past ``idle_stop_s``."""
+        slot = self._slots[i]
+        slot.wakeup.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(slot.wakeup.wait(), self._idle_wait(i))
+        if slot.pending or slot.worker is None:
+            return
+        if not slot.alive():
+            await self._lost(i, "died while idle")
+        elif self._idle_expired(i):
+            log.info("worker %d idle for %.0f s; stopping it", i, time.monotonic() - slot.last_active)
+            worker = self._detach(i)
+            if self.on_restart:  # before any await: a session opened meanwhile must not count on its keys
+                self.on_restart(i)
+            await asyncio.to_thread(worker.kill)
+
+    def _idle_wait(self, i: int) -> float | None:
+        """How long an idle runner may sleep: forever without a process, else until the next health
+        poll or the idle deadline, whichever comes first."""
+        if self._slots[i].worker is None:
+            return None
+        if self.idle_stop_s is None or i < self.keep_running:
+            return self.health_poll_s
+        if self.in_use(i):  # look again later: sessions can end without a task (lost, revoked)
+            return min(self.health_poll_s, self.idle_stop_s)
+        left = self._slots[i].last_active + self.idle_stop_s - time.monotonic()
+        return max(0.01, min(self.health_poll_s, left))
+
+    def _idle_expired(self, i: int) -> bool:
+        if self.idle_stop_s is None or i < self.keep_running or self.in_use(i):
+            return False
+        return time.monotonic() - self._slots[i].last_active >= self.idle_stop_s
+
+    # -- process start and loss ----------------------------------------------------------------------------
+    async def _spawn_into(self, i: int) -> None:
+        slot = self._slots[i]
+        worker = await asyncio.to_thread(_Worker, self._ctx, self.factory, self.factory_args, self.start_timeout)
+        slot.worker, slot.last_active = worker, time.monotonic()
+        self.started += 1
+        self._watch(i, worker)
+
+    def _watch(self, i: int, worker: _Worker) -> None:
+        """Wake slot ``i``'s runner the moment its process exits (the sentinel turns readable)."""
+        loop, fd, wakeup = asyncio.get_running_loop(), worker.proc.sentinel, self._slots[i].wakeup
+
+        def exited() -> None:
+            loop.remove_reader(fd)  # level-triggered: once is enough
+            wakeup.set()
+
+        with contextlib.suppress(NotImplementedError):  # loops without add_reader: HEALTH_POLL_S polling
+            loop.add_reader(fd, exited)
+
+    def _detach(self, i: int) -> _Worker | None:
+        """Forget slot ``i``'s process (synchronously: nothing can be queued for it in between); queued
+        tasks addressed to it will fail. Returns the process, for the caller to kill."""
+        slot = self._slots[i]
+        worker, slot.worker = slot.worker, None
+        slot.generation += 1
+        if worker is not None:
+            with contextlib.suppress(NotImplementedError, ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(worker.proc.sentinel)
+        return worker
+
+    async def _drop(self, i: int) -> None:
+        """Detach slot ``i``'s process and kill it if still up."""
+        worker = self._detach(i)
+        if worker is not None:
+            await asyncio.to_thread(worker.kill)
+
+    async def _lost(self, i: int, why: str) -> None:
+        """Worker ``i`` died or was killed: report its state lost, replace it now if it held sessions."""
+        had_sessions = self.in_use(i)
+        worker = self._detach(i)
         self.restarts += 1
-        log.warning("worker %d lost; restarting", i)
-        self._slots[i].worker = await asyncio.to_thread(self._spawn)
-        if self.on_restart:
+        log.warning("worker %d lost (%s)", i, why)
+        if self.on_restart:  # before any await, as for an idle stop
             self.on_restart(i)
+        if worker is not None:
+            await asyncio.to_thread(worker.kill)
+        if had_sessions or i < self.keep_running:
+            try:
+                await self._spawn_into(i)
+            except WorkerError as exc:  # the next task tries again
+                log.error("worker %d could not be replaced: %s", i, exc)
 
     def kill_worker(self, i: int) -> None:
         """Kill worker ``i``'s process (for tests and for destroying key material held in memory)."""
-        self._slots[i].worker.proc.kill()
+        if self._slots[i].worker is not None:
+            self._slots[i].worker.proc.kill()
 
     async def close(self) -> None:
-        """Stop the runners and the processes."""
+        """Stop the runners and the processes; queued and later tasks fail with :class:`WorkerError`."""
+        self._closed = True
         for t in self._runners:
             t.cancel()
         await asyncio.gather(*self._runners, return_exceptions=True)
-        for slot in self._slots:
-            if slot.worker:
-                await asyncio.to_thread(slot.worker.kill)
+        for i, slot in enumerate(self._slots):
+            await self._drop(i)
             for q in slot.queues.values():
                 for fut, *_ in q:
                     _settle(fut, exc=WorkerError("worker pool closed"))

@@ -396,7 +396,7 @@ async def _event_stream(request: Request, job: _Job, started, decode, state: dic
     try:
         for chunk in builder.first_chunks(len(started)):
             yield sse(chunk)
-        async for index, out in _merged(started):
+        async for index, out in request.app.state.lifecycle.until_cut(_merged(started)):  # SIGTERM cuts
             timing.tick(out)
             finals[index] = out
             for chunk in builder.chunks(index, out):

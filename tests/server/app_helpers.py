@@ -101,8 +101,10 @@ async def engine(tiny_loaded):
 # --- a real `cipherlm serve` process on loopback ----------------------------------------------------
 
 
-def write_settings_toml(path: Path, model_dir: Path, port: int, drain_timeout_s: float = 30.0) -> Path:
-    """A settings file with the test tenants (TOML written by hand: only hashes, never keys)."""
+def write_settings_toml(path: Path, model_dir: Path, port: int, drain_timeout_s: float = 30.0,
+                        extra: str = "") -> Path:
+    """A settings file with the test tenants (TOML written by hand: only hashes, never keys); ``extra``
+    is appended (e.g. a ``[private]`` table)."""
     lines = [f'model = "{model_dir}"', 'served_model_name = "tiny"', 'server_secret = "test-secret"',
              'host = "127.0.0.1"', f"port = {port}", f"drain_timeout_s = {drain_timeout_s}", "",
              "[engine]", 'device = "cpu"', "num_kv_blocks = 512", ""]
@@ -114,7 +116,7 @@ def write_settings_toml(path: Path, model_dir: Path, port: int, drain_timeout_s:
             # 0 switches a limit off (TOML has no null; an omitted key would mean the default)
             lines += [f"{k} = {0 if v is None else v}" for k, v in t.limits.model_dump().items()]
         lines.append("")
-    path.write_text("\n".join(lines))
+    path.write_text("\n".join(lines) + extra)
     return path
 
 

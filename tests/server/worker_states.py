@@ -39,3 +39,7 @@ class ProbeState:
 
 def make_probe(tag: str) -> ProbeState:
     return ProbeState(tag)
+
+
+def make_broken() -> ProbeState:
+    raise RuntimeError("this worker state cannot be built (e.g. the plan does not load)")

@@ -1,0 +1,52 @@
+"""A real encrypted-session setup small enough for fast tests: a one-layer 2Quad plan fitted (by hash) to
+the tiny server-test model, private settings around it, and the tiny model's CKKS key upload.
+
+No part is faked: the server loads the plan, checks it against the model, builds the client bundle and
+(when a session needs one) starts real worker processes that build the encrypted layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from server.private.config import PrivateSettings
+
+TINY_HEADS = 4  # tests/server/app_helpers.build_tiny_model_dir
+APPROX = ("2quad", 6)
+
+
+def tiny_plan(model_dir: Path, out: Path) -> Path:
+    """A plan encrypting layer 1 of the tiny model with 2Quad (N = 16384), saved as ``out``."""
+    from engine.loader import load_model
+    from fhe.approx import ScoreApprox
+    from fhe.params import ckks_params_for
+    from fhe.plan import LayerPlan, Plan, model_fingerprint
+
+    kind, squarings = APPROX
+    approx = ScoreApprox(kind, (1.0,) * TINY_HEADS, (5.0,) * TINY_HEADS, squarings, 12.0)
+    plan = Plan("tiny", model_fingerprint(load_model(model_dir)), (LayerPlan(1, approx, (-2.0, 9.0)),),
+                ckks_params_for(kind, squarings).to_dict(), "cipherlm server tests")
+    return plan.save(out)
+
+
+def private_settings(plan: Path, state_dir: Path, **overrides) -> PrivateSettings:
+    """The ``[private]`` table of the tests: the tiny plan, small limits, one worker started on demand."""
+    fields = dict(enabled=True, plan=str(plan), state_dir=str(state_dir), workers=1, max_session_tokens=16,
+                  max_step_tokens=4, max_step_bytes=64 << 10, max_key_bytes=512 << 20, max_keys_per_worker=1)
+    return PrivateSettings(**{**fields, **overrides})
+
+
+def tiny_key_upload(model_dir: Path) -> bytes:
+    """The public-key upload a client of the tiny plan sends (real SEAL keys, secret kept here)."""
+    from engine.config import ModelConfig
+    from fhe.backends.seal import wire
+    from fhe.backends.seal.keys import CKKSClient
+    from fhe.envelope import pack_key_upload
+    from fhe.params import ckks_params_for
+    from fhe.weight_maps import required_rotation_steps
+
+    kind, squarings = APPROX
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    params = ckks_params_for(kind, squarings)
+    client = CKKSClient(params, required_rotation_steps(cfg, params, kind, squarings))
+    return pack_key_upload(wire.dump_public_keys(client))

@@ -278,6 +278,13 @@ class PrivateService:
     def session_for(self, tenant: str, sid: str) -> Session:
         """The tenant's session (404 for unknown ids and for other tenants' ids alike)."""
         s = self.sessions.get(sid)
+        if s is None:  # swept already: a recent end still answers 410, so the SDK knows to replay
+            tenant_of, state, reason = self.sessions.gone(sid) or (None, None, "")
+            if tenant_of == tenant and state is SessionState.LOST:
+                raise GoneError("session lost (worker restarted): open a new session and replay",
+                                code="session_lost")
+            if tenant_of == tenant:
+                raise GoneError(f"session closed: {reason}", code="session_closed")
         if s is None or s.tenant != tenant:
             raise NotFoundError("no such session", code="session_not_found")
         if s.state is SessionState.LOST:
@@ -405,7 +412,9 @@ class PrivateService:
                 pass  # the worker is gone, and the session with it
         if s.lease is not None:
             s.lease.release()
-        s.state, s.reason = SessionState.CLOSED, s.reason or reason
+        s.reason = s.reason or reason
+        self.sessions.bury(s)  # LOST stays LOST for the tombstone: the SDK replays on session_lost
+        s.state = SessionState.CLOSED
         self._audit_session(Event.SESSION_CLOSED, s, actor, request_id, {"reason": s.reason})
 
     async def sweep(self) -> int:

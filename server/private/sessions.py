@@ -67,9 +67,13 @@ class Session:
 class SessionTable:
     """Sessions by id with per-tenant counts and TTL; time is injected."""
 
+    #: closed or lost sessions remembered (for ``ttl_s``) so their ids answer 410 with the reason, not 404
+    MAX_TOMBSTONES = 10_000
+
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s, self._clock = ttl_s, clock
         self._sessions: dict[str, Session] = {}
+        self._gone: dict[str, tuple[str, SessionState, str, float]] = {}  # id -> (tenant, state, reason, when)
 
     def new_id(self) -> str:
         return "ps_" + secrets.token_urlsafe(18)
@@ -82,6 +86,19 @@ class SessionTable:
 
     def remove(self, sid: str) -> Session | None:
         return self._sessions.pop(sid, None)
+
+    def bury(self, s: Session) -> None:
+        """Remember a removed session's end (``LOST`` or ``CLOSED`` and why), oldest forgotten first."""
+        now = self._clock()
+        self._gone[s.id] = (s.tenant, s.state, s.reason, now)
+        while self._gone and (len(self._gone) > self.MAX_TOMBSTONES
+                              or now - next(iter(self._gone.values()))[3] > self.ttl_s):
+            del self._gone[next(iter(self._gone))]
+
+    def gone(self, sid: str) -> tuple[str, SessionState, str] | None:
+        """(tenant, state, reason) of a session that was removed within ``ttl_s``, else None."""
+        entry = self._gone.get(sid)
+        return None if entry is None or self._clock() - entry[3] > self.ttl_s else entry[:3]
 
     def count(self, tenant: str) -> int:
         return sum(1 for s in self._sessions.values() if s.tenant == tenant and s.state is SessionState.OPEN)

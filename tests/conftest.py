@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# One OpenMP thread per process, sleeping when idle: the suite runs a test process beside the servers
+# and FHE workers it starts, on CI's 2 cores, and spinning OpenMP threads of several processes slow
+# each other down many times over (engine/threads.py). Set before torch loads; inherited by children.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -37,11 +37,11 @@ from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, add_plain_values, che
 from fhe.geometry import Geometry
 from fhe.kv_cache import EncryptedKVCache
 from fhe.linalg import rotate_sum
-from fhe.params import CKKSParams
+from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import LayerPlan, Plan
 from fhe.simulator import block_weights
 from fhe.sizing import OUTPUT_HEADROOM_BITS, Extent, base_max, fold_scores, value_gain
-from fhe.weight_maps import BlockMaps, required_rotation_steps
+from fhe.weight_maps import BlockMaps, block_key_levels, required_key_levels, required_rotation_steps
 
 
 class EncryptedAttentionLayer:
@@ -138,6 +138,11 @@ class EncryptedAttentionLayer:
     @property
     def rotation_steps(self) -> set[int]:
         return self.maps.rotation_steps(self.geo)
+
+    @property
+    def key_levels(self) -> KeyLevels:
+        """Which key is made at which level (the client generates exactly these; the server requires them)."""
+        return block_key_levels(self.geo, self.maps)
 
     def new_cache(self) -> EncryptedKVCache:
         """An empty per-session cache for this layer (holds up to ``max_tokens``)."""
@@ -270,4 +275,5 @@ def _default_evaluator(params: CKKSParams) -> Evaluator:
     return evaluator_for(params)
 
 
-__all__ = ["BlockClient", "EncryptedAttentionLayer", "EncryptedKVCache", "Geometry", "required_rotation_steps"]
+__all__ = ["BlockClient", "EncryptedAttentionLayer", "EncryptedKVCache", "Geometry", "required_key_levels",
+           "required_rotation_steps"]

@@ -150,7 +150,7 @@ class EncryptedAttentionLayer:
 
     # --- evaluation ------------------------------------------------------------------------
     def forward(self, cache: EncryptedKVCache, ct: Ciphertext, position: int, keys: EvalKeys) -> Ciphertext:
-        """One token: input ciphertext (client layout) at ``position`` -> output ciphertext (y, z).
+        """One token: input ciphertext (client layout) at ``position`` -> output ciphertext (y, z) at level 1.
 
         The token's K/V are appended to ``cache`` (``position`` must equal ``cache.length``).
         """
@@ -161,7 +161,9 @@ class EncryptedAttentionLayer:
         check_fresh(self.ev, keys, ct)
         q, k0, v0 = self._project(ct, position, keys)
         self._insert(cache, k0, v0, keys)
-        return self._attend(cache, q, keys)
+        # the client only decrypts: the lowest level is the smallest download (a no-op when the block's
+        # depth uses the whole chain, as the shipped plans do)
+        return self.ev.mod_switch(self._attend(cache, q, keys), 1)
 
     def prefill(self, cache: EncryptedKVCache, cts: list[Ciphertext], start: int,
                 keys: EvalKeys) -> list[Ciphertext]:

@@ -7,6 +7,8 @@ the worker's task names.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fhe.attention import EncryptedAttentionLayer, EncryptedKVCache
@@ -15,7 +17,7 @@ from fhe.backends.seal.keys import ServerKeys
 from fhe.envelope import EnvelopeError, parse_key_upload
 from fhe.errors import FHEError, KeyMismatchError, SecretKeyRefusedError, ShapeError, WireError
 from fhe.fingerprint import params_hash
-from fhe.params import CKKSParams
+from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import Plan
 
 
@@ -32,7 +34,9 @@ class PrivateCompute:
         self.params = CKKSParams.from_dict(plan.ckks)
         self.layers = {i: EncryptedAttentionLayer(model.model.layers[i], model.rotary, plan.layer(i), model.config,
                                                   self.params, max_tokens) for i in plan.layer_indices}
-        self.steps = sorted(set().union(*(layer.rotation_steps for layer in self.layers.values())))
+        # level-aware keys (docs/protocol.md): uploads must carry each key at the level the blocks use it
+        self.key_levels = functools.reduce(KeyLevels.merge, (layer.key_levels for layer in self.layers.values()))
+        self.steps = list(self.key_levels.steps)
         self.max_key_bytes = 1 << 30
         self.keys: dict[str, ServerKeys] = {}
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
@@ -44,7 +48,7 @@ class PrivateCompute:
         except EnvelopeError:
             wire.refuse_private_tenseal_context(data)  # a TenSEAL context with a secret key: refused as such
             raise
-        return wire.load_server_keys(blobs, self.params, self.steps)
+        return wire.load_server_keys(blobs, self.params, self.key_levels)
 
     def inspect_key(self, data: bytes) -> tuple[bool, str, str]:
         """(carries a secret key, parameters hash, why it does not fit the plan or ''); raises if garbage."""

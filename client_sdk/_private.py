@@ -58,6 +58,7 @@ def prepare_job(runtime: PrivateRuntime, path: str, body: dict[str, Any]) -> _Jo
     chat = path.endswith("/chat/completions")
     try:
         openai_api.check_unsupported(body, chat=chat)
+        openai_api.check_fields(body, chat=chat)   # field errors before limit errors, as the server's schema
         ids = _prompt_ids(runtime, body, chat)
         room = runtime.max_len() - len(ids)
         max_tokens = openai_api.resolve_max_tokens(body, chat=chat, room=room, cap=runtime.tenant_max_tokens())

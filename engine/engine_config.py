@@ -10,6 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 
+# "fair": decodes first, then prefill budget shared across tenants (least served first, a quantum per
+# prefill, leftovers back to capped prefills); "fcfs": the original policy (running first, whole budget
+# to a running prefill, waiting in (priority, arrival) order) -- kept so benchmarks compare both in one run.
+SCHEDULING_POLICIES = ("fair", "fcfs")
+
+# Default step budgets. A CPU step is compute-bound: 512 rows already run the linears at their GEMM peak
+# (docs/benchmarks.md), and a shorter step is what bounds a waiting request's time to first token
+# (a 2,048-token step at 8k context takes ~15 s on one core).
+DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512}
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
@@ -37,11 +47,23 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fair"
+    prefill_quantum: int | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.prefill_quantum is not None and self.prefill_quantum <= 0:
+            raise ValueError(f"prefill_quantum must be positive, got {self.prefill_quantum}")
+
+    @property
+    def quantum(self) -> int:
+        """A prefill's share of a step in the fair pass (``prefill_quantum``, default a quarter budget)."""
+        return self.prefill_quantum or max(1, self.max_num_batched_tokens // 4)
 
 
 def _positive(cfg: object, *names: str) -> None:
@@ -64,11 +86,17 @@ class EngineConfig:
         num_kv_blocks: force the pool size (tests); overrides the two above.
         max_model_len: longest prompt + output; defaults to the model's max_position_embeddings.
         max_num_seqs: sequences running at once.
-        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes); None: 2048 on
+            CUDA, 512 on CPU (``DEFAULT_BATCHED_TOKENS``; resolved on construction).
         max_waiting: requests allowed to wait for admission; more raise EngineOverloadedError.
         enable_prefix_caching: share full KV blocks between requests with the same prefix (and salt).
         enable_chunked_prefill: split long prompts over several steps (otherwise a prompt waits until
             it fits the budget whole).
+        scheduling_policy: "fair" (default: decodes first, prefill budget shared fairly across tenants,
+            see docs/engine.md "Scheduling") or "fcfs" (the original first-come-first-served policy).
+        prefill_quantum: under "fair", the most tokens one prefill takes in a step's first pass, so
+            that the other waiting prompts get into the same step; budget left over goes back to the
+            capped prefills. None: ``max_num_batched_tokens // 4``.
         cuda_graphs: capture decode steps in CUDA graphs (GPU only).
         cuda_graph_max_batch: largest decode batch captured.
         num_threads: torch threads on CPU (None = leave torch's setting).
@@ -85,10 +113,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     max_waiting: int = 1024
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fair"
+    prefill_quantum: int | None = None
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
     num_threads: int | None = None
@@ -101,6 +131,9 @@ class EngineConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto/bfloat16/float16/float32, got {self.dtype!r}")
         _positive(self, "cuda_graph_max_batch")
+        if self.max_num_batched_tokens is None:
+            kind = "cuda" if self.resolved_device().startswith("cuda") else "cpu"
+            self.max_num_batched_tokens = DEFAULT_BATCHED_TOKENS[kind]
         self.cache_config()       # validates the cache's fields
         self.scheduler_config()   # and the scheduler's
         if self.max_model_len is not None and self.max_model_len <= 0:
@@ -116,7 +149,7 @@ class EngineConfig:
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's slice of this config."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting,
-                               self.enable_chunked_prefill)
+                               self.enable_chunked_prefill, self.scheduling_policy, self.prefill_quantum)
 
     def resolved_device(self) -> str:
         """The torch device string this config runs on."""

@@ -2,11 +2,12 @@
 
 The server (``server/routers/openai.py``, after pydantic has parsed the body) and the SDK's encrypted
 path (``client_sdk``, which builds the body itself) both call :func:`check_unsupported`,
-:func:`resolve_max_tokens` and :func:`sampling_params` on a plain mapping of the body's fields, so
-both accept the same fields (OpenAI's plus vLLM's extras ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``), apply the same defaults (completions: 16
-tokens; chat: what fits the context, capped by the tenant's limit and :data:`CHAT_MAX_TOKENS_CAP`) and
-refuse the same values with the same message and field name (:class:`OpenAIRequestError`).
+:func:`check_fields`, :func:`resolve_max_tokens` and :func:`sampling_params`, in that order, on a plain
+mapping of the body's fields, so both accept the same fields (OpenAI's plus vLLM's extras ``top_k``,
+``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``), apply
+the same defaults (completions: 16 tokens; chat: what fits the context, capped by the tenant's limit and
+:data:`CHAT_MAX_TOKENS_CAP`) and refuse the same values, in the same order, with the same message and
+field name (:class:`OpenAIRequestError`).
 
 No I/O and no server or SDK types here: a body is a ``Mapping[str, Any]`` (a pydantic model's
 ``dict(body)`` or the SDK's JSON dict).
@@ -88,7 +89,7 @@ def sampling_params(body: Mapping[str, Any], *, chat: bool, max_tokens: int) -> 
     Raises:
         OpenAIRequestError: a field has a wrong type or is out of range (``param`` names it).
     """
-    _check_fields(body, chat)
+    check_fields(body, chat=chat)
     stop = body.get("stop")
     try:
         return SamplingParams(
@@ -164,7 +165,12 @@ _INT_RANGES: dict[str, tuple[int, int]] = {"n": (1, 128), "top_k": (-1, 2**31 - 
 _BOOLS = ("ignore_eos", "skip_special_tokens", "stream")
 
 
-def _check_fields(body: Mapping[str, Any], chat: bool) -> None:
+def check_fields(body: Mapping[str, Any], *, chat: bool) -> None:
+    """Types and ranges of the sampling fields, before any limit is applied (the server's schema order).
+
+    Raises:
+        OpenAIRequestError: a field has a wrong type or is out of range (``param`` names it).
+    """
     for name, (low, high, open_low) in _RANGES.items():
         value = body.get(name)
         in_range = _is_num(value) and (low < value if open_low else low <= value) and value <= high

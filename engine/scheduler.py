@@ -1,20 +1,31 @@
 """Iteration-level scheduler: which sequences run in the next step, and how many tokens each.
 
-Each step has a token budget (``max_num_batched_tokens``). Running sequences come first (a decode takes
-one token, an unfinished prefill takes the rest of its prompt up to the budget), then waiting sequences
-in (priority, arrival) order, their prompts chunked to fit what is left of the budget. When the KV pool
-cannot hold a running sequence's next token, the running sequence that would be served last is
-preempted: its blocks are freed and it waits to be recomputed (its prefix blocks usually survive in the
-prefix cache, so recompute is cheap).
+Each step has a token budget (``max_num_batched_tokens``). Two policies (``scheduling_policy``):
+
+* ``fair`` (default). Decodes first (one token each). Then the prefill budget is handed out by tenant,
+  least-served tenant first (:class:`~engine.fair_share.FairShare`): the tenant's running (partly
+  prefilled) sequences before its waiting ones, each taking at most ``prefill_quantum`` tokens, one
+  chunk per sequence, until the budget or the candidates run out; budget still left then goes back to
+  the capped prefills in the same order, so a lone long prompt still gets whole steps. A short prompt of
+  any tenant therefore runs in the next step, whatever another tenant has queued.
+* ``fcfs`` (the original). Running sequences first (a decode takes one token, an unfinished prefill the
+  rest of its prompt up to the budget), then waiting sequences in (priority, arrival) order.
+
+Under both, waiting prompts are chunked to fit what is left of the budget, and when the KV pool cannot
+hold a running sequence's next tokens, the running sequence that would be served last is preempted: its
+blocks are freed and it waits to be recomputed (its prefix blocks usually survive in the prefix cache, so
+recompute is cheap). A step that preempted admits nothing new.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Hashable
 
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig, SchedulerConfig
+from engine.fair_share import FairShare
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -75,6 +86,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.shares = FairShare()
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (a new one, or a preempted one that keeps its place by arrival)."""
@@ -107,6 +119,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick the next step's batch."""
+        if self.config.scheduling_policy == "fair":
+            return _FairStep(self).run()
         budget = self.config.max_num_batched_tokens
         scheduled, preempted = self._schedule_running(budget)
         budget -= sum(s.num_tokens for s in scheduled)
@@ -158,3 +172,135 @@ class Scheduler:
         seq.reset_for_recompute()
         self.num_preemptions += 1
         self.add(seq)
+
+
+def _tenant(seq: Sequence) -> Hashable:
+    return seq.request.tenant
+
+
+class _FairStep:
+    """One step of the ``fair`` policy (see the module docstring); build, :meth:`run`, discard."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.s = sched
+        self.budget = sched.config.max_num_batched_tokens
+        self.scheduled: list[ScheduledSeq] = []
+        self.taken: set[int] = set()        # seq_ids scheduled this step (never preemption victims)
+        self.preempted: list[Sequence] = []
+        self.admitting = True                # False once admission failed or anything was preempted
+
+    def run(self) -> SchedulerOutput:
+        s = self.s
+        busy = {_tenant(q) for q in s.running} | {_tenant(q) for q in s.waiting}
+        s.shares.activate(busy)
+        self._decodes()
+        capped = self._prefill_pass()
+        self._top_up(capped)
+        s.shares.end_step(busy)
+        return SchedulerOutput(self.scheduled, s.bm.take_copies(), self.preempted)
+
+    def _add(self, seq: Sequence, n: int) -> ScheduledSeq:
+        item = ScheduledSeq(seq, seq.num_computed_tokens, n)
+        self.scheduled.append(item)
+        self.taken.add(seq.seq_id)
+        self.budget -= n
+        self.s.shares.charge(_tenant(seq), n)
+        return item
+
+    def _decodes(self) -> None:
+        """Every running sequence with one token to compute (a decode) goes first."""
+        for seq in list(self.s.running):
+            if self.budget == 0:
+                return
+            if seq.status is SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed_tokens == 1:
+                if self._allocate(seq, 1):
+                    self._add(seq, 1)
+
+    def _allocate(self, seq: Sequence, n: int) -> bool:
+        """Blocks for ``n`` more tokens of a running ``seq``, preempting the running sequence that would
+        be served last (possibly ``seq`` itself: then False)."""
+        while not self.s.bm.allocate_slots(seq, n):
+            victim = max((q for q in self.s.running if q.seq_id not in self.taken), key=Sequence.sort_key)
+            self.s._preempt(victim)
+            self.preempted.append(victim)
+            self.admitting = False
+            if victim is seq:
+                return False
+        return True
+
+    def _queues(self) -> dict[Hashable, list[Sequence]]:
+        """Prefill candidates per tenant: its partly prefilled running sequences, then its waiting ones."""
+        queues: dict[Hashable, list[Sequence]] = {}
+        for seq in self.s.running:
+            if seq.seq_id not in self.taken and seq.num_tokens > seq.num_computed_tokens:
+                queues.setdefault(_tenant(seq), []).append(seq)
+        if self.admitting and len(self.s.running) < self.s.config.max_num_seqs:
+            for seq in self.s.waiting:
+                queues.setdefault(_tenant(seq), []).append(seq)
+        return queues
+
+    @staticmethod
+    def _running_only(queues: dict[Hashable, list[Sequence]]) -> dict[Hashable, list[Sequence]]:
+        """Once admission has stopped for the step, waiting candidates are dead weight: drop them."""
+        kept = {t: [q for q in qs if q.status is SequenceStatus.RUNNING] for t, qs in queues.items()}
+        return {t: qs for t, qs in kept.items() if qs}
+
+    def _prefill_pass(self) -> list[ScheduledSeq]:
+        """Hand the budget out one chunk at a time to the least-served tenant; return the capped chunks."""
+        queues = self._queues()
+        shares, capped = self.s.shares, []
+        while self.budget > 0 and queues:
+            tenant = min(queues, key=lambda t: (queues[t][0].request.priority, shares.rank(t),
+                                                queues[t][0].sort_key()))
+            seq = queues[tenant].pop(0)
+            if not queues[tenant]:
+                del queues[tenant]
+            admitting = self.admitting
+            item = self._prefill(seq)
+            if item is not None and item.start + item.num_tokens < seq.num_tokens:
+                capped.append(item)
+            if admitting and not self.admitting:
+                queues = self._running_only(queues)
+        return capped
+
+    def _chunk(self, remaining: int) -> int:
+        cfg = self.s.config
+        cap = cfg.quantum if cfg.enable_chunked_prefill else remaining
+        return min(remaining, cap, self.budget)
+
+    def _prefill(self, seq: Sequence) -> ScheduledSeq | None:
+        """Schedule one chunk of ``seq`` (running: continue its prefill; waiting: admit it)."""
+        if seq.status is SequenceStatus.RUNNING:
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens)
+            return self._add(seq, n) if self._allocate(seq, n) else None
+        return self._admit(seq)
+
+    def _admit(self, seq: Sequence) -> ScheduledSeq | None:
+        s = self.s
+        if len(s.running) >= s.config.max_num_seqs:
+            self.admitting = False
+        if not self.admitting:
+            return None
+        hits = s.bm.match_prefix(seq)
+        remaining = seq.num_tokens - len(hits) * s.bm.block_size
+        n = self._chunk(remaining)
+        # without chunking a prompt runs whole or waits; no blocks: stop admitting (no queue-jumping)
+        if (n < remaining and not s.config.enable_chunked_prefill) or not s.bm.admit(seq, hits, n):
+            self.admitting = False
+            return None
+        s.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        s.running.append(seq)
+        return self._add(seq, n)
+
+    def _top_up(self, capped: list[ScheduledSeq]) -> None:
+        """Budget nobody else wanted goes back to the capped prefills (no preemption for it)."""
+        for item in capped:
+            if self.budget == 0:
+                return
+            seq = item.seq
+            extra = min(seq.num_tokens - item.start - item.num_tokens, self.budget)
+            if self.s.bm.allocate_slots(seq, item.num_tokens + extra):
+                item.num_tokens += extra
+                self.budget -= extra
+                self.s.shares.charge(_tenant(seq), extra)

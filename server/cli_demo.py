@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from server.local_server import free_port, stop_server, wait_ready
 
 DEFAULT_PROMPT = "The capital of France is"
 MAX_KEY_BYTES = 1 << 30  # the shipped plan's evaluation keys (N = 32768) are ~0.5 GB: over the 256 MiB default
@@ -45,13 +46,6 @@ class DemoServer:
     proc: subprocess.Popen
     root: Path
     log_path: Path
-
-
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plan_with_layers(layers: str, root: Path) -> Path | None:
@@ -92,38 +86,6 @@ def write_settings(root: Path, port: int, plan: Path | None, workers: int,
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
     return path, keys
-
-
-def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path | None = None,
-               poll_s: float = 1.0) -> None:
-    """Poll ``url``/health/ready until 200; RuntimeError (with the log's tail, when there is a log) if
-    the server process exits or is not ready in time."""
-    import httpx
-
-    def tail() -> str:
-        return "" if log_path is None else ":\n" + log_path.read_text(errors="replace")[-3000:]
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode}{tail()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                return
-        time.sleep(poll_s)
-    raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s{tail()}")
-
-
-def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
-    """SIGTERM (the server drains and stops its workers); SIGKILL the group if it does not exit in time."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    return proc.returncode
 
 
 @contextlib.contextmanager

@@ -59,13 +59,25 @@ class FallbackPolicy(str, Enum):
 
 
 class LimitSettings(BaseModel):
-    """Per-tenant limits; ``None`` means unlimited (the engine's own queue bound still applies)."""
+    """Per-tenant limits; ``None`` (or 0, for TOML) means unlimited (the engine's queue bound still applies).
+
+    The defaults bound what one tenant can queue on a small (CPU, demo) deployment: a prompt plus its
+    ``max_tokens`` fits 4,096 tokens, and 60,000 tokens a minute (1,000 a second sustained) is more than a
+    CPU engine computes, so one tenant's backlog is bounded while the engine's fair scheduler shares each
+    step. Larger deployments raise them per tenant (``docs/operator-guide.md``, Limits).
+    """
 
     requests_per_minute: int | None = Field(600, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1, description="prompt + reserved completion tokens")
+    tokens_per_minute: int | None = Field(60_000, ge=1, description="prompt + reserved completion tokens")
     max_concurrent: int | None = Field(16, ge=1)
-    max_context_tokens: int | None = Field(None, ge=1, description="prompt + max_tokens per request")
+    max_context_tokens: int | None = Field(4096, ge=1, description="prompt + max_tokens per request")
     max_tokens: int | None = Field(None, ge=1, description="upper bound of a request's max_tokens")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _zero_is_unlimited(cls, value: Any) -> Any:
+        # TOML has no null: 0 is how a settings file switches a default limit off
+        return None if value == 0 and not isinstance(value, bool) else value
 
 
 class TenantSettings(BaseModel):

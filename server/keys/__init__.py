@@ -2,7 +2,9 @@
 
 pre_active -> active -> suspended / deactivated / compromised -> destroyed; only ACTIVE keys are
 usable; every transition writes exactly one audit record (:mod:`server.audit`) before it takes
-effect; uploads carrying a secret key are refused and audited (:func:`screen_evaluation_key`).
+effect; uploads come with an inspector's verdict (:class:`Inspection`; the production inspector is
+:func:`inspect_upload`, run in a worker) and those carrying a secret key are refused and audited
+(:func:`screen_evaluation_key`).
 
 Exceptions: see :mod:`server.keys._errors` (base :class:`KeyRegistryError`).
 """
@@ -22,7 +24,7 @@ from ._errors import (
     UploadRefusedError,
 )
 from ._registry import KeyLease, KeyRecord, KeyRegistry, RegistryConfig
-from ._screen import EvalKeyInfo, Inspection, screen_evaluation_key, tenseal_inspect
+from ._screen import EvalKeyInfo, Inspection, Verdict, inspect_upload, screen_evaluation_key
 from ._states import TRANSITIONS, KeyState, can_transition
 from ._storage import EvalKeyStorage
 
@@ -48,7 +50,8 @@ __all__ = [
     "SecretKeyUploadError",
     "TRANSITIONS",
     "UploadRefusedError",
+    "Verdict",
     "can_transition",
+    "inspect_upload",
     "screen_evaluation_key",
-    "tenseal_inspect",
 ]

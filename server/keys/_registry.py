@@ -33,7 +33,7 @@ from ._errors import (
     SecretKeyUploadError,
     UploadRefusedError,
 )
-from ._screen import EvalKeyInfo, Inspection, screen_evaluation_key, tenseal_inspect
+from ._screen import EvalKeyInfo, Inspection, screen_evaluation_key
 from ._states import KeyState, can_transition
 from ._storage import EvalKeyStorage
 
@@ -157,7 +157,10 @@ class KeyRegistry:
         audit: the audit log every transition is written to.
         storage: where key material lives (None: metadata only).
         clock: epoch seconds (injected so expiry tests are exact).
-        inspect: upload parser (default :func:`tenseal_inspect`; pass a worker-process version).
+
+    The registry parses no key bytes: uploads come with an :class:`Inspection` (the verdict of an
+    inspector such as :func:`server.keys.inspect_upload`, run in a worker process by the service), so
+    it is a pure state machine over (bytes, verdict) plus its audit trail and storage.
     """
 
     SOURCE = "server.keys"
@@ -169,15 +172,8 @@ class KeyRegistry:
         storage: EvalKeyStorage | None = None,
         *,
         clock: Callable[[], float] = time.time,
-        inspect: Callable[[bytes], Inspection] = tenseal_inspect,
     ) -> None:
-        self.config, self._audit, self._storage, self._clock, self._inspect = (
-            config,
-            audit,
-            storage,
-            clock,
-            inspect,
-        )
+        self.config, self._audit, self._storage, self._clock = config, audit, storage, clock
         self._lock = threading.RLock()
         self._keys: dict[tuple[str, str], dict[int, KeyRecord]] = {}
         self._leases: dict[tuple[str, str, int], set[KeyLease]] = {}
@@ -189,19 +185,20 @@ class KeyRegistry:
         self,
         tenant: str,
         data: bytes,
+        inspection: Inspection,
         *,
         actor: str | None,
         key_id: str | None = None,
         request_id: str | None = None,
     ) -> EvalKeyInfo:
-        """Size-check, parse and secret-check an upload; refusals are audited and re-raised.
+        """Size-check an upload and apply its inspection's verdict; refusals are audited and re-raised.
 
         Raises:
             SecretKeyUploadError, KeyTooLargeError, MalformedKeyError (all :class:`UploadRefusedError`);
             KeyAuditError if the refusal itself could not be audited.
         """
         try:
-            return screen_evaluation_key(data, max_bytes=self.config.max_upload_bytes, inspect=self._inspect)
+            return screen_evaluation_key(data, inspection, max_bytes=self.config.max_upload_bytes)
         except UploadRefusedError as exc:
             reason = next(r for cls, r in _REFUSAL_REASON.items() if isinstance(exc, cls))
             size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
@@ -217,16 +214,23 @@ class KeyRegistry:
             raise
 
     def register(
-        self, tenant: str, key_id: str, data: bytes, *, actor: str | None, request_id: str | None = None
+        self,
+        tenant: str,
+        key_id: str,
+        data: bytes,
+        inspection: Inspection,
+        *,
+        actor: str | None,
+        request_id: str | None = None,
     ) -> KeyRecord:
-        """Register version 1 of a new key id (state PRE_ACTIVE). Use :meth:`activate` next.
+        """Register version 1 of a new key id (state PRE_ACTIVE) on ``inspection``'s verdict about
+        ``data``. Use :meth:`activate` next.
 
         Raises:
             KeyExistsError, UploadRefusedError (audited), KeyAuditError.
         """
         _check_names(tenant, key_id)
-        # Parsing can take a second for large keys: never under the lock that every use() takes.
-        info = self.screen_upload(tenant, data, actor=actor, key_id=key_id, request_id=request_id)
+        info = self.screen_upload(tenant, data, inspection, actor=actor, key_id=key_id, request_id=request_id)
         with self._lock:
             if (tenant, key_id) in self._keys:
                 raise KeyExistsError(f"key {key_id} exists; rotate it to add a version")
@@ -428,6 +432,7 @@ class KeyRegistry:
         tenant: str,
         key_id: str,
         data: bytes,
+        inspection: Inspection,
         *,
         actor: str | None,
         grace_s: float,
@@ -445,7 +450,7 @@ class KeyRegistry:
         """
         if not 0 <= grace_s <= self.config.max_grace_s:
             raise ValueError(f"grace_s must be within [0, {self.config.max_grace_s}]")
-        info = self.screen_upload(tenant, data, actor=actor, key_id=key_id, request_id=request_id)
+        info = self.screen_upload(tenant, data, inspection, actor=actor, key_id=key_id, request_id=request_id)
         with self._lock:
             old = self._primary(tenant, key_id)
             version = max(self._keys[(tenant, key_id)]) + 1

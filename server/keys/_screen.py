@@ -1,30 +1,54 @@
-"""Screening of uploaded evaluation keys: size first, then parse, then refuse any secret key.
+"""Screening of uploaded evaluation keys: an inspector parses, the registry decides on its verdict.
 
-The server must never hold a client's secret key (DESIGN.md section 5). The upload endpoint calls
-:func:`screen_evaluation_key` before anything else touches the bytes. Parsing untrusted bytes runs
-native code: pass ``inspect=`` a function that runs :func:`tenseal_inspect` in a worker process to
-keep a crash out of the server (the default runs in-process).
+The server must never hold a client's secret key (DESIGN.md section 5). Screening is split in two:
+
+* an **inspector** parses the untrusted bytes and returns an :class:`Inspection` — data, never a
+  callback. The production inspector is :func:`inspect_upload`: the SEAL wire format's allow-list
+  (``fhe.backends.seal.wire``) for the server's CKKS parameters and rotations. It runs native code, so
+  the service runs it in a worker process (``server.private.compute``);
+* :func:`screen_evaluation_key` (and the registry, which calls it) is pure: it checks the size and
+  turns the verdict into an accepted :class:`EvalKeyInfo` or a typed refusal.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
-
-import rfc8785
+from typing import Any
 
 from ._errors import KeyTooLargeError, MalformedKeyError, SecretKeyUploadError
 
-__all__ = ["EvalKeyInfo", "Inspection", "screen_evaluation_key", "tenseal_inspect"]
+__all__ = ["EvalKeyInfo", "Inspection", "Verdict", "inspect_upload", "screen_evaluation_key"]
+
+
+class Verdict(str, enum.Enum):
+    """What an inspector concluded about one upload."""
+
+    PUBLIC = "public"           # exactly the public evaluation keys the server's parameters need
+    SECRET_KEY = "secret_key"   # carries a secret key, or a blob outside the allow-list (which could)
+    MALFORMED = "malformed"     # does not parse, or was made for other parameters or rotations
 
 
 @dataclass(frozen=True)
 class Inspection:
-    """What an inspector learned from a parsed key: does it hold a secret, and its parameters hash."""
+    """An inspector's result: the verdict, the parameters hash of accepted keys, a safe reason.
 
-    has_secret_key: bool
-    params_hash: str
+    Attributes:
+        verdict: the :class:`Verdict`.
+        params_hash: SHA-256 of the CKKS parameters the keys were made for (``PUBLIC`` only).
+        reason: why the upload was refused, safe to show its sender (never key bytes).
+    """
+
+    verdict: Verdict
+    params_hash: str = ""
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verdict", Verdict(self.verdict))
+        if self.verdict is Verdict.PUBLIC and not self.params_hash:
+            raise ValueError("a PUBLIC inspection names the parameters hash of the keys")
 
 
 @dataclass(frozen=True)
@@ -36,41 +60,61 @@ class EvalKeyInfo:
     size: int
 
 
-def tenseal_inspect(data: bytes) -> Inspection:
-    """Parse a serialized TenSEAL context and report ``is_private()`` and a parameters hash.
+def inspect_upload(data: bytes, params: Any, rotation_steps: Iterable[int], *, max_bytes: int) -> Inspection:
+    """The production inspector: parse a ``CLMK`` key upload through the SEAL wire allow-list.
 
-    Raises:
-        MalformedKeyError: the bytes are not a TenSEAL context.
-    """
-    import tenseal as ts
-
-    try:
-        ctx = ts.context_from(data)
-        private = bool(ctx.is_private()) or bool(ctx.has_secret_key())
-        seal = ctx.seal_context().data
-        parms = seal.key_context_data().parms()
-        params = {
-            "backend": "tenseal",
-            "scheme": str(parms.scheme()),
-            "n": int(parms.poly_modulus_degree()),
-            "parms_id": [f"{int(x):016x}" for x in seal.key_parms_id()],
-        }
-    except Exception as exc:  # native parser: any failure means "not a key we accept"
-        raise MalformedKeyError("not a serialized TenSEAL context") from exc
-    finally:
-        ctx = None  # drop the native object (and any secret in it) now
-    return Inspection(private, hashlib.sha256(rfc8785.dumps(params)).hexdigest())
-
-
-def screen_evaluation_key(
-    data: bytes, *, max_bytes: int, inspect: Callable[[bytes], Inspection] = tenseal_inspect
-) -> EvalKeyInfo:
-    """Accept public evaluation-key bytes or raise an :class:`UploadRefusedError`.
+    Exactly ``public_key``, ``relin_keys`` and ``galois_keys`` for ``params`` and exactly the plan's
+    ``rotation_steps`` are ``PUBLIC``; a secret-key blob (by name or kind), any other blob, or a TenSEAL
+    context with a secret key are ``SECRET_KEY``; anything else is ``MALFORMED``. Never raises for bad
+    bytes. Runs SEAL's parser: call it in a worker process.
 
     Args:
         data: the exact uploaded bytes.
-        max_bytes: size limit, enforced before parsing.
-        inspect: parser; must raise :class:`MalformedKeyError` for garbage.
+        params: the server's :class:`fhe.params.CKKSParams`.
+        rotation_steps: the Galois rotations the server's plan uses.
+        max_bytes: size limit of the whole upload.
+    """
+    from fhe.backends.seal import wire
+    from fhe.envelope import EnvelopeError, parse_key_upload
+    from fhe.errors import FHEError, KeyMismatchError, SecretKeyRefusedError
+    from fhe.fingerprint import params_hash
+
+    try:
+        blobs = parse_key_upload(data, max_bytes)
+    except EnvelopeError as exc:
+        return _not_an_upload(data, exc)
+    try:
+        wire.load_server_keys(blobs, params, rotation_steps)
+    except SecretKeyRefusedError as exc:  # KeyRefusedError too: a blob outside the allow-list
+        return Inspection(Verdict.SECRET_KEY, reason=str(exc)[:200])
+    except KeyMismatchError as exc:
+        return Inspection(Verdict.MALFORMED, reason=f"key does not fit the plan: {exc}"[:200])
+    except FHEError as exc:
+        return Inspection(Verdict.MALFORMED, reason=f"not a public-key upload: {exc}"[:200])
+    return Inspection(Verdict.PUBLIC, params_hash(params))
+
+
+def _not_an_upload(data: bytes, exc: Exception) -> Inspection:
+    """Bytes without the upload framing: a TenSEAL context with a secret key is refused as such."""
+    from fhe.backends.seal import wire
+    from fhe.errors import FHEError, SecretKeyRefusedError
+
+    try:
+        wire.refuse_private_tenseal_context(data)
+    except SecretKeyRefusedError:
+        return Inspection(Verdict.SECRET_KEY, reason="a TenSEAL context carrying a secret key")
+    except FHEError:
+        pass
+    return Inspection(Verdict.MALFORMED, reason=f"not a cipherlm public-key upload: {exc}"[:200])
+
+
+def screen_evaluation_key(data: bytes, inspection: Inspection, *, max_bytes: int) -> EvalKeyInfo:
+    """Accept public evaluation-key bytes on an inspector's verdict, or raise an UploadRefusedError.
+
+    Args:
+        data: the exact uploaded bytes (the fingerprint is their SHA-256).
+        inspection: what the inspector concluded about exactly these bytes.
+        max_bytes: size limit, checked first.
 
     Raises:
         KeyTooLargeError, MalformedKeyError, SecretKeyUploadError.
@@ -81,12 +125,12 @@ def screen_evaluation_key(
         raise KeyTooLargeError(f"{len(data)} bytes exceeds the {max_bytes}-byte limit")
     if len(data) == 0:
         raise MalformedKeyError("empty upload")
-    data = bytes(data)
-    result = inspect(data)
-    if not isinstance(result, Inspection):
-        raise MalformedKeyError("inspector returned no result")
-    if result.has_secret_key:
+    if not isinstance(inspection, Inspection):
+        raise TypeError(f"expected an Inspection, got {type(inspection).__name__}")
+    if inspection.verdict is Verdict.SECRET_KEY:
         raise SecretKeyUploadError(
             "the upload contains a secret key; only public evaluation keys are accepted"
         )
-    return EvalKeyInfo(hashlib.sha256(data).hexdigest(), result.params_hash, len(data))
+    if inspection.verdict is Verdict.MALFORMED:
+        raise MalformedKeyError(inspection.reason or "not a parsable evaluation key")
+    return EvalKeyInfo(hashlib.sha256(bytes(data)).hexdigest(), inspection.params_hash, len(data))

@@ -3,6 +3,12 @@
 Runs only inside :mod:`server.private.workers` processes: every byte from a client is parsed here
 (the SEAL backend's wire checks sizes, parameter hashes and key fingerprints before SEAL parses). The methods are
 the worker's task names.
+
+Failures are reported by where they happen, not by exception class: the client's bytes failing to parse
+is :attr:`WorkerCode.BAD_CIPHERTEXT` (a 400); a session or position the worker does not hold has its own
+code; any other exception — a ``ValueError`` from the computation included — is a server bug
+(:attr:`WorkerCode.INTERNAL`, a 500). Key uploads are not failures at all: :meth:`inspect_key` returns
+the inspector's verdict as data (:class:`server.keys.Inspection`).
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ import torch
 from fhe.attention import EncryptedAttentionLayer, EncryptedKVCache
 from fhe.backends.seal import wire
 from fhe.backends.seal.keys import ServerKeys
-from fhe.envelope import EnvelopeError, parse_key_upload
-from fhe.errors import FHEError, KeyMismatchError, SecretKeyRefusedError, ShapeError, WireError
-from fhe.fingerprint import params_hash
+from fhe.envelope import parse_key_upload
+from fhe.errors import FHEError
 from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import Plan
+from server.keys import Inspection, inspect_upload
+from server.private.codes import TaskFailure, WorkerCode
 
 
 class PrivateCompute:
@@ -42,29 +49,15 @@ class PrivateCompute:
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
 
     # -- keys --------------------------------------------------------------------------------------
-    def _parse_keys(self, data: bytes) -> ServerKeys:
-        try:
-            blobs = parse_key_upload(data, self.max_key_bytes)
-        except EnvelopeError:
-            wire.refuse_private_tenseal_context(data)  # a TenSEAL context with a secret key: refused as such
-            raise
-        return wire.load_server_keys(blobs, self.params, self.key_levels)
-
-    def inspect_key(self, data: bytes) -> tuple[bool, str, str]:
-        """(carries a secret key, parameters hash, why it does not fit the plan or ''); raises if garbage."""
-        try:
-            self._parse_keys(data)
-        except SecretKeyRefusedError:
-            return True, "", ""
-        except KeyMismatchError as exc:
-            return False, "", str(exc)
-        except (EnvelopeError, WireError) as exc:
-            raise WireError(f"not a public-key upload: {exc}") from exc
-        return False, params_hash(self.params), ""
+    def inspect_key(self, data: bytes) -> Inspection:
+        """The production inspector's verdict on an upload, for this plan's parameters and rotations."""
+        return inspect_upload(data, self.params, self.key_levels, max_bytes=self.max_key_bytes)
 
     def load_key(self, fingerprint: str, data: bytes) -> None:
-        """Parse a registered upload (already screened) and keep it under its registry fingerprint."""
-        self.keys[fingerprint] = self._parse_keys(data)
+        """Parse a registered upload (screened when it was registered: a failure here is the server's)
+        and keep it under its registry fingerprint."""
+        blobs = parse_key_upload(data, self.max_key_bytes)
+        self.keys[fingerprint] = wire.load_server_keys(blobs, self.params, self.key_levels)
 
     def drop_key(self, fingerprint: str) -> int:
         """Forget a key and every session that used it; returns the sessions dropped."""
@@ -77,7 +70,7 @@ class PrivateCompute:
     # -- sessions ------------------------------------------------------------------------------------
     def open_session(self, sid: str, fingerprint: str) -> None:
         if fingerprint not in self.keys:
-            raise KeyMismatchError("key not loaded in this worker")
+            raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "key not loaded in this worker")
         self.sessions[sid] = (fingerprint, {i: layer.new_cache() for i, layer in self.layers.items()})
 
     def close_session(self, sid: str) -> None:
@@ -86,18 +79,33 @@ class PrivateCompute:
     def step(self, sid: str, fingerprint: str, layer: int, start: int, blobs: list[bytes]) -> tuple[list[bytes], int]:
         """Run ``layer`` over positions start.. for the session; returns (result blobs, session bytes)."""
         if sid not in self.sessions:
-            raise ShapeError("unknown session in this worker")
+            raise TaskFailure(WorkerCode.SESSION_UNKNOWN, "unknown session in this worker")
         fp, caches = self.sessions[sid]
-        if fp != fingerprint:
-            raise KeyMismatchError("session belongs to another key")
+        if fp != fingerprint:  # the service pins a session to its key: a mismatch here is a server bug
+            raise RuntimeError("session belongs to another key")
         keys, block = self.keys[fp], self.layers[layer]
         cache = caches[layer]
         if cache.length != start:
-            raise ShapeError(f"layer {layer} holds {cache.length} positions, step starts at {start}")
-        cts = [wire.load_ciphertext(b, keys.kit, keys.fingerprint, level=block.ev.top) for b in blobs]
+            raise TaskFailure(WorkerCode.SESSION_DESYNC,
+                              f"layer {layer} holds {cache.length} positions, step starts at {start}")
+        cts = self._inputs(blobs, keys, block.ev.top)
         outs = block.prefill(cache, cts, start, keys)
         out = [wire.dump_ciphertext(c, self.params, keys.fingerprint) for c in outs]
         return out, sum(c.nbytes() for c in caches.values())
+
+    @staticmethod
+    def _inputs(blobs: list[bytes], keys: ServerKeys, top: int) -> list:
+        """The client's ciphertexts, parsed and checked fresh (level, size, scale): any refusal here is
+        the client's fault, and only here."""
+        cts = []
+        for i, blob in enumerate(blobs):
+            try:
+                ct = wire.load_ciphertext(blob, keys.kit, keys.fingerprint, level=top)
+                keys.check_input(ct)
+            except FHEError as exc:
+                raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"ciphertext {i}: {exc}"[:300]) from exc
+            cts.append(ct)
+        return cts
 
 
 def make_state(model_dir: str, plan_path: str, max_tokens: int) -> PrivateCompute:
@@ -105,4 +113,4 @@ def make_state(model_dir: str, plan_path: str, max_tokens: int) -> PrivateComput
     return PrivateCompute(model_dir, plan_path, max_tokens)
 
 
-__all__ = ["FHEError", "PrivateCompute", "make_state"]
+__all__ = ["PrivateCompute", "make_state"]

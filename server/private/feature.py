@@ -31,6 +31,8 @@ log = logging.getLogger("cipherlm.private")
 MANIFEST_FORMAT = "cipherlm-private-manifest"
 MANIFEST_VERSION = 1
 SWEEP_EVERY_S = 15.0
+#: what each worker process runs (``module:function``, imported by name in the worker)
+WORKER_FACTORY = "server.private.compute:make_state"
 
 
 def state_dir(cfg: PrivateSettings) -> Path:
@@ -160,16 +162,14 @@ async def start(app: Any) -> None:
     app.state.private_manifest = build_manifest(app.state.metrics.model_name, plan, bundle, cfg,
                                                 cfg_json["num_hidden_layers"])
     app.state.private_bundle_path = bundle_path
-    pool = WorkerPool(cfg.workers, "server.private.compute:make_state",
+    pool = WorkerPool(cfg.workers, WORKER_FACTORY,
                       (str(model_dir), str(plan_path), cfg.max_session_tokens), task_timeout=cfg.task_timeout_s)
-    holder: dict[str, PrivateService] = {}
     registry = KeyRegistry(
         RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
                        state_path=root / "keys" / "registry.json"),
-        audit, EvalKeyStorage(root / "keys" / "material", keys["storage_key"]),
-        inspect=lambda data: holder["svc"].screened_inspect(data))
+        audit, EvalKeyStorage(root / "keys" / "material", keys["storage_key"]))
     await pool.start()
-    svc = holder["svc"] = PrivateService(cfg, plan.content_hash, plan.layer_indices, pool, registry, audit)
+    svc = PrivateService(cfg, plan.content_hash, plan.layer_indices, pool, registry, audit)
     svc.backend_name, svc.backend_params = DEFAULT_BACKEND, CKKSParams.from_dict(plan.ckks)
     app.state.private = svc
     app.state.private_sweeper = asyncio.create_task(_sweep_forever(svc))

@@ -108,7 +108,7 @@ async def open_session(body: OpenSession, request: Request, tenant: TenantDep, s
              responses={200: {"content": {OCTET: {}}, "description": "result envelope"}})
 async def step(session_id: str, request: Request, tenant: TenantDep, svc: Private) -> Response:
     """One encrypted layer over one or more positions (binary envelope in, binary envelope out)."""
-    out = await svc.step(tenant.id, session_id, await request.body())
+    out = await svc.step(tenant.id, session_id, await request.body(), request_id=_request_id(request))
     return Response(out, media_type=OCTET)
 
 

@@ -3,7 +3,16 @@
 The server process never parses key or ciphertext bytes: it bound-checks the envelope
 (:mod:`fhe.envelope`), checks the session, the key fingerprint, the layer and the positions, and hands
 the opaque blobs to the worker that holds the session (:mod:`server.private.workers`). Key uploads are
-screened in a worker too, then registered in the key registry (which audits every transition).
+inspected in a worker too (the verdict is data, :class:`server.keys.Inspection`), then registered in the
+key registry on that verdict (the registry audits every transition and parses nothing).
+
+Worker failures arrive as codes of one table (:class:`server.private.codes.WorkerCode`) and become HTTP
+errors in one place, :func:`task_error`: only a refusal of the client's own bytes is a 4xx; anything
+else a worker raises is a 500 naming the request id.
+
+Key sets in workers are shared by fingerprint but owned per registration (tenant, key id, version):
+revoking one tenant's copy of a byte-identical upload drops the worker's key set only when no other
+registration still owns it there.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -32,25 +42,52 @@ from server.errors import (
 from server.keys import (
     Inspection,
     KeyCancelledError,
+    KeyLease,
     KeyNotFoundError,
     KeyNotUsableError,
     KeyRecord,
     KeyRegistry,
     KeyStateError,
-    MalformedKeyError,
     SecretKeyUploadError,
     UploadRefusedError,
 )
+from server.private.codes import WorkerCode
 from server.private.config import PrivateSettings
-from server.private.sessions import Session, SessionState, SessionTable
-from server.private.workers import TaskError, WorkerCrashedError, WorkerError, WorkerPool, WorkerTimeoutError
+from server.private.sessions import Session, SessionState, SessionTable, StepRecord
+from server.private.workers import TaskError, WorkerError, WorkerPool
 
 log = logging.getLogger("cipherlm.private")
 SOURCE = "server.private"
-#: worker exception names that mean "the client sent bad ciphertext/key bytes" (-> 400)
-CLIENT_FAULTS = {"WireError", "SizeLimitError", "SecretKeyRefusedError", "PlanMismatchError", "ShapeError",
-                 "LevelError", "KeyMismatchError", "ParameterError", "FHEError", "MalformedKeyError",
-                 "EnvelopeError", "ValueError", "BackendMismatchError"}
+Owner = tuple[str, str, int]  # (tenant, key id, version): one registration of a key
+Slot = tuple[int, str]        # (worker, fingerprint): one key set loaded in one worker
+
+
+def new_request_id() -> str:
+    """A request id for requests that came without ``X-Request-Id``."""
+    return "req_" + secrets.token_hex(12)
+
+
+def task_error(exc: TaskError, request_id: str) -> APIError:
+    """The one translation of a worker failure code to an HTTP error (table in ``docs/protocol.md``)."""
+    code = exc.code
+    if code is WorkerCode.BAD_CIPHERTEXT:
+        return InvalidRequestError(f"ciphertext rejected: {exc}", code="bad_ciphertext")
+    if code in (WorkerCode.SESSION_UNKNOWN, WorkerCode.SESSION_DESYNC):
+        return GoneError("the worker no longer holds this session's state: open a new session and replay",
+                         code="session_lost")
+    if code is WorkerCode.KEY_NOT_LOADED:
+        return ServiceUnavailableError("the worker lost the session's key; retry", retry_after=1,
+                                       code="worker_lost")
+    # a bug on the server: the class name is logged, never the message (it may quote data)
+    log.error("encrypted worker task failed (%s), request %s", exc.exc_type or code.value, request_id)
+    return APIError(f"internal error in an encrypted worker (request id {request_id})", code="internal_error",
+                    headers={"X-Request-Id": request_id})
+
+
+def _lost_worker(message: str, code: str) -> APIError:
+    """A worker died or timed out (task failures go through :func:`task_error`), or the pool closed: not
+    the client's fault, retry."""
+    return ServiceUnavailableError(message, retry_after=1, code=code)
 
 
 class PrivateService:
@@ -68,64 +105,50 @@ class PrivateService:
         self.cfg, self.plan_hash, self.layers = cfg, plan_hash, tuple(encrypted_layers)
         self.pool, self.registry, self.audit = pool, registry, audit
         self.sessions = SessionTable(cfg.session_ttl_s, clock or time.monotonic)
-        self._screened: dict[str, Inspection] = {}
-        self._loaded: set[tuple[int, str]] = set()  # (worker, fingerprint) holding the key
-        self._key_used: dict[tuple[int, str], float] = {}  # last session opened with it there
+        self._loaded: dict[Slot, set[Owner]] = {}  # key sets in workers and the registrations owning them
+        self._key_used: dict[Slot, float] = {}  # last session opened with it there
         pool.on_restart = self._worker_lost
         registry.add_cancel_hook(self._key_left_active)
 
     # -- keys ------------------------------------------------------------------------------------
-    def screened_inspect(self, data: bytes) -> Inspection:
-        """The registry's ``inspect`` hook: the verdict a worker reached on exactly these bytes."""
-        verdict = self._screened.get(hashlib.sha256(data).hexdigest())
-        if verdict is None or verdict is _MALFORMED:
-            raise MalformedKeyError("not a cipherlm public-key upload")
-        if verdict.params_hash.startswith("mismatch:") and not verdict.has_secret_key:
-            raise MalformedKeyError(f"key does not fit the plan: {verdict.params_hash[9:]}")
-        return verdict
-
     async def register_key(self, tenant: str, key_id: str, data: bytes, *, actor: str,
                            request_id: str | None = None) -> KeyRecord:
-        """Screen (in a worker), register and activate; a second upload of a key id rotates it."""
+        """Inspect (in a worker), register on that verdict and activate; a second upload of a key id
+        rotates it."""
         if len(data) > self.cfg.max_key_bytes:
             self._refuse_upload(tenant, key_id, data, actor, request_id, "too_large")
             raise RequestTooLargeError(f"key upload over {self.cfg.max_key_bytes} bytes", code="key_too_large")
-        digest = hashlib.sha256(data).hexdigest()
-        self._screened[digest] = await self._inspect(tenant, data)
+        inspection = await self._inspect(tenant, data, request_id or new_request_id())
         try:
-            return self._register(tenant, key_id, data, actor, request_id)
+            return self._register(tenant, key_id, data, inspection, actor, request_id)
         except SecretKeyUploadError as exc:
             raise PermissionDeniedError(
                 "refused: the upload contains a secret key. Upload only public evaluation keys (the SDK "
                 "does this); the refusal was recorded", code="secret_key_refused") from exc
         except UploadRefusedError as exc:
             raise InvalidRequestError(f"key upload refused: {exc}", code="malformed_key") from exc
-        finally:
-            self._screened.pop(digest, None)
 
-    async def _inspect(self, tenant: str, data: bytes) -> Inspection:
+    async def _inspect(self, tenant: str, data: bytes, request_id: str) -> Inspection:
+        """The production inspector's verdict, reached in a worker (bad bytes are a verdict, not an error)."""
         try:
-            has_secret, params_hash, problem = await self.pool.submit(
-                self.pool.least_loaded(), tenant, "inspect_key", data)
+            inspection = await self.pool.submit(self.pool.least_loaded(), tenant, "inspect_key", data)
         except TaskError as exc:
-            log.info("key upload of tenant %s failed to parse in a worker: %s", tenant, exc.kind)
-            return _MALFORMED
-        except (WorkerCrashedError, WorkerTimeoutError) as exc:  # e.g. out of memory: not the client's fault
-            raise ServiceUnavailableError("the worker screening the key upload was lost; retry",
-                                          retry_after=5, code="worker_lost") from exc
-        if problem:
-            return Inspection(has_secret, "mismatch:" + problem)
-        return Inspection(has_secret, params_hash)
+            raise task_error(exc, request_id) from exc
+        except WorkerError as exc:  # e.g. out of memory while parsing: not the client's fault
+            raise _lost_worker("the worker inspecting the key upload was lost; retry", "worker_lost") from exc
+        if not isinstance(inspection, Inspection):
+            raise TypeError(f"inspect_key returned {type(inspection).__name__}")
+        return inspection
 
-    def _register(self, tenant, key_id, data, actor, request_id) -> KeyRecord:
+    def _register(self, tenant, key_id, data, inspection, actor, request_id) -> KeyRecord:
         expires = None if self.cfg.key_lifetime_s is None else self.registry.now() + self.cfg.key_lifetime_s
         try:
             self.registry.get(tenant, key_id)
         except KeyNotFoundError:
-            rec = self.registry.register(tenant, key_id, data, actor=actor, request_id=request_id)
+            rec = self.registry.register(tenant, key_id, data, inspection, actor=actor, request_id=request_id)
             return self.registry.activate(tenant, key_id, rec.version, actor=actor, request_id=request_id,
                                           expires_at=expires)
-        return self.registry.rotate(tenant, key_id, data, actor=actor, request_id=request_id,
+        return self.registry.rotate(tenant, key_id, data, inspection, actor=actor, request_id=request_id,
                                     grace_s=min(3600.0, self.registry.config.max_grace_s), expires_at=expires)
 
     def _refuse_upload(self, tenant, key_id, data, actor, request_id, reason: str) -> None:
@@ -169,9 +192,14 @@ class PrivateService:
         except RateLimitError:
             lease.release()
             raise
+        except TaskError as exc:
+            lease.release()
+            if exc.code is WorkerCode.KEY_NOT_LOADED:  # the worker lost it: load it again next time
+                self._unload((worker, rec.fingerprint))
+            raise task_error(exc, request_id or new_request_id()) from exc
         except WorkerError as exc:
             lease.release()
-            raise ServiceUnavailableError("encrypted worker unavailable", retry_after=1, code="worker_lost") from exc
+            raise _lost_worker("encrypted worker unavailable", "worker_lost") from exc
         lease.on_cancel(lambda reason, sid=s.id: self._mark_closed(sid, f"key {reason}"))
         self.sessions.add(s)
         self._audit_session(Event.SESSION_OPENED, s, actor, request_id)
@@ -185,14 +213,21 @@ class PrivateService:
         except KeyNotUsableError as exc:
             raise PermissionDeniedError(f"key not usable: {exc}", code="key_not_active") from exc
 
-    async def _ensure_key(self, worker: int, tenant: str, lease) -> None:
-        fp = lease.record.fingerprint
-        self._key_used[(worker, fp)] = self.sessions.now()
-        if (worker, fp) not in self._loaded:
+    async def _ensure_key(self, worker: int, tenant: str, lease: KeyLease) -> None:
+        """Load the lease's key set into ``worker`` unless it is there, and record the lease's
+        registration as one of its owners there."""
+        rec = lease.record
+        slot = (worker, rec.fingerprint)
+        self._key_used[slot] = self.sessions.now()
+        if slot not in self._loaded:
             await self._make_room(worker, tenant)
             material = self.registry.load_material(lease)
-            await self.pool.submit(worker, tenant, "load_key", fp, material)
-            self._loaded.add((worker, fp))
+            await self.pool.submit(worker, tenant, "load_key", rec.fingerprint, material)
+            self._loaded.setdefault(slot, set())
+        if lease.cancelled:  # revoked while it loaded: this registration owns nothing
+            self._disown(_owner(rec), rec.fingerprint)
+            raise PermissionDeniedError(f"key not usable: {lease.reason}", code="key_not_active")
+        self._loaded[slot].add(_owner(rec))
 
     def _pick_worker(self, fp: str) -> int:
         """A worker that already holds the key, else one with room for it, else one holding a key no open
@@ -222,8 +257,23 @@ class PrivateService:
                                  retry_after=5, code="worker_keys_full")
         victim = min(idle, key=lambda fp: self._key_used.get((worker, fp), 0.0))
         await self.pool.submit(worker, tenant, "drop_key", victim)
-        self._loaded.discard((worker, victim))
-        self._key_used.pop((worker, victim), None)
+        self._unload((worker, victim))
+
+    def _unload(self, slot: Slot) -> None:
+        """Forget that a worker holds a key set (it was dropped there, or the worker lost it)."""
+        self._loaded.pop(slot, None)
+        self._key_used.pop(slot, None)
+
+    def _disown(self, owner: Owner, fp: str) -> list[int]:
+        """``owner``'s registration no longer owns key set ``fp`` anywhere; returns the workers where it
+        now has no owner left (the caller drops it there)."""
+        emptied = []
+        for slot in [slot for slot in self._loaded if slot[1] == fp]:
+            self._loaded[slot].discard(owner)
+            if not self._loaded[slot]:
+                self._unload(slot)
+                emptied.append(slot[0])
+        return emptied
 
     def session_for(self, tenant: str, sid: str) -> Session:
         """The tenant's session (404 for unknown ids and for other tenants' ids alike)."""
@@ -236,15 +286,35 @@ class PrivateService:
             raise GoneError(f"session closed: {s.reason}", code="session_closed")
         return s
 
-    async def step(self, tenant: str, sid: str, body: bytes) -> bytes:
-        """Run one step (a layer over ``count`` positions) and return the result envelope."""
+    async def step(self, tenant: str, sid: str, body: bytes, *, request_id: str | None = None) -> bytes:
+        """Run one step (a layer over ``count`` positions) and return the result envelope.
+
+        Retry-safe: the same request again (same layer, positions and body bytes) gets the stored answer,
+        or waits for the running one; the same positions with another body are a 409 ``step_mismatch``.
+        A step, once running, runs to completion even if its client goes away (its answer is kept for
+        the retry, and the worker's cache never gets ahead of the service's count).
+        """
         s = self.session_for(tenant, sid)
         env = self._parse(body)
         self._check_step(s, env)
-        start, count = env.positions
-        cached = s.last_step.get(env.layer)
-        if cached and cached[0] == (start, count):
-            return cached[1]  # a retried step: same answer, no recomputation
+        digest = hashlib.sha256(body).hexdigest()
+        prev = s.last_step.get(env.layer)
+        same = None if prev is None else prev.same_request(env.positions, digest)
+        if same is False:
+            raise ConflictError(f"layer {env.layer} positions {env.positions[0]}..{sum(env.positions) - 1} were "
+                                "already sent with other ciphertexts; repeat the same request, or continue at "
+                                f"position {s.expected(env.layer)}", code="step_mismatch")
+        if same:
+            return prev.answer if isinstance(prev.answer, bytes) else await asyncio.shield(prev.answer)
+        self._check_next(s, env)
+        task = asyncio.ensure_future(self._advance(s, env, request_id or new_request_id()))
+        s.last_step[env.layer] = StepRecord(env.positions, digest, task)
+        task.add_done_callback(lambda t, rec=s.last_step[env.layer]: self._step_done(s, env.layer, rec, prev, t))
+        return await asyncio.shield(task)
+
+    def _check_next(self, s: Session, env: envelope.Envelope) -> None:
+        """A new step must continue the layer and run on a usable key."""
+        start = env.positions[0]
         if start != s.expected(env.layer):
             raise ConflictError(f"layer {env.layer} expects position {s.expected(env.layer)}, got {start}",
                                 code="position_mismatch")
@@ -252,14 +322,29 @@ class PrivateService:
             s.lease.check()
         except KeyCancelledError as exc:
             raise PermissionDeniedError(f"key no longer usable: {exc}", code="key_not_active") from exc
-        blobs, nbytes = await self._run_step(s, env)
+
+    async def _advance(self, s: Session, env: envelope.Envelope, request_id: str) -> bytes:
+        """Run the step in the session's worker and move the layer on."""
+        start, count = env.positions
+        blobs, nbytes = await self._run_step(s, env, request_id)
         s.next_position[env.layer] = start + count
         s.nbytes = nbytes
         self.sessions.touch(s)
-        out = envelope.Envelope(s.id, s.fingerprint, env.layer, "result", (start, count), tuple(blobs),
-                                env.backend, env.params).to_bytes()
-        s.last_step[env.layer] = ((start, count), out)
-        return out
+        return envelope.Envelope(s.id, s.fingerprint, env.layer, "result", (start, count), tuple(blobs),
+                                 env.backend, env.params).to_bytes()
+
+    @staticmethod
+    def _step_done(s: Session, layer: int, rec: StepRecord, prev: StepRecord | None, task: asyncio.Future) -> None:
+        """Keep a finished step's answer for retries; a failed one leaves the layer as it was."""
+        if s.last_step.get(layer) is not rec:
+            return
+        if task.cancelled() or task.exception() is not None:  # exception() also marks it retrieved
+            if prev is None:
+                s.last_step.pop(layer, None)
+            else:
+                s.last_step[layer] = prev
+            return
+        s.last_step[layer] = StepRecord(rec.positions, rec.digest, task.result())
 
     def _parse(self, body: bytes) -> envelope.Envelope:
         try:
@@ -291,19 +376,18 @@ class PrivateService:
             raise RequestTooLargeError(f"session limit of {self.cfg.max_session_tokens} positions",
                                        code="session_full")
 
-    async def _run_step(self, s: Session, env: envelope.Envelope):
-        start, count = env.positions
+    async def _run_step(self, s: Session, env: envelope.Envelope, request_id: str):
+        start = env.positions[0]
         try:
             return await self.pool.submit(s.worker, s.tenant, "step", s.id, s.fingerprint, env.layer, start,
                                           list(env.blobs))
         except TaskError as exc:
-            if exc.kind in CLIENT_FAULTS:
-                raise InvalidRequestError(f"ciphertext rejected: {exc}", code="bad_ciphertext") from exc
-            log.error("step failed in worker: %s", exc.kind)
-            raise APIError("encrypted step failed", code="step_failed") from exc
-        except (WorkerCrashedError, WorkerTimeoutError) as exc:
-            raise ServiceUnavailableError("the worker holding this session was lost; open a new session and "
-                                          "replay", retry_after=1, code="session_lost") from exc
+            if exc.code in (WorkerCode.SESSION_UNKNOWN, WorkerCode.SESSION_DESYNC):
+                s.state, s.reason = SessionState.LOST, "worker_lost"
+            raise task_error(exc, request_id) from exc
+        except WorkerError as exc:
+            raise _lost_worker("the worker holding this session was lost; open a new session and replay",
+                               "session_lost") from exc
 
     async def close_session(self, tenant: str, sid: str, *, actor: str, reason: str = "client",
                             request_id: str | None = None) -> None:
@@ -314,7 +398,7 @@ class PrivateService:
 
     async def _close(self, s: Session, reason: str, actor: str | None, request_id: str | None = None) -> None:
         self.sessions.remove(s.id)
-        if s.state is SessionState.OPEN:
+        if s.state is not SessionState.LOST:  # a closed session's cache may still sit in the worker
             try:
                 await self.pool.submit(s.worker, s.tenant, "close_session", s.id)
             except WorkerError:
@@ -340,7 +424,8 @@ class PrivateService:
 
     # -- events from the pool and the registry ----------------------------------------------------------
     def _worker_lost(self, worker: int) -> None:
-        self._loaded = {(w, fp) for w, fp in self._loaded if w != worker}
+        for slot in [slot for slot in self._loaded if slot[0] == worker]:
+            self._unload(slot)
         for s in self.sessions.on_worker(worker):
             s.state, s.reason = SessionState.LOST, "worker_lost"
 
@@ -350,20 +435,23 @@ class PrivateService:
             s.state, s.reason = SessionState.CLOSED, reason
 
     def _key_left_active(self, rec: KeyRecord, reason: str) -> None:
-        """Revocation/expiry: drop the key from every worker now (sessions were closed via their leases)."""
-        fp = rec.fingerprint
-        if any(f == fp for _, f in self._loaded):
-            self._loaded = {(w, f) for w, f in self._loaded if f != fp}
+        """Revocation/expiry of one registration: drop its key set from the workers where no other
+        registration owns it (its own sessions were closed through their leases)."""
+        emptied = self._disown(_owner(rec), rec.fingerprint)
+        if emptied:
             try:
-                asyncio.get_running_loop().create_task(self._drop_key(fp))
+                asyncio.get_running_loop().create_task(self._drop_key(emptied, rec.fingerprint))
             except RuntimeError:
                 pass  # no loop (offline tooling): nothing is loaded in workers then
 
-    async def _drop_key(self, fp: str) -> None:
-        try:
-            await self.pool.broadcast("drop_key", fp)
-        except WorkerError:
-            pass
+    async def _drop_key(self, workers: list[int], fp: str) -> None:
+        for worker in workers:
+            if (worker, fp) in self._loaded:  # loaded again for a new owner meanwhile
+                continue
+            try:
+                await self.pool.submit(worker, "_pool", "drop_key", fp)
+            except WorkerError:
+                pass  # a lost worker lost the key with it
 
     def _audit_session(self, event: str, s: Session, actor, request_id, detail: dict | None = None) -> None:
         self.audit.append(event, source=SOURCE, outcome=Outcome.SUCCESS, tenant=s.tenant, actor=actor,
@@ -371,4 +459,6 @@ class PrivateService:
                           request_id=request_id, detail={"session": s.id, **(detail or {})})
 
 
-_MALFORMED = Inspection(False, "malformed")
+
+def _owner(rec: KeyRecord) -> Owner:
+    return rec.tenant, rec.key_id, rec.version

@@ -3,13 +3,15 @@
 State machine per session (``docs/protocol.md``)::
 
     OPEN --step(layer, [start, count])--> OPEN        positions must continue each layer's cache
-      |  (a step repeated with the same layer and positions returns the stored answer: retry-safe)
+      |  (a step repeated with the same layer, positions and body bytes gets the stored answer, or waits
+      |   for the running one: retry-safe; the same positions with another body are refused, 409)
       +--close / TTL / key revoked--> CLOSED
       +--worker lost--> LOST (410: open a new session and replay)
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import secrets
@@ -21,6 +23,22 @@ class SessionState(str, enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
     LOST = "lost"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One layer's latest step: its positions, the SHA-256 of the request body, and its answer (a task
+    while it runs, the result envelope once done)."""
+
+    positions: tuple[int, int]
+    digest: str
+    answer: asyncio.Future | bytes
+
+    def same_request(self, positions: tuple[int, int], digest: str) -> bool | None:
+        """None: another step; True: the same request again; False: these positions with another body."""
+        if positions != self.positions:
+            return None
+        return digest == self.digest
 
 
 @dataclasses.dataclass
@@ -38,7 +56,7 @@ class Session:
     lease: object | None = None
     state: SessionState = SessionState.OPEN
     next_position: dict[int, int] = dataclasses.field(default_factory=dict)
-    last_step: dict[int, tuple[tuple[int, int], bytes]] = dataclasses.field(default_factory=dict)
+    last_step: dict[int, StepRecord] = dataclasses.field(default_factory=dict)
     nbytes: int = 0
     reason: str = ""
 

@@ -3,7 +3,8 @@
 Untrusted key and ciphertext bytes are deserialized and evaluated only inside these processes, so a
 crash in native code (SEAL) or a hang kills one worker, never the server. Each worker owns a state
 object built from an importable factory (``"package.module:function"``); a task is ``(method, args)``
-called on that state.
+called on that state. A task that fails reports a code from the one table of
+:mod:`server.private.codes` (:class:`TaskError`), never an exception class name.
 
 Scheduling, per worker: one task at a time; waiting tasks are taken round-robin across tenants
 (a tenant with many queued steps cannot starve another); a task cancelled before it starts is dropped.
@@ -23,6 +24,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from server.private.codes import TaskFailure, WorkerCode
+
 log = logging.getLogger("cipherlm.workers")
 
 
@@ -39,11 +42,14 @@ class WorkerTimeoutError(WorkerError):
 
 
 class TaskError(WorkerError):
-    """The task raised inside the worker; ``kind`` is the exception's class name."""
+    """The task failed inside the worker: ``code`` is its :class:`~server.private.codes.WorkerCode`
+    (``INTERNAL`` for any exception that was not a :class:`~server.private.codes.TaskFailure`);
+    ``exc_type`` names the exception's class, for the server's log only."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, code: str, message: str, exc_type: str = "") -> None:
         super().__init__(message)
-        self.kind = kind
+        self.code = WorkerCode(code)
+        self.exc_type = exc_type
 
 
 def _worker_main(conn, factory: str, factory_args: tuple) -> None:
@@ -58,9 +64,11 @@ def _worker_main(conn, factory: str, factory_args: tuple) -> None:
             return
         try:
             conn.send(("ok", getattr(state, method)(*args)))
-        except Exception as exc:  # noqa: BLE001 - every task error is reported back, typed by name
+        except TaskFailure as exc:  # a failure the task names: its code says whose fault it is
+            conn.send(("error", (exc.code.value, str(exc), type(exc).__name__)))
+        except Exception as exc:  # noqa: BLE001 - anything else is a server bug, whatever its class
             log.debug("task %s failed: %s", method, traceback.format_exc())
-            conn.send(("error", (type(exc).__name__, str(exc))))
+            conn.send(("error", (WorkerCode.INTERNAL.value, str(exc)[:200], type(exc).__name__)))
 
 
 class _Worker:

@@ -180,6 +180,8 @@ def _prepare(body, request: Request, tenant: Tenant, limiter: TenantLimiter, set
     except Exception as exc:  # a bug: log it, and never show the library's message to the client
         log.exception("tokenizing a %s request failed", type(body).__name__)
         raise APIError("internal server error") from exc
+    with _as_400():   # pydantic checked the same fields already; kept so the order is the SDK's
+        openai_api.check_fields(dict(body), chat=isinstance(body, ChatCompletionRequest))
     room = _max_model_len(engine) - max(len(p) for p in prompts)
     max_tokens = _max_tokens(body, tenant, max(room, 1))
     _check_context(prompts, max_tokens, tenant, engine)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from client_sdk import Client, Timeout
-from server.cli_demo import free_port, wait_ready
+from server.local_server import free_port, wait_ready
 from server.tenants import hash_api_key
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]

@@ -1,6 +1,7 @@
 """Every backend keeps the evaluator protocol's contracts (fhe/evaluator.py): the SEAL backend on real
 ciphertexts and the symbolic one on plaintext values give the same levels, scales, sizes and values, op by
-op. A new backend (the GPU evaluator, issue 16) joins by adding its name and key holder here."""
+op. A new backend joins by adding its name and key holder here (the gpu backend, issue 16, has: on a
+machine without CUDA it runs its torch-CPU reference)."""
 
 from __future__ import annotations
 
@@ -17,17 +18,39 @@ STEPS = (1, 5, P.slots - 3)
 TOL = 1e-4          # SEAL's noise at N = 8192, 2^40 (the symbolic backend is exact)
 
 
+class _SealClientForGpu:
+    """The gpu backend's client is SEAL's: its ciphertexts cross the seam as SEAL bytes, as on the wire."""
+
+    def __init__(self) -> None:
+        from fhe.backends.seal.keys import CKKSClient
+
+        self._client = CKKSClient(P, STEPS)
+        self._ev = evaluator_for(P, "gpu")
+        self.params, self.fingerprint = P, self._client.fingerprint
+        self.public_blobs = self._client.public_blobs
+
+    def encrypt(self, values):
+        return self._ev.deserialize(self._client.encrypt_bytes(values))
+
+    def decrypt(self, ct):
+        from fhe.backends.seal import hazmat
+
+        return self._client.decrypt(hazmat.from_bytes("ciphertext", self._client.kit, self._ev.serialize(ct)))
+
+
 def _holder(name: str) -> KeyHolder:
     if name == "seal":
         from fhe.backends.seal.keys import CKKSClient
 
         return CKKSClient(P, STEPS)
+    if name == "gpu":
+        return _SealClientForGpu()
     from fhe.backends.symbolic import SymbolicClient
 
     return SymbolicClient(P, STEPS)
 
 
-@pytest.fixture(scope="module", params=["seal", "symbolic"])
+@pytest.fixture(scope="module", params=["seal", "symbolic", "gpu"])
 def backend(request):
     ev = evaluator_for(P, request.param)
     holder = _holder(request.param)

@@ -168,7 +168,7 @@ def test_level_keys_switch_at_their_level_and_below_only():
     client = CKKSClient(P, LEVELS.steps, levels=LEVELS)
     keys = client.server_keys()
     ev = evaluator_for(P)
-    x = np.linspace(-1, 1, P.slots)
+    x = np.random.default_rng(0).uniform(-1, 1, P.slots)    # a wrong rotation is off by O(1)
     ct = client.encrypt(x)
     for step, key_level in LEVELS.galois:
         for at in range(1, kit_top(P) + 1):
@@ -178,10 +178,10 @@ def test_level_keys_switch_at_their_level_and_below_only():
                     ev.rotate(c, step, keys)
                 continue
             out = client.decrypt(ev.rotate(c, step, keys))
-            assert np.abs(out - np.roll(x, -step)).max() < 1e-3
+            assert np.abs(out - np.roll(x, -step)).max() < 1e-2   # CKKS noise at a 2^30 scale: ~1e-3
     c = ev.mod_switch(ct, LEVELS.relin)
     sq = ev.rescale(ev.relinearize(ev.square(c), keys))
-    assert ev.size(sq) == 2 and np.abs(client.decrypt(sq) - x * x).max() < 1e-3
+    assert ev.size(sq) == 2 and np.abs(client.decrypt(sq) - x * x).max() < 1e-2
     with pytest.raises(LevelError):
         ev.relinearize(ev.square(ct), keys)                   # top level: above the relin key's level
     with pytest.raises(KeyMismatchError):
@@ -259,7 +259,7 @@ def test_restored_client_keeps_the_level_layout(leveled):
     keys = wire.load_server_keys(wire.dump_public_keys(again), P, LEVELS)
     x = np.arange(8.0)
     out = again.decrypt(evaluator_for(P).rotate(again.encrypt(x), 1, keys))
-    assert np.allclose(out[:7], x[1:], atol=1e-3)
+    assert np.allclose(out[:7], x[1:], atol=1e-2)
 
 
 # --- the whole block: level keys give the full keys' exact bytes (slow: N = 16384) ----------------

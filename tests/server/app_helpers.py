@@ -14,7 +14,7 @@ from engine.config import ModelConfig
 from engine.default_model import default_model_dir
 from engine.loader import save_hf_folder
 from engine.model import LlamaForCausalLM
-from server.cli_demo import free_port, wait_ready
+from server.local_server import free_port, wait_ready
 from server.settings import LimitSettings, Settings, TenantSettings
 from server.tenants import hash_api_key
 
@@ -111,7 +111,8 @@ def write_settings_toml(path: Path, model_dir: Path, port: int, drain_timeout_s:
                   f'privacy_mode = "{t.privacy_mode.value}"', f'fallback = "{t.fallback.value}"']
         if t.limits is not None:
             lines.append("[tenants.limits]")
-            lines += [f"{k} = {v}" for k, v in t.limits.model_dump().items() if v is not None]
+            # 0 switches a limit off (TOML has no null; an omitted key would mean the default)
+            lines += [f"{k} = {0 if v is None else v}" for k, v in t.limits.model_dump().items()]
         lines.append("")
     path.write_text("\n".join(lines))
     return path

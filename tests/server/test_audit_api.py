@@ -59,8 +59,9 @@ KEYS = {
     "TRANSITIONS",
     "UploadRefusedError",
     "can_transition",
+    "Verdict",
+    "inspect_upload",
     "screen_evaluation_key",
-    "tenseal_inspect",
 }
 
 

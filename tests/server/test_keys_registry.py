@@ -1,5 +1,6 @@
 """Key registry: lifecycle, expiry and grace with injected time, revocation cancels in-flight work,
-integrity-bound storage, audit-or-fail, persistence. Uses real (small) TenSEAL public contexts."""
+integrity-bound storage, audit-or-fail, persistence. Uploads are real (small, N = 8192) ``CLMK`` key
+uploads, each with the verdict of the production inspector (``inspect_upload``: the SEAL wire allow-list)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import json
 import shutil
 
 import pytest
-import tenseal as ts
 
+from fhe.backends.seal import wire
+from fhe.backends.seal.keys import CKKSClient
+from fhe.envelope import pack_key_upload
+from fhe.params import CKKSParams
 from server.audit import (
     AuditConfig,
     AuditLog,
@@ -20,6 +24,7 @@ from server.audit import (
 )
 from server.keys import (
     EvalKeyStorage,
+    Inspection,
     KeyAuditError,
     KeyCancelledError,
     KeyExistsError,
@@ -32,6 +37,9 @@ from server.keys import (
     KeyTooLargeError,
     MalformedKeyError,
     RegistryConfig,
+    SecretKeyUploadError,
+    Verdict,
+    inspect_upload,
     screen_evaluation_key,
 )
 
@@ -46,15 +54,23 @@ class Clock:
         return self.t
 
 
-def public_context(plain_modulus: int = 1032193) -> bytes:
-    ctx = ts.context(ts.SCHEME_TYPE.BFV, 4096, plain_modulus=plain_modulus)
-    ctx.make_context_public()
-    return ctx.serialize()
+P = CKKSParams(8192, (60, 40, 40, 60), 40)
+STEPS = (1, 2)
+
+
+def key_upload(params: CKKSParams = P) -> bytes:
+    """A client's real public-key upload (what the SDK sends)."""
+    return pack_key_upload(wire.dump_public_keys(CKKSClient(params, STEPS)))
+
+
+def inspected(data: bytes) -> tuple[bytes, Inspection]:
+    return data, inspect_upload(data, P, STEPS, max_bytes=10**9)
 
 
 @pytest.fixture(scope="module")
 def evks():
-    return [public_context(), public_context(), public_context(786433)]
+    """Two uploads the production inspector accepts (bytes, verdict)."""
+    return [inspected(key_upload()), inspected(key_upload())]
 
 
 class Env:
@@ -83,13 +99,13 @@ def env(tmp_path):
 
 def test_lifecycle_and_one_record_per_transition(env, evks):
     reg = env.reg
-    rec = reg.register("acme", "k1", evks[0], actor="alice", request_id="r1")
+    rec = reg.register("acme", "k1", *evks[0], actor="alice", request_id="r1")
     assert rec.state is KeyState.PRE_ACTIVE and len(rec.fingerprint) == 64
     with pytest.raises(KeyNotUsableError):
         reg.use("acme", "k1")
     reg.activate("acme", "k1", 1, actor="ops")
     with reg.use("acme", "k1") as lease:
-        assert reg.load_material(lease) == evks[0]
+        assert reg.load_material(lease) == evks[0][0]
     reg.suspend("acme", "k1", 1, actor="ops")
     reg.reinstate("acme", "k1", 1, actor="ops")
     reg.revoke("acme", "k1", 1, actor="ops")
@@ -112,7 +128,7 @@ def test_lifecycle_and_one_record_per_transition(env, evks):
 
 
 def test_disallowed_transitions_are_refused_and_audited(env, evks):
-    env.reg.register("acme", "k1", evks[0], actor="a")
+    env.reg.register("acme", "k1", *evks[0], actor="a")
     for op in (env.reg.suspend, env.reg.reinstate, env.reg.revoke):
         with pytest.raises(KeyStateError):
             op("acme", "k1", 1, actor="a")
@@ -124,7 +140,7 @@ def test_disallowed_transitions_are_refused_and_audited(env, evks):
 
 
 def test_expiry_is_exact_with_injected_time(env, evks):
-    env.reg.register("acme", "k1", evks[0], actor="a")
+    env.reg.register("acme", "k1", *evks[0], actor="a")
     env.reg.activate("acme", "k1", 1, actor="a", expires_at=env.clock.t + 100)
     env.clock.t += 99.999
     env.reg.use("acme", "k1").release()
@@ -136,7 +152,7 @@ def test_expiry_is_exact_with_injected_time(env, evks):
 
 
 def test_expire_due_sweep_and_lease_check(env, evks):
-    env.reg.register("acme", "k1", evks[0], actor="a")
+    env.reg.register("acme", "k1", *evks[0], actor="a")
     env.reg.activate("acme", "k1", 1, actor="a", expires_at=env.clock.t + 10)
     lease = env.reg.use("acme", "k1")
     env.clock.t += 10
@@ -147,7 +163,7 @@ def test_expire_due_sweep_and_lease_check(env, evks):
 
 
 def test_revocation_cancels_in_flight_work_immediately(env, evks):
-    env.reg.register("acme", "k1", evks[0], actor="a")
+    env.reg.register("acme", "k1", *evks[0], actor="a")
     env.reg.activate("acme", "k1", 1, actor="a")
     seen, global_seen = [], []
     env.reg.add_cancel_hook(lambda rec, why: global_seen.append((rec.key_id, why)))
@@ -165,12 +181,12 @@ def test_revocation_cancels_in_flight_work_immediately(env, evks):
 
 def test_rotation_grace_window(env, evks):
     reg = env.reg
-    reg.register("acme", "k1", evks[0], actor="a")
+    reg.register("acme", "k1", *evks[0], actor="a")
     reg.activate("acme", "k1", 1, actor="a")
     old_session = reg.use("acme", "k1")
     with pytest.raises(ValueError):
-        reg.rotate("acme", "k1", evks[1], actor="a", grace_s=DAY + 1)
-    new = reg.rotate("acme", "k1", evks[1], actor="a", grace_s=3600)
+        reg.rotate("acme", "k1", *evks[1], actor="a", grace_s=DAY + 1)
+    new = reg.rotate("acme", "k1", *evks[1], actor="a", grace_s=3600)
     assert new.version == 2 and reg.use("acme", "k1").record.version == 2
     env.clock.t += 3599
     old_session.check()
@@ -185,19 +201,19 @@ def test_rotation_grace_window(env, evks):
 
 
 def test_tenants_are_isolated(env, evks):
-    env.reg.register("acme", "k1", evks[0], actor="a")
+    env.reg.register("acme", "k1", *evks[0], actor="a")
     env.reg.activate("acme", "k1", 1, actor="a")
     with pytest.raises(KeyNotFoundError):
         env.reg.use("globex", "k1")
-    env.reg.register("globex", "k1", evks[1], actor="b")  # same key id, another tenant: independent
+    env.reg.register("globex", "k1", *evks[1], actor="b")  # same key id, another tenant: independent
     with pytest.raises(KeyExistsError):
-        env.reg.register("acme", "k1", evks[1], actor="a")
+        env.reg.register("acme", "k1", *evks[1], actor="a")
 
 
 def test_stored_key_moved_to_another_tenant_or_altered_is_refused(env, evks):
-    env.reg.register("acme", "k1", evks[0], actor="a")
+    env.reg.register("acme", "k1", *evks[0], actor="a")
     env.reg.activate("acme", "k1", 1, actor="a")
-    env.reg.register("globex", "k1", evks[1], actor="b")
+    env.reg.register("globex", "k1", *evks[1], actor="b")
     env.reg.activate("globex", "k1", 1, actor="b")
     src, dst = env.storage.path("acme", "k1", 1), env.storage.path("globex", "k1", 1)
     shutil.copyfile(src, dst)  # acme's file planted as globex's key
@@ -212,13 +228,13 @@ def test_stored_key_moved_to_another_tenant_or_altered_is_refused(env, evks):
 
 
 def test_audit_failure_means_no_key_change(env, evks):
-    env.reg.register("acme", "k1", evks[0], actor="a")
+    env.reg.register("acme", "k1", *evks[0], actor="a")
     env.log.close()  # every further append fails
     with pytest.raises(KeyAuditError):
         env.reg.activate("acme", "k1", 1, actor="a")
     assert env.reg.get("acme", "k1").state is KeyState.PRE_ACTIVE
     with pytest.raises(KeyAuditError):
-        env.reg.register("acme", "k2", evks[1], actor="a")
+        env.reg.register("acme", "k2", *evks[1], actor="a")
     with pytest.raises(KeyNotFoundError):
         env.reg.get("acme", "k2")
     assert not env.storage.path("acme", "k2", 1).exists()
@@ -226,7 +242,7 @@ def test_audit_failure_means_no_key_change(env, evks):
 
 def test_state_persists_across_restart(tmp_path, evks):
     e = Env(tmp_path)
-    e.reg.register("acme", "k1", evks[0], actor="a")
+    e.reg.register("acme", "k1", *evks[0], actor="a")
     e.reg.activate("acme", "k1", 1, actor="a")
     e.log.close()
     again = KeyRegistry(e.config, e.log, e.storage, clock=e.clock)
@@ -237,22 +253,41 @@ def test_state_persists_across_restart(tmp_path, evks):
     )
 
 
-def test_screen_size_limit_first_and_garbage(evks):
-    calls = []
-
-    def inspect(data):
-        calls.append(len(data))
-        raise AssertionError("must not parse")
-
-    with pytest.raises(KeyTooLargeError):
-        screen_evaluation_key(b"x" * 101, max_bytes=100, inspect=inspect)
-    assert calls == []
-    for junk in (b"", b"garbage" * 10, evks[0][:1000], "not bytes"):
+def test_screen_size_limit_first_then_the_verdict(evks):
+    data, public = evks[0]
+    with pytest.raises(KeyTooLargeError):  # the size decides before any verdict
+        screen_evaluation_key(b"x" * 101, public, max_bytes=100)
+    info = screen_evaluation_key(data, public, max_bytes=10**9)
+    assert info.size == len(data) and info.params_hash == evks[1][1].params_hash
+    with pytest.raises(SecretKeyUploadError):
+        screen_evaluation_key(data, Inspection(Verdict.SECRET_KEY), max_bytes=10**9)
+    with pytest.raises(MalformedKeyError, match="nope"):
+        screen_evaluation_key(data, Inspection(Verdict.MALFORMED, reason="nope"), max_bytes=10**9)
+    for junk in (b"", "not bytes"):
         with pytest.raises(MalformedKeyError):
-            screen_evaluation_key(junk, max_bytes=10**8)
-    info = screen_evaluation_key(evks[0], max_bytes=10**8)
-    assert (
-        info.size == len(evks[0])
-        and info.params_hash == screen_evaluation_key(evks[1], max_bytes=10**8).params_hash
-    )
-    assert info.params_hash != screen_evaluation_key(evks[2], max_bytes=10**8).params_hash
+            screen_evaluation_key(junk, public, max_bytes=10**9)
+    with pytest.raises(ValueError):
+        Inspection(Verdict.PUBLIC)  # an accepted key names its parameters
+
+
+def test_production_inspector_verdicts(evks):
+    data = evks[0][0]
+    assert evks[0][1].verdict is Verdict.PUBLIC
+    for junk in (b"garbage" * 10, data[:1000], data[:-1]):
+        assert inspect_upload(junk, P, STEPS, max_bytes=10**9).verdict is Verdict.MALFORMED
+    other = inspect_upload(key_upload(CKKSParams(8192, (60, 40, 40, 60), 39)), P, STEPS, max_bytes=10**9)
+    assert other.verdict is Verdict.MALFORMED and "does not fit the plan" in other.reason
+    fewer = inspect_upload(data, P, (1,), max_bytes=10**9)  # Galois keys the plan does not use
+    assert fewer.verdict is Verdict.SECRET_KEY
+
+
+def test_registry_refuses_on_the_verdict_and_audits(env, evks):
+    data = evks[0][0]
+    with pytest.raises(SecretKeyUploadError):
+        env.reg.register("acme", "k1", data, Inspection(Verdict.SECRET_KEY), actor="a")
+    with pytest.raises(MalformedKeyError):
+        env.reg.rotate("acme", "k1", data, Inspection(Verdict.MALFORMED), actor="a", grace_s=0)
+    with pytest.raises(KeyNotFoundError):
+        env.reg.get("acme", "k1")
+    reasons = [r["detail"]["reason"] for r in iter_records(env.log_path) if r["event"] == Event.KEY_UPLOAD_REFUSED]
+    assert reasons == ["secret_key_present", "malformed"]

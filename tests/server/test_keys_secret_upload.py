@@ -1,18 +1,27 @@
 """Uploads that carry a secret key are refused on every path, audited, and leave no trace.
 
-Real TenSEAL contexts serialized with ``save_secret_key=True``. After all attempts, no file under
-the server's directories (stored keys, registry state, audit log and checkpoints), no exception
-text and no registry entry contains any piece of the secret-key bytes.
+Each upload goes through the production inspector (``inspect_upload``: the SEAL wire allow-list, as a
+worker runs it) and then the registry's paths with that verdict. The uploads: real TenSEAL contexts
+serialized with ``save_secret_key=True``, and real ``CLMK`` uploads of the server's format carrying the
+client's SEAL secret key beside the three public blobs (as ``secret_key`` and as ``sk``). After all
+attempts, no file under the server's directories (stored keys, registry state, audit log and
+checkpoints), no exception text and no registry entry contains any piece of the secret-key bytes.
 """
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
 import pytest
 import tenseal as ts
 
+from fhe.backends.seal import hazmat as seal
+from fhe.backends.seal import wire
+from fhe.backends.seal.keys import CKKSClient
+from fhe.envelope import pack_key_upload
+from fhe.params import CKKSParams
 from server.audit import (
     AuditConfig,
     AuditLog,
@@ -28,8 +37,24 @@ from server.keys import (
     RegistryConfig,
     SecretKeyUploadError,
     UploadRefusedError,
+    Verdict,
+    inspect_upload,
     screen_evaluation_key,
 )
+
+# the smallest parameters SEAL takes (a 0.4 MB public upload): the scan of every file below stays fast
+P = CKKSParams(4096, (40, 20, 40), 20)
+STEPS = (1,)
+
+
+def inspect(data) -> object:
+    """The production inspector, as the worker runs it for the server's parameters."""
+    return _inspect(bytes(data))
+
+
+@functools.cache
+def _inspect(data: bytes) -> object:
+    return inspect_upload(data, P, STEPS, max_bytes=10**9)  # real parse, once per distinct upload
 
 
 def _ckks(n: int, galois: bool) -> ts.Context:
@@ -61,14 +86,30 @@ def secrets_and_public():
         save_public_key=False, save_secret_key=True, save_galois_keys=False, save_relin_keys=False
     )
     raw = [_secret_key_bytes(ctx) for ctx in contexts.values()]
-    legit = ts.context(ts.SCHEME_TYPE.BFV, 4096, plain_modulus=786433)
-    legit.make_context_public()
-    return blobs, raw, legit.serialize()
+    client = CKKSClient(P, STEPS)
+    public = wire.dump_public_keys(client)
+    secret = seal.to_bytes(client.keys.secret)
+    for name in ("secret_key", "sk"):
+        blobs[f"CLMK + {name}"] = _pack_any({**public, name: secret})
+    raw.append(secret)
+    return blobs, raw, pack_key_upload(public)
 
 
-def _windows(data: bytes, width: int = 32) -> list[bytes]:
-    """Overlapping-enough 32-byte windows: every 100-byte stretch of ``data`` contains one."""
-    return [data[i : i + width] for i in range(0, len(data) - width, 64)]
+def _pack_any(blobs: dict[str, bytes]) -> bytes:
+    """A key upload with any blob names (``pack_key_upload`` writes only the public ones, as the SDK must)."""
+    import rfc8785
+
+    from fhe import envelope
+
+    head = rfc8785.dumps({"v": envelope.ENVELOPE_VERSION, "names": list(blobs),
+                          "sizes": [len(b) for b in blobs.values()]})
+    prefix = envelope._PREFIX.pack(envelope.KEY_MAGIC, envelope.ENVELOPE_VERSION, len(head))
+    return prefix + head + b"".join(blobs.values())
+
+
+def _windows(data: bytes, width: int = 32, step: int = 64) -> list[bytes]:
+    """32-byte windows every ``step`` bytes (64: every 100-byte stretch of ``data`` contains one)."""
+    return [data[i : i + width] for i in range(0, len(data) - width, step)]
 
 
 def test_secret_key_uploads_refused_on_every_path_and_leave_no_trace(tmp_path, secrets_and_public):
@@ -77,14 +118,14 @@ def test_secret_key_uploads_refused_on_every_path_and_leave_no_trace(tmp_path, s
     log = AuditLog.open(AuditConfig(tmp_path / "audit" / "audit.log"), signer, Pseudonymizer(b"p" * 32))
     storage = EvalKeyStorage(tmp_path / "evk", b"s" * 32)
     reg = KeyRegistry(RegistryConfig(state_path=tmp_path / "registry.json"), log, storage)
-    reg.register("acme", "main", legit, actor="alice")  # a rotation path needs an existing key
+    reg.register("acme", "main", legit, inspect(legit), actor="alice")  # a rotation path needs a key
     reg.activate("acme", "main", 1, actor="alice")
 
     paths = {
-        "screen_evaluation_key": lambda b: screen_evaluation_key(b, max_bytes=reg.config.max_upload_bytes),
-        "KeyRegistry.screen_upload": lambda b: reg.screen_upload("acme", b, actor="alice"),
-        "KeyRegistry.register": lambda b: reg.register("acme", "new", b, actor="alice"),
-        "KeyRegistry.rotate": lambda b: reg.rotate("acme", "main", b, actor="alice", grace_s=60),
+        "screen_evaluation_key": lambda b: screen_evaluation_key(b, inspect(b), max_bytes=reg.config.max_upload_bytes),
+        "KeyRegistry.screen_upload": lambda b: reg.screen_upload("acme", b, inspect(b), actor="alice"),
+        "KeyRegistry.register": lambda b: reg.register("acme", "new", b, inspect(b), actor="alice"),
+        "KeyRegistry.rotate": lambda b: reg.rotate("acme", "main", b, inspect(b), actor="alice", grace_s=60),
     }
     wrappers = {"bytes": bytes, "bytearray": bytearray, "memoryview": memoryview}
     attempts, messages = 0, []
@@ -96,7 +137,7 @@ def test_secret_key_uploads_refused_on_every_path_and_leave_no_trace(tmp_path, s
                     upload(wrap(blob))
                 assert isinstance(info.value, UploadRefusedError)
                 messages.append(str(info.value) + repr(info.value))
-    assert attempts == 4 * 4 * 3
+    assert attempts == 4 * 6 * 3
 
     # Registry: nothing new (only the legitimate key, still one version, still active).
     assert [(r.key_id, r.version, r.state.value) for r in reg.list("acme")] == [("main", 1, "active")]
@@ -106,12 +147,15 @@ def test_secret_key_uploads_refused_on_every_path_and_leave_no_trace(tmp_path, s
     refusals = [
         r for r in iter_records(tmp_path / "audit" / "audit.log") if r["event"] == Event.KEY_UPLOAD_REFUSED
     ]
-    assert len(refusals) == 3 * 4 * 3
+    assert len(refusals) == 3 * 6 * 3
     assert all(r["detail"]["reason"] == "secret_key_present" and r["outcome"] == "refused" for r in refusals)
     # Disk: only the legit key's file was ever stored.
     assert [p.name for p in (tmp_path / "evk").rglob("*") if p.is_file()] == ["main.v1.evk"]
     # No piece of any secret blob or raw secret key anywhere on disk or in the error texts.
-    needles = [w for blob in list(blobs.values()) + raw_secret_keys for w in _windows(blob)]
+    # (the CLMK uploads' secret part is raw_secret_keys[-1]; their public part is the legit key's)
+    tenseal = [blob for name, blob in blobs.items() if not name.startswith("CLMK")]
+    needles = [w for blob in tenseal + raw_secret_keys[:-1] for w in _windows(blob)]
+    needles += _windows(raw_secret_keys[-1], step=997)
     haystacks = {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     haystacks["exception texts"] = "\n".join(messages).encode("utf-8", "backslashreplace")
     for name, hay in haystacks.items():
@@ -125,12 +169,10 @@ def _hits(needles: list[bytes], hay: bytes) -> list[bytes]:
     return [n for n in needles if n in hay or n.hex().encode() in hay]
 
 
-def test_public_context_of_the_same_keys_is_accepted(secrets_and_public):
-    """The check is about the secret key, not the scheme: the public half of a context passes."""
-    ctx = ts.context(ts.SCHEME_TYPE.CKKS, 4096, coeff_mod_bit_sizes=[40, 21, 40])
-    secret = ctx.serialize(save_secret_key=True)
-    ctx.make_context_public()
-    public = ctx.serialize()
-    with pytest.raises(SecretKeyUploadError):
-        screen_evaluation_key(secret, max_bytes=10**9)
-    assert screen_evaluation_key(public, max_bytes=10**9).size == len(public)
+def test_the_public_half_of_the_same_keys_is_accepted(secrets_and_public):
+    """The check is about the secret key: the same client's public blobs alone pass."""
+    blobs, _, public = secrets_and_public
+    assert inspect(public).verdict is Verdict.PUBLIC
+    assert screen_evaluation_key(public, inspect(public), max_bytes=10**9).size == len(public)
+    for name in ("CLMK + secret_key", "CLMK + sk", "ckks-4096"):
+        assert inspect(blobs[name]).verdict is Verdict.SECRET_KEY, name

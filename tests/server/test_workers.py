@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from server.private.codes import WorkerCode
 from server.private.workers import TaskError, WorkerCrashedError, WorkerPool, WorkerTimeoutError
 
 FACTORY = "tests.server.worker_states:make_probe"
@@ -27,11 +28,18 @@ async def test_echo_and_state_kept_per_worker(pool):
     assert await pool.submit(1, "a", "echo", 3) == ("t", 3, 1)
 
 
-async def test_task_exception_is_typed(pool):
+async def test_task_exception_is_internal_whatever_its_class(pool):
+    """A ValueError inside a task is a server bug (code INTERNAL), not a client fault by its name."""
     with pytest.raises(TaskError, match="boom") as e:
         await pool.submit(0, "a", "fail", "boom")
-    assert e.value.kind == "ValueError"
+    assert e.value.code is WorkerCode.INTERNAL and e.value.exc_type == "ValueError"
     assert await pool.submit(0, "a", "echo", 1)  # worker still serves
+
+
+async def test_task_failure_carries_its_code(pool):
+    with pytest.raises(TaskError, match="not yours") as e:
+        await pool.submit(0, "a", "refuse", "bad_ciphertext", "not yours")
+    assert e.value.code is WorkerCode.BAD_CIPHERTEXT
 
 
 async def test_native_crash_fails_only_that_task(pool):

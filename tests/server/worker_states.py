@@ -28,6 +28,11 @@ class ProbeState:
     def fail(self, message: str) -> None:
         raise ValueError(message)
 
+    def refuse(self, code: str, message: str) -> None:
+        from server.private.codes import TaskFailure, WorkerCode
+
+        raise TaskFailure(WorkerCode(code), message)
+
     def segfault(self) -> None:
         ctypes.string_at(0)  # a real native crash, like a bad pointer in SEAL
 

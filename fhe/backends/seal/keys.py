@@ -30,8 +30,8 @@ class ServerKeys:
     """Public evaluation material as the server holds it (no secret key, by construction); the SEAL
     backend's :class:`fhe.evaluator.EvalKeys`.
 
-    ``galois`` maps a key level to the Galois keys made there and ``levels`` says which step's key is
-    at which level (all at the top for an upload without level-aware keys); a key switches ciphertexts
+    ``galois_levels`` maps a key level to the Galois keys made there and ``levels`` says which step's key
+    is at which level (all at the top for an upload without level-aware keys); a key switches ciphertexts
     at its level or below, through the evaluator of its chain (:meth:`fhe.backends.seal.hazmat.Kit.key_context`).
     """
 
@@ -39,7 +39,7 @@ class ServerKeys:
     kit: seal.Kit
     public: seal.sa.PublicKey
     relin: seal.sa.RelinKeys
-    galois: Mapping[int, seal.sa.GaloisKeys]
+    galois_levels: Mapping[int, seal.sa.GaloisKeys]
     levels: KeyLevels
     fingerprint: str
     #: True when the keys came as a level-aware upload (``galois_keys@L`` names), even if all at the top.
@@ -53,6 +53,14 @@ class ServerKeys:
     def rotation_steps(self) -> tuple[int, ...]:
         return self.levels.steps
 
+    @property
+    def galois(self) -> seal.sa.GaloisKeys:
+        """The one top-level GaloisKeys of a key set without levels (what readers of SEAL's full keys, such
+        as the GPU backend's loader, take); LevelError for a level-aware set: use :attr:`galois_levels`."""
+        if self.leveled or set(self.galois_levels) != {self.kit.top}:
+            raise LevelError("level-aware keys hold one GaloisKeys per level: use galois_levels")
+        return self.galois_levels[self.kit.top]
+
     def rotation_key(self, step: int, level: int) -> tuple[seal.sa.Evaluator, seal.sa.GaloisKeys]:
         """(evaluator of the key's chain, Galois keys) for rotating a ciphertext at ``level`` by ``step``.
 
@@ -65,7 +73,7 @@ class ServerKeys:
             raise KeyMismatchError(f"no Galois key for step {step}")
         if level > key_level:
             raise LevelError(f"rotation by {step} at level {level}: its key serves levels <= {key_level}")
-        return self.kit.key_context(key_level).evaluator, self.galois[key_level]
+        return self.kit.key_context(key_level).evaluator, self.galois_levels[key_level]
 
     def relin_key(self, level: int) -> tuple[seal.sa.Evaluator, seal.sa.RelinKeys]:
         """(evaluator of the key's chain, relinearization keys) for a ciphertext at ``level``."""

@@ -205,9 +205,9 @@ def parse_server_keys(blobs: Mapping[str, bytes], params: CKKSParams, rotation_s
 def _objects(keys: ServerKeys) -> dict[str, object]:
     """The loaded key objects by upload name (the inverse of the naming in :func:`expected_blobs`)."""
     if not keys.leveled:
-        return {"public_key": keys.public, "relin_keys": keys.relin, "galois_keys": keys.galois[keys.kit.top]}
+        return {"public_key": keys.public, "relin_keys": keys.relin, "galois_keys": keys.galois}
     return {"public_key": keys.public, level_blob_name("relin_keys", keys.levels.relin): keys.relin,
-            **{level_blob_name("galois_keys", lv): gk for lv, gk in keys.galois.items()}}
+            **{level_blob_name("galois_keys", lv): gk for lv, gk in keys.galois_levels.items()}}
 
 
 def keys_from_payloads(payloads: Mapping[str, bytes], kit: seal.Kit, rotation_steps: Iterable[int] | KeyLevels, *,

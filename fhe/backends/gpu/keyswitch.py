@@ -1,0 +1,90 @@
+"""SEAL's key switching (``Evaluator::switch_key_inplace``) and hoisted rotations on top of it.
+
+Key switching a polynomial ``t`` (NTT form, L data primes) with a key of K decomposition components:
+
+1. digits: d_J = INTT_J(t_J) in [0, q_J) for J < L (SEAL's representatives);
+2. each digit reduced into all L+1 primes (data + special) and NTT'd there: D[J, i];
+3. acc_k[i] = sum_J D[J, i] * key[J]_k[i] mod q_i for the key's two polynomials k;
+4. the special prime is divided out with rounding (:func:`drop_last_rounded`).
+
+Hoisting (several Galois elements of one input): steps 1-2 run once on c1. A Galois automorphism is a
+slot permutation in NTT form but a *signed* permutation of coefficients, and SEAL's digit of a negated
+coefficient is q_J - d, not -d: permuting the hoisted digits misses ``q_J`` at every negated position.
+We add it back exactly: ``sum_J q_J key[J]`` times the NTT of the negated positions' indicator (both
+cached per step and level), valid when no digit coefficient is 0 (else -0 = 0 needs no fix and we fall
+back to the plain path; probability ~ N L / 2^50). The result is bit-identical to rotating one by one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fhe.backends.gpu.modarith import addmod, mulmod
+from fhe.backends.gpu.rns import LevelTables, drop_last_rounded, intt, ntt, summod
+
+
+def decompose(t: torch.Tensor, lt: LevelTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [L, N]`` NTT form -> (digits d [L, N] coefficient form, D [L, L+1, N] NTT form in every prime)."""
+    d = intt(t, lt.data)                                              # [L, N] in [0, q_J)
+    expanded = torch.remainder(d.unsqueeze(1), lt.ext.primes)        # [L, L+1, N]
+    return d, ntt(expanded, lt.ext)
+
+
+def inner_product(D: torch.Tensor, key: torch.Tensor, lt: LevelTables) -> torch.Tensor:
+    """acc [2, L+1, N] = sum_J D[J] * key[J] over the ext rows; ``key [K, 2, K+1, N]`` (all rows)."""
+    lev = D.shape[0]
+    q = lt.ext.primes
+    if D.is_cuda:
+        from fhe.backends.gpu import triton_ops
+
+        return triton_ops.inner_product(D.contiguous(), key, q.view(-1).contiguous())
+    data = mulmod(D[:, None, :lev], key[:lev, :, :lev], q[:lev], None)        # [L, 2, L, N]
+    spec = mulmod(D[:, None, lev:], key[:lev, :, -1:], q[lev:], None)          # [L, 2, 1, N]
+    return torch.cat((summod(data, q[:lev]), summod(spec, q[lev:])), dim=1)
+
+
+def finish(acc: torch.Tensor, lt: LevelTables) -> torch.Tensor:
+    """Divide the special prime out of ``acc [2, L+1, N]`` with rounding -> [2, L, N]."""
+    return drop_last_rounded(acc, lt.data, lt.special, lt.inv_p)
+
+
+def switch_key(t: torch.Tensor, key: torch.Tensor, lt: LevelTables) -> torch.Tensor:
+    """Key switch ``t [L, N]`` (NTT form) with ``key`` -> the pair [2, L, N] to add to (c0, c1)."""
+    _, D = decompose(t, lt)
+    return finish(inner_product(D, key, lt), lt)
+
+
+def negated_positions(galois_elt: int, n: int) -> torch.Tensor:
+    """[N] 0/1 indicator of the coefficients x^k that sigma_g fills with a negated source coefficient."""
+    k = (torch.arange(n, dtype=torch.int64) * galois_elt) % (2 * n)
+    out = torch.zeros(n, dtype=torch.int64)
+    out[k[k >= n] - n] = 1
+    return out
+
+
+def hoisted_correction(key: torch.Tensor, neg: torch.Tensor, lt: LevelTables) -> torch.Tensor:
+    """[2, L+1, N]: NTT_i(indicator) * sum_J (q_J mod q_i) key[J]_k[i] (see the module docstring)."""
+    lev = len(lt.q_ext_ints) - 1
+    q = lt.ext.primes
+    qj = torch.tensor([[qJ % qi for qi in lt.q_ext_ints] for qJ in lt.q_ext_ints[:lev]],
+                      dtype=torch.int64, device=key.device)                    # [L, L+1]
+    rows = torch.cat((key[:lev, :, :lev], key[:lev, :, -1:]), dim=2)          # [L, 2, L+1, N]
+    weighted = summod(mulmod(rows, qj[:, None, :, None], q, None), q)          # [2, L+1, N]
+    ind = ntt(neg.to(key.device).expand(lev + 1, -1).contiguous(), lt.ext)    # [L+1, N]
+    return mulmod(weighted, ind, q)
+
+
+def hoisted_switch(D: torch.Tensor, perm: torch.Tensor, key: torch.Tensor, corr: torch.Tensor,
+                   lt: LevelTables) -> torch.Tensor:
+    """Key switch of sigma(c1) from c1's hoisted digits ``D``: permute, multiply, add the fix, finish."""
+    if D.is_cuda:
+        from fhe.backends.gpu import triton_ops
+
+        acc = triton_ops.inner_product(D, key, lt.ext.primes.view(-1).contiguous(), perm)
+    else:
+        acc = inner_product(D[..., perm], key, lt)
+    return finish(addmod(acc, corr, lt.ext.primes), lt)
+
+
+__all__ = ["decompose", "finish", "hoisted_correction", "hoisted_switch", "inner_product",
+           "negated_positions", "switch_key"]

@@ -1,0 +1,154 @@
+"""Triton kernels for the CUDA path: NTT/INTT stages, row-wise mulmod, the key-switching inner product.
+
+Each kernel has a typed launcher below that checks dtypes, shapes and contiguity and picks the grid;
+the torch functions of :mod:`fhe.backends.gpu.ntt`, :mod:`fhe.backends.gpu.modarith` and
+:mod:`fhe.backends.gpu.keyswitch` are the references (and dispatch here for CUDA tensors).
+
+Layout: data ``[..., P, N]`` int64 contiguous, seen as ``rows = numel / N`` rows; row r is reduced
+modulo prime ``q[r % P]``. The modular product is the torch reference's (float64 quotient estimate on
+30-bit halves, exact after one correction each way), in registers: no 128-bit constants needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit
+def _mulmod_small(a, s, q, qinv):
+    est = tl.floor(a.to(tl.float64) * s.to(tl.float64) * qinv).to(tl.int64)
+    r = a * s - est * q
+    r = tl.where(r < 0, r + q, r)
+    return tl.where(r >= q, r - q, r)
+
+
+@triton.jit
+def _mulmod(a, b, q, qinv):
+    hi = _mulmod_small(a, b >> 30, q, qinv)
+    hi = _mulmod_small(hi, tl.full(hi.shape, 1 << 30, tl.int64), q, qinv)
+    lo = _mulmod_small(a, b & ((1 << 30) - 1), q, qinv)
+    s = hi + lo
+    return tl.where(s >= q, s - q, s)
+
+
+@triton.jit
+def _ntt_stage(x_ptr, w_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(1)
+    p = row % P
+    q = tl.load(q_ptr + p)
+    qinv = 1.0 / q.to(tl.float64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)          # butterfly index in [0, N/2)
+    mask = offs < N // 2
+    i = offs // gap
+    idx = i * 2 * gap + offs % gap
+    base = x_ptr + row.to(tl.int64) * N
+    u = tl.load(base + idx, mask=mask)
+    v = tl.load(base + idx + gap, mask=mask)
+    w = tl.load(w_ptr + p.to(tl.int64) * N + m + i, mask=mask)
+    if INVERSE:                                                      # Gentleman-Sande
+        s = u + v
+        s = tl.where(s >= q, s - q, s)
+        d = u - v
+        d = tl.where(d < 0, d + q, d)
+        d = _mulmod(d, w, q, qinv)
+    else:                                                            # Cooley-Tukey (Harvey's order)
+        t = _mulmod(v, w, q, qinv)
+        s = u + t
+        s = tl.where(s >= q, s - q, s)
+        d = u - t
+        d = tl.where(d < 0, d + q, d)
+    tl.store(base + idx, s, mask=mask)
+    tl.store(base + idx + gap, d, mask=mask)
+
+
+@triton.jit
+def _mulmod_rows(a_ptr, b_ptr, out_ptr, q_ptr, P, N, B_SCALAR: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(1)
+    p = row % P
+    q = tl.load(q_ptr + p)
+    qinv = 1.0 / q.to(tl.float64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    a = tl.load(a_ptr + row.to(tl.int64) * N + offs, mask=mask)
+    if B_SCALAR:
+        b = tl.load(b_ptr + p)
+    else:
+        b = tl.load(b_ptr + row.to(tl.int64) * N + offs, mask=mask)
+    tl.store(out_ptr + row.to(tl.int64) * N + offs, _mulmod(a, b, q, qinv), mask=mask)
+
+
+@triton.jit
+def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N,
+                   PERMUTE: tl.constexpr, BLOCK: tl.constexpr):
+    """out[c, r] = sum_J D[J, r, perm] * key[J, c, krow(r)] mod q_r; krow = r, or K (special) for r = L."""
+    r = tl.program_id(1)
+    c = tl.program_id(2)
+    q = tl.load(q_ptr + r)
+    qinv = 1.0 / q.to(tl.float64)
+    krow = tl.where(r == L, K1 - 1, r)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    if PERMUTE:
+        src = tl.load(perm_ptr + offs, mask=mask)
+    else:
+        src = offs
+    acc = tl.zeros((BLOCK,), tl.int64)
+    for j in range(L):
+        d = tl.load(d_ptr + (j * R + r).to(tl.int64) * N + src, mask=mask)
+        k = tl.load(key_ptr + ((j * 2 + c) * K1 + krow).to(tl.int64) * N + offs, mask=mask)
+        acc += _mulmod(d, k, q, qinv)
+        acc = tl.where(acc >= q, acc - q, acc)
+    tl.store(out_ptr + (c * R + r).to(tl.int64) * N + offs, acc, mask=mask)
+
+
+def _check(x: torch.Tensor, what: str) -> None:
+    assert x.is_cuda and x.dtype == torch.int64 and x.is_contiguous(), f"{what}: need contiguous CUDA int64"
+
+
+def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """In-place (I)NTT butterflies of ``x [..., P, N]``; ``roots [P, N]`` (inverse roots if ``inverse``).
+
+    The N^-1 factor of the inverse is left to the caller (:func:`mulmod_rows` with a scalar).
+    """
+    _check(x, "ntt")
+    p, n = roots.shape
+    assert x.shape[-2:] == (p, n) and primes.numel() == p, (x.shape, roots.shape)
+    rows = x.numel() // n
+    grid = (triton.cdiv(n // 2, BLOCK), rows)
+    stages = [(1 << s, n >> (s + 1)) for s in range(n.bit_length() - 1)]
+    for m, gap in (reversed(stages) if inverse else stages):
+        _ntt_stage[grid](x, roots, primes, p, n, m, gap, INVERSE=inverse, BLOCK=BLOCK)
+    return x
+
+
+def mulmod_rows(a: torch.Tensor, b: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:
+    """a * b mod q_row for ``a [..., P, N]`` and ``b`` of a's shape, or ``b [P]`` (one scalar per prime)."""
+    _check(a, "mulmod a")
+    _check(b, "mulmod b")
+    p, n = a.shape[-2], a.shape[-1]
+    scalar = b.shape != a.shape
+    assert (not scalar or b.numel() == p) and primes.numel() == p, (a.shape, b.shape, primes.shape)
+    out = torch.empty_like(a)
+    _mulmod_rows[(triton.cdiv(n, BLOCK), a.numel() // n)](a, b, out, primes, p, n, B_SCALAR=scalar, BLOCK=BLOCK)
+    return out
+
+
+def inner_product(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor,
+                  perm: torch.Tensor | None = None) -> torch.Tensor:
+    """``D [L, L+1, N]`` (digits in every ext prime), ``key [K, 2, K+1, N]`` -> ``[2, L+1, N]``."""
+    _check(D, "digits")
+    _check(key, "key")
+    lev, r, n = D.shape
+    assert r == lev + 1 and key.shape[1] == 2 and key.shape[3] == n and primes.numel() == r, (D.shape, key.shape)
+    out = torch.empty((2, r, n), dtype=torch.int64, device=D.device)
+    src = perm if perm is not None else D
+    _inner_product[(triton.cdiv(n, BLOCK), r, 2)](D, src, key, primes, out, lev, r, key.shape[2], n,
+                                                   PERMUTE=perm is not None, BLOCK=BLOCK)
+    return out
+
+
+__all__ = ["inner_product", "mulmod_rows", "ntt_"]

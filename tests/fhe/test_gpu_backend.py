@@ -1,0 +1,148 @@
+"""The gpu backend's torch reference (fhe/backends/gpu) against SEAL, bit for bit, on the same inputs.
+
+Every protocol operation that needs no encoding randomness is compared residue by residue with what
+tenseal.sealapi computes from the same ciphertexts and keys (N = 8192 here: fast; the default
+parameters in test_gpu_backend_full.py). The CUDA kernels are checked against this reference on the
+GPU machine (test_gpu_backend_cuda.py).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import tenseal.sealapi as sa
+import torch
+
+from fhe.backends import evaluator_for
+from fhe.backends.gpu import GpuEvaluator, sealio
+from fhe.backends.gpu.modarith import mulmod
+from fhe.backends.gpu.ntt import NTTTables, intt, ntt
+from fhe.backends.seal import hazmat as seal
+from fhe.backends.seal.keys import CKKSClient
+from fhe.errors import KeyMismatchError, LevelError, ShapeError, WireError
+from fhe.params import CKKSParams
+
+P = CKKSParams(8192, (60, 40, 40, 60), 40)
+STEPS = (1, 5, P.slots - 3)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    client = CKKSClient(P, STEPS)
+    ev = GpuEvaluator(P, device="cpu")
+    keys = ev.load_keys(dict(client.public_blobs), STEPS)
+    rng = np.random.default_rng(7)
+    a, b = (client.encrypt(rng.uniform(-1, 1, P.slots)) for _ in range(2))
+    return client, client.server_keys(), ev, keys, a, b
+
+
+def same(ev: GpuEvaluator, ours, theirs) -> bool:
+    """Residues, level and scale of our ciphertext equal SEAL's."""
+    raw = sealio.read_ciphertext(seal.to_bytes(theirs), P.poly_modulus_degree, ev.top)
+    return np.array_equal(ev.to_raw(ours).data, raw.data) and ours.scale == raw.scale
+
+
+def test_registered_and_named():
+    ev = evaluator_for(P, "gpu")
+    assert ev.name == "gpu" and ev.params == P and (ev.slots, ev.top) == (P.slots, 3)
+
+
+def test_mulmod_is_exact_for_60_bit_primes():
+    rnd = random.Random(1)
+    for bits in (30, 40, 50, 60):
+        q = rnd.getrandbits(bits) | (1 << (bits - 1)) | 1
+        a = [rnd.randrange(q) for _ in range(4000)] + [0, 1, q - 1, q - 1]
+        b = [rnd.randrange(q) for _ in range(4000)] + [q - 1, q - 1, 1, q - 1]
+        got = mulmod(torch.tensor(a), torch.tensor(b), torch.tensor(q)).tolist()
+        assert got == [x * y % q for x, y in zip(a, b, strict=True)]
+
+
+def test_ntt_is_seals(setup):
+    client, _, ev, _, a, _ = setup
+    coeffs = sa.Ciphertext()
+    client.kit.evaluator.transform_from_ntt(a, coeffs)
+    arr = coeffs.dyn_array()
+    want = torch.tensor([arr.at(i) for i in range(arr.size())], dtype=torch.int64).view(2, 3, -1)
+    tab = NTTTables.build(client.kit.primes, P.poly_modulus_degree)
+    ours = ev.deserialize(seal.to_bytes(a)).data
+    assert torch.equal(intt(ours, tab), want) and torch.equal(ntt(want, tab), ours)
+
+
+def test_add_mul_plain_rescale_mod_switch(setup):
+    client, _, ev, _, a, b = setup
+    kit = client.kit
+    A, B = ev.deserialize(seal.to_bytes(a)), ev.deserialize(seal.to_bytes(b))
+    assert same(ev, ev.add(A, B), kit.add(a, b))
+    values = np.linspace(-1, 1, P.slots)
+    pt, PT = kit.encode(values, 3, kit.prime(3)), ev.encode(values, 3, kit.prime(3))
+    assert same(ev, ev.add_plain(A, ev.encode(values, 3, ev.scale)), kit.add_plain_values(a, values))
+    m, M = kit.mul_plain(a, pt), ev.mul_plain(A, PT)
+    assert same(ev, M, m)
+    r = sa.Ciphertext()
+    kit.evaluator.rescale_to_next(m, r)
+    assert same(ev, ev.rescale(M), r)
+    assert same(ev, ev.mod_switch(A, 1), kit.drop_to(a, 1))
+    assert same(ev, ev.dot_plain([(A, PT), (B, PT)]), kit.dot_plain([(a, pt), (b, pt)]))
+
+
+def test_mul_square_relinearize(setup):
+    client, server, ev, keys, a, b = setup
+    kit = client.kit
+    A, B = ev.deserialize(seal.to_bytes(a)), ev.deserialize(seal.to_bytes(b))
+    c, C = kit.mul(a, b), ev.mul(A, B)
+    assert same(ev, C, c)
+    r = sa.Ciphertext()
+    kit.evaluator.relinearize(c, server.relin, r)
+    assert same(ev, ev.relinearize(C, keys), r)
+    sq = sa.Ciphertext()
+    kit.evaluator.square(a, sq)
+    assert same(ev, ev.square(A), sq)
+    low = kit.drop_to(c, 2)                                   # key switching below the top level
+    kit.evaluator.relinearize(low, server.relin, r)
+    assert same(ev, ev.relinearize(ev.mod_switch(C, 2), keys), r)
+
+
+@pytest.mark.parametrize("level", [3, 2, 1])
+def test_rotations_and_hoisting(setup, level):
+    client, server, ev, keys, a, _ = setup
+    kit = client.kit
+    a = kit.drop_to(a, level)
+    A = ev.deserialize(seal.to_bytes(a))
+    many = ev.rotate_many(A, [1, 5, -3, 0], keys)
+    for step in (1, 5, -3):
+        want = kit.rotate(a, step, server.galois)
+        assert same(ev, ev.rotate(A, step, keys), want)
+        assert same(ev, many[step], want)                    # hoisted == one by one == SEAL
+    assert many[0] is A and ev.rotate(A, 0, keys) is A
+
+
+def test_results_decrypt_on_the_seal_client(setup):
+    client, _, ev, keys, _, _ = setup
+    x = np.random.default_rng(3).uniform(-1, 1, P.slots)
+    A = ev.deserialize(client.encrypt_bytes(x))             # seeded upload: expanded through SEAL
+    out = seal.from_bytes("ciphertext", client.kit, ev.serialize(ev.rotate(A, 5, keys)))
+    assert np.abs(client.decrypt(out) - np.roll(x, -5)).max() < 1e-4
+
+
+def test_bad_input_is_typed(setup):
+    client, _, ev, keys, a, b = setup
+    A = ev.deserialize(seal.to_bytes(a))
+    with pytest.raises(WireError):
+        ev.deserialize(b"garbage" * 10)
+    raw = ev.to_raw(A)
+    raw.data = raw.data.copy()
+    raw.data[0, 0, 0] = ev.ctx.primes[0]                     # a residue that is not one
+    with pytest.raises(WireError):
+        ev.deserialize(sealio.write_ciphertext(raw))
+    with pytest.raises(KeyMismatchError):
+        ev.rotate(A, 2, keys)
+    with pytest.raises(LevelError):
+        ev.add(A, ev.mod_switch(A, 2))
+    with pytest.raises(LevelError):
+        ev.rescale(ev.mod_switch(A, 1))
+    with pytest.raises(ShapeError):
+        ev.add_many([])
+    with pytest.raises(ShapeError):
+        ev.encode(np.ones(P.slots + 1), 3, ev.scale)

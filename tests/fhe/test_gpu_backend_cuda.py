@@ -1,0 +1,71 @@
+"""The gpu backend on CUDA (Triton kernels) against its torch-CPU reference and against SEAL.
+
+Runs on the GPU machine only (marked ``gpu``; CI has no CUDA): N = 8192 for every operation, and the
+shipped parameters (N = 32768, 12 data primes) for the NTT, relinearization and (hoisted) rotations.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fhe.backends.gpu import GpuEvaluator, sealio
+from fhe.backends.gpu.ntt import intt, ntt
+from fhe.backends.seal import hazmat as seal
+from fhe.backends.seal.keys import CKKSClient
+from fhe.params import CKKSParams, ckks_params_for
+
+pytestmark = pytest.mark.gpu
+
+
+def _check(params: CKKSParams, steps: tuple[int, ...]) -> None:
+    client = CKKSClient(params, steps)
+    server, kit = client.server_keys(), client.kit
+    ev = GpuEvaluator(params, device="cuda")
+    keys = ev.load_keys(dict(client.public_blobs), steps)
+
+    def same(ours, theirs) -> bool:
+        raw = sealio.read_ciphertext(seal.to_bytes(theirs), params.poly_modulus_degree, ev.top)
+        return bool(np.array_equal(ev.to_raw(ours).data, raw.data)) and ours.scale == raw.scale
+
+    rng = np.random.default_rng(1)
+    a, b = (client.encrypt(rng.uniform(-1, 1, params.slots)) for _ in range(2))
+    A, B = ev.deserialize(seal.to_bytes(a)), ev.deserialize(seal.to_bytes(b))
+    top = ev.top
+    pt, PT = kit.encode(np.ones(params.slots) * 0.5, top, kit.prime(top)), ev.encode(
+        np.ones(params.slots) * 0.5, top, kit.prime(top))
+    m = kit.mul_plain(a, pt)
+    assert same(ev.add(A, B), kit.add(a, b)) and same(ev.mul_plain(A, PT), m)
+    assert same(ev.rescale(ev.mul_plain(A, PT)), kit.relin_rescale(m, None))
+    c = kit.mul(a, b)
+    assert same(ev.mul(A, B), c)
+    assert same(ev.relinearize(ev.mul(A, B), keys), _relin(kit, c, server))
+    many = ev.rotate_many(A, steps, keys)
+    for s in steps:
+        want = kit.rotate(a, s, server.galois)
+        assert same(ev.rotate(A, s, keys), want) and same(many[s], want)
+
+
+def _relin(kit, c, server):
+    out = seal.sa.Ciphertext()
+    kit.evaluator.relinearize(c, server.relin, out)
+    return out
+
+
+def test_triton_ntt_matches_the_torch_reference():
+    params = ckks_params_for("sqexp", 6)
+    cpu, gpu = GpuEvaluator(params, device="cpu"), GpuEvaluator(params, device="cuda")
+    q = cpu.ctx.tables.primes
+    x = torch.remainder(torch.randint(0, 1 << 62, (2, q.shape[0], params.poly_modulus_degree)), q)
+    want = ntt(x, cpu.ctx.tables)
+    assert torch.equal(ntt(x.cuda(), gpu.ctx.tables).cpu(), want)
+    assert torch.equal(intt(want.cuda(), gpu.ctx.tables).cpu(), x)
+
+
+def test_every_operation_at_n8192():
+    _check(CKKSParams(8192, (60, 40, 40, 60), 40), (1, 5, 4093))
+
+
+def test_key_switching_at_the_shipped_parameters():
+    _check(ckks_params_for("sqexp", 6), (1, 64))

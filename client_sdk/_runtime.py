@@ -21,6 +21,7 @@ same registered key and the positions so far are replayed — keys are never upl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import time
@@ -178,14 +179,14 @@ class PrivateRuntime:
 
     def make_keys(self, man: proto.Manifest) -> None:
         """CKKS keys for the plan (the secret stays in ``self.ckks``); the public part registered once."""
-        from fhe.attention import BlockClient, required_rotation_steps
+        from fhe.attention import BlockClient, required_key_levels
         from fhe.params import CKKSParams
 
         params = CKKSParams.from_dict(man.ckks)
-        steps: set[int] = set()
-        for kind, sq in set(man.approx.values()):
-            steps |= set(required_rotation_steps(self.model.config, params, kind, sq))
-        self.ckks, upload = self._key_set(params, tuple(sorted(steps)))
+        # each key at the level where the server's blocks use it (what the server requires)
+        levels = functools.reduce(lambda a, b: a.merge(b), (required_key_levels(self.model.config, params, kind, sq)
+                                                            for kind, sq in sorted(set(man.approx.values()))))
+        self.ckks, upload = self._key_set(params, levels)
         self.blocks = {i: BlockClient.for_model(self.ckks, self.model.config, kind, sq)
                        for i, (kind, sq) in man.approx.items()}
         self.fingerprint = hashlib.sha256(upload).hexdigest()
@@ -197,8 +198,11 @@ class PrivateRuntime:
         proto.check_registered(reply.json(), self.fingerprint)
         self.upload_bytes = len(upload)
 
-    def _key_set(self, params: Any, steps: tuple[int, ...]) -> tuple[Any, bytes]:
-        """(CKKSClient, upload bytes): from the key store when it holds a fitting key, else generated."""
+    def _key_set(self, params: Any, levels: Any) -> tuple[Any, bytes]:
+        """(CKKSClient, upload bytes): from the key store when it holds a fitting key, else generated.
+
+        ``levels`` is the plan's :class:`fhe.params.KeyLevels`. A stored key set without level-aware keys
+        (an older SDK's) does not fit and is refused by the server; it is reported, never uploaded."""
         from client_sdk._keystore_errors import KeyStoreNotFoundError
         from client_sdk.keystore import KeyMaterial
         from fhe import wire
@@ -206,10 +210,11 @@ class PrivateRuntime:
         from fhe.envelope import pack_key_upload, parse_key_upload
 
         made: list[CKKSClient] = []
+        steps = levels.steps
 
         def generate() -> KeyMaterial:
             self._report("key generation", 0, len(steps), "")
-            made.append(CKKSClient(params, steps))
+            made.append(CKKSClient(params, steps, levels=levels))
             self._report("key generation", len(steps), len(steps), "")
             return KeyMaterial(made[0].unsafe_export_secret(), pack_key_upload(wire.dump_public_keys(made[0])))
 
@@ -223,7 +228,10 @@ class PrivateRuntime:
             return made[0], handle.public_material()
         upload = handle.public_material()
         blobs = wire.unpack_public_keys(parse_key_upload(upload, 1 << 34), params)
-        return CKKSClient.restore(params, steps, handle.secret_material(), blobs), upload
+        if set(blobs) != set(wire.expected_blobs(levels)):
+            raise PrivateModeError(f"the key store's key {self.key_id!r} was made without the level-aware keys "
+                                   "this plan needs; use another key id or delete it to generate a new one")
+        return CKKSClient.restore(params, steps, handle.secret_material(), blobs, levels=levels), upload
 
     def _report(self, stage: str, done: int, total: int | None, unit: str = "B") -> None:
         if self.progress is not None:

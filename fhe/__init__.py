@@ -8,7 +8,13 @@ the block does not load a library.
 """
 
 from fhe.approx import ScoreApprox
-from fhe.attention import BlockClient, EncryptedAttentionLayer, EncryptedKVCache, required_rotation_steps
+from fhe.attention import (
+    BlockClient,
+    EncryptedAttentionLayer,
+    EncryptedKVCache,
+    required_key_levels,
+    required_rotation_steps,
+)
 from fhe.bundle import BundleError, read_bundle, write_bundle
 from fhe.envelope import Envelope, EnvelopeError
 from fhe.errors import (
@@ -20,7 +26,7 @@ from fhe.errors import (
     WireError,
 )
 from fhe.evaluator import EvalKeys, Evaluator, KeyHolder
-from fhe.params import CKKSParams, ckks_params_for
+from fhe.params import CKKSParams, KeyLevels, ckks_params_for
 from fhe.plan import LayerPlan, Plan, PlanError
 from fhe.simulator import SimulatedBackend, finish, simulate_block
 
@@ -51,6 +57,7 @@ __all__ = [
     "Evaluator",
     "FHEError",
     "KeyHolder",
+    "KeyLevels",
     "KeyMismatchError",
     "LayerPlan",
     "Plan",
@@ -65,6 +72,7 @@ __all__ = [
     "evaluator_for",
     "finish",
     "read_bundle",
+    "required_key_levels",
     "required_rotation_steps",
     "simulate_block",
     "write_bundle",

@@ -37,11 +37,11 @@ from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, add_plain_values, che
 from fhe.geometry import Geometry
 from fhe.kv_cache import EncryptedKVCache
 from fhe.linalg import rotate_sum
-from fhe.params import CKKSParams
+from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import LayerPlan, Plan
 from fhe.simulator import block_weights
 from fhe.sizing import OUTPUT_HEADROOM_BITS, Extent, base_max, fold_scores, value_gain
-from fhe.weight_maps import BlockMaps, required_rotation_steps
+from fhe.weight_maps import BlockMaps, block_key_levels, required_key_levels, required_rotation_steps
 
 
 class EncryptedAttentionLayer:
@@ -139,13 +139,18 @@ class EncryptedAttentionLayer:
     def rotation_steps(self) -> set[int]:
         return self.maps.rotation_steps(self.geo)
 
+    @property
+    def key_levels(self) -> KeyLevels:
+        """Which key is made at which level (the client generates exactly these; the server requires them)."""
+        return block_key_levels(self.geo, self.maps)
+
     def new_cache(self) -> EncryptedKVCache:
         """An empty per-session cache for this layer (holds up to ``max_tokens``)."""
         return EncryptedKVCache(self.geo.layout.block_tokens, self.max_tokens, evaluator=self.ev)
 
     # --- evaluation ------------------------------------------------------------------------
     def forward(self, cache: EncryptedKVCache, ct: Ciphertext, position: int, keys: EvalKeys) -> Ciphertext:
-        """One token: input ciphertext (client layout) at ``position`` -> output ciphertext (y, z).
+        """One token: input ciphertext (client layout) at ``position`` -> output ciphertext (y, z) at level 1.
 
         The token's K/V are appended to ``cache`` (``position`` must equal ``cache.length``).
         """
@@ -156,7 +161,9 @@ class EncryptedAttentionLayer:
         check_fresh(self.ev, keys, ct)
         q, k0, v0 = self._project(ct, position, keys)
         self._insert(cache, k0, v0, keys)
-        return self._attend(cache, q, keys)
+        # the client only decrypts: the lowest level is the smallest download (a no-op when the block's
+        # depth uses the whole chain, as the shipped plans do)
+        return self.ev.mod_switch(self._attend(cache, q, keys), 1)
 
     def prefill(self, cache: EncryptedKVCache, cts: list[Ciphertext], start: int,
                 keys: EvalKeys) -> list[Ciphertext]:
@@ -270,4 +277,5 @@ def _default_evaluator(params: CKKSParams) -> Evaluator:
     return evaluator_for(params)
 
 
-__all__ = ["BlockClient", "EncryptedAttentionLayer", "EncryptedKVCache", "Geometry", "required_rotation_steps"]
+__all__ = ["BlockClient", "EncryptedAttentionLayer", "EncryptedKVCache", "Geometry", "required_key_levels",
+           "required_rotation_steps"]

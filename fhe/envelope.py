@@ -24,6 +24,8 @@ import struct
 
 import rfc8785
 
+from fhe.fingerprint import blob_order
+
 MAGIC = b"CLMF"
 ENVELOPE_VERSION = 1
 MAX_HEADER_BYTES = 4096
@@ -159,8 +161,9 @@ def _check_key_header(head: object) -> tuple[list[str], list[int]]:
 
 
 def pack_key_upload(blobs: dict[str, bytes]) -> bytes:
-    """One upload body from the public key blobs (``fhe.backends.seal.wire.dump_public_keys``); fixed order."""
-    names = [n for n in KEY_NAMES if n in blobs]
+    """One upload body from the public key blobs (``fhe.backends.seal.wire.dump_public_keys``), in
+    :func:`fhe.fingerprint.blob_order` (level-aware names such as ``galois_keys@12`` included)."""
+    names = blob_order(blobs)
     head = rfc8785.dumps({"v": ENVELOPE_VERSION, "names": names, "sizes": [len(blobs[n]) for n in names]})
     return _PREFIX.pack(KEY_MAGIC, ENVELOPE_VERSION, len(head)) + head + b"".join(blobs[n] for n in names)
 
@@ -168,8 +171,8 @@ def pack_key_upload(blobs: dict[str, bytes]) -> bytes:
 def parse_key_upload(body: bytes, max_total_bytes: int) -> dict[str, bytes]:
     """Split an upload into named blobs (bounds and names checked; blob contents untouched).
 
-    Any name other than the three public ones — a ``secret_key`` above all — is kept, so the caller
-    can refuse it explicitly.
+    Any name other than the public ones (:func:`fhe.fingerprint.split_blob_name`) — a ``secret_key``
+    above all — is kept, so the caller can refuse it explicitly.
     """
     if len(body) > max_total_bytes:
         raise EnvelopeError(f"key upload of {len(body)} bytes exceeds {max_total_bytes}", too_large=True)

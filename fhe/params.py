@@ -113,3 +113,65 @@ def ckks_params_for(kind: str, squarings: int = 6) -> CKKSParams:
             if sum(bits) <= HE_STANDARD_128[n]:
                 return CKKSParams(n, bits, scale)
     raise ParameterError(f"depth {depth} does not fit any 128-bit ring with scale >= 2^{MIN_SCALE_BITS}")
+
+
+@dataclass(frozen=True)
+class KeyLevels:
+    """At which level each evaluation key is made: one Galois key per rotation step, one relinearization
+    key.
+
+    A key made in a context whose prime chain stops at level L (data primes q_0..q_{L-1} plus the special
+    prime) switches any ciphertext at a level <= L, and is smaller and as fast as the full key there
+    (its RNS rows for q_L.. are never read). A step used at several levels gets the highest of them.
+    Levels count data primes, as everywhere (fresh = ``depth + 1``).
+
+    Attributes:
+        galois: (step, level) pairs, steps mod S without 0, sorted by step.
+        relin: level of the relinearization key.
+    """
+
+    galois: tuple[tuple[int, int], ...]
+    relin: int
+
+    @classmethod
+    def build(cls, params: CKKSParams, galois: dict[int, int], relin: int) -> KeyLevels:
+        """Normalize steps mod S (a step given twice keeps its highest level) and check every level."""
+        top = params.depth + 1
+        merged: dict[int, int] = {}
+        for step, level in galois.items():
+            s = int(step) % params.slots
+            if s:
+                merged[s] = max(merged.get(s, 0), int(level))
+        levels = KeyLevels(tuple(sorted(merged.items())), int(relin))
+        bad = [lv for lv in [*merged.values(), levels.relin] if not 1 <= lv <= top]
+        if bad:
+            raise ParameterError(f"key levels {sorted(set(bad))} outside 1..{top}")
+        return levels
+
+    @classmethod
+    def full(cls, params: CKKSParams, steps) -> KeyLevels:
+        """Every key at the top level (what a key set without level-aware keys amounts to)."""
+        top = params.depth + 1
+        return cls.build(params, {int(s): top for s in steps}, top)
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        return tuple(s for s, _ in self.galois)
+
+    def level_of(self, step: int) -> int | None:
+        """The level of ``step``'s key (step already mod S), or None if the set has no such key."""
+        return dict(self.galois).get(step)
+
+    def levels(self) -> tuple[int, ...]:
+        """Distinct Galois-key levels, highest first."""
+        return tuple(sorted({lv for _, lv in self.galois}, reverse=True))
+
+    def steps_at(self, level: int) -> tuple[int, ...]:
+        return tuple(s for s, lv in self.galois if lv == level)
+
+    def merge(self, other: KeyLevels) -> KeyLevels:
+        """The levels serving both (per step and for the relinearization key: the higher)."""
+        galois = dict(self.galois)
+        for s, lv in other.galois:
+            galois[s] = max(galois.get(s, 0), lv)
+        return KeyLevels(tuple(sorted(galois.items())), max(self.relin, other.relin))

@@ -14,7 +14,7 @@ from fhe.geometry import Geometry
 from fhe.linalg import HybridMatvec, SlotMap, Steps
 from fhe.linalg import rotate_sum_steps as _rs_steps
 from fhe.packing import BandLayout
-from fhe.params import CKKSParams
+from fhe.params import CKKSParams, KeyLevels
 
 
 def _rope_triples(lay: BandLayout, src_of: np.ndarray, heads: np.ndarray):
@@ -115,14 +115,58 @@ class BlockMaps:
         steps |= {-1, -lay.num_heads, lay.num_heads}                      # GQA expand, copy/roll, row sums
         return {s % geo.params.slots for s in steps} - {0}
 
+    def rotation_levels(self, geo: Geometry) -> dict[int, int]:
+        """Step (mod S) -> the highest level at which the block rotates by it: the level its Galois key is
+        made at (:class:`fhe.params.KeyLevels`). Follows ``EncryptedAttentionLayer``: a slot map rotates at
+        its input level and rescales after; a matvec folds after that rescale."""
+        lay, top, lqk, lp = geo.layout, geo.top, geo.level_qk, geo.level_p
+        uses = [
+            (self.qk.map.rotation_steps, top),                                   # projection diagonals
+            (_rs_steps(self.qk.window, self.qk.fold), top - 1),                  # its folds
+            (self.q_rope.map.rotation_steps | self.k_rope.map.rotation_steps, top - 1),
+            (_rs_steps(-lay.num_heads, lay.block_tokens), lqk),                  # copy q to all rows
+            ({-1, -lay.num_heads}, lqk),                                         # GQA-expand k, roll K
+            (self.v.map.rotation_steps, lp + 2),                                 # V from x at lp + 2
+            (_rs_steps(self.v.window, self.v.fold), lp + 1),
+            (self.v_repack.rotation_steps, lp + 1),
+            ({-1, -lay.num_heads}, lp),                                          # GQA-expand v, roll V
+            (_rs_steps(lay.band, lay.head_dim), lqk - 1),                        # band sums of q * K_b
+            ({lay.num_heads}, lp - 1),                                           # row sums of u and z
+            (self.out.rotation_steps | self.z.rotation_steps, lp - 1),           # output maps
+        ]
+        levels: dict[int, int] = {}
+        for steps, level in uses:
+            for s in steps:
+                s %= geo.params.slots
+                if s:
+                    levels[s] = max(levels.get(s, 0), level)
+        return levels
+
+
+def _ones_maps(geo: Geometry) -> BlockMaps:
+    """The block's maps for all-ones weights: their structure (steps, levels) depends on shapes only."""
+    lay = geo.layout
+    n_q, n_kv = lay.num_heads * lay.head_dim, lay.num_kv_heads * lay.head_dim
+    ones = np.ones
+    return BlockMaps.build(geo, ones((n_q, lay.hidden)), ones((n_kv, lay.hidden)), ones((n_kv, lay.hidden)),
+                           ones((lay.hidden, n_q)))
+
+
+def block_key_levels(geo: Geometry, maps: BlockMaps) -> KeyLevels:
+    """The block's key levels: every Galois key at its step's highest level, the relinearization key at
+    q.k's level (the highest product: the squarings and p.V come below it)."""
+    return KeyLevels.build(geo.params, maps.rotation_levels(geo), geo.level_qk)
+
+
+def required_key_levels(cfg: ModelConfig, params: CKKSParams, kind: str = "sqexp",
+                        squarings: int = 6) -> KeyLevels:
+    """:func:`required_rotation_steps` with the level of each key (public, weight-independent)."""
+    geo = Geometry.build(cfg, params, kind, squarings)
+    return block_key_levels(geo, _ones_maps(geo))
+
 
 def required_rotation_steps(cfg: ModelConfig, params: CKKSParams, kind: str = "sqexp",
                             squarings: int = 6) -> tuple[int, ...]:
     """Rotation steps (Galois keys) the block needs for this model shape: public, weight-independent."""
     geo = Geometry.build(cfg, params, kind, squarings)
-    lay = geo.layout
-    n_q, n_kv = lay.num_heads * lay.head_dim, lay.num_kv_heads * lay.head_dim
-    ones = np.ones
-    maps = BlockMaps.build(geo, ones((n_q, lay.hidden)), ones((n_kv, lay.hidden)), ones((n_kv, lay.hidden)),
-                           ones((lay.hidden, n_q)))
-    return tuple(sorted(maps.rotation_steps(geo)))
+    return tuple(sorted(_ones_maps(geo).rotation_steps(geo)))

@@ -13,6 +13,8 @@ the inspector's verdict as data (:class:`server.keys.Inspection`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fhe.attention import EncryptedAttentionLayer, EncryptedKVCache
@@ -20,7 +22,7 @@ from fhe.backends.seal import wire
 from fhe.backends.seal.keys import ServerKeys
 from fhe.envelope import parse_key_upload
 from fhe.errors import FHEError
-from fhe.params import CKKSParams
+from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import Plan
 from server.keys import Inspection, inspect_upload
 from server.private.codes import TaskFailure, WorkerCode
@@ -39,7 +41,9 @@ class PrivateCompute:
         self.params = CKKSParams.from_dict(plan.ckks)
         self.layers = {i: EncryptedAttentionLayer(model.model.layers[i], model.rotary, plan.layer(i), model.config,
                                                   self.params, max_tokens) for i in plan.layer_indices}
-        self.steps = sorted(set().union(*(layer.rotation_steps for layer in self.layers.values())))
+        # level-aware keys (docs/protocol.md): uploads must carry each key at the level the blocks use it
+        self.key_levels = functools.reduce(KeyLevels.merge, (layer.key_levels for layer in self.layers.values()))
+        self.steps = list(self.key_levels.steps)
         self.max_key_bytes = 1 << 30
         self.keys: dict[str, ServerKeys] = {}
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
@@ -47,13 +51,13 @@ class PrivateCompute:
     # -- keys --------------------------------------------------------------------------------------
     def inspect_key(self, data: bytes) -> Inspection:
         """The production inspector's verdict on an upload, for this plan's parameters and rotations."""
-        return inspect_upload(data, self.params, self.steps, max_bytes=self.max_key_bytes)
+        return inspect_upload(data, self.params, self.key_levels, max_bytes=self.max_key_bytes)
 
     def load_key(self, fingerprint: str, data: bytes) -> None:
         """Parse a registered upload (screened when it was registered: a failure here is the server's)
         and keep it under its registry fingerprint."""
         blobs = parse_key_upload(data, self.max_key_bytes)
-        self.keys[fingerprint] = wire.load_server_keys(blobs, self.params, self.steps)
+        self.keys[fingerprint] = wire.load_server_keys(blobs, self.params, self.key_levels)
 
     def drop_key(self, fingerprint: str) -> int:
         """Forget a key and every session that used it; returns the sessions dropped."""

@@ -52,7 +52,7 @@ class TinyClient:
     """The client half for the tiny plan: keys, the upload, step envelopes, decryption."""
 
     def __init__(self, model, plan_path: Path) -> None:
-        from fhe.attention import BlockClient, required_rotation_steps
+        from fhe.attention import BlockClient, required_key_levels
         from fhe.backends.seal import wire
         from fhe.backends.seal.keys import CKKSClient
         from fhe.envelope import pack_key_upload
@@ -60,7 +60,8 @@ class TinyClient:
 
         self.model, self.plan = model, Plan.load(plan_path)
         params = CKKSParams.from_dict(self.plan.ckks)
-        self.ckks = CKKSClient(params, required_rotation_steps(model.config, params, "2quad", 6))
+        levels = required_key_levels(model.config, params, "2quad", 6)   # level-aware keys, as the SDK makes
+        self.ckks = CKKSClient(params, levels.steps, levels=levels)
         self.block = BlockClient.for_model(self.ckks, model.config, "2quad", 6)
         self.upload = pack_key_upload(wire.dump_public_keys(self.ckks))
         self.fingerprint = hashlib.sha256(self.upload).hexdigest()

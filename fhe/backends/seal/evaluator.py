@@ -18,7 +18,7 @@ from fhe.backends.seal.hazmat import Ciphertext, Kit, Plaintext
 from fhe.backends.seal.keys import ServerKeys
 from fhe.errors import ShapeError
 from fhe.evaluator import LoopRotations
-from fhe.params import CKKSParams
+from fhe.params import CKKSParams, KeyLevels
 
 sa = seal.sa
 
@@ -100,8 +100,9 @@ class SealEvaluator(LoopRotations):
         return out
 
     def relinearize(self, ct: Ciphertext, keys: ServerKeys) -> Ciphertext:
+        ev, rk = keys.relin_key(ct.coeff_modulus_size())   # the key's own chain: it may stop below the top
         out = sa.Ciphertext()
-        self._ev.relinearize(ct, keys.relin, out)
+        ev.relinearize(ct, rk, out)
         return out
 
     def rescale(self, ct: Ciphertext) -> Ciphertext:
@@ -116,7 +117,12 @@ class SealEvaluator(LoopRotations):
         return self.kit.drop_to(ct, level)
 
     def rotate(self, ct: Ciphertext, step: int, keys: ServerKeys) -> Ciphertext:
-        return self.kit.rotate(ct, step, keys.galois)
+        if step % self.slots == 0:
+            return ct
+        ev, gk = keys.rotation_key(step, ct.coeff_modulus_size())   # the key of the step's level
+        out = sa.Ciphertext()
+        ev.rotate_vector(ct, step % self.slots, gk, out)
+        return out
 
     # --- serialization --------------------------------------------------------------------------------
     def serialize(self, ct: Ciphertext) -> bytes:
@@ -128,9 +134,10 @@ class SealEvaluator(LoopRotations):
             raise ShapeError(f"ciphertext of size {ct.size()} (expected 2)")
         return ct
 
-    def load_keys(self, blobs: Mapping[str, bytes], rotation_steps: Iterable[int]) -> ServerKeys:
+    def load_keys(self, blobs: Mapping[str, bytes], rotation_steps: Iterable[int] | KeyLevels) -> ServerKeys:
         """SEAL payloads by name -> ServerKeys through the upload allow-list (:mod:`fhe.backends.seal.wire`);
-        the keys share this evaluator's context."""
+        the keys share this evaluator's context (and its key-level chains). ``rotation_steps`` may be the
+        plan's :class:`fhe.params.KeyLevels` (level-aware keys)."""
         return wire.keys_from_payloads(blobs, self.kit, rotation_steps)
 
 

@@ -14,8 +14,10 @@ Conventions:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Iterator, Sequence
+import struct
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +50,29 @@ def build_context(params: CKKSParams) -> sa.SEALContext:
     return ctx
 
 
+def _context_from_moduli(n: int, moduli: list) -> sa.SEALContext:
+    p = sa.EncryptionParameters(sa.SCHEME_TYPE.CKKS)
+    p.set_poly_modulus_degree(n)
+    p.set_coeff_modulus(moduli)
+    ctx = sa.SEALContext(p, True, sa.SEC_LEVEL_TYPE.TC128)
+    if not ctx.parameters_set():
+        raise ParameterError(f"SEAL rejects a key chain of {len(moduli)} primes: {ctx.parameters_error_message()}")
+    return ctx
+
+
+@dataclass(frozen=True)
+class KeyContext:
+    """A prime chain that stops at ``level`` (plus the special prime), and an evaluator on it."""
+
+    level: int
+    context: sa.SEALContext
+    evaluator: sa.Evaluator
+
+    @property
+    def key_parms_id(self) -> list[int]:
+        return list(self.context.key_parms_id())
+
+
 def galois_elements(steps: Sequence[int], slots: int) -> list[int]:
     """Galois elements 3^k mod 2N for left-rotation steps k (what ``create_galois_keys`` takes)."""
     two_n = 4 * slots
@@ -64,6 +89,7 @@ class Kit:
     evaluator: sa.Evaluator = field(init=False)
     parms_ids: dict[int, list[int]] = field(init=False)   # level (data primes) -> parms_id
     primes: list[int] = field(init=False)                 # data primes, q0 first
+    _key_contexts: dict[int, KeyContext] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.context = build_context(self.params)
@@ -80,6 +106,22 @@ class Kit:
     @property
     def slots(self) -> int:
         return self.params.slots
+
+    def key_context(self, level: int) -> KeyContext:
+        """The context whose prime chain stops at ``level`` (q_0..q_{level-1} and the special prime):
+        keys made in it switch this kit's ciphertexts at levels <= ``level`` (same parms_id there).
+        At the top level it is this kit's own context."""
+        if not 1 <= level <= self.top:
+            raise LevelError(f"no key level {level} (1..{self.top})")
+        if level not in self._key_contexts:
+            if level == self.top:
+                ctx = self.context
+            else:
+                moduli = list(self.context.key_context_data().parms().coeff_modulus())
+                ctx = _context_from_moduli(self.params.poly_modulus_degree, moduli[:level] + moduli[-1:])
+            self._key_contexts[level] = KeyContext(level, ctx, self.evaluator if ctx is self.context
+                                                   else sa.Evaluator(ctx))
+        return self._key_contexts[level]
 
     @property
     def top(self) -> int:
@@ -182,8 +224,8 @@ class SecretKeys:
 
     secret: sa.SecretKey
     public: sa.PublicKey
-    relin: sa.RelinKeys
-    galois: sa.GaloisKeys
+    relin: sa.RelinKeys | None      # None for a level-aware set (its keys are blobs only)
+    galois: sa.GaloisKeys | None
     blobs: dict[str, bytes]
 
 
@@ -197,6 +239,69 @@ def generate_keys(kit: Kit, rotation_steps: Sequence[int]) -> SecretKeys:
     rk = from_bytes("relin_keys", kit, blobs["relin_keys"])
     gk = from_bytes("galois_keys", kit, blobs["galois_keys"])
     return SecretKeys(kg.secret_key(), pk, rk, gk, blobs)
+
+
+def generate_secret(kit: Kit) -> SecretKeys:
+    """A fresh secret key and its public key only (the evaluation keys come per level:
+    :func:`generate_level_keys`)."""
+    kg = sa.KeyGenerator(kit.context)
+    pk = sa.PublicKey()
+    kg.create_public_key(pk)
+    return SecretKeys(kg.secret_key(), pk, None, None, {"public_key": to_bytes(pk)})
+
+
+def generate_level_keys(kit: Kit, sk: sa.SecretKey, galois: Mapping[int, Sequence[int]],
+                        relin_level: int) -> dict[int, tuple[bytes | None, bytes | None]]:
+    """Seeded relin/Galois key blobs made at their levels: level -> (relin blob or None, Galois blob or None).
+
+    ``galois`` maps a level to the rotation steps whose key is made there. Each level's keys come from
+    ``sk`` restricted to that level's chain (:func:`restrict_secret`): the same secret, so they switch
+    the main context's ciphertexts.
+    """
+    out: dict[int, tuple[bytes | None, bytes | None]] = {}
+    for level in sorted({*galois, relin_level}, reverse=True):
+        kc = kit.key_context(level)
+        kg = sa.KeyGenerator(kc.context, restrict_secret(kit, sk, level))
+        rk = to_bytes(kg.create_relin_keys()) if level == relin_level else None
+        steps = galois.get(level, ())
+        gk = to_bytes(kg.create_galois_keys(galois_elements(steps, kit.slots))) if steps else None
+        out[level] = (rk, gk)
+    return out
+
+
+def restrict_secret(kit: Kit, sk: sa.SecretKey, level: int) -> sa.SecretKey:
+    """``sk`` on the chain of :meth:`Kit.key_context` ``(level)``: its RNS rows for q_0..q_{level-1} and the
+    special prime (the secret is one small polynomial; each row is its NTT mod one prime)."""
+    kc = kit.key_context(level)
+    if level == kit.top:
+        return sk
+    n, pt = kit.params.poly_modulus_degree, sk.data()
+    rows = np.frombuffer(_plain_words(pt), dtype="<u8").reshape(-1, n)
+    keep = np.concatenate([rows[:level], rows[-1:]]).astype("<u8")
+    members = (struct.pack("<4Q", *kc.key_parms_id) + struct.pack("<Qd", keep.size, 1.0)
+               + _seal_object(struct.pack("<Q", keep.size) + keep.tobytes()))
+    return from_bytes_in("secret_key", kc.context, _seal_object(members))
+
+
+def _plain_words(pt: sa.Plaintext) -> bytes:
+    """A plaintext's coefficients as little-endian u64 (sealapi gives no buffer, only per-index reads)."""
+    return np.fromiter((pt[i] for i in range(pt.coeff_count())), dtype="<u8", count=pt.coeff_count()).tobytes()
+
+
+#: SEAL's serialization header: magic, header size, version major/minor, compression, reserved, size.
+_SEAL_HEAD = struct.Struct("<HBBBBHQ")
+
+
+@functools.cache
+def _seal_version() -> tuple[int, int]:
+    """(major, minor) this SEAL writes (its loader checks them)."""
+    return _SEAL_HEAD.unpack_from(to_bytes(sa.Plaintext()))[2:4]
+
+
+def _seal_object(members: bytes) -> bytes:
+    """One uncompressed SEAL serialization of ``members`` (what SEAL's ``load`` reads, compr mode none)."""
+    return _SEAL_HEAD.pack(0xA15E, _SEAL_HEAD.size, *_seal_version(), 0, 0,
+                           _SEAL_HEAD.size + len(members)) + members
 
 
 def encrypt(kit: Kit, pk: sa.PublicKey, values: np.ndarray) -> sa.Ciphertext:
@@ -278,11 +383,16 @@ def from_bytes(kind: str, kit: Kit, data: bytes):
 
     The bytes go through an in-memory file only (never a file on disk: see :func:`_memory_path`).
     """
+    return from_bytes_in(kind, kit.context, data)
+
+
+def from_bytes_in(kind: str, context: sa.SEALContext, data: bytes):
+    """:func:`from_bytes` for any context (a key level's chain, :meth:`Kit.key_context`)."""
     obj = _LOADABLE[kind]()
     with _memory_path() as (fd, path):
         _write_all(fd, data)
         with translate(f"deserialize {kind}"):
-            obj.load(kit.context, path)
-            if not sa.is_valid_for(obj, kit.context):
+            obj.load(context, path)
+            if not sa.is_valid_for(obj, context):
                 raise ValueError("not valid for this context")
     return obj

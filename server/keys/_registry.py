@@ -91,6 +91,11 @@ class KeyRecord:
     expires_at: float | None = None
     grace_until: float | None = None
     superseded_by: int | None = None
+    #: SHA-256 of the stored (canonical) bytes; None: a record from before canonical storage, whose
+    #: stored bytes are the upload itself (``fingerprint``)
+    stored_sha256: str | None = None
+    #: the key-set fingerprint the client's ciphertexts name (None: computed from the stored bytes)
+    key_set: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict (state as its string value)."""
@@ -234,7 +239,7 @@ class KeyRegistry:
         with self._lock:
             if (tenant, key_id) in self._keys:
                 raise KeyExistsError(f"key {key_id} exists; rotate it to add a version")
-            return self._add_version(tenant, key_id, 1, info, data, actor, request_id)
+            return self._add_version(tenant, key_id, 1, info, actor, request_id)
 
     def _add_version(
         self,
@@ -242,7 +247,6 @@ class KeyRegistry:
         key_id: str,
         version: int,
         info: EvalKeyInfo,
-        data: bytes,
         actor: str | None,
         request_id: str | None,
     ) -> KeyRecord:
@@ -257,9 +261,11 @@ class KeyRegistry:
             KeyState.PRE_ACTIVE,
             created_at=now,
             state_changed_at=now,
+            stored_sha256=info.canonical_sha256,
+            key_set=info.key_set,
         )
-        if self._storage is not None:
-            self._storage.store(tenant, key_id, version, info.fingerprint, data)
+        if self._storage is not None:  # what was parsed, never the upload (server.keys._screen.Inspection)
+            self._storage.store(tenant, key_id, version, info.fingerprint, info.canonical)
         try:
             self._audit_key(
                 Event.KEY_REGISTERED,
@@ -454,7 +460,7 @@ class KeyRegistry:
         with self._lock:
             old = self._primary(tenant, key_id)
             version = max(self._keys[(tenant, key_id)]) + 1
-            new = self._add_version(tenant, key_id, version, info, data, actor, request_id)
+            new = self._add_version(tenant, key_id, version, info, actor, request_id)
             self.activate(tenant, key_id, version, actor=actor, request_id=request_id, expires_at=expires_at)
             grace_until = self._clock() + grace_s if old.state is KeyState.ACTIVE else None
             detail = {"new_version": version}
@@ -500,13 +506,14 @@ class KeyRegistry:
             return lease
 
     def load_material(self, lease: KeyLease) -> bytes:
-        """The stored evaluation-key bytes for a live lease (integrity-checked; failures audited)."""
+        """The stored evaluation-key bytes for a live lease (integrity-checked; failures audited): the
+        canonical re-serialization of the upload; load them with ``fingerprint=record.key_set``."""
         lease.check()
         rec = lease.record
         if self._storage is None:
             raise KeyNotFoundError("this registry stores no key material")
         try:
-            return self._storage.load(rec.tenant, rec.key_id, rec.version, rec.fingerprint)
+            return self._storage.load(rec.tenant, rec.key_id, rec.version, rec.fingerprint, sha256=rec.stored_sha256)
         except KeyIntegrityError as exc:
             self._write_audit(
                 Event.KEY_INTEGRITY_FAILURE,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import KeyTooLargeError, MalformedKeyError, SecretKeyUploadError
@@ -33,38 +33,52 @@ class Verdict(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Inspection:
-    """An inspector's result: the verdict, the parameters hash of accepted keys, a safe reason.
+    """An inspector's result: the verdict, what an accepted upload parsed to, a safe reason.
 
     Attributes:
         verdict: the :class:`Verdict`.
         params_hash: SHA-256 of the CKKS parameters the keys were made for (``PUBLIC`` only).
+        canonical: ``PUBLIC`` only: the parsed keys re-serialized (a ``CLMK`` upload of the same blobs,
+            written from the loaded SEAL objects). The registry stores these bytes, never the upload:
+            SEAL ignores bytes after the object it reads, so an upload can smuggle anything there.
+        key_set: ``PUBLIC`` only: the key-set fingerprint of the upload as sent
+            (:func:`fhe.fingerprint.key_fingerprint`, what the client's ciphertexts name); loading
+            ``canonical`` keeps it.
         reason: why the upload was refused, safe to show its sender (never key bytes).
     """
 
     verdict: Verdict
     params_hash: str = ""
     reason: str = ""
+    canonical: bytes = field(default=b"", repr=False)
+    key_set: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", Verdict(self.verdict))
-        if self.verdict is Verdict.PUBLIC and not self.params_hash:
-            raise ValueError("a PUBLIC inspection names the parameters hash of the keys")
+        if self.verdict is Verdict.PUBLIC and not (self.params_hash and self.canonical and self.key_set):
+            raise ValueError("a PUBLIC inspection names the parameters hash, the canonical bytes and the "
+                             "key-set fingerprint of the keys")
 
 
 @dataclass(frozen=True)
 class EvalKeyInfo:
-    """An accepted upload: SHA-256 of its exact bytes, parameters hash, size."""
+    """An accepted upload: SHA-256 of its exact bytes, parameters hash, size, and what is stored: the
+    inspection's canonical bytes (with their SHA-256) and the key-set fingerprint."""
 
     fingerprint: str
     params_hash: str
     size: int
+    canonical: bytes = field(default=b"", repr=False)
+    canonical_sha256: str = ""
+    key_set: str = ""
 
 
 def inspect_upload(data: bytes, params: Any, rotation_steps: Iterable[int], *, max_bytes: int) -> Inspection:
     """The production inspector: parse a ``CLMK`` key upload through the SEAL wire allow-list.
 
     Exactly ``public_key``, ``relin_keys`` and ``galois_keys`` for ``params`` and exactly the plan's
-    ``rotation_steps`` are ``PUBLIC``; a secret-key blob (by name or kind), any other blob, or a TenSEAL
+    ``rotation_steps`` are ``PUBLIC`` (with the keys re-serialized from the parsed objects: what is
+    stored); a secret-key blob (by name or kind), any other blob, or a TenSEAL
     context with a secret key are ``SECRET_KEY``; anything else is ``MALFORMED``. Never raises for bad
     bytes. Runs SEAL's parser: call it in a worker process.
 
@@ -75,7 +89,7 @@ def inspect_upload(data: bytes, params: Any, rotation_steps: Iterable[int], *, m
         max_bytes: size limit of the whole upload.
     """
     from fhe.backends.seal import wire
-    from fhe.envelope import EnvelopeError, parse_key_upload
+    from fhe.envelope import EnvelopeError, pack_key_upload, parse_key_upload
     from fhe.errors import FHEError, KeyMismatchError, SecretKeyRefusedError
     from fhe.fingerprint import params_hash
 
@@ -84,14 +98,15 @@ def inspect_upload(data: bytes, params: Any, rotation_steps: Iterable[int], *, m
     except EnvelopeError as exc:
         return _not_an_upload(data, exc)
     try:
-        wire.load_server_keys(blobs, params, rotation_steps)
+        parsed = wire.parse_server_keys(blobs, params, rotation_steps)
     except SecretKeyRefusedError as exc:  # KeyRefusedError too: a blob outside the allow-list
         return Inspection(Verdict.SECRET_KEY, reason=str(exc)[:200])
     except KeyMismatchError as exc:
         return Inspection(Verdict.MALFORMED, reason=f"key does not fit the plan: {exc}"[:200])
     except FHEError as exc:
         return Inspection(Verdict.MALFORMED, reason=f"not a public-key upload: {exc}"[:200])
-    return Inspection(Verdict.PUBLIC, params_hash(params))
+    return Inspection(Verdict.PUBLIC, params_hash(params), canonical=pack_key_upload(parsed.canonical),
+                      key_set=parsed.keys.fingerprint)
 
 
 def _not_an_upload(data: bytes, exc: Exception) -> Inspection:
@@ -133,4 +148,5 @@ def screen_evaluation_key(data: bytes, inspection: Inspection, *, max_bytes: int
         )
     if inspection.verdict is Verdict.MALFORMED:
         raise MalformedKeyError(inspection.reason or "not a parsable evaluation key")
-    return EvalKeyInfo(hashlib.sha256(bytes(data)).hexdigest(), inspection.params_hash, len(data))
+    return EvalKeyInfo(hashlib.sha256(bytes(data)).hexdigest(), inspection.params_hash, len(data),
+                       inspection.canonical, hashlib.sha256(inspection.canonical).hexdigest(), inspection.key_set)

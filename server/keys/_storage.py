@@ -4,7 +4,8 @@ File ``<root>/<tenant-dir>/<key_id>.v<version>.evk`` = ``MAGIC || nonce(12) || A
 associated data = canonical JSON of ``{tenant, key_id, version, fingerprint}``. The binding is checked
 against where the caller *expects* the key to be, so a file copied into another tenant's directory,
 renamed to another key or version, or altered in one bit fails authentication; the SHA-256 of the
-decrypted bytes must also equal the registered fingerprint. Evaluation keys are public material: the
+decrypted bytes must also equal the registered digest (of the canonical bytes the registry stores; the
+upload's own fingerprint for records made before canonical storage). Evaluation keys are public material: the
 encryption adds integrity and keeps them out of casual reach, it is not what protects clients.
 """
 
@@ -80,8 +81,8 @@ class EvalKeyStorage:
         write_private(path, blob)
         return path
 
-    def load(self, tenant: str, key_id: str, version: int, fingerprint: str) -> bytes:
-        """The stored bytes, after checking they belong here and hash to ``fingerprint``.
+    def load(self, tenant: str, key_id: str, version: int, fingerprint: str, *, sha256: str | None = None) -> bytes:
+        """The stored bytes, after checking they belong here and hash to ``sha256`` (default: ``fingerprint``).
 
         Raises:
             KeyNotFoundError: no file.
@@ -99,7 +100,7 @@ class EvalKeyStorage:
             data = self._aead.decrypt(nonce, body, self._aad(tenant, key_id, version, fingerprint))
         except InvalidTag:
             raise KeyIntegrityError(f"{path.name}: altered or not bound to this tenant/key") from None
-        if not hmac.compare_digest(hashlib.sha256(data).hexdigest(), fingerprint):
+        if not hmac.compare_digest(hashlib.sha256(data).hexdigest(), sha256 or fingerprint):
             raise KeyIntegrityError(f"{path.name}: fingerprint mismatch")
         return data
 

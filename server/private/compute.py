@@ -53,11 +53,12 @@ class PrivateCompute:
         """The production inspector's verdict on an upload, for this plan's parameters and rotations."""
         return inspect_upload(data, self.params, self.key_levels, max_bytes=self.max_key_bytes)
 
-    def load_key(self, fingerprint: str, data: bytes) -> None:
-        """Parse a registered upload (screened when it was registered: a failure here is the server's)
-        and keep it under its registry fingerprint."""
-        blobs = parse_key_upload(data, self.max_key_bytes)
-        self.keys[fingerprint] = wire.load_server_keys(blobs, self.params, self.key_levels)
+    def load_key(self, fingerprint: str, data: bytes, key_set: str | None = None) -> None:
+        """Parse a registered key set (screened when it was registered: a failure here is the server's)
+        and keep it under its registry fingerprint. ``data`` is the registry's canonical re-serialization,
+        so the key-set fingerprint the client's ciphertexts name is ``key_set`` (None: from ``data``)."""
+        blobs = parse_key_upload(data, len(data))  # the server's own bytes: unseeded, larger than the upload
+        self.keys[fingerprint] = wire.load_server_keys(blobs, self.params, self.key_levels, fingerprint=key_set)
 
     def drop_key(self, fingerprint: str) -> int:
         """Forget a key and every session that used it; returns the sessions dropped."""

@@ -222,7 +222,7 @@ class PrivateService:
         if slot not in self._loaded:
             await self._make_room(worker, tenant)
             material = self.registry.load_material(lease)
-            await self.pool.submit(worker, tenant, "load_key", rec.fingerprint, material)
+            await self.pool.submit(worker, tenant, "load_key", rec.fingerprint, material, rec.key_set)
             self._loaded.setdefault(slot, set())
         if lease.cancelled:  # revoked while it loaded: this registration owns nothing
             self._disown(_owner(rec), rec.fingerprint)

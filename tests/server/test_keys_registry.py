@@ -4,14 +4,16 @@ uploads, each with the verdict of the production inspector (``inspect_upload``: 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
 import pytest
 
+from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal import wire
 from fhe.backends.seal.keys import CKKSClient
-from fhe.envelope import pack_key_upload
+from fhe.envelope import pack_key_upload, parse_key_upload
 from fhe.params import CKKSParams
 from server.audit import (
     AuditConfig,
@@ -42,6 +44,7 @@ from server.keys import (
     inspect_upload,
     screen_evaluation_key,
 )
+from tests.fhe.test_wire import _smuggle
 
 DAY = 86400.0
 
@@ -105,7 +108,11 @@ def test_lifecycle_and_one_record_per_transition(env, evks):
         reg.use("acme", "k1")
     reg.activate("acme", "k1", 1, actor="ops")
     with reg.use("acme", "k1") as lease:
-        assert reg.load_material(lease) == evks[0][0]
+        stored = reg.load_material(lease)
+    assert stored == evks[0][1].canonical != evks[0][0]  # the parsed keys re-serialized, not the upload
+    assert rec.key_set == evks[0][1].key_set == wire.load_server_keys(
+        parse_key_upload(evks[0][0], 10**9), P, STEPS).fingerprint
+    assert rec.stored_sha256 == hashlib.sha256(stored).hexdigest()
     reg.suspend("acme", "k1", 1, actor="ops")
     reg.reinstate("acme", "k1", 1, actor="ops")
     reg.revoke("acme", "k1", 1, actor="ops")
@@ -208,6 +215,27 @@ def test_tenants_are_isolated(env, evks):
     env.reg.register("globex", "k1", *evks[1], actor="b")  # same key id, another tenant: independent
     with pytest.raises(KeyExistsError):
         env.reg.register("acme", "k1", *evks[1], actor="a")
+
+
+def test_bytes_smuggled_inside_a_valid_blob_are_never_stored(env):
+    """SEAL ignores bytes after the object it reads, so an upload can pass the allow-list with a secret
+    key hidden inside a public blob; the registry stores the parsed keys re-serialized, and a worker loads
+    them under the fingerprint the client's ciphertexts name."""
+    client = CKKSClient(P, STEPS)
+    secret = seal.to_bytes(client.keys.secret)
+    blobs = wire.dump_public_keys(client)
+    payload = _smuggle(wire._unpack(blobs["galois_keys"], "galois_keys", P, None, None), secret, True)
+    upload = pack_key_upload({**blobs, "galois_keys": wire._pack("galois_keys", P, None, payload)})
+    rec = env.reg.register("acme", "k1", *inspected(upload), actor="a")
+    env.reg.activate("acme", "k1", 1, actor="a")
+    with env.reg.use("acme", "k1") as lease:
+        stored = env.reg.load_material(lease)
+    on_disk = env.storage.path("acme", "k1", 1).read_bytes()
+    for piece in (secret[100:1100], secret[-4000:-3000]):
+        assert piece in upload and piece not in stored and piece not in on_disk
+    keys = wire.load_server_keys(parse_key_upload(stored, len(stored)), P, STEPS, fingerprint=rec.key_set)
+    as_sent = wire.load_server_keys(parse_key_upload(upload, 10**9), P, STEPS).fingerprint
+    assert keys.fingerprint == as_sent  # what the sender's ciphertexts name
 
 
 def test_stored_key_moved_to_another_tenant_or_altered_is_refused(env, evks):

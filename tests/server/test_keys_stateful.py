@@ -48,7 +48,7 @@ KEY_IDS = ("a", "b")
 LIFETIME, MAX_GRACE = 1000.0, 500.0
 
 
-PUBLIC = Inspection(Verdict.PUBLIC, "5e" * 32)
+PUBLIC = Inspection(Verdict.PUBLIC, "5e" * 32, canonical=b"parsed public keys", key_set="a1" * 32)
 
 
 @functools.lru_cache(maxsize=1)

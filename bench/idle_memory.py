@@ -49,7 +49,7 @@ def tree_rss(pid: int) -> dict[str, int]:
 
 def measure(tree: Path, model: Path, settle: float, samples: int, log: Path) -> dict[str, int]:
     """Start ``cipherlm serve`` from ``tree``, wait until ready and idle, return median RSS by process."""
-    from server.cli_demo import free_port, wait_ready
+    from server.local_server import exit_with_parent, free_port, wait_ready
 
     home = Path(tempfile.mkdtemp(prefix="cipherlm-idle-"))
     port = free_port()
@@ -58,7 +58,7 @@ def measure(tree: Path, model: Path, settle: float, samples: int, log: Path) -> 
     with open(log, "w") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", str(model),
                                  "--port", str(port), "--log-level", "warning"], cwd=tree, env=env,
-                                stdout=fh, stderr=subprocess.STDOUT)
+                                stdout=fh, stderr=subprocess.STDOUT, preexec_fn=exit_with_parent)
         try:
             wait_ready(proc, f"http://127.0.0.1:{port}", 900, log, poll_s=1.0)
             time.sleep(settle)

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -157,17 +156,12 @@ def markdown(rows: list[dict]) -> str:
 # --- a server to measure ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Popen, str, str]:
     """``cipherlm serve`` with one fresh plaintext tenant on a free loopback port; waits for readiness."""
+    from server.local_server import exit_with_parent, free_port, wait_ready
     from server.tenants import generate_api_key, hash_api_key
 
-    key, port = generate_api_key(), _free_port()
+    key, port = generate_api_key(), free_port()
     engine = f'device = "{args.device}"' + (f"\nnum_threads = {args.threads}" if args.threads else "")
     settings = workdir / "bench-settings.toml"
     settings.write_text(f'host = "127.0.0.1"\nport = {port}\n'
@@ -177,20 +171,15 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
                         f'[[tenants]]\nid = "bench"\napi_key_hashes = ["{hash_api_key(key)}"]\n')
     log = open(workdir / "server.log", "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen([sys.executable, "-m", "server.cli_serve", "--config", str(settings),
-                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=exit_with_parent)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {(workdir / 'server.log').read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
-                return proc, url, key
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become ready in 300 s")
+    try:
+        wait_ready(proc, url, 300, workdir / "server.log", poll_s=0.5)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, url, key
 
 
 async def bench(args: argparse.Namespace, url: str, key: str) -> list[dict]:

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.local_server import free_port, stop_server, wait_ready
+from server.local_server import exit_with_parent, free_port, stop_server, wait_ready
 
 DEFAULT_PROMPT = "The capital of France is"
 MAX_KEY_BYTES = 1 << 30  # the shipped plan's evaluation keys (N = 32768) are ~0.5 GB: over the 256 MiB default
@@ -98,7 +98,8 @@ def running_server(root: Path, port: int | None, plan: Path | None, workers: int
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "server.cli_serve", "--config", str(settings),
                              "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=exit_with_parent)
     # the server runs in its own session (a terminal's Ctrl-C reaches only us): a SIGTERM to this process
     # must still stop it, or its workers (several GB each) outlive us
     in_main = threading.current_thread() is threading.main_thread()

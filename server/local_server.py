@@ -8,10 +8,12 @@ demo's CLI module for it. Nothing here imports ``client_sdk``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +23,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def exit_with_parent() -> None:
+    """``preexec_fn`` for a server subprocess: it gets SIGTERM when the process that started it dies
+    (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing), so a killed test run, benchmark or demo leaves no
+    server — and none of its GB-sized workers, which follow the server — behind."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path | None = None,
@@ -56,4 +66,4 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
 
 
 
-__all__ = ["free_port", "stop_server", "wait_ready"]
+__all__ = ["exit_with_parent", "free_port", "stop_server", "wait_ready"]

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from client_sdk import Client, Timeout
-from server.local_server import free_port, wait_ready
+from server.local_server import exit_with_parent, free_port, wait_ready
 from server.tenants import hash_api_key
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
@@ -65,7 +65,8 @@ def server(tmp_path_factory, one_layer_plan, default_model_dir):
         f"max_session_tokens = 48\nmax_step_tokens = 8\nmax_step_bytes = 50000000\nmax_keys_per_worker = 1\n")
     log = open(root / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "server.cli_serve", "--config", str(root / "settings.toml")],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=exit_with_parent)
     url = f"http://127.0.0.1:{port}"
     wait_ready(proc, url, 600, root / "server.log", poll_s=0.3)
     yield {"url": url, "root": root, "proc": proc, "plan": one_layer_plan}

@@ -14,7 +14,7 @@ from engine.config import ModelConfig
 from engine.default_model import default_model_dir
 from engine.loader import save_hf_folder
 from engine.model import LlamaForCausalLM
-from server.local_server import free_port, wait_ready
+from server.local_server import exit_with_parent, free_port, wait_ready
 from server.settings import LimitSettings, Settings, TenantSettings
 from server.tenants import hash_api_key
 
@@ -136,7 +136,7 @@ class LiveServer:
         self._log_fh = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(self.config),
                                       "--log-level", "warning"], stdout=self._log_fh, stderr=subprocess.STDOUT,
-                                     env=env)
+                                     env=env, preexec_fn=exit_with_parent)
         try:
             wait_ready(self.proc, self.url, timeout_s, self.log, poll_s=0.3)
         except RuntimeError:

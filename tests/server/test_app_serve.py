@@ -13,6 +13,7 @@ import time
 
 import httpx
 
+from server.local_server import exit_with_parent
 from tests.server.app_helpers import (  # noqa: F401 (fixtures)
     KEYS,
     LiveServer,
@@ -29,7 +30,8 @@ def test_zero_config_first_run_writes_demo_settings(tiny_model_dir, tmp_path):  
     env.pop("CIPHERLM_CONFIG", None)
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
            "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=exit_with_parent)
     try:
         lines = [proc.stdout.readline() for _ in range(5)]
         out = "".join(lines)
@@ -51,7 +53,8 @@ def test_zero_config_first_run_writes_demo_settings(tiny_model_dir, tmp_path):  
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     # second run: the file exists, keys are not shown again
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=exit_with_parent)
     try:
         first = proc.stdout.readline()
         while first.startswith("[cipherlm]"):  # the thread-count notice (engine.threads) may come first

@@ -205,18 +205,28 @@ class KeyRegistry:
         try:
             return screen_evaluation_key(data, inspection, max_bytes=self.config.max_upload_bytes)
         except UploadRefusedError as exc:
-            reason = next(r for cls, r in _REFUSAL_REASON.items() if isinstance(exc, cls))
             size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
-            self._write_audit(
-                Event.KEY_UPLOAD_REFUSED,
-                outcome=Outcome.REFUSED,
-                tenant=tenant,
-                actor=actor,
-                key_id=key_id,
-                request_id=request_id,
-                detail={"reason": reason, "size": size},
-            )
+            self.audit_refused_upload(tenant, exc, size, actor=actor, key_id=key_id, request_id=request_id)
             raise
+
+    def audit_refused_upload(self, tenant: str, exc: UploadRefusedError, size: int, *, actor: str | None,
+                             key_id: str | None = None, request_id: str | None = None) -> None:
+        """Audit one refused upload (also those refused before their body was read: ``size`` is then the
+        declared or the read size).
+
+        Raises:
+            KeyAuditError: the refusal could not be audited.
+        """
+        reason = next(r for cls, r in _REFUSAL_REASON.items() if isinstance(exc, cls))
+        self._write_audit(
+            Event.KEY_UPLOAD_REFUSED,
+            outcome=Outcome.REFUSED,
+            tenant=tenant,
+            actor=actor,
+            key_id=key_id,
+            request_id=request_id,
+            detail={"reason": reason, "size": size},
+        )
 
     def register(
         self,

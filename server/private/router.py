@@ -16,6 +16,7 @@ grow past them either (``server.app.body_limit`` applies the same caps in the mi
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -23,7 +24,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
 from server.errors import NotFoundError, PermissionDeniedError, RequestTooLargeError
-from server.keys import KeyRecord
+from server.keys import KeyRecord, KeyTooLargeError
 from server.private.service import PrivateService
 from server.routers.deps import admit_request, ensure_admitting
 from server.settings import PrivacyMode
@@ -105,11 +106,26 @@ async def register_key(key_id: Annotated[str, Field(pattern=KEY_ID_PATTERN)], re
     check_declared_size(request, svc.cfg.max_key_bytes, "key_too_large")
     limiter = admit_request(request, tenant)
     try:
-        body = await read_capped(request, svc.cfg.max_key_bytes, "key_too_large")
+        with _audit_oversize(request, tenant, key_id, svc):
+            body = await read_capped(request, svc.cfg.max_key_bytes, "key_too_large")
         rec = await svc.register_key(tenant.id, key_id, body, actor=tenant.id, request_id=_request_id(request))
     finally:
         limiter.release()
     return _key_json(rec)
+
+
+@contextlib.contextmanager
+def _audit_oversize(request: Request, tenant: Tenant, key_id: str, svc: PrivateService):
+    """A key upload cut with 413 while its body streams in is audited like any refused upload (size: the
+    cap it passed). One whose declared size is over the cap never gets here: the app's middleware refuses
+    it before authentication, when no tenant is known (an unauthenticated 413 is not a key event)."""
+    try:
+        yield
+    except RequestTooLargeError:
+        size = svc.cfg.max_key_bytes + 1
+        svc.registry.audit_refused_upload(tenant.id, KeyTooLargeError(f"{size} bytes"), size, actor=tenant.id,
+                                          key_id=key_id, request_id=_request_id(request))
+        raise
 
 
 @router.get("/keys")

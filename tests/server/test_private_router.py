@@ -9,10 +9,13 @@ app reads them, so :class:`Body` counts exactly how much of a body the server re
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 
 from server.app import create_app
+from server.audit import Event, iter_records
 from server.settings import LimitSettings, Settings, TenantSettings
 from server.tenants import hash_api_key
 from tests.server.app_helpers import engine, tiny_loaded, tiny_model_dir  # noqa: F401 (fixtures)
@@ -108,6 +111,11 @@ async def test_key_upload_without_content_length_is_cut_at_its_cap(client):
     r = await client.post("/v1/private/keys/k1", headers=auth("enc", **{"Content-Length": str(declared.size)}),
                           content=declared)
     assert r.status_code == 413 and declared.sent == 0
+    # the tenant's upload cut mid-stream is audited; the declared one was refused before authentication
+    log = Path(client.app.state.settings.private.state_dir) / "audit" / "audit.log"
+    refused = [r for r in iter_records(log) if r["event"] == Event.KEY_UPLOAD_REFUSED]
+    assert [(r["detail"]["reason"], r["detail"]["size"], r["key_id"]) for r in refused] == [
+        ("too_large", 4 * MB + 1, "k1")]
 
 
 async def test_tenant_limits_apply_to_private_calls(client):

@@ -347,10 +347,10 @@ class _LogprobAccumulator:
 # --- responses --------------------------------------------------------------------------------------
 
 
-async def _collect(job: _Job, started, timing: _Timing, logprobs: bool) -> list[RequestOutput]:
+async def _collect(job: _Job, started, timing: _Timing, logprobs: bool, lifecycle) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(started)
     acc = _LogprobAccumulator()
-    async for index, out in _merged(started):
+    async for index, out in lifecycle.until_cut(_merged(started)):  # SIGTERM cuts: 503 server_shutdown
         timing.tick(out)
         if logprobs:
             acc.add(index, out)
@@ -368,7 +368,8 @@ async def _until_disconnected(request: Request) -> None:
 async def _respond_full(request: Request, job: _Job, started, decode) -> JSONResponse:
     """Collect every output; a client disconnect cancels (and so aborts) the engine requests."""
     timing = _Timing(job, get_metrics(request))
-    collect = asyncio.create_task(_collect(job, started, timing, job.meta.logprobs is not None))
+    collect = asyncio.create_task(_collect(job, started, timing, job.meta.logprobs is not None,
+                                           request.app.state.lifecycle))
     watch = asyncio.create_task(_until_disconnected(request))
     finals: list[RequestOutput | None] = [None] * len(started)
     try:

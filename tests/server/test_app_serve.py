@@ -102,6 +102,7 @@ def test_sigterm_cuts_a_long_stream_with_an_error_and_exits_inside_the_window(ti
     enc = {"Authorization": f"Bearer {KEYS['enc']}"}
     assert httpx.get(server.url + "/v1/private/manifest", headers=enc).status_code == 200
     got, reader = _stream_started(server.url, 4000, {"Authorization": f"Bearer {KEYS['plain']}"})
+    whole, waiter = _full_started(server.url, 4000, {"Authorization": f"Bearer {KEYS['plain']}"})
     sent = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
@@ -110,12 +111,15 @@ def test_sigterm_cuts_a_long_stream_with_an_error_and_exits_inside_the_window(ti
                             json={"key_id": "k1", "plan_hash": "0" * 64})
     finally:
         reader.join(60)
+        waiter.join(60)
     code = server.proc.wait(drain + slack + 30)
     elapsed = time.monotonic() - sent
     assert opened.status_code == 503 and opened.json()["error"]["code"] == "server_draining"
     assert opened.headers["Retry-After"] == "1"
     events = [x for x in got["lines"] if x.startswith("data: ")]
     assert "data: [DONE]" not in events and "server_shutdown" in events[-1], events[-3:]
+    cut = whole["response"]  # a non-streamed request cut at the window's end gets a 503 with a body too
+    assert cut.status_code == 503 and cut.json()["error"]["code"] == "server_shutdown", cut.text[:300]
     assert code == 0 and elapsed <= drain + slack, f"exited {elapsed:.1f} s after SIGTERM (window {drain} s)"
     log = state / "audit" / "audit.log"
     records = len(log.read_bytes().splitlines())
@@ -123,6 +127,20 @@ def test_sigterm_cuts_a_long_stream_with_an_error_and_exits_inside_the_window(ti
     assert last["size"] == records >= 1, (last, records)   # the final checkpoint covers every record
     assert cli_main(["audit", "verify", str(log), "--pubkey", str(state / "audit-signing" / "public")]) == 0
     server.stop()
+
+
+def _full_started(url: str, max_tokens: int, headers: dict) -> tuple[dict, threading.Thread]:
+    """A long non-streamed completion on a thread; returns once the server counts it in flight."""
+    got: dict = {}
+    body = {"prompt": "Keep going", "max_tokens": max_tokens, "ignore_eos": True}
+
+    def call():
+        got["response"] = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+
+    waiter = threading.Thread(target=call)
+    waiter.start()
+    time.sleep(0.5)
+    return got, waiter
 
 
 def _stream_started(url: str, max_tokens: int, headers: dict) -> tuple[dict, threading.Thread]:

@@ -1,0 +1,122 @@
+"""The encrypted MLP block (client-aided SiLU) against the torch layer, under real SEAL encryption."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.model import DecoderLayer
+from fhe.backends.seal.keys import CKKSClient
+from fhe.errors import LevelError, ShapeError
+from fhe.mlp import MLP_PARAMS, EncryptedMLP, MLPClient, run_client_aided
+
+#: max |encrypted - torch fp64| over the block's outputs; measured 2.9e-7 (random SmolLM2-shaped layer)
+#: and ~1e-6 (real layers, see the slow test): the bound keeps a 10x margin or more.
+MAX_ERR = 1e-5
+
+
+def _layer(hidden: int, intermediate: int, seed: int = 0) -> DecoderLayer:
+    cfg = ModelConfig(97, hidden, intermediate, 4, num_attention_heads=4, num_key_value_heads=1, head_dim=16)
+    torch.manual_seed(seed)
+    layer = DecoderLayer(cfg, 2)
+    with torch.no_grad():
+        for p in layer.mlp.parameters():
+            p.normal_(0.0, hidden ** -0.5)
+        layer.post_attention_layernorm.weight.add_(torch.randn(hidden) * 0.3)  # a dropped gain shows
+    return layer
+
+
+def _setup(layer: DecoderLayer):
+    server = EncryptedMLP(layer, MLP_PARAMS)
+    client = CKKSClient(MLP_PARAMS, tuple(server.rotation_steps))
+    return server, MLPClient(client, server.layout, layer.post_attention_layernorm.eps), client.server_keys()
+
+
+def _reference(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+    layer = copy.deepcopy(layer).double()
+    with torch.no_grad():
+        return layer.mlp(layer.post_attention_layernorm(h.double()))
+
+
+@pytest.fixture(scope="module")
+def smollm2_shaped():
+    """A random layer in SmolLM2's MLP shape (hidden 576, intermediate 1536)."""
+    layer = _layer(576, 1536)
+    return layer, *_setup(layer)
+
+
+def test_smollm2_shaped_block_matches_torch(smollm2_shaped):
+    layer, server, client, keys = smollm2_shaped
+    assert server.layout.packed                       # 2 x 1536 outputs share one ciphertext at N = 8192
+    for seed in range(2):
+        h = torch.randn(576, generator=torch.Generator().manual_seed(seed)) * 3
+        err = (run_client_aided(server, client, h, keys) - _reference(layer, h)).abs().max().item()
+        assert err < MAX_ERR, err
+
+
+def test_gate_and_up_split_when_they_do_not_fit_one_ciphertext():
+    layer = _layer(64, 2100)                          # 2 x 2100 outputs > 4096 slots
+    server, client, keys = _setup(layer)
+    assert not server.layout.packed and len(server.layout.up_slots) == 2
+    h = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    err = (run_client_aided(server, client, h, keys) - _reference(layer, h)).abs().max().item()
+    assert err < MAX_ERR, err
+
+
+def test_the_server_sees_only_ciphertexts_of_its_own_projections(smollm2_shaped):
+    """What comes back decrypts to exactly the pre-activation gate/up values (nothing else is sent)."""
+    layer, server, client, keys = smollm2_shaped
+    h = torch.randn(576, generator=torch.Generator().manual_seed(5))
+    (ct,) = server.gate_up(client.encrypt_input(h), keys)
+    assert server.ev.level(ct) == 1                   # the smallest download
+    vals = client.client.decrypt(ct)[server.layout.up_slots[0]]
+    ref = copy.deepcopy(layer).double()
+    with torch.no_grad():
+        x = ref.post_attention_layernorm(h.double())
+        want = torch.cat([ref.mlp.gate_proj(x), ref.mlp.up_proj(x)])
+    assert np.abs(vals - want.detach().numpy()).max() < MAX_ERR
+
+
+def test_bad_input_is_a_typed_error(smollm2_shaped):
+    _, server, client, keys = smollm2_shaped
+    ct = client.encrypt_input(torch.randn(576))
+    with pytest.raises(ShapeError):
+        client.encrypt_input(torch.randn(575))
+    with pytest.raises(ShapeError):
+        client.encrypt_activation(torch.full((1536,), float("nan")))
+    with pytest.raises(LevelError):
+        server.down(server.ev.mod_switch(ct, 1), keys)                # not fresh
+    with pytest.raises(ShapeError):
+        client.activation([ct, ct])                                   # packed layout: one ciphertext
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_smollm2_mlp_blocks_match_torch_on_real_activations(default_model_dir):
+    """Real SmolLM2 layers 2 and 29 on the residual of a held-out prompt's tokens, default MLP params."""
+    from engine.loader import load_model
+    from engine.model import DenseKVCache
+    from engine.tokenizer import Tokenizer
+    from fhe.calibrate import load_prompts
+
+    model = load_model(default_model_dir).eval()
+    ids = Tokenizer.from_folder(default_model_dir).apply_chat_template(
+        [{"role": "user", "content": load_prompts("evaluation")[2]}])[:6]
+    pos, cache = torch.arange(len(ids)), DenseKVCache(model.config, len(ids))
+    with torch.inference_mode():
+        h = model.embed(torch.tensor(ids))
+        resid = {}
+        for i, layer in enumerate(model.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), pos, model.rotary, cache)
+            resid[i] = h.clone()
+            h = layer.mlp_block(h)
+    for i in (2, 29):
+        layer = model.layers[i]
+        server, client, keys = _setup(layer)
+        for row in resid[i]:
+            err = (run_client_aided(server, client, row, keys) - _reference(layer, row)).abs().max().item()
+            assert err < MAX_ERR, (i, err)

@@ -5,6 +5,10 @@ for every encrypted layer, the attention projections (q/k/v/o weights and biases
 gain (folded into the server's projections; the client only normalizes). Its metadata (string → string)
 carries ``config.json``, the tokenizer files, the plan hash and the list of withheld tensors. The SHA-256
 of the file's bytes is published in the manifest; the SDK verifies it before loading.
+
+An offload plan (:mod:`fhe.offload`) withholds more: every tensor of every server-side part — a server
+attention block's projections and input norm gain, a server MLP's gate/up/down and post-attention norm
+gain — so the bundle holds only what the client runs (:func:`write_offload_bundle`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from safetensors.torch import save_file
 from engine.config import ModelConfig
 from engine.loader import build_model
 from engine.model import LlamaForCausalLM
+from fhe.offload import OffloadPlan
 
 BUNDLE_FORMAT = "cipherlm-client-bundle"
 BUNDLE_VERSION = 1
@@ -26,6 +31,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 SERVER_SIDE = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                "self_attn.o_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
                "self_attn.v_proj.bias", "input_layernorm.weight")
+#: what a server-side MLP block keeps on the server (the gain folds into gate and up)
+SERVER_SIDE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                   "post_attention_layernorm.weight")
 
 
 class BundleError(ValueError):
@@ -38,10 +46,33 @@ def withheld_names(cfg: ModelConfig, encrypted_layers: tuple[int, ...]) -> list[
     return [f"model.layers.{i}.{s}" for i in encrypted_layers for s in suffixes]
 
 
+def offload_withheld_names(cfg: ModelConfig, plan: OffloadPlan) -> list[str]:
+    """State-dict names of every server-side part of an offload plan (never in the client bundle)."""
+    names = withheld_names(cfg, plan.server_attention)
+    return names + [f"model.layers.{i}.{s}" for i in plan.server_mlp for s in SERVER_SIDE_MLP]
+
+
 def write_bundle(model: LlamaForCausalLM, tokenizer_dir: Path, encrypted_layers: tuple[int, ...],
                  plan_hash: str, path: Path) -> dict:
     """Write the bundle for ``encrypted_layers``; returns its description (tensor names, withheld)."""
     withheld = withheld_names(model.config, encrypted_layers)
+    return _write(model, tokenizer_dir, withheld, encrypted_layers, plan_hash, path)
+
+
+def write_offload_bundle(model: LlamaForCausalLM, tokenizer_dir: Path, plan: OffloadPlan, path: Path) -> dict:
+    """Write the bundle of an offload plan: only the tensors of the parts the client runs.
+
+    ``encrypted_layers`` in its metadata lists the layers with any server-side part; ``plan_hash`` is
+    the offload plan's content hash.
+    """
+    if model.config.to_hf_dict() != plan.model_config.to_hf_dict():
+        raise BundleError("the offload plan was made for another model shape")
+    enc = tuple(sorted(set(plan.server_attention) | set(plan.server_mlp)))
+    return _write(model, tokenizer_dir, offload_withheld_names(model.config, plan), enc, plan.content_hash, path)
+
+
+def _write(model: LlamaForCausalLM, tokenizer_dir: Path, withheld: list[str], encrypted_layers: tuple[int, ...],
+           plan_hash: str, path: Path) -> dict:
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
              if k not in withheld and not (model.config.tie_word_embeddings and k == "lm_head.weight")}
     files = {n: (tokenizer_dir / n).read_text() for n in TOKENIZER_FILES if (tokenizer_dir / n).exists()}

@@ -1,0 +1,137 @@
+"""Offload plans: placement rules, the file format, the cost split, and the bundle that holds only the client's part."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from fhe.bundle import BundleError, offload_withheld_names, read_bundle, write_bundle, write_offload_bundle
+from fhe.offload import (
+    CLIENT,
+    SERVER,
+    LayerPlacement,
+    OffloadPlan,
+    OffloadPlanError,
+    cost_report,
+    offload_plan,
+    partial_plan,
+)
+from fhe.plan import load_default_plan
+from fhe.silu import fit_silu
+from tests.engine.hf_tiny import hf_tiny, ours_from_hf
+
+SMOLLM2 = ModelConfig(49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                      rope_theta=100000.0)
+
+
+def test_default_offload_plan_meets_the_issue_goals():
+    """Layers 2-29 on the server: >= 70 % of per-token multiply-adds, client <= 30 % of the parameters."""
+    plan = offload_plan(SMOLLM2, "SmolLM2-135M-Instruct", attention_plan_hash="ab" * 32)
+    assert plan.server_attention == plan.server_mlp == tuple(range(2, 30))
+    for context in (1, 64, 1024):
+        r = cost_report(plan, context)
+        assert r.server_mac_share >= 0.70, (context, r)
+        assert r.client_param_share <= 0.30
+    r = cost_report(plan, 64)
+    per_layer = (2 * 576 * 576 + 2 * 576 * 192 + 576) + (3 * 576 * 1536 + 576)   # attention + MLP, with gains
+    assert r.client_params == 49152 * 576 + 576 + 2 * per_layer                  # tied embedding, final norm
+    assert plan.round_trips == 28 * 3                 # attention + two client-aided MLP halves per layer
+
+
+def test_the_old_partial_plan_is_still_a_choice():
+    attn = load_default_plan()
+    plan = partial_plan(SMOLLM2, attn)
+    assert plan.server_attention == attn.layer_indices and plan.server_mlp == ()
+    plan.check_attention_plan(attn)
+    assert cost_report(plan, 64).server_mac_share < 0.05       # why the issue exists: ~3 % offloaded
+
+
+def test_placements_are_validated():
+    with pytest.raises(OffloadPlanError):
+        LayerPlacement(0, SERVER, CLIENT)                      # server attention needs a softmax choice
+    with pytest.raises(OffloadPlanError):
+        LayerPlacement(0, CLIENT, SERVER, silu="tanh")
+    with pytest.raises(OffloadPlanError):
+        LayerPlacement(0, CLIENT, CLIENT, softmax="approx")    # nothing to approximate on the client
+    with pytest.raises(OffloadPlanError):
+        LayerPlacement(0, "gpu", CLIENT)
+    with pytest.raises(OffloadPlanError):
+        offload_plan(SMOLLM2, "m", softmax="approx")           # names no attention plan
+    with pytest.raises(OffloadPlanError):
+        offload_plan(SMOLLM2, "m", softmax="client", silu="poly")   # poly layers without polynomials
+    full = offload_plan(SMOLLM2, "m", softmax="client")
+    with pytest.raises(OffloadPlanError):
+        OffloadPlan("m", SMOLLM2.to_hf_dict(), full.layers[:-1])    # a layer without a placement
+
+
+def test_attention_plan_must_cover_the_approximated_layers():
+    attn = load_default_plan()                                 # layers 2-5 only
+    plan = offload_plan(SMOLLM2, "m", attention_plan_hash=attn.content_hash)
+    with pytest.raises(OffloadPlanError, match="no score map"):
+        plan.check_attention_plan(attn)
+    with pytest.raises(OffloadPlanError, match="not the one"):
+        offload_plan(SMOLLM2, "m", attention_plan_hash="00" * 32).check_attention_plan(attn)
+
+
+def test_save_load_round_trip_and_tamper(tmp_path):
+    poly = {i: fit_silu(torch.linspace(-6, 6, 200) * (1 + i / 30), degree=7) for i in range(2, 30)}
+    plan = offload_plan(SMOLLM2, "m", softmax="client", silu="poly", silu_polys=poly)
+    path = plan.save(tmp_path / "p.json")
+    back = OffloadPlan.load(path)
+    assert back.content_hash == plan.content_hash and back.silu[5].coeffs == poly[5].coeffs
+    doc = json.loads(path.read_text())
+    doc["layers"][3]["mlp"] = "client"
+    doc["layers"][3]["silu"] = None
+    path.write_text(json.dumps(doc))
+    with pytest.raises(OffloadPlanError):
+        OffloadPlan.load(path)
+    path.write_text("{not json")
+    with pytest.raises(OffloadPlanError):
+        OffloadPlan.load(path)
+
+
+def _tiny_bundle(tmp_path, plan_of):
+    model = ours_from_hf(hf_tiny("qwen2-bias-tied"))
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"fake": true}')
+    plan = plan_of(model.config)
+    info = write_offload_bundle(model, tmp_path / "tok", plan, tmp_path / "b.safetensors")
+    return model, plan, info
+
+
+def test_bundle_holds_no_tensor_of_a_server_side_layer(tmp_path):
+    model, plan, info = _tiny_bundle(tmp_path, lambda cfg: offload_plan(cfg, "tiny", 1, softmax="client"))
+    assert not any(n.startswith("model.layers.1.") for n in info["tensors"])   # layer 1: both blocks on the server
+    assert set(info["withheld"]) == {n for n in model.state_dict() if n.startswith("model.layers.1.")}
+    client, meta = read_bundle(tmp_path / "b.safetensors", tmp_path / "files")
+    assert meta["plan_hash"] == plan.content_hash and json.loads(meta["encrypted_layers"]) == [1]
+    assert all(p.is_meta for p in client.layers[1].parameters())
+    ids, pos = torch.tensor([3, 1, 4, 1, 5]), torch.arange(5)
+    from engine.model import DenseKVCache
+
+    with torch.inference_mode():               # the client's own part runs and equals the full model's
+        got = client.run_layers(client.embed(ids), pos, DenseKVCache(client.config, 5), 0, 1)
+        want = model.run_layers(model.embed(ids), pos, DenseKVCache(model.config, 5), 0, 1)
+    assert torch.equal(got, want)
+
+
+def test_client_mlp_keeps_its_weights_when_only_attention_is_offloaded(tmp_path):
+    def plan_of(cfg):
+        layers = (LayerPlacement(0), LayerPlacement(1, SERVER, CLIENT, "client"))
+        return OffloadPlan("tiny", cfg.to_hf_dict(), layers)
+
+    model, _, info = _tiny_bundle(tmp_path, plan_of)
+    assert "model.layers.1.mlp.up_proj.weight" in info["tensors"]
+    assert "model.layers.1.post_attention_layernorm.weight" in info["tensors"]
+    assert "model.layers.1.self_attn.q_proj.weight" not in info["tensors"]
+    # the same withholding as the older attention-only bundle
+    old = write_bundle(model, tmp_path / "tok", (1,), "ab" * 32, tmp_path / "old.safetensors")
+    assert sorted(old["withheld"]) == sorted(offload_withheld_names(model.config, plan_of(model.config)))
+
+
+def test_bundle_refuses_a_plan_of_another_shape(tmp_path):
+    with pytest.raises(BundleError):
+        _tiny_bundle(tmp_path, lambda cfg: offload_plan(SMOLLM2, "other", softmax="client"))

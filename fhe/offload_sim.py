@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine.model import DenseKVCache, LlamaForCausalLM
 from fhe.offload import SERVER, OffloadPlan
 from fhe.plan import Plan
+from fhe.silu import SiluPoly, fit_silu
 from fhe.simulator import SimulatedBackend, simulated_model
 
 
@@ -113,6 +114,13 @@ def collect_gates(model: LlamaForCausalLM, seqs: list[list[int]], layers: tuple[
     return res
 
 
+def fit_silu_polys(model: LlamaForCausalLM, seqs: list[list[int]], layers: tuple[int, ...], degree: int = 15,
+                   margin: float = 1.1) -> dict[int, SiluPoly]:
+    """One calibrated SiLU polynomial per layer, fitted on its gate pre-activations over ``seqs``."""
+    gates = collect_gates(model, seqs, layers)
+    return {i: fit_silu(gates[i], degree, margin) for i in layers}
+
+
 def kl_rows(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
     """KL(ref || got) per row of logits [T, vocab]."""
     lp_ref, lp_got = ref.double().log_softmax(-1), got.double().log_softmax(-1)
@@ -134,4 +142,4 @@ def fidelity(sim: OffloadSimulator, seqs: list[list[int]], prompt_lens: list[int
     return {"positions": total, "top1": agree / total, "kl": float(kl.mean()), "kl_max": float(kl.max())}
 
 
-__all__ = ["OffloadSimulator", "collect_gates", "fidelity", "kl_rows"]
+__all__ = ["OffloadSimulator", "collect_gates", "fidelity", "fit_silu_polys", "kl_rows"]

@@ -209,6 +209,18 @@ def offload_plan(cfg: ModelConfig, model_id: str, client_layers: int = 2, *, sof
     return OffloadPlan(model_id, cfg.to_hf_dict(), layers, attention_plan_hash, dict(silu_polys or {}))
 
 
+def with_poly_silu(plan: OffloadPlan, polys: Mapping[int, SiluPoly]) -> OffloadPlan:
+    """``plan`` with the polynomial SiLU on the server MLPs of ``polys`` (a per-layer choice: the others
+    keep theirs, e.g. client-aided where no polynomial fits the layer's range well enough)."""
+    bad = set(polys) - set(plan.server_mlp)
+    if bad:
+        raise OffloadPlanError(f"layers {sorted(bad)} have no server MLP")
+    layers = tuple(LayerPlacement(p.index, p.attention, p.mlp, p.softmax, "poly") if p.index in polys else p
+                   for p in plan.layers)
+    silu = {**{i: s for i, s in plan.silu.items() if i not in polys}, **polys}
+    return OffloadPlan(plan.model_id, plan.config, layers, plan.attention_plan_hash, silu, plan.created_by)
+
+
 def partial_plan(cfg: ModelConfig, plan: Plan) -> OffloadPlan:
     """The older partial plan as an offload plan: only ``plan``'s attention blocks on the server."""
     enc = set(plan.layer_indices)
@@ -287,4 +299,4 @@ def cost_report(plan: OffloadPlan, context: int = 64) -> CostReport:
 
 
 __all__ = ["CLIENT", "SERVER", "CostReport", "LayerPlacement", "OffloadPlan", "OffloadPlanError", "cost_report",
-           "default_offload_path", "offload_plan", "partial_plan"]
+           "default_offload_path", "offload_plan", "partial_plan", "with_poly_silu"]

@@ -18,6 +18,7 @@ from fhe.offload import (
     cost_report,
     offload_plan,
     partial_plan,
+    with_poly_silu,
 )
 from fhe.plan import load_default_plan
 from fhe.silu import fit_silu
@@ -135,3 +136,13 @@ def test_client_mlp_keeps_its_weights_when_only_attention_is_offloaded(tmp_path)
 def test_bundle_refuses_a_plan_of_another_shape(tmp_path):
     with pytest.raises(BundleError):
         _tiny_bundle(tmp_path, lambda cfg: offload_plan(SMOLLM2, "other", softmax="client"))
+
+
+def test_poly_silu_is_a_per_layer_choice():
+    base = offload_plan(SMOLLM2, "m", softmax="client")
+    poly = fit_silu(torch.linspace(-5, 5, 100), degree=7)
+    mixed = with_poly_silu(base, {3: poly, 7: poly})
+    assert [p.silu for p in mixed.layers if p.mlp == SERVER].count("poly") == 2
+    assert mixed.layers[4].silu == "client" and mixed.round_trips == base.round_trips - 2
+    with pytest.raises(OffloadPlanError):
+        with_poly_silu(base, {0: poly})                         # layer 0's MLP is the client's

@@ -1,0 +1,108 @@
+"""Fidelity of whole offload plans vs the plaintext model (plaintext simulation, :mod:`fhe.offload_sim`).
+
+Teacher-forced on the plaintext model's greedy answers to held-out prompts (disjoint from the calibration
+prompts): top-1 agreement and mean KL(plain || plan) over every answer position, for the client-aided
+and the approximated variants side by side, with and without Gaussian noise standing in for CKKS error on
+every server output. The SiLU polynomials are fitted here on the calibration prompts.
+
+    flock /tmp/cipherlm-bench.lock python bench/offload_fidelity.py --attention-plan fhe/data/smollm2-135m-instruct.offload-attention.plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fhe.calibrate import chat_corpus, load_prompts
+from fhe.offload import offload_plan, partial_plan, with_poly_silu
+from fhe.offload_sim import OffloadSimulator, collect_gates, fidelity
+from fhe.plan import Plan, load_default_plan
+from fhe.silu import fit_silu
+from fhe.simulator import sequence_logits
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--attention-plan", required=True, help="sqexp plan with every server layer (2-29)")
+    ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--eval-new-tokens", type=int, default=24)
+    ap.add_argument("--cal-prompts", type=int, default=32)
+    ap.add_argument("--cal-new-tokens", type=int, default=24)
+    ap.add_argument("--degrees", default="15,31", help="SiLU polynomial degrees to try")
+    ap.add_argument("--hybrid-tol", type=float, default=0.05,
+                    help="hybrid: poly SiLU on layers whose calibration max error is below this, else client")
+    ap.add_argument("--noise", type=float, default=1e-4, help="std of the CKKS-error stand-in")
+    ap.add_argument("--threads", type=int, default=1)
+    return ap.parse_args()
+
+
+def _silu_fits(model, tok, args, layers):
+    cal = chat_corpus(model, tok, load_prompts("calibration")[:args.cal_prompts], args.cal_new_tokens)
+    gates = collect_gates(model, cal, layers)
+    fits = {}
+    for d in (int(v) for v in args.degrees.split(",")):
+        polys = {i: fit_silu(gates[i], d) for i in layers}
+        errs = {i: float((p(gates[i]) - F.silu(gates[i])).abs().max()) for i, p in polys.items()}
+        fits[d] = (polys, errs)
+        print(f"  SiLU degree {d}: max error per layer " +
+              " ".join(f"{i}:{e:.3f}" for i, e in errs.items()), flush=True)
+    return fits
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    from server.cli_fhe import _load_model_and_tokenizer
+
+    _, model, tok = _load_model_and_tokenizer("default")
+    attn, old = Plan.load(args.attention_plan), load_default_plan()
+    t0 = time.perf_counter()
+    prompts = load_prompts("evaluation")[:args.eval_prompts]
+    seqs = chat_corpus(model, tok, prompts, args.eval_new_tokens)
+    plens = [len(tok.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
+    plain = [sequence_logits(model, ids, None) for ids in seqs]
+    print(f"evaluation: {len(seqs)} held-out prompts ({time.perf_counter() - t0:.0f} s)", flush=True)
+    cfg, name = model.config, "SmolLM2-135M-Instruct"
+    layers = tuple(range(2, cfg.num_hidden_layers))
+    fits = _silu_fits(model, tok, args, layers)
+
+    client_aided = offload_plan(cfg, name, softmax="client")
+    default = offload_plan(cfg, name, attention_plan_hash=attn.content_hash)
+    variants = [("all client-aided (exact softmax + SiLU on the client)", client_aided, 0.0),
+                ("**client-aided MLP + sqexp attention** (default offload plan)", default, 0.0),
+                ("  same, + CKKS-error stand-in", default, args.noise)]
+    for d, (polys, errs) in fits.items():
+        variants.append((f"approximated: sqexp attention + poly SiLU d={d} on all 28", with_poly_silu(default, polys), 0.0))
+        variants.append((f"  same, + CKKS-error stand-in", with_poly_silu(default, polys), args.noise))
+        variants.append((f"poly SiLU d={d} only (softmax client-aided)", with_poly_silu(client_aided, polys), 0.0))
+        good = {i: p for i, p in polys.items() if errs[i] <= args.hybrid_tol}
+        variants.append((f"hybrid: poly SiLU d={d} on {len(good)} layers (max err <= {args.hybrid_tol}), "
+                         f"client-aided on {len(layers) - len(good)}, sqexp attention",
+                         with_poly_silu(default, good), 0.0))
+    variants.append(("old partial plan (attention 2-5 on the server, sqexp)", partial_plan(cfg, old), 0.0))
+
+    rows = []
+    for label, plan, noise in variants:
+        a = old if plan.attention_plan_hash == old.content_hash else attn
+        t = time.perf_counter()
+        r = fidelity(OffloadSimulator(model, plan, a if plan.approx_layers else None, noise), seqs, plens, plain)
+        rows.append((label, plan, noise, r))
+        print(f"  {label}: top-1 {100 * r['top1']:.2f}%, KL {r['kl']:.3g} ({time.perf_counter() - t:.0f} s)",
+              flush=True)
+
+    print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; {rows[0][3]['positions']} answer "
+          f"positions of {len(seqs)} held-out prompts; attention plan {attn.content_hash[:12]}")
+    print("| variant | round trips/token | top-1 vs plaintext | mean KL | max KL |")
+    print("|---|---|---|---|---|")
+    for label, plan, noise, r in rows:
+        print(f"| {label} | {plan.round_trips} | {100 * r['top1']:.2f}% | {r['kl']:.2e} | {r['kl_max']:.2e} |")
+
+
+if __name__ == "__main__":
+    main()

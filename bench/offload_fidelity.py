@@ -5,7 +5,8 @@ prompts): top-1 agreement and mean KL(plain || plan) over every answer position,
 and the approximated variants side by side, with and without Gaussian noise standing in for CKKS error on
 every server output. The SiLU polynomials are fitted here on the calibration prompts.
 
-    flock /tmp/cipherlm-bench.lock python bench/offload_fidelity.py --attention-plan fhe/data/smollm2-135m-instruct.offload-attention.plan.json
+    flock /tmp/cipherlm-bench.lock python bench/offload_fidelity.py \
+        --attention-plan fhe/data/smollm2-135m-instruct.offload-attention.plan.json
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def main() -> None:
                 ("**client-aided MLP + sqexp attention** (default offload plan)", default, 0.0),
                 ("  same, + CKKS-error stand-in", default, args.noise)]
     for d, (polys, errs) in fits.items():
-        variants.append((f"approximated: sqexp attention + poly SiLU d={d} on all 28", with_poly_silu(default, polys), 0.0))
-        variants.append((f"  same, + CKKS-error stand-in", with_poly_silu(default, polys), args.noise))
+        approx = with_poly_silu(default, polys)
+        variants.append((f"approximated: sqexp attention + poly SiLU d={d} on all 28", approx, 0.0))
+        variants.append(("  same, + CKKS-error stand-in", approx, args.noise))
         variants.append((f"poly SiLU d={d} only (softmax client-aided)", with_poly_silu(client_aided, polys), 0.0))
         good = {i: p for i, p in polys.items() if errs[i] <= args.hybrid_tol}
         variants.append((f"hybrid: poly SiLU d={d} on {len(good)} layers (max err <= {args.hybrid_tol}), "
@@ -100,7 +102,7 @@ def main() -> None:
           f"positions of {len(seqs)} held-out prompts; attention plan {attn.content_hash[:12]}")
     print("| variant | round trips/token | top-1 vs plaintext | mean KL | max KL |")
     print("|---|---|---|---|---|")
-    for label, plan, noise, r in rows:
+    for label, plan, _noise, r in rows:
         print(f"| {label} | {plan.round_trips} | {100 * r['top1']:.2f}% | {r['kl']:.2e} | {r['kl_max']:.2e} |")
 
 

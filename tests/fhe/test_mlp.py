@@ -126,3 +126,17 @@ def test_smollm2_mlp_blocks_match_torch_on_real_activations(default_model_dir):
         for row in resid[i]:
             err = (run_client_aided(server, client, row, keys) - _reference(layer, row)).abs().max().item()
             assert err < MAX_ERR, (i, err)
+
+
+def test_no_secret_material_reaches_the_server(smollm2_shaped):
+    """What a server gets for one client-aided block (the public keys and the two uploads) carries no
+    window of the serialized secret key, and the server's key object has no secret to give."""
+    _, server, client, keys = smollm2_shaped
+    secret = client.client.unsafe_export_secret()
+    h = torch.randn(576, generator=torch.Generator().manual_seed(7))
+    a = client.activation(server.gate_up(client.encrypt_input(h), keys))
+    sent = b"".join([*client.client.public_blobs.values(),
+                     server.ev.serialize(client.encrypt_input(h)), server.ev.serialize(client.encrypt_activation(a))])
+    for start in range(64, len(secret) - 48, max(1, len(secret) // 64)):
+        assert secret[start:start + 48] not in sent
+    assert not any("secret" in name for name in vars(keys))

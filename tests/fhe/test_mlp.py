@@ -120,12 +120,15 @@ def test_smollm2_mlp_blocks_match_torch_on_real_activations(default_model_dir):
             h = h + layer.self_attn(layer.input_layernorm(h), pos, model.rotary, cache)
             resid[i] = h.clone()
             h = layer.mlp_block(h)
+    worst = {}
     for i in (2, 29):
         layer = model.layers[i]
         server, client, keys = _setup(layer)
-        for row in resid[i]:
-            err = (run_client_aided(server, client, row, keys) - _reference(layer, row)).abs().max().item()
-            assert err < MAX_ERR, (i, err)
+        errs = [(run_client_aided(server, client, row, keys) - _reference(layer, row)).abs().max().item()
+                for row in resid[i]]
+        worst[i] = max(errs)
+    print(f"max |encrypted - torch fp64| per layer: {worst}")      # docs/fhe.md §10 quotes it
+    assert max(worst.values()) < MAX_ERR, worst
 
 
 def test_no_secret_material_reaches_the_server(smollm2_shaped):

@@ -146,3 +146,20 @@ def test_poly_silu_is_a_per_layer_choice():
     assert mixed.layers[4].silu == "client" and mixed.round_trips == base.round_trips - 2
     with pytest.raises(OffloadPlanError):
         with_poly_silu(base, {0: poly})                         # layer 0's MLP is the client's
+
+
+def test_cli_plan_info_prints_the_work_split(tmp_path, capsys):
+    from server.cli import main
+
+    path = offload_plan(SMOLLM2, "SmolLM2-135M-Instruct", softmax="client").save(tmp_path / "off.json")
+    assert main(["fhe", "plan-info", str(path), "--context", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "layers 0-1: client (clear)" in out
+    assert "layers 2-29: attention server (softmax: client), mlp server (silu: client)" in out
+    assert "server runs 74.0 % of" in out and "(112 round trips)" in out
+    assert "client 26.3 % of 134.5 M" in out and "141.6 MB of fp32 tensors" in out
+    doc = json.loads(path.read_text())
+    doc["layers"][5]["attention"] = "client"
+    path.write_text(json.dumps(doc))
+    assert main(["fhe", "plan-info", str(path)]) == 2
+    assert "error" in capsys.readouterr().err

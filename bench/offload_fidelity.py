@@ -15,6 +15,7 @@ import argparse
 import datetime
 import platform
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,9 @@ from fhe.simulator import sequence_logits
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--attention-plan", required=True, help="sqexp plan with every server layer (2-29)")
+    ap.add_argument("--attention-plan", default=None,
+                    help="sqexp plan with every server layer (2-29); without it only client-aided softmax runs")
+    ap.add_argument("--cache", default=None, help="file keeping the evaluation corpus and the gate samples")
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--eval-new-tokens", type=int, default=24)
     ap.add_argument("--cal-prompts", type=int, default=32)
@@ -42,9 +45,22 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def _silu_fits(model, tok, args, layers):
+def _corpora(model, tok, args, layers):
+    """(evaluation sequences, their prompt lengths, gate samples per layer), from ``--cache`` if there."""
+    if args.cache and Path(args.cache).exists():
+        c = torch.load(args.cache)
+        return c["seqs"], c["plens"], c["gates"]
+    prompts = load_prompts("evaluation")[:args.eval_prompts]
+    seqs = chat_corpus(model, tok, prompts, args.eval_new_tokens)
+    plens = [len(tok.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
     cal = chat_corpus(model, tok, load_prompts("calibration")[:args.cal_prompts], args.cal_new_tokens)
     gates = collect_gates(model, cal, layers)
+    if args.cache:
+        torch.save({"seqs": seqs, "plens": plens, "gates": gates}, args.cache)
+    return seqs, plens, gates
+
+
+def _silu_fits(gates, args, layers):
     fits = {}
     for d in (int(v) for v in args.degrees.split(",")):
         polys = {i: fit_silu(gates[i], d) for i in layers}
@@ -61,31 +77,36 @@ def main() -> None:
     from server.cli_fhe import _load_model_and_tokenizer
 
     _, model, tok = _load_model_and_tokenizer("default")
-    attn, old = Plan.load(args.attention_plan), load_default_plan()
-    t0 = time.perf_counter()
-    prompts = load_prompts("evaluation")[:args.eval_prompts]
-    seqs = chat_corpus(model, tok, prompts, args.eval_new_tokens)
-    plens = [len(tok.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
-    plain = [sequence_logits(model, ids, None) for ids in seqs]
-    print(f"evaluation: {len(seqs)} held-out prompts ({time.perf_counter() - t0:.0f} s)", flush=True)
+    attn = Plan.load(args.attention_plan) if args.attention_plan else None
+    old = load_default_plan()
     cfg, name = model.config, "SmolLM2-135M-Instruct"
     layers = tuple(range(2, cfg.num_hidden_layers))
-    fits = _silu_fits(model, tok, args, layers)
+    t0 = time.perf_counter()
+    seqs, plens, gates = _corpora(model, tok, args, layers)
+    plain = [sequence_logits(model, ids, None) for ids in seqs]
+    print(f"evaluation: {len(seqs)} held-out prompts ({time.perf_counter() - t0:.0f} s)", flush=True)
+    fits = _silu_fits(gates, args, layers)
 
     client_aided = offload_plan(cfg, name, softmax="client")
-    default = offload_plan(cfg, name, attention_plan_hash=attn.content_hash)
     variants = [("all client-aided (exact softmax + SiLU on the client)", client_aided, 0.0),
-                ("**client-aided MLP + sqexp attention** (default offload plan)", default, 0.0),
-                ("  same, + CKKS-error stand-in", default, args.noise)]
+                ("  same, + CKKS-error stand-in", client_aided, args.noise)]
+    if attn is not None:
+        default = offload_plan(cfg, name, attention_plan_hash=attn.content_hash)
+        variants += [("**client-aided MLP + sqexp attention** (default offload plan)", default, 0.0),
+                     ("  same, + CKKS-error stand-in", default, args.noise)]
+    else:
+        default = client_aided
     for d, (polys, errs) in fits.items():
-        approx = with_poly_silu(default, polys)
-        variants.append((f"approximated: sqexp attention + poly SiLU d={d} on all 28", approx, 0.0))
-        variants.append(("  same, + CKKS-error stand-in", approx, args.noise))
-        variants.append((f"poly SiLU d={d} only (softmax client-aided)", with_poly_silu(client_aided, polys), 0.0))
         good = {i: p for i, p in polys.items() if errs[i] <= args.hybrid_tol}
-        variants.append((f"hybrid: poly SiLU d={d} on {len(good)} layers (max err <= {args.hybrid_tol}), "
-                         f"client-aided on {len(layers) - len(good)}, sqexp attention",
-                         with_poly_silu(default, good), 0.0))
+        hybrid = (f"hybrid: poly SiLU d={d} on {len(good)} layers (max err <= {args.hybrid_tol}), "
+                  f"client-aided on {len(layers) - len(good)}")
+        variants.append((f"poly SiLU d={d} on all 28, softmax client-aided", with_poly_silu(client_aided, polys), 0.0))
+        variants.append((f"{hybrid}, softmax client-aided", with_poly_silu(client_aided, good), 0.0))
+        if attn is not None:
+            approx = with_poly_silu(default, polys)
+            variants.append((f"approximated: sqexp attention + poly SiLU d={d} on all 28", approx, 0.0))
+            variants.append(("  same, + CKKS-error stand-in", approx, args.noise))
+            variants.append((f"{hybrid}, sqexp attention", with_poly_silu(default, good), 0.0))
     variants.append(("old partial plan (attention 2-5 on the server, sqexp)", partial_plan(cfg, old), 0.0))
 
     rows = []
@@ -99,7 +120,8 @@ def main() -> None:
 
     print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; {rows[0][3]['positions']} answer "
-          f"positions of {len(seqs)} held-out prompts; attention plan {attn.content_hash[:12]}")
+          f"positions of {len(seqs)} held-out prompts; attention plan "
+          f"{attn.content_hash[:12] if attn else '(none)'}; noise std {args.noise}")
     print("| variant | round trips/token | top-1 vs plaintext | mean KL | max KL |")
     print("|---|---|---|---|---|")
     for label, plan, _noise, r in rows:

@@ -163,3 +163,21 @@ def test_cli_plan_info_prints_the_work_split(tmp_path, capsys):
     path.write_text(json.dumps(doc))
     assert main(["fhe", "plan-info", str(path)]) == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_cli_offload_plan_writes_a_plan_for_the_model(tmp_path, capsys, default_model_dir):
+    from server.cli import main
+
+    out = tmp_path / "off.json"
+    assert main(["fhe", "offload-plan", "--model", str(default_model_dir), "--softmax", "client",
+                 "--out", str(out)]) == 0
+    plan = OffloadPlan.load(out)
+    assert plan.server_mlp == tuple(range(2, 30)) and plan.silu == {}
+    capsys.readouterr()
+    # approximated attention needs an attention plan that covers every server layer: the 4-layer one does not
+    from fhe.plan import default_plan_path
+
+    assert main(["fhe", "offload-plan", "--model", str(default_model_dir), "--attention-plan",
+                 str(default_plan_path()), "--out", str(tmp_path / "x.json")]) == 2
+    assert "no score map" in capsys.readouterr().err

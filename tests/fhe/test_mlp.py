@@ -143,3 +143,38 @@ def test_no_secret_material_reaches_the_server(smollm2_shaped):
     for start in range(64, len(secret) - 48, max(1, len(secret) // 64)):
         assert secret[start:start + 48] not in sent
     assert not any("secret" in name for name in vars(keys))
+
+
+def test_polynomial_silu_needs_the_depth_of_its_degree():
+    from fhe.errors import ParameterError
+    from fhe.mlp_poly import EncryptedPolyMLP, poly_depth
+    from fhe.silu import fit_silu
+
+    assert poly_depth(7) == 7 and poly_depth(15) == 8
+    with pytest.raises(ParameterError):
+        EncryptedPolyMLP(_layer(64, 96), fit_silu(torch.linspace(-4, 4, 50), degree=15))
+
+
+@pytest.mark.slow
+def test_polynomial_silu_block_matches_its_simulation():
+    """The approximated variant on the server (one round trip): equals the plaintext block with the same
+    polynomial up to CKKS error, and differs from the exact block by the polynomial's own error."""
+    from fhe.linalg import replicate_input
+    from fhe.mlp_poly import POLY_MLP_PARAMS, EncryptedPolyMLP
+    from fhe.silu import fit_silu
+
+    layer = _layer(64, 96, seed=1)
+    h = torch.randn(64, generator=torch.Generator().manual_seed(2)) * 2
+    mlp, x = copy.deepcopy(layer.mlp).double(), _normed(layer, h)
+    with torch.no_grad():
+        g, u = mlp.gate_proj(x), mlp.up_proj(x)
+        poly = fit_silu(g * 1.5, degree=7)
+        want, exact = mlp.down_proj(poly(g) * u), mlp.down_proj(torch.nn.functional.silu(g) * u)
+    server = EncryptedPolyMLP(layer, poly)
+    client = CKKSClient(POLY_MLP_PARAMS, tuple(server.rotation_steps))
+    xn = h.double() * torch.rsqrt(h.double().pow(2).mean() + layer.post_attention_layernorm.eps)
+    out = server.forward(client.encrypt(replicate_input(xn.numpy(), server.ev.slots, server.in_period)),
+                         client.server_keys())
+    got = torch.from_numpy(client.decrypt(out)[server.out_slots])
+    assert (got - want).abs().max() < 1e-4                         # measured 1.5e-5
+    assert (want - exact).abs().max() > 1e-3                       # the test can tell the two variants apart

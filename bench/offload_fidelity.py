@@ -41,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--hybrid-tol", type=float, default=0.05,
                     help="hybrid: poly SiLU on layers whose calibration max error is below this, else client")
     ap.add_argument("--noise", type=float, default=1e-4, help="std of the CKKS-error stand-in")
+    ap.add_argument("--only-approx", action="store_true",
+                    help="run only the variants with the approximated (sqexp) attention")
     ap.add_argument("--threads", type=int, default=1)
     return ap.parse_args()
 
@@ -109,6 +111,8 @@ def main() -> None:
             variants.append((f"{hybrid}, sqexp attention", with_poly_silu(default, good), 0.0))
     variants.append(("old partial plan (attention 2-5 on the server, sqexp)", partial_plan(cfg, old), 0.0))
 
+    if args.only_approx:
+        variants = [v for v in variants if v[1].approx_layers and v[1].attention_plan_hash != old.content_hash]
     rows = []
     for label, plan, noise in variants:
         a = old if plan.attention_plan_hash == old.content_hash else attn

@@ -107,7 +107,6 @@ class EncryptedMLP:
         self.ev = evaluator if evaluator is not None else _default_evaluator(params)
         if self.ev.params != params:
             raise ParameterError(f"evaluator {self.ev.name!r} runs {self.ev.params}, the block needs {params}")
-        self.index = getattr(layer.self_attn, "layer_idx", None)
         w = MLPWeights.of(layer)
         self.matvecs_up = _up_matvecs(self.ev.slots, w)
         self.matvec_down = _matvec(self.ev.slots, w.down)

@@ -181,3 +181,21 @@ def test_cli_offload_plan_writes_a_plan_for_the_model(tmp_path, capsys, default_
     assert main(["fhe", "offload-plan", "--model", str(default_model_dir), "--attention-plan",
                  str(default_plan_path()), "--out", str(tmp_path / "x.json")]) == 2
     assert "no score map" in capsys.readouterr().err
+
+
+def test_the_shipped_offload_plan():
+    """The default offload plan: layers 2-29 (attention and MLP) on the server, client-aided MLP; if its
+    attention is approximated, the shipped offload attention plan covers every server layer; the goals hold."""
+    from fhe.offload import default_offload_path
+    from fhe.plan import Plan
+
+    plan = OffloadPlan.load(default_offload_path())
+    assert plan.server_attention == plan.server_mlp == tuple(range(2, 30))
+    assert all(p.silu == "client" for p in plan.layers[2:])
+    if plan.approx_layers:
+        attn = default_offload_path().with_name("smollm2-135m-instruct.offload-attention.plan.json")
+        plan.check_attention_plan(Plan.load(attn))
+    cfg = plan.model_config
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size) == (576, 1536, 30, 49152)
+    r = cost_report(plan, 64)
+    assert r.server_mac_share >= 0.70 and r.client_param_share <= 0.30

@@ -284,7 +284,9 @@ class CostReport:
 
 
 def cost_report(plan: OffloadPlan, context: int = 64) -> CostReport:
-    """The plan's split of work and weights for one token decoded at ``context`` keys."""
+    """The plan's split of work and weights for one token decoded at ``context`` keys (>= 1)."""
+    if context < 1:
+        raise OffloadPlanError(f"context must be >= 1, got {context}")
     cfg = plan.model_config
     att_p, mlp_p = _attention_params(cfg), _mlp_params(cfg)
     att_m, mlp_m = _attention_macs(cfg, context), 3 * cfg.hidden_size * cfg.intermediate_size

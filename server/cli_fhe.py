@@ -195,6 +195,9 @@ def _offload_info(args: argparse.Namespace) -> int:
 def _plan_info(args: argparse.Namespace) -> int:
     from fhe.plan import Plan, PlanError, default_plan_path
 
+    if args.context < 1:
+        print("cipherlm: error: --context must be >= 1", file=sys.stderr)
+        return 2
     if _is_offload_plan(args.plan):
         return _offload_info(args)
     try:

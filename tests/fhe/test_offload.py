@@ -163,6 +163,9 @@ def test_cli_plan_info_prints_the_work_split(tmp_path, capsys):
     path.write_text(json.dumps(doc))
     assert main(["fhe", "plan-info", str(path)]) == 2
     assert "error" in capsys.readouterr().err
+    assert main(["fhe", "plan-info", "offload", "--context", "0"]) == 2
+    with pytest.raises(OffloadPlanError):
+        cost_report(offload_plan(SMOLLM2, "m", softmax="client"), 0)
 
 
 @pytest.mark.model

@@ -115,10 +115,13 @@ def collect_gates(model: LlamaForCausalLM, seqs: list[list[int]], layers: tuple[
 
 
 def fit_silu_polys(model: LlamaForCausalLM, seqs: list[list[int]], layers: tuple[int, ...], degree: int = 15,
-                   margin: float = 1.1) -> dict[int, SiluPoly]:
-    """One calibrated SiLU polynomial per layer, fitted on its gate pre-activations over ``seqs``."""
+                   margin: float = 1.1) -> tuple[dict[int, SiluPoly], dict[int, float]]:
+    """One calibrated SiLU polynomial per layer, fitted on its gate pre-activations over ``seqs``, and its
+    max |p(g) - silu(g)| on those samples (a layer with rare large gates fits badly: keep it client-aided)."""
     gates = collect_gates(model, seqs, layers)
-    return {i: fit_silu(gates[i], degree, margin) for i in layers}
+    polys = {i: fit_silu(gates[i], degree, margin) for i in layers}
+    errors = {i: float((p(gates[i]) - F.silu(gates[i])).abs().max()) for i, p in polys.items()}
+    return polys, errors
 
 
 def kl_rows(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:

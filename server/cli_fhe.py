@@ -42,9 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--attention-plan", default=None,
                      help="plan (from 'fhe calibrate') with a score map for every server layer (softmax approx)")
     off.add_argument("--silu", choices=("client", "poly"), default="client",
-                     help="server MLP: client-aided exact SiLU, or a polynomial fitted here on calibration text")
+                     help="server MLP: client-aided exact SiLU, or a polynomial fitted here on calibration text "
+                          "(per layer: where it fits within --silu-max-error)")
     off.add_argument("--silu-degree", type=int, default=15)
     off.add_argument("--silu-margin", type=float, default=1.1, help="bound = margin * observed max |gate|")
+    off.add_argument("--silu-max-error", type=float, default=0.05,
+                     help="poly: a layer whose fit errs by more (max over calibration gates) stays client-aided")
     off.add_argument("--prompts", type=int, default=32, help="calibration prompts (poly SiLU fit)")
     off.add_argument("--max-new-tokens", type=int, default=24)
     off.add_argument("--model-id", default=None)
@@ -99,21 +102,22 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _offload_plan(args: argparse.Namespace) -> int:
     from fhe.calibrate import chat_corpus, load_prompts
-    from fhe.offload import OffloadPlanError, offload_plan
+    from fhe.offload import OffloadPlanError, offload_plan, with_poly_silu
     from fhe.offload_sim import fit_silu_polys
     from fhe.plan import Plan, PlanError
 
     path, model, tok = _load_model_and_tokenizer(args.model)
     try:
         attn = Plan.load(args.attention_plan) if args.attention_plan else None
-        polys = None
+        plan = offload_plan(model.config, args.model_id or path.stem, args.client_layers, softmax=args.softmax,
+                            attention_plan_hash=None if attn is None else attn.content_hash)
         if args.silu == "poly":
             seqs = chat_corpus(model, tok, load_prompts("calibration")[:args.prompts], args.max_new_tokens)
-            layers = tuple(range(args.client_layers, len(model.layers)))
-            polys = fit_silu_polys(model, seqs, layers, args.silu_degree, args.silu_margin)
-        plan = offload_plan(model.config, args.model_id or path.stem, args.client_layers, softmax=args.softmax,
-                            silu=args.silu, attention_plan_hash=None if attn is None else attn.content_hash,
-                            silu_polys=polys)
+            polys, errors = fit_silu_polys(model, seqs, plan.server_mlp, args.silu_degree, args.silu_margin)
+            keep = {i: p for i, p in polys.items() if errors[i] <= args.silu_max_error}
+            print(f"poly SiLU on {len(keep)} layers; client-aided where the fit errs by more than "
+                  f"{args.silu_max_error}: {sorted(set(polys) - set(keep))}")
+            plan = with_poly_silu(plan, keep)
         plan.check_attention_plan(attn)
         if attn is not None:
             attn.check_model(model)

@@ -202,3 +202,18 @@ def test_the_shipped_offload_plan():
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size) == (576, 1536, 30, 49152)
     r = cost_report(plan, 64)
     assert r.server_mac_share >= 0.70 and r.client_param_share <= 0.30
+
+
+@pytest.mark.model
+def test_cli_offload_plan_fits_poly_silu_only_where_it_fits(tmp_path, capsys, default_model_dir):
+    from server.cli import main
+
+    out = tmp_path / "poly.json"
+    assert main(["fhe", "offload-plan", "--model", str(default_model_dir), "--softmax", "client", "--silu", "poly",
+                 "--silu-degree", "7", "--silu-max-error", "0.05", "--prompts", "2", "--max-new-tokens", "2",
+                 "--out", str(out)]) == 0
+    assert "poly SiLU on" in capsys.readouterr().out
+    plan = OffloadPlan.load(out)
+    poly = {p.index for p in plan.layers if p.silu == "poly"}
+    assert poly == set(plan.silu) and poly < set(range(2, 30))      # some layers fit, the outlier ones do not
+    assert all(s.degree == 7 for s in plan.silu.values())

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fhe.calibrate import chat_corpus, load_prompts
-from fhe.offload import offload_plan, partial_plan, with_poly_silu
+from fhe.offload import LayerPlacement, OffloadPlan, offload_plan, partial_plan, with_poly_silu
 from fhe.offload_sim import OffloadSimulator, collect_gates, fidelity
 from fhe.plan import Plan, load_default_plan
 from fhe.silu import fit_silu
@@ -43,6 +43,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--noise", type=float, default=1e-4, help="std of the CKKS-error stand-in")
     ap.add_argument("--only-approx", action="store_true",
                     help="run only the variants with the approximated (sqexp) attention")
+    ap.add_argument("--where-calibrated", action="store_true",
+                    help="sqexp only on the layers the attention plan covers, client-aided softmax elsewhere")
+    ap.add_argument("--quick", action="store_true", help="only the default plan, with and without noise")
     ap.add_argument("--threads", type=int, default=1)
     return ap.parse_args()
 
@@ -73,6 +76,17 @@ def _silu_fits(gates, args, layers):
     return fits
 
 
+def _approx_plan(cfg, name: str, attn: Plan, where_calibrated: bool):
+    """Layers 2-29 on the server with the attention plan's sqexp map (only where it has one, if asked)."""
+    plan = offload_plan(cfg, name, attention_plan_hash=attn.content_hash)
+    if not where_calibrated:
+        return plan
+    keep = set(attn.layer_indices)
+    layers = tuple(p if p.index in keep or p.attention != "server" else
+                   LayerPlacement(p.index, p.attention, p.mlp, "client", p.silu) for p in plan.layers)
+    return OffloadPlan(name, plan.config, layers, attn.content_hash)
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -93,8 +107,10 @@ def main() -> None:
     variants = [("all client-aided (exact softmax + SiLU on the client)", client_aided, 0.0),
                 ("  same, + CKKS-error stand-in", client_aided, args.noise)]
     if attn is not None:
-        default = offload_plan(cfg, name, attention_plan_hash=attn.content_hash)
-        variants += [("**client-aided MLP + sqexp attention** (default offload plan)", default, 0.0),
+        default = _approx_plan(cfg, name, attn, args.where_calibrated)
+        what = ("sqexp attention on the attention plan's layers, client-aided softmax elsewhere"
+                if args.where_calibrated else "sqexp attention on all 28")
+        variants += [(f"**client-aided MLP + {what}**", default, 0.0),
                      ("  same, + CKKS-error stand-in", default, args.noise)]
     else:
         default = client_aided
@@ -111,13 +127,16 @@ def main() -> None:
             variants.append((f"{hybrid}, sqexp attention", with_poly_silu(default, good), 0.0))
     variants.append(("old partial plan (attention 2-5 on the server, sqexp)", partial_plan(cfg, old), 0.0))
 
+    if args.quick:
+        variants = variants[2:4] if attn is not None else variants[:2]
     if args.only_approx:
         variants = [v for v in variants if v[1].approx_layers and v[1].attention_plan_hash != old.content_hash]
+    by_hash = {p.content_hash: p for p in (old, attn) if p is not None}
     rows = []
     for label, plan, noise in variants:
-        a = old if plan.attention_plan_hash == old.content_hash else attn
         t = time.perf_counter()
-        r = fidelity(OffloadSimulator(model, plan, a if plan.approx_layers else None, noise), seqs, plens, plain)
+        a = by_hash.get(plan.attention_plan_hash)
+        r = fidelity(OffloadSimulator(model, plan, a, noise), seqs, plens, plain)
         rows.append((label, plan, noise, r))
         print(f"  {label}: top-1 {100 * r['top1']:.2f}%, KL {r['kl']:.3g} ({time.perf_counter() - t:.0f} s)",
               flush=True)

@@ -1,4 +1,5 @@
-"""``cipherlm fhe calibrate`` (fit an FHE plan to a checkpoint) and ``cipherlm fhe plan-info PLAN``."""
+"""``cipherlm fhe calibrate`` (fit an FHE plan to a checkpoint), ``cipherlm fhe offload-plan`` (place every
+layer part, fit the polynomial SiLU) and ``cipherlm fhe plan-info PLAN``."""
 
 from __future__ import annotations
 
@@ -32,9 +33,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--model-id", default=None, help="name recorded in the plan (default: folder name)")
     cal.add_argument("--out", required=True, help="plan folder, or a .json file when no weights are adjusted")
     cal.set_defaults(func=_calibrate)
+    off = fsub.add_parser("offload-plan", help="write an offload plan: layers [0, k) on the client, the rest "
+                                               "(attention and MLP) on the server")
+    off.add_argument("--model", default="default", help="'default', a model folder or a .gguf file")
+    off.add_argument("--client-layers", type=int, default=2, help="k: layers the client runs in the clear")
+    off.add_argument("--softmax", choices=("approx", "client"), default="approx",
+                     help="server attention: the attention plan's calibrated map, or client-aided exact softmax")
+    off.add_argument("--attention-plan", default=None,
+                     help="plan (from 'fhe calibrate') with a score map for every server layer (softmax approx)")
+    off.add_argument("--silu", choices=("client", "poly"), default="client",
+                     help="server MLP: client-aided exact SiLU, or a polynomial fitted here on calibration text "
+                          "(per layer: where it fits within --silu-max-error)")
+    off.add_argument("--silu-degree", type=int, default=15)
+    off.add_argument("--silu-margin", type=float, default=1.1, help="bound = margin * observed max |gate|")
+    off.add_argument("--silu-max-error", type=float, default=0.05,
+                     help="poly: a layer whose fit errs by more (max over calibration gates) stays client-aided")
+    off.add_argument("--prompts", type=int, default=32, help="calibration prompts (poly SiLU fit)")
+    off.add_argument("--max-new-tokens", type=int, default=24)
+    off.add_argument("--model-id", default=None)
+    off.add_argument("--out", required=True, help="offload plan .json file")
+    off.set_defaults(func=_offload_plan)
     info = fsub.add_parser("plan-info", help="verify a plan (hash, version) and summarize it")
-    info.add_argument("plan", help="plan folder or .json file ('default' = the shipped SmolLM2 plan)")
+    info.add_argument("plan", help="plan folder or .json file ('default' = the shipped SmolLM2 plan, "
+                                   "'offload' = the shipped SmolLM2 offload plan); offload plans are recognized")
     info.add_argument("--json", action="store_true", help="print the full metadata as JSON")
+    info.add_argument("--context", type=int, default=64, help="keys per decoded token, for the work split")
     info.set_defaults(func=_plan_info)
 
 
@@ -77,9 +100,110 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _offload_plan(args: argparse.Namespace) -> int:
+    from fhe.calibrate import chat_corpus, load_prompts
+    from fhe.offload import OffloadPlanError, offload_plan, with_poly_silu
+    from fhe.offload_sim import fit_silu_polys
+    from fhe.plan import Plan, PlanError
+
+    path, model, tok = _load_model_and_tokenizer(args.model)
+    try:
+        attn = Plan.load(args.attention_plan) if args.attention_plan else None
+        plan = offload_plan(model.config, args.model_id or path.stem, args.client_layers, softmax=args.softmax,
+                            attention_plan_hash=None if attn is None else attn.content_hash)
+        if args.silu == "poly":
+            seqs = chat_corpus(model, tok, load_prompts("calibration")[:args.prompts], args.max_new_tokens)
+            polys, errors = fit_silu_polys(model, seqs, plan.server_mlp, args.silu_degree, args.silu_margin)
+            keep = {i: p for i, p in polys.items() if errors[i] <= args.silu_max_error}
+            print(f"poly SiLU on {len(keep)} layers; client-aided where the fit errs by more than "
+                  f"{args.silu_max_error}: {sorted(set(polys) - set(keep))}")
+            plan = with_poly_silu(plan, keep)
+        plan.check_attention_plan(attn)
+        if attn is not None:
+            attn.check_model(model)
+    except (OffloadPlanError, PlanError, ValueError) as exc:
+        print(f"cipherlm: error: {exc}", file=sys.stderr)
+        return 2
+    out = plan.save(args.out)
+    print(f"wrote {out} (content hash {plan.content_hash})")
+    return 0
+
+
+def _is_offload_plan(spec: str) -> bool:
+    from fhe.offload import FORMAT
+
+    if spec == "offload":
+        return True
+    path = Path(spec)
+    if spec == "default" or path.suffix != ".json" or not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_bytes()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False  # Plan.load reports what is wrong with it
+
+
+def _placement_runs(plan) -> list[tuple[int, int, str]]:
+    """Consecutive layers with the same placement, as (first, last, description)."""
+    def desc(p) -> str:
+        if p.attention == p.mlp == "client":
+            return "client (clear)"
+        att = "client" if p.attention == "client" else f"server (softmax: {p.softmax})"
+        mlp = "client" if p.mlp == "client" else f"server (silu: {p.silu})"
+        return f"attention {att}, mlp {mlp}"
+
+    runs: list[tuple[int, int, str]] = []
+    for p in plan.layers:
+        d = desc(p)
+        if runs and runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], p.index, d)
+        else:
+            runs.append((p.index, p.index, d))
+    return runs
+
+
+def _print_costs(plan, context: int) -> None:
+    from fhe.offload import cost_report
+
+    r = cost_report(plan, context)
+    total_macs, total_params = r.server_macs + r.client_macs, r.server_params + r.client_params
+    print(f"per token at context {context}: server runs {100 * r.server_mac_share:.1f} % of "
+          f"{total_macs / 1e6:.1f} M multiply-adds ({r.round_trips} round trips)")
+    print(f"parameters: client {100 * r.client_param_share:.1f} % of {total_params / 1e6:.1f} M "
+          f"({r.client_params / 1e6:.1f} M), server {r.server_params / 1e6:.1f} M")
+    print(f"client bundle: {r.bundle_tensor_bytes() / 1e6:.1f} MB of fp32 tensors (+ tokenizer files)")
+
+
+def _offload_info(args: argparse.Namespace) -> int:
+    from fhe.offload import OffloadPlan, OffloadPlanError, default_offload_path
+
+    try:
+        plan = OffloadPlan.load(default_offload_path() if args.plan == "offload" else Path(args.plan))
+    except OffloadPlanError as exc:
+        print(f"cipherlm: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**plan.metadata(), "content_hash": plan.content_hash}, indent=2))
+        return 0
+    print(f"offload plan {plan.content_hash}  ({plan.created_by})")
+    print(f"model {plan.model_id}  attention plan {plan.attention_plan_hash or '(none)'}")
+    for first, last, d in _placement_runs(plan):
+        print(f"  layer{'s' if last > first else ''} {first}{f'-{last}' if last > first else ''}: {d}")
+    print("client always: embedding, every RMSNorm (it holds the residual stream), final norm, head, sampling")
+    for i, poly in sorted(plan.silu.items()):
+        print(f"  layer {i} silu: degree {poly.degree} on [-{poly.bound:.2f}, {poly.bound:.2f}]")
+    _print_costs(plan, args.context)
+    return 0
+
+
 def _plan_info(args: argparse.Namespace) -> int:
     from fhe.plan import Plan, PlanError, default_plan_path
 
+    if args.context < 1:
+        print("cipherlm: error: --context must be >= 1", file=sys.stderr)
+        return 2
+    if _is_offload_plan(args.plan):
+        return _offload_info(args)
     try:
         plan = Plan.load(default_plan_path() if args.plan == "default" else Path(args.plan))
     except PlanError as exc:
@@ -96,4 +220,20 @@ def _plan_info(args: argparse.Namespace) -> int:
         extra = f"  adjusted: {', '.join(sorted(lp.weights))}" if lp.weights else ""
         print(f"  layer {lp.index}: {a.kind} R={a.squarings} bound {a.bound:.2f}{rng}{extra}")
     print(f"ckks: {json.dumps(dict(plan.ckks)) if plan.ckks else '(none recorded)'}")
+    _partial_costs(plan, args.context)
     return 0
+
+
+def _partial_costs(plan, context: int) -> None:
+    """Used on its own (attention blocks only), the plan's work split, when the model's shape is known:
+    the shipped offload plan records the default model's config."""
+    from fhe.offload import OffloadPlan, OffloadPlanError, default_offload_path, partial_plan
+
+    try:
+        cfg = OffloadPlan.load(default_offload_path()).model_config
+    except OffloadPlanError:
+        return
+    if plan.model_id != "SmolLM2-135M-Instruct" or max(plan.layer_indices, default=0) >= cfg.num_hidden_layers:
+        return
+    print("as a partial plan (only these attention blocks on the server):")
+    _print_costs(partial_plan(cfg, plan), context)

@@ -20,13 +20,14 @@ import torch
 from fhe.backends.gpu import keyswitch as ks
 from fhe.backends.gpu import sealio
 from fhe.backends.gpu.galois import ntt_permutation
-from fhe.backends.gpu.keys import GpuKeys, load_keys
+from fhe.backends.gpu.keys import GpuKeys, keys_from_server, load_keys
 from fhe.backends.gpu.modarith import addmod, mulmod
 from fhe.backends.gpu.rns import RNSContext, drop_last_rounded
 from fhe.backends.seal import hazmat as seal
+from fhe.backends.seal.keys import ServerKeys
 from fhe.errors import LevelError, ShapeError, WireError
 from fhe.evaluator import ParamsQueries
-from fhe.params import CKKSParams
+from fhe.params import CKKSParams, KeyLevels
 
 _EPS = np.finfo(np.float64).eps
 
@@ -59,11 +60,18 @@ class GpuEvaluator(ParamsQueries):
 
     name = "gpu"
 
-    def __init__(self, params: CKKSParams, device: str | torch.device | None = None) -> None:
+    def __init__(self, params: CKKSParams, device: str | torch.device | None = None, *,
+                 graphs: bool = True) -> None:
         self.params = params
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.kit = seal.Kit(params)
         self.ctx = RNSContext(self.kit, self.device)
+        # CUDA graphs of the key switch's fixed-shape halves (graphs.py); False: plain launches (benchmarks)
+        self.graphs = None
+        if graphs and self.device.type == "cuda":
+            from fhe.backends.gpu.graphs import GraphCache
+
+            self.graphs = GraphCache()
         self._perms: dict[int, torch.Tensor] = {}
         self._bits = {lev: sum(math.log2(q) for q in self.ctx.primes[:lev]) for lev in range(1, self.ctx.K + 1)}
 
@@ -180,7 +188,7 @@ class GpuEvaluator(ParamsQueries):
         if self.size(ct) != 3:
             raise LevelError("relinearize needs a ciphertext of size 3")
         lt = self.ctx.level(ct.level)
-        delta = ks.switch_key(ct.data[2], keys.relin, lt)
+        delta = self._switch_key(ct.data[2], keys.relin_key(ct.level), lt)
         return GpuCiphertext(addmod(ct.data[:2], delta, self._q(ct.level)), ct.scale)
 
     def rescale(self, ct: GpuCiphertext) -> GpuCiphertext:
@@ -188,7 +196,8 @@ class GpuEvaluator(ParamsQueries):
         if lev < 2:
             raise LevelError("cannot rescale at the last level")
         lt = self.ctx.level(lev)
-        data = drop_last_rounded(ct.data, lt.data.take(slice(0, lev - 1)), lt.last, lt.inv_qlast)
+        data = drop_last_rounded(ct.data, lt.data.take(slice(0, lev - 1)), lt.last, lt.inv_qlast,
+                                 lt.q_ext_ints[lev - 1])
         return GpuCiphertext(data, self._check_scale(ct.scale / float(self.ctx.primes[lev - 1]), lev - 1))
 
     def rescale_inplace(self, ct: GpuCiphertext) -> None:
@@ -213,11 +222,11 @@ class GpuEvaluator(ParamsQueries):
             return ct
         if self.size(ct) != 2:
             raise LevelError("rotate needs a ciphertext of size 2 (relinearize first)")
-        elt, key = keys.galois_key(step)
+        elt, key = keys.galois_key(step, ct.level)
         perm = self._perm(elt)
         rotated = ct.data[..., perm]                                   # sigma on c0 and c1
         lt = self.ctx.level(ct.level)
-        delta = ks.switch_key(rotated[1], key, lt)
+        delta = self._switch_key(rotated[1], key, lt)
         out = delta.clone()
         out[0] = addmod(delta[0], rotated[0], self._q(ct.level))
         return GpuCiphertext(out, ct.scale)
@@ -232,17 +241,35 @@ class GpuEvaluator(ParamsQueries):
         if self.size(ct) != 2:
             raise LevelError("rotate needs a ciphertext of size 2 (relinearize first)")
         lt = self.ctx.level(ct.level)
-        digits, D = ks.decompose(ct.data[1], lt)
+        found = {s: keys.galois_key(s, ct.level) for s in todo}       # every key checked before any work
+        digits, D = self._decompose(ct.data[1], lt)
         if bool((digits == 0).any()):                                 # -0 = 0 needs no fix: plain path
             return out | {s: self.rotate(ct, s, keys) for s in todo}
         q = self._q(ct.level)
-        for s in todo:
-            elt, key = keys.galois_key(s)
+        for s, (elt, key) in found.items():
             perm = self._perm(elt)
-            delta = ks.hoisted_switch(D, perm, key, self._correction(keys, elt, key, lt), lt)
+            acc = ks.hoisted_inner(D, perm, key, self._correction(keys, elt, key, lt), lt)
+            delta = self._finish(acc, lt).clone()                     # the graph's buffer is reused next step
             delta[0] = addmod(delta[0], ct.data[0][..., perm], q)
             out[s] = GpuCiphertext(delta, ct.scale)
         return out
+
+    # --- key switching: graphs around the fixed-shape halves on CUDA --------------------------------
+    def _decompose(self, t: torch.Tensor, lt) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graphs is None:
+            return ks.decompose(t, lt)
+        return self.graphs.run("decompose", lambda x: ks.decompose(x, lt), t)
+
+    def _finish(self, acc: torch.Tensor, lt) -> torch.Tensor:
+        if self.graphs is None:
+            return ks.finish(acc, lt)
+        return self.graphs.run("finish", lambda x: ks.finish(x, lt), acc)
+
+    def _switch_key(self, t: torch.Tensor, key: torch.Tensor, lt) -> torch.Tensor:
+        """``ks.switch_key`` (bit-identical: the same kernels), through the graphs where there are some;
+        the result may be a graph's buffer: consume it before the next switch."""
+        _, D = self._decompose(t, lt)
+        return self._finish(ks.inner_product(D, key, lt), lt)
 
     def _correction(self, keys: GpuKeys, elt: int, key: torch.Tensor, lt) -> torch.Tensor:
         lev = len(lt.q_ext_ints) - 1
@@ -280,8 +307,12 @@ class GpuEvaluator(ParamsQueries):
             raise WireError("ciphertext residue or scale out of range")
         return GpuCiphertext(torch.from_numpy(raw.data.astype(np.int64)).to(self.device), float(raw.scale))
 
-    def load_keys(self, blobs: Mapping[str, bytes], rotation_steps: Iterable[int]) -> GpuKeys:
+    def load_keys(self, blobs: Mapping[str, bytes], rotation_steps: Iterable[int] | KeyLevels) -> GpuKeys:
         return load_keys(self.ctx, blobs, rotation_steps)
+
+    def keys_from_server(self, server: ServerKeys) -> GpuKeys:
+        """SEAL keys already through the allow-list (what the private worker holds) -> device keys."""
+        return keys_from_server(self.ctx, server)
 
 
 def make_evaluator(params: CKKSParams) -> GpuEvaluator:

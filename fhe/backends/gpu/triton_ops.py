@@ -143,7 +143,8 @@ def inner_product(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor,
     _check(D, "digits")
     _check(key, "key")
     lev, r, n = D.shape
-    assert r == lev + 1 and key.shape[1] == 2 and key.shape[3] == n and primes.numel() == r, (D.shape, key.shape)
+    assert r == lev + 1 and key.shape[0] >= lev and key.shape[1] == 2, (D.shape, key.shape)
+    assert key.shape[3] == n and primes.numel() == r, (D.shape, key.shape, primes.shape)
     out = torch.empty((2, r, n), dtype=torch.int64, device=D.device)
     src = perm if perm is not None else D
     _inner_product[(triton.cdiv(n, BLOCK), r, 2)](D, src, key, primes, out, lev, r, key.shape[2], n,

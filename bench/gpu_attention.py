@@ -172,7 +172,19 @@ def bench_block(args, folder: Path) -> dict:
             "max_abs_err_vs_simulator": float((out0 - ref).abs().max())}
     res["max_diff_over_range"] = res["max_abs_diff_gpu_vs_seal"] / res["output_range"]
     print(json.dumps(res), flush=True)
-    res |= bench_decode(args, gpu, client, bc, keys, cfg)
+    # the same block with the on-device encoder (GpuEvaluator(encoder="fft")): same keys, same inputs
+    fast_ev = GpuEvaluator(params, device=args.device, encoder="fft")
+    fast = EncryptedAttentionLayer(layer, rope, lp, cfg, params, max_tokens=1024, evaluator=fast_ev)
+    fin = [_to_gpu(fast_ev, c) for c in inputs]
+    fast.prefill(fast.new_cache(), fin, 0, keys)
+    res["fft_encoder_prefill_s"], got = _median_s(lambda: fast.prefill(fast.new_cache(), fin, 0, keys), 1)
+    y, z = bc.decrypt_output([_to_seal(fast_ev, client.kit, c) for c in got])
+    res["fft_encoder_bit_identical"] = all(fast_ev.serialize(o) == fast_ev.serialize(_to_gpu(fast_ev, w))
+                                           for o, w in zip(got, want, strict=True))
+    res["fft_encoder_max_diff_over_range"] = float((BlockClient.finish(y, z) - out0).abs().max()) / res["output_range"]
+    print(json.dumps({k: v for k, v in res.items() if k.startswith("fft")}), flush=True)
+    res["seal_encoder"] = bench_decode(args, gpu, client, bc, keys, cfg, full=False)
+    res |= bench_decode(args, fast, client, bc, keys, cfg)
     return res
 
 
@@ -183,8 +195,9 @@ def _reference(layer, rope, lp, xs):
     return finish(ys, zs).double()
 
 
-def bench_decode(args, block, client, bc, keys, cfg) -> dict:
-    """Decode per token at each context, a 32-token prefill, then S sessions at context 128."""
+def bench_decode(args, block, client, bc, keys, cfg, full: bool = True) -> dict:
+    """Decode per token at each context; ``full``: also a time profile by operation, a 32-token prefill,
+    then S sessions at context 128."""
     rng = np.random.default_rng(0)
     ev = block.ev
     x = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -203,6 +216,10 @@ def bench_decode(args, block, client, bc, keys, cfg) -> dict:
         step()
         res["decode_ms"][ctx] = 1e3 * _median_s(step, args.repeat)[0]
         print(f"decode @ context {ctx}: {res['decode_ms'][ctx]:.1f} ms", flush=True)
+        if full and ctx == 128:
+            res["profile_ms_at_128"] = profile(ev, step)
+    if not full:
+        return res
     if args.prefill:
         xs = torch.randn(args.prefill, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
         cts = [_to_gpu(ev, c) for c in bc.encrypt_input(xs / xs.pow(2).mean(-1, keepdim=True).sqrt())]
@@ -211,6 +228,51 @@ def bench_decode(args, block, client, bc, keys, cfg) -> dict:
         print(f"prefill {args.prefill}: {sec:.2f} s", flush=True)
     res["sessions"] = bench_sessions(args, block, client, bc, keys, x, rng)
     return res
+
+
+_OPS = ("encode", "add", "add_inplace", "add_many", "add_plain", "add_plain_inplace", "mul_plain", "dot_plain",
+        "mul", "square", "relinearize", "rescale", "rescale_inplace", "mod_switch", "rotate", "rotate_many")
+
+
+def profile(ev, step) -> dict:
+    """Synchronized wall ms and calls per evaluator operation over one call of ``step`` (outermost calls
+    only: dot_plain's own mul_plains count in dot_plain)."""
+    totals: dict[str, list] = {}
+    depth = [0]
+    originals = {name: getattr(ev, name) for name in _OPS}
+
+    def wrap(name, fn):
+        def timed(*a, **k):
+            if depth[0]:
+                return fn(*a, **k)
+            depth[0] += 1
+            _sync()
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                _sync()
+                depth[0] -= 1
+                row = totals.setdefault(name, [0, 0.0])
+                row[0] += 1
+                row[1] += 1e3 * (time.perf_counter() - t)
+        return timed
+
+    for name, fn in originals.items():
+        setattr(ev, name, wrap(name, fn))
+    try:
+        _sync()
+        t = time.perf_counter()
+        step()
+        _sync()
+        wall = 1e3 * (time.perf_counter() - t)
+    finally:
+        for name in originals:
+            delattr(ev, name)
+    out = {name: {"calls": c, "ms": round(ms, 2)} for name, (c, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])}
+    out["wall_ms"] = round(wall, 2)
+    print("profile @128:", json.dumps(out), flush=True)
+    return out
 
 
 def bench_sessions(args, block, client, bc, keys, x, rng) -> list[dict]:

@@ -177,3 +177,25 @@ def test_level_aware_keys_switch_like_seal():
         ev.rotate(ev.deserialize(seal.to_bytes(x)), 5, keys)           # step 5's key serves levels <= 2
     with pytest.raises(LevelError):
         ev.relinearize(ev.mul(*(ev.deserialize(seal.to_bytes(x)),) * 2), keys)
+
+
+def test_fft_encoder_is_seals_encoding(setup):
+    """The on-device encoder (``encoder="fft"``): coefficients within 1 of SEAL's, usually equal, and the
+    result decrypts to the values (through SEAL) as closely as SEAL's own plaintext does."""
+    client, _, ev, _, a, _ = setup
+    fast = GpuEvaluator(P, device="cpu", encoder="fft")
+    rng = np.random.default_rng(11)
+    for level, scale, count in ((3, 2.0 ** 40, P.slots), (2, fast.prime(2), 100), (1, 2.0 ** 30, P.slots)):
+        values = rng.uniform(-4, 4, count)
+        ours, theirs = fast.encode(values, level, scale), ev.encode(values, level, scale)
+        tab = ev.ctx.level(level).data
+        diff = torch.remainder(intt(ours.data, tab) - intt(theirs.data, tab) + 1, tab.primes)
+        assert ours.scale == theirs.scale and int(diff.max()) <= 2          # every coefficient within +-1
+        A = ev.mod_switch(ev.deserialize(seal.to_bytes(a)), level)
+        got = client.decrypt(seal.from_bytes("ciphertext", client.kit, ev.serialize(ev.add_plain(
+            A, fast.encode(values, level, ev.scale)))))
+        want = client.decrypt(seal.from_bytes("ciphertext", client.kit, ev.serialize(ev.add_plain(
+            A, ev.encode(values, level, ev.scale)))))
+        assert np.abs(got - want).max() < 1e-6
+    with pytest.raises(ValueError):
+        GpuEvaluator(P, device="cpu", encoder="other")

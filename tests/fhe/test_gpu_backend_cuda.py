@@ -38,6 +38,9 @@ def _check(params: CKKSParams, steps: tuple[int, ...]) -> None:
     m = kit.mul_plain(a, pt)
     assert same(ev.add(A, B), kit.add(a, b)) and same(ev.mul_plain(A, PT), m)
     assert same(ev.rescale(ev.mul_plain(A, PT)), kit.relin_rescale(m, None))
+    # the one-kernel dot product and sum (triton_ops.dot_rows) against SEAL's loop of ops
+    assert same(ev.dot_plain([(A, PT), (B, PT), (A, PT)]), kit.dot_plain([(a, pt), (b, pt), (a, pt)]))
+    assert same(ev.add_many([A, B, B, A]), kit.add(kit.add(a, b), kit.add(b, a)))
     c = kit.mul(a, b)
     assert same(ev.mul(A, B), c)
     assert same(ev.relinearize(ev.mul(A, B), keys), _relin(kit, c, server))

@@ -22,6 +22,7 @@ from fhe.backends.gpu import sealio
 from fhe.backends.gpu.galois import ntt_permutation
 from fhe.backends.gpu.keys import GpuKeys, keys_from_server, load_keys
 from fhe.backends.gpu.modarith import addmod, mulmod
+from fhe.backends.gpu.ntt import ntt
 from fhe.backends.gpu.rns import RNSContext, drop_last_rounded
 from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal.keys import ServerKeys
@@ -61,7 +62,10 @@ class GpuEvaluator(ParamsQueries):
     name = "gpu"
 
     def __init__(self, params: CKKSParams, device: str | torch.device | None = None, *,
-                 graphs: bool = True) -> None:
+                 graphs: bool = True, encoder: str = "seal") -> None:
+        if encoder not in ("seal", "fft"):
+            raise ValueError(f"encoder must be 'seal' or 'fft', got {encoder!r}")
+        self.encoder = encoder
         self.params = params
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.kit = seal.Kit(params)
@@ -108,16 +112,41 @@ class GpuEvaluator(ParamsQueries):
         if a.data.shape[-2] != b.data.shape[-2]:
             raise LevelError(f"operands at levels {a.data.shape[-2]} and {b.data.shape[-2]}")
 
-    # --- encoding (SEAL's encoder, then its residues) -------------------------------------------
+    # --- encoding (SEAL's encoder, then its residues; or the same transform on the device) --------
     def encode(self, values: np.ndarray, level: int, scale: float) -> GpuPlaintext:
         if not 1 <= level <= self.top:
             raise LevelError(f"no level {level} (1..{self.top})")
         values = np.asarray(values, np.float64)
         if values.ndim != 1 or len(values) > self.slots:
             raise ShapeError(f"need a vector of <= {self.slots} values, got shape {values.shape}")
+        if self.encoder == "fft":
+            pt = self._encode_fft(values, level, scale)
+            if pt is not None:
+                return pt
         pt = self.kit.encode(values, level, scale)
         _, sc, arr = sealio.read_plaintext(seal.to_bytes(pt), self.params.poly_modulus_degree)
         return GpuPlaintext(torch.from_numpy(arr.astype(np.int64)).to(self.device), sc)
+
+    def _encode_fft(self, values: np.ndarray, level: int, scale: float) -> GpuPlaintext | None:
+        """SEAL's CKKS encoding as one float64 FFT on the device (None: coefficients too large for it).
+
+        Slot i is the polynomial's value at zeta^(3^i) (zeta = e^(i pi / N); its conjugate at zeta^-(3^i)),
+        so the coefficients are m_k = (2/N) Re sum_i z_i zeta^(-3^i k) * scale: an FFT of length 2N with
+        z_i at index 3^i mod 2N. Rounded, reduced into each prime, NTT'd. Not SEAL's floating-point order:
+        a coefficient can differ from SEAL's by one where SEAL's value sits at a half (the decoded value
+        then differs by ~1/scale; tests measure it), hence opt-in (``encoder="fft"``)."""
+        n = self.params.poly_modulus_degree
+        if not hasattr(self, "_slot_index"):
+            self._slot_index = torch.tensor([pow(3, i, 2 * n) for i in range(self.slots)], device=self.device)
+        spread = torch.zeros(2 * n, dtype=torch.complex128, device=self.device)
+        spread[self._slot_index[: len(values)]] = torch.from_numpy(values).to(self.device, torch.complex128)
+        coeffs = torch.fft.fft(spread).real[:n] * (2.0 * scale / n)
+        if not bool(coeffs.abs().max() < 2.0 ** 62):                  # SEAL's multi-precision path: let SEAL do it
+            return None
+        coeffs = torch.round(coeffs).to(torch.int64)
+        tab = self.ctx.level(level).data
+        residues = ntt(torch.remainder(coeffs.expand(level, n), tab.primes), tab)
+        return GpuPlaintext(residues, float(scale))
 
     # --- arithmetic -------------------------------------------------------------------------------
     def _add_data(self, a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -139,6 +168,12 @@ class GpuEvaluator(ParamsQueries):
     def add_many(self, cts: Sequence[GpuCiphertext]) -> GpuCiphertext:
         if not cts:
             raise ShapeError("add_many of nothing")
+        if self.device.type == "cuda" and len(cts) > 2 and len({c.data.shape for c in cts}) == 1:
+            for c in cts[1:]:                                        # SEAL's checks, as the loop below makes them
+                self._same_level(cts[0], c)
+                if not _are_close(cts[0].scale, c.scale):
+                    raise LevelError(f"scales {cts[0].scale} and {c.scale} differ")
+            return GpuCiphertext(self._dot(cts, None), cts[0].scale)
         out = cts[0]
         for c in cts[1:]:
             out = self.add(out, c)
@@ -163,7 +198,23 @@ class GpuEvaluator(ParamsQueries):
     def dot_plain(self, pairs: Sequence[tuple[GpuCiphertext, GpuPlaintext]]) -> GpuCiphertext:
         if not pairs:
             raise ShapeError("dot_plain of nothing")
-        return self.add_many([self.mul_plain(c, p) for c, p in pairs])
+        if self.device.type != "cuda" or len(pairs) < 2 or len({c.data.shape for c, _ in pairs}) > 1:
+            return self.add_many([self.mul_plain(c, p) for c, p in pairs])
+        scales = []
+        for c, p in pairs:                                           # mul_plain's and add's checks, in order
+            self._same_level(c, p)
+            scales.append(self._check_scale(c.scale * p.scale, c.level))
+            if not _are_close(scales[0], scales[-1]):
+                raise LevelError(f"scales {scales[0]} and {scales[-1]} differ")
+        return GpuCiphertext(self._dot([c for c, _ in pairs], [p for _, p in pairs]), scales[0])
+
+    def _dot(self, cts: Sequence[GpuCiphertext], pts: Sequence[GpuPlaintext] | None) -> torch.Tensor:
+        """One kernel for sum_j c_j (* p_j): the same canonical residues as the loop of ops it replaces."""
+        from fhe.backends.gpu import triton_ops
+
+        c = torch.stack([x.data for x in cts])                              # [K, size, L, N]
+        p = None if pts is None else torch.stack([x.data for x in pts])    # [K, L, N]
+        return triton_ops.dot_rows(c, p, self.ctx.q.view(-1))
 
     def mul(self, a: GpuCiphertext, b: GpuCiphertext) -> GpuCiphertext:
         self._same_level(a, b)

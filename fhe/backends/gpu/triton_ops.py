@@ -173,6 +173,40 @@ def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N,
     tl.store(out_ptr + (c * R + r).to(tl.int64) * N + offs, acc, mask=mask)
 
 
+@triton.jit
+def _dot_rows(c_ptr, p_ptr, q_ptr, out_ptr, K, R, L, N, MUL: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r] = sum_j c[j, r] (* p[j, r % L] if MUL) mod q_(r % L): a dot product (or sum) of K operands
+    in one pass, instead of K products and K-1 additions each a launch of its own."""
+    r = tl.program_id(1)
+    i = r % L
+    q = tl.load(q_ptr + i)
+    qinv = 1.0 / q.to(tl.float64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), tl.int64)
+    for j in range(K):
+        a = tl.load(c_ptr + (j * R + r).to(tl.int64) * N + offs, mask=mask)
+        if MUL:
+            a = _mulmod(a, tl.load(p_ptr + (j * L + i).to(tl.int64) * N + offs, mask=mask), q, qinv)
+        acc += a
+        acc = tl.where(acc >= q, acc - q, acc)
+    tl.store(out_ptr + r.to(tl.int64) * N + offs, acc, mask=mask)
+
+
+def dot_rows(c: torch.Tensor, p: torch.Tensor | None, primes: torch.Tensor) -> torch.Tensor:
+    """``c [K, S, L, N]``, ``p [K, L, N]`` or None -> ``sum_j c[j] * p[j]`` (or ``sum_j c[j]``) ``[S, L, N]``."""
+    _check(c, "operands")
+    k, size, lev, n = c.shape
+    assert primes.numel() >= lev, (c.shape, primes.shape)
+    if p is not None:
+        _check(p, "plaintexts")
+        assert p.shape == (k, lev, n), (c.shape, p.shape)
+    out = torch.empty((size, lev, n), dtype=torch.int64, device=c.device)
+    _dot_rows[(triton.cdiv(n, BLOCK), size * lev)](c, c if p is None else p, primes, out, k, size * lev, lev, n,
+                                                   MUL=p is not None, BLOCK=BLOCK)
+    return out
+
+
 def _check(x: torch.Tensor, what: str) -> None:
     assert x.is_cuda and x.dtype == torch.int64 and x.is_contiguous(), f"{what}: need contiguous CUDA int64"
 
@@ -227,4 +261,4 @@ def inner_product(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor,
     return out
 
 
-__all__ = ["inner_product", "mulmod_rows", "ntt_"]
+__all__ = ["dot_rows", "inner_product", "mulmod_rows", "ntt_"]

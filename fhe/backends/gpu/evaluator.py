@@ -247,8 +247,13 @@ class GpuEvaluator(ParamsQueries):
         if lev < 2:
             raise LevelError("cannot rescale at the last level")
         lt = self.ctx.level(lev)
-        data = drop_last_rounded(ct.data, lt.data.take(slice(0, lev - 1)), lt.last, lt.inv_qlast,
-                                 lt.q_ext_ints[lev - 1])
+        keep = lt.data.take(slice(0, lev - 1))
+
+        def drop(x: torch.Tensor) -> torch.Tensor:
+            return drop_last_rounded(x, keep, lt.last, lt.inv_qlast, lt.q_ext_ints[lev - 1])
+
+        # fixed shape per (size, level): one graph replay instead of ~40 launches (the copy frees its buffer)
+        data = drop(ct.data) if self.graphs is None else self.graphs.run("rescale", drop, ct.data).clone()
         return GpuCiphertext(data, self._check_scale(ct.scale / float(self.ctx.primes[lev - 1]), lev - 1))
 
     def rescale_inplace(self, ct: GpuCiphertext) -> None:

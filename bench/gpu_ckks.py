@@ -117,6 +117,7 @@ def main() -> None:
 
     default, triton_ops.RADIX4 = triton_ops.RADIX4, not triton_ops.RADIX4
     other = GpuEvaluator(params, device="cuda")
+    keys = other.load_keys(dict(client.public_blobs), steps)   # its own keys: graphs of whole ops live on the keys
     res[f"gpu_ms_radix4_{triton_ops.RADIX4}"] = _gpu_times(other, A, C, keys, steps, ev_pt, r)
     res["bit_identical"][f"radix4_{triton_ops.RADIX4}"] = (
         same(other.relinearize(C, keys), seal_relin())

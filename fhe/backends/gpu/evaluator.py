@@ -238,9 +238,15 @@ class GpuEvaluator(ParamsQueries):
     def relinearize(self, ct: GpuCiphertext, keys: GpuKeys) -> GpuCiphertext:
         if self.size(ct) != 3:
             raise LevelError("relinearize needs a ciphertext of size 3")
-        lt = self.ctx.level(ct.level)
-        delta = self._switch_key(ct.data[2], keys.relin_key(ct.level), lt)
-        return GpuCiphertext(addmod(ct.data[:2], delta, self._q(ct.level)), ct.scale)
+        lt, key, q = self.ctx.level(ct.level), keys.relin_key(ct.level), self._q(ct.level)
+
+        def relin(x: torch.Tensor) -> torch.Tensor:
+            return addmod(x[:2], ks.switch_key(x[2], key, lt), q)
+
+        if self.graphs is not None:                                   # the whole op, one replay (keys own it)
+            return GpuCiphertext(self._key_graphs(keys).run(("relin",), relin, ct.data).clone(), ct.scale)
+        delta = self._switch_key(ct.data[2], key, lt)
+        return GpuCiphertext(addmod(ct.data[:2], delta, q), ct.scale)
 
     def rescale(self, ct: GpuCiphertext) -> GpuCiphertext:
         lev = ct.level
@@ -279,13 +285,29 @@ class GpuEvaluator(ParamsQueries):
         if self.size(ct) != 2:
             raise LevelError("rotate needs a ciphertext of size 2 (relinearize first)")
         elt, key = keys.galois_key(step, ct.level)
-        perm = self._perm(elt)
+        perm, lt, q = self._perm(elt), self.ctx.level(ct.level), self._q(ct.level)
+        if self.graphs is not None:                                   # the whole op, one replay (keys own it)
+
+            def rot(x: torch.Tensor) -> torch.Tensor:
+                rotated = x[..., perm]
+                delta = ks.switch_key(rotated[1], key, lt)
+                return torch.stack((addmod(delta[0], rotated[0], q), delta[1]))
+
+            return GpuCiphertext(self._key_graphs(keys).run(("rotate", elt), rot, ct.data).clone(), ct.scale)
         rotated = ct.data[..., perm]                                   # sigma on c0 and c1
-        lt = self.ctx.level(ct.level)
         delta = self._switch_key(rotated[1], key, lt)
         out = delta.clone()
-        out[0] = addmod(delta[0], rotated[0], self._q(ct.level))
+        out[0] = addmod(delta[0], rotated[0], q)
         return GpuCiphertext(out, ct.scale)
+
+    def _key_graphs(self, keys: GpuKeys):
+        """Graphs of whole key switches with ``keys`` (they capture the key's address, so they live and die
+        with the key set: never replayed for another one), in this evaluator's memory pool."""
+        if keys.graphs is None:
+            from fhe.backends.gpu.graphs import GraphCache
+
+            keys.graphs = GraphCache(self.graphs.pool)
+        return keys.graphs
 
     def rotate_many(self, ct: GpuCiphertext, steps: Iterable[int], keys: GpuKeys) -> dict[int, GpuCiphertext]:
         """Hoisted: c1 is decomposed once; each step permutes the digits (bit-identical to :meth:`rotate`)."""

@@ -41,11 +41,11 @@ class _Graph:
 class GraphCache:
     """Captured graphs by (name, input shape), made on first use."""
 
-    def __init__(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()
+    def __init__(self, pool=None) -> None:
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         self._graphs: dict[tuple, _Graph] = {}
 
-    def run(self, name: str, fn: Callable, x: torch.Tensor):
+    def run(self, name: str | tuple, fn: Callable, x: torch.Tensor):
         """``fn(x)`` through the graph of (``name``, x's shape); ``fn`` must depend on nothing else that
         changes between calls (its tables are fixed per level)."""
         key = (name, tuple(x.shape))

@@ -42,6 +42,8 @@ class GpuKeys:
     fingerprint: str
     #: per (galois element, level): the hoisting correction (keyswitch.hoisted_correction)
     corrections: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    #: CUDA graphs of whole rotations/relinearizations with these keys (gpu.graphs.GraphCache, made on use)
+    graphs: object | None = field(default=None, repr=False)
 
     def nbytes(self) -> int:
         """Device bytes of the expanded keys (what a worker's key budget counts)."""

@@ -3,9 +3,12 @@
 Reads the ciphertexts and evaluation keys the SEAL client produces and computes, for every protocol
 operation, the same residues SEAL computes (tests/fhe/test_gpu_backend*.py check it bit for bit).
 Encoding is SEAL's own CKKSEncoder (plaintexts are made once per plan, on the CPU, then kept on the
-device). Beyond SEAL: :meth:`rotate_many` hoists the decomposition (keyswitch.py says why that is
-still bit-identical). Not in SEAL's way: a missing Galois key is an error here (SEAL would compose the
-rotation from power-of-two keys).
+device), or with ``encoder="fft"`` the same transform on the device (per-step plaintexts: within one
+unit of SEAL's coefficients, not bit for bit). On CUDA the fixed-shape parts of key switching and
+rescale, and whole rotations/relinearizations per key, run as CUDA graphs (graphs.py). Beyond SEAL:
+:meth:`rotate_many` hoists the decomposition (keyswitch.py says why that is still bit-identical).
+Not in SEAL's way: a missing Galois key is an error here (SEAL would compose the rotation from
+power-of-two keys).
 """
 
 from __future__ import annotations

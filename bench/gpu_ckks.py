@@ -5,7 +5,8 @@
 At the shipped parameters (``ckks_params_for("sqexp", 6)``: N = 32768, 12 data primes + a 60-bit
 special prime): one rotation, one relinearization, and ``--steps`` rotations of one input (a loop of
 single rotations and the hoisted ``rotate_many``), each on SEAL (tenseal.sealapi, one CPU thread) and
-on the GPU evaluator; every GPU result is compared residue by residue with SEAL's. Also prints the
+on the GPU evaluator (with its CUDA graphs, and without: the same kernels launched one by one); every
+GPU result is compared residue by residue with SEAL's. Also prints the
 device bytes of the loaded key set. Medians; GPU times are wall time around a synchronized call.
 """
 
@@ -38,6 +39,24 @@ def _median_s(fn, repeat: int, sync: bool) -> float:
             torch.cuda.synchronize()
         out.append(time.perf_counter() - t)
     return statistics.median(out)
+
+
+def _radix4() -> bool:
+    from fhe.backends.gpu import triton_ops
+
+    return triton_ops.RADIX4
+
+
+def _gpu_times(ev, A, C, keys, steps, pt, r: int) -> dict:
+    """Median ms of the key-switching operations (and mul_plain) on one evaluator, after a warm-up."""
+    ev.rotate_many(A, steps, keys)
+    ev.relinearize(C, keys)
+    ev.rotate(A, 1, keys)
+    return {"rotate": 1e3 * _median_s(lambda: ev.rotate(A, 1, keys), r, True),
+            "relinearize": 1e3 * _median_s(lambda: ev.relinearize(C, keys), r, True),
+            "rotate_loop": 1e3 * _median_s(lambda: [ev.rotate(A, s, keys) for s in steps], r, True),
+            "rotate_many_hoisted": 1e3 * _median_s(lambda: ev.rotate_many(A, steps, keys), r, True),
+            "mul_plain": 1e3 * _median_s(lambda: ev.mul_plain(A, pt), r, True)}
 
 
 def main() -> None:
@@ -74,6 +93,7 @@ def main() -> None:
 
     res = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
            "device": torch.cuda.get_device_name(), "params": params.to_dict(), "steps": list(steps),
+           "radix4_default": _radix4(),
            "keygen_s": keygen_s, "key_load_s": load_s, "key_device_bytes": keys.nbytes()}
     ev.rotate_many(A, steps, keys)                                        # warm-up: Triton compiles, caches
     ev.relinearize(C, keys)
@@ -86,11 +106,24 @@ def main() -> None:
     }
     r, sr = args.repeat, args.seal_repeat
     ev_pt = ev.encode(np.ones(8), ev.top, ev.scale)
-    res["gpu_ms"] = {"rotate": 1e3 * _median_s(lambda: ev.rotate(A, 1, keys), r, True),
-                     "relinearize": 1e3 * _median_s(lambda: ev.relinearize(C, keys), r, True),
-                     "rotate_loop": 1e3 * _median_s(lambda: [ev.rotate(A, s, keys) for s in steps], r, True),
-                     "rotate_many_hoisted": 1e3 * _median_s(lambda: ev.rotate_many(A, steps, keys), r, True),
-                     "mul_plain": 1e3 * _median_s(lambda: ev.mul_plain(A, ev_pt), r, True)}
+    res["gpu_ms"] = _gpu_times(ev, A, C, keys, steps, ev_pt, r)
+    # the same evaluator without CUDA graphs (plain launches): the before of the graphs change, same run
+    plain = GpuEvaluator(params, device="cuda", graphs=False)
+    res["gpu_ms_no_graphs"] = _gpu_times(plain, A, C, keys, steps, ev_pt, r)
+    res["bit_identical"]["no_graphs"] = (same(plain.relinearize(C, keys), seal_relin())
+                                         and same(plain.rotate(A, 1, keys), kit.rotate(a, 1, server.galois)))
+    # two NTT stages per launch (triton_ops.RADIX4), graphs on: a fresh evaluator captures its own graphs
+    from fhe.backends.gpu import triton_ops
+
+    default, triton_ops.RADIX4 = triton_ops.RADIX4, not triton_ops.RADIX4
+    other = GpuEvaluator(params, device="cuda")
+    keys = other.load_keys(dict(client.public_blobs), steps)   # its own keys: graphs of whole ops live on the keys
+    res[f"gpu_ms_radix4_{triton_ops.RADIX4}"] = _gpu_times(other, A, C, keys, steps, ev_pt, r)
+    res["bit_identical"][f"radix4_{triton_ops.RADIX4}"] = (
+        same(other.relinearize(C, keys), seal_relin())
+        and all(same(other.rotate(A, s, keys), kit.rotate(a, s, server.galois)) for s in steps)
+        and all(same(v, kit.rotate(a, s, server.galois)) for s, v in other.rotate_many(A, steps, keys).items()))
+    triton_ops.RADIX4 = default
     pt = kit.encode(np.ones(8), kit.top, kit.scale)
     res["seal_ms"] = {"rotate": 1e3 * _median_s(lambda: kit.rotate(a, 1, server.galois), sr, False),
                       "relinearize": 1e3 * _median_s(seal_relin, sr, False),

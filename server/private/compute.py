@@ -18,6 +18,7 @@ import functools
 import torch
 
 from fhe.attention import EncryptedAttentionLayer, EncryptedKVCache
+from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal import wire
 from fhe.backends.seal.keys import ServerKeys
 from fhe.envelope import parse_key_upload
@@ -31,7 +32,7 @@ from server.private.codes import TaskFailure, WorkerCode
 class PrivateCompute:
     """Server half of the plan's encrypted attention blocks (no secret key ever reaches it)."""
 
-    def __init__(self, model_dir: str, plan_path: str, max_tokens: int) -> None:
+    def __init__(self, model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu") -> None:
         from engine.loader import load_model
 
         torch.set_num_threads(1)  # one core per worker: parallelism comes from the pool
@@ -39,13 +40,16 @@ class PrivateCompute:
         plan = Plan.load(plan_path)
         plan.check_model(model)
         self.params = CKKSParams.from_dict(plan.ckks)
+        self.gpu = _gpu_evaluator(self.params, device)
         self.layers = {i: EncryptedAttentionLayer(model.model.layers[i], model.rotary, plan.layer(i), model.config,
-                                                  self.params, max_tokens) for i in plan.layer_indices}
+                                                  self.params, max_tokens, evaluator=self.gpu)
+                       for i in plan.layer_indices}
         # level-aware keys (docs/protocol.md): uploads must carry each key at the level the blocks use it
         self.key_levels = functools.reduce(KeyLevels.merge, (layer.key_levels for layer in self.layers.values()))
         self.steps = list(self.key_levels.steps)
         self.max_key_bytes = 1 << 30
         self.keys: dict[str, ServerKeys] = {}
+        self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
 
     # -- keys --------------------------------------------------------------------------------------
@@ -59,10 +63,13 @@ class PrivateCompute:
         so the key-set fingerprint the client's ciphertexts name is ``key_set`` (None: from ``data``)."""
         blobs = parse_key_upload(data, len(data))  # the server's own bytes: unseeded, larger than the upload
         self.keys[fingerprint] = wire.load_server_keys(blobs, self.params, self.key_levels, fingerprint=key_set)
+        if self.gpu is not None:   # expanded once onto the device (the service caps how many a worker holds)
+            self.device_keys[fingerprint] = self.gpu.keys_from_server(self.keys[fingerprint])
 
     def drop_key(self, fingerprint: str) -> int:
         """Forget a key and every session that used it; returns the sessions dropped."""
         self.keys.pop(fingerprint, None)
+        self.device_keys.pop(fingerprint, None)
         doomed = [sid for sid, (fp, _) in self.sessions.items() if fp == fingerprint]
         for sid in doomed:
             del self.sessions[sid]
@@ -90,7 +97,12 @@ class PrivateCompute:
             raise TaskFailure(WorkerCode.SESSION_DESYNC,
                               f"layer {layer} holds {cache.length} positions, step starts at {start}")
         cts = self._inputs(blobs, keys, block.ev.top)
-        outs = block.prefill(cache, cts, start, keys)
+        if self.gpu is None:
+            outs = block.prefill(cache, cts, start, keys)
+        else:  # SEAL parsed and checked the client's bytes; the device copy is ours
+            outs = block.prefill(cache, [self.gpu.deserialize(seal.to_bytes(c)) for c in cts], start,
+                                 self.device_keys[fp])
+            outs = [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c)) for c in outs]
         out = [wire.dump_ciphertext(c, self.params, keys.fingerprint) for c in outs]
         return out, sum(c.nbytes() for c in caches.values())
 
@@ -109,9 +121,23 @@ class PrivateCompute:
         return cts
 
 
-def make_state(model_dir: str, plan_path: str, max_tokens: int) -> PrivateCompute:
+def _gpu_evaluator(params: CKKSParams, device: str):
+    """The gpu backend for ``[private] device`` (None for 'cpu': the blocks default to SEAL).
+
+    The on-device encoder (``encoder="fft"``) encodes the per-step RoPE weights; its results decrypt to
+    SEAL's within CKKS noise (docs/fhe.md §9), and without it a decode step spends most of its time in
+    SEAL's CPU encoder.
+    """
+    if device == "cpu":
+        return None
+    from fhe.backends.gpu import GpuEvaluator
+
+    return GpuEvaluator(params, "cpu" if device == "cpu-reference" else device, encoder="fft")
+
+
+def make_state(model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu") -> PrivateCompute:
     """Worker factory (``server.private.workers`` imports it by name)."""
-    return PrivateCompute(model_dir, plan_path, max_tokens)
+    return PrivateCompute(model_dir, plan_path, max_tokens, device)
 
 
 __all__ = ["PrivateCompute", "make_state"]

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, model_validator
+import re
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+#: Where a worker evaluates: SEAL on the CPU, our evaluator on a CUDA device, or our evaluator's torch-CPU
+#: reference (slow: the CUDA path's code without a GPU, for tests).
+_DEVICE = re.compile(r"^(cpu|cpu-reference|cuda(:[0-9]{1,2})?)$")
 
 
 class PrivateSettings(BaseModel):
@@ -26,9 +32,26 @@ class PrivateSettings(BaseModel):
     max_key_bytes: int = Field(1 << 30, ge=1024, description="one evaluation-key upload (N=32768 keys: ~720 MB)")
     max_keys_per_worker: int = Field(2, ge=1, description="evaluation keys one worker keeps loaded "
                                      "(N=32768: ~6 GB each); the least recently used idle one is dropped")
+    device: str = Field("cpu", description="where workers evaluate: 'cpu' (SEAL), 'cuda' or 'cuda:N' (the gpu "
+                        "backend on that device), 'cpu-reference' (the gpu backend's torch-CPU reference: tests)")
+    device_key_bytes: int | None = Field(None, ge=1, description="device bytes of evaluation keys one GPU worker "
+                                         "may hold (N=32768 plan: 1.32 GB a key set); caps max_keys_per_worker; "
+                                         "None: no byte cap")
     task_timeout_s: float = Field(600.0, gt=0, description="a worker task running longer is killed")
     key_lifetime_s: float | None = Field(30 * 86400.0, gt=0, description="expiry of a registered key")
     audit_checkpoint_every: int = Field(64, ge=1, description="records between signed checkpoints")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'cpu-reference', got {value[:32]!r}")
+        return value
+
+    @property
+    def gpu_backend(self) -> bool:
+        """Whether workers run the gpu backend (on CUDA or on its CPU reference) instead of SEAL."""
+        return self.device != "cpu"
 
     @model_validator(mode="after")
     def _min_workers_fit(self) -> PrivateSettings:

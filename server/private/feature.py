@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -152,6 +153,13 @@ async def start(app: Any) -> None:
             raise
         log.error("encrypted sessions disabled: plan %s does not fit model %s: %s", plan_path, model_dir, exc)
         return
+    try:
+        cfg = with_device_key_cap(cfg, json.loads((model_dir / "config.json").read_text()), plan)
+    except ValueError as exc:
+        if settings.private.enabled:
+            raise
+        log.error("encrypted sessions disabled: %s", exc)
+        return
     root = state_dir(cfg)
     keys = _secrets(root)
     audit = open_audit(root, keys["pseudonym_key"], cfg.audit_checkpoint_every)
@@ -163,7 +171,8 @@ async def start(app: Any) -> None:
                                                 cfg_json["num_hidden_layers"])
     app.state.private_bundle_path = bundle_path
     pool = WorkerPool(cfg.workers, WORKER_FACTORY,
-                      (str(model_dir), str(plan_path), cfg.max_session_tokens), task_timeout=cfg.task_timeout_s,
+                      (str(model_dir), str(plan_path), cfg.max_session_tokens, cfg.device),
+                      task_timeout=cfg.task_timeout_s,
                       keep_running=cfg.min_workers, idle_stop_s=cfg.worker_idle_s)
     registry = KeyRegistry(
         RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
@@ -175,6 +184,30 @@ async def start(app: Any) -> None:
     svc.backend_name, svc.backend_params = DEFAULT_BACKEND, CKKSParams.from_dict(plan.ckks)
     app.state.private = svc
     app.state.private_sweeper = asyncio.create_task(_sweep_forever(svc))
+
+
+def with_device_key_cap(cfg: PrivateSettings, model_config: dict, plan) -> PrivateSettings:
+    """``cfg`` with ``max_keys_per_worker`` lowered to the key sets that fit ``device_key_bytes`` (GPU workers
+    keep each key set expanded on the device: its size is known from the plan before any key arrives).
+
+    Raises:
+        ValueError: the budget holds no key set at all.
+    """
+    if not cfg.gpu_backend or cfg.device_key_bytes is None:
+        return cfg
+    from engine.config import ModelConfig
+    from fhe.backends.gpu.keys import key_set_nbytes
+    from fhe.params import CKKSParams, KeyLevels
+    from fhe.weight_maps import required_key_levels
+
+    mcfg, params = ModelConfig.from_hf_dict(model_config), CKKSParams.from_dict(plan.ckks)
+    levels = [required_key_levels(mcfg, params, lp.approx.kind, lp.approx.squarings) for lp in plan.layers]
+    per_set = key_set_nbytes(params, functools.reduce(KeyLevels.merge, levels))
+    fits = cfg.device_key_bytes // per_set
+    if fits < 1:
+        raise ValueError(f"[private] device_key_bytes = {cfg.device_key_bytes} holds no key set of this plan "
+                         f"({per_set} bytes on the device)")
+    return cfg.model_copy(update={"max_keys_per_worker": min(cfg.max_keys_per_worker, fits)})
 
 
 async def _sweep_forever(svc: PrivateService) -> None:

@@ -17,12 +17,13 @@ import torch
 
 from fhe.backends import evaluator_for
 from fhe.backends.gpu import GpuEvaluator, sealio
+from fhe.backends.gpu.keys import key_set_nbytes
 from fhe.backends.gpu.modarith import mulmod
 from fhe.backends.gpu.ntt import NTTTables, intt, ntt
 from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal.keys import CKKSClient
 from fhe.errors import KeyMismatchError, LevelError, ShapeError, WireError
-from fhe.params import CKKSParams
+from fhe.params import CKKSParams, KeyLevels
 
 P = CKKSParams(8192, (60, 40, 40, 60), 40)
 STEPS = (1, 5, P.slots - 3)
@@ -146,3 +147,55 @@ def test_bad_input_is_typed(setup):
         ev.add_many([])
     with pytest.raises(ShapeError):
         ev.encode(np.ones(P.slots + 1), 3, ev.scale)
+
+
+def test_level_aware_keys_switch_like_seal():
+    """Keys made at the level where they are used (galois_keys@L, relin_keys@L: what the private service
+    takes) load as smaller tensors and give SEAL's residues at their level and below; above, LevelError."""
+    levels = KeyLevels.build(P, {1: 3, 5: 2}, 2)
+    client = CKKSClient(P, (1, 5), levels=levels)
+    server = client.server_keys()
+    ev = GpuEvaluator(P, device="cpu")
+    keys = ev.load_keys(dict(client.public_blobs), levels)
+    assert keys.relin.shape[:3] == (2, 2, 3) and keys.nbytes() == key_set_nbytes(P, levels)
+    kit = client.kit
+    x = client.encrypt(np.random.default_rng(5).uniform(-1, 1, P.slots))
+    for level, step in ((3, 1), (2, 1), (2, 5), (1, 5)):
+        a = kit.drop_to(x, level)
+        sev, gk = server.rotation_key(step, level)
+        want = sa.Ciphertext()
+        sev.rotate_vector(a, step, gk, want)
+        A = ev.deserialize(seal.to_bytes(a))
+        assert same(ev, ev.rotate(A, step, keys), want) and same(ev, ev.rotate_many(A, [step], keys)[step], want)
+    c = kit.drop_to(kit.mul(x, x), 2)
+    sev, rk = server.relin_key(2)
+    want = sa.Ciphertext()
+    sev.relinearize(c, rk, want)
+    C = ev.mod_switch(ev.mul(*(ev.deserialize(seal.to_bytes(x)),) * 2), 2)
+    assert same(ev, ev.relinearize(C, keys), want)
+    with pytest.raises(LevelError):
+        ev.rotate(ev.deserialize(seal.to_bytes(x)), 5, keys)           # step 5's key serves levels <= 2
+    with pytest.raises(LevelError):
+        ev.relinearize(ev.mul(*(ev.deserialize(seal.to_bytes(x)),) * 2), keys)
+
+
+def test_fft_encoder_is_seals_encoding(setup):
+    """The on-device encoder (``encoder="fft"``): coefficients within 1 of SEAL's, usually equal, and the
+    result decrypts to the values (through SEAL) as closely as SEAL's own plaintext does."""
+    client, _, ev, _, a, _ = setup
+    fast = GpuEvaluator(P, device="cpu", encoder="fft")
+    rng = np.random.default_rng(11)
+    for level, scale, count in ((3, 2.0 ** 40, P.slots), (2, fast.prime(2), 100), (1, 2.0 ** 30, P.slots)):
+        values = rng.uniform(-4, 4, count)
+        ours, theirs = fast.encode(values, level, scale), ev.encode(values, level, scale)
+        tab = ev.ctx.level(level).data
+        diff = torch.remainder(intt(ours.data, tab) - intt(theirs.data, tab) + 1, tab.primes)
+        assert ours.scale == theirs.scale and int(diff.max()) <= 2          # every coefficient within +-1
+        A = ev.mod_switch(ev.deserialize(seal.to_bytes(a)), level)
+        got = client.decrypt(seal.from_bytes("ciphertext", client.kit, ev.serialize(ev.add_plain(
+            A, fast.encode(values, level, ev.scale)))))
+        want = client.decrypt(seal.from_bytes("ciphertext", client.kit, ev.serialize(ev.add_plain(
+            A, ev.encode(values, level, ev.scale)))))
+        assert np.abs(got - want).max() < 1e-6
+    with pytest.raises(ValueError):
+        GpuEvaluator(P, device="cpu", encoder="other")

@@ -38,6 +38,9 @@ def _check(params: CKKSParams, steps: tuple[int, ...]) -> None:
     m = kit.mul_plain(a, pt)
     assert same(ev.add(A, B), kit.add(a, b)) and same(ev.mul_plain(A, PT), m)
     assert same(ev.rescale(ev.mul_plain(A, PT)), kit.relin_rescale(m, None))
+    # the one-kernel dot product and sum (triton_ops.dot_rows) against SEAL's loop of ops
+    assert same(ev.dot_plain([(A, PT), (B, PT), (A, PT)]), kit.dot_plain([(a, pt), (b, pt), (a, pt)]))
+    assert same(ev.add_many([A, B, B, A]), kit.add(kit.add(a, b), kit.add(b, a)))
     c = kit.mul(a, b)
     assert same(ev.mul(A, B), c)
     assert same(ev.relinearize(ev.mul(A, B), keys), _relin(kit, c, server))
@@ -69,3 +72,49 @@ def test_every_operation_at_n8192():
 
 def test_key_switching_at_the_shipped_parameters():
     _check(ckks_params_for("sqexp", 6), (1, 64))
+
+
+@pytest.mark.parametrize("radix4", [False, True])
+def test_two_stage_ntt_matches_the_torch_reference(radix4, monkeypatch):
+    from fhe.backends.gpu import triton_ops
+
+    monkeypatch.setattr(triton_ops, "RADIX4", radix4)
+    params = ckks_params_for("sqexp", 6)
+    cpu, gpu = GpuEvaluator(params, device="cpu"), GpuEvaluator(params, device="cuda")
+    q = cpu.ctx.tables.primes
+    x = torch.remainder(torch.randint(0, 1 << 62, (3, q.shape[0], params.poly_modulus_degree)), q)
+    want = ntt(x, cpu.ctx.tables)
+    assert torch.equal(ntt(x.cuda(), gpu.ctx.tables).cpu(), want)
+    assert torch.equal(intt(want.cuda(), gpu.ctx.tables).cpu(), x)
+
+
+def test_graphs_and_level_aware_keys_are_seals():
+    """CUDA graphs on and off, level-aware keys: SEAL's residues at every level a key serves."""
+    from fhe.backends.gpu.keys import key_set_nbytes
+    from fhe.params import KeyLevels
+
+    params = CKKSParams(8192, (60, 40, 40, 60), 40)
+    levels = KeyLevels.build(params, {1: 3, 5: 2}, 2)
+    client = CKKSClient(params, (1, 5), levels=levels)
+    server, kit = client.server_keys(), client.kit
+    x = client.encrypt(np.random.default_rng(2).uniform(-1, 1, params.slots))
+    for graphs in (True, False):
+        ev = GpuEvaluator(params, device="cuda", graphs=graphs)
+        keys = ev.keys_from_server(server)
+        assert keys.nbytes() == key_set_nbytes(params, levels)
+        for level, step in ((3, 1), (2, 1), (2, 5), (1, 5), (2, 5)):            # repeated: a graph replayed
+            a = kit.drop_to(x, level)
+            sev, gk = server.rotation_key(step, level)
+            want = seal.sa.Ciphertext()
+            sev.rotate_vector(a, step, gk, want)
+            A = ev.deserialize(seal.to_bytes(a))
+            got = [ev.rotate(A, step, keys), ev.rotate_many(A, [step, 0], keys)[step]]
+            raw = sealio.read_ciphertext(seal.to_bytes(want), params.poly_modulus_degree, ev.top)
+            assert all(np.array_equal(ev.to_raw(g).data, raw.data) for g in got)
+        c = kit.drop_to(kit.mul(x, x), 2)
+        sev, rk = server.relin_key(2)
+        want = seal.sa.Ciphertext()
+        sev.relinearize(c, rk, want)
+        X = ev.deserialize(seal.to_bytes(x))
+        raw = sealio.read_ciphertext(seal.to_bytes(want), params.poly_modulus_degree, ev.top)
+        assert np.array_equal(ev.to_raw(ev.relinearize(ev.mod_switch(ev.mul(X, X), 2), keys)).data, raw.data)

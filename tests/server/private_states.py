@@ -19,5 +19,5 @@ class ArmableCompute(PrivateCompute):
             block.prefill = broken
 
 
-def make_state(model_dir: str, plan_path: str, max_tokens: int) -> ArmableCompute:
-    return ArmableCompute(model_dir, plan_path, max_tokens)
+def make_state(model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu") -> ArmableCompute:
+    return ArmableCompute(model_dir, plan_path, max_tokens, device)

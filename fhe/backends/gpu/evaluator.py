@@ -3,9 +3,12 @@
 Reads the ciphertexts and evaluation keys the SEAL client produces and computes, for every protocol
 operation, the same residues SEAL computes (tests/fhe/test_gpu_backend*.py check it bit for bit).
 Encoding is SEAL's own CKKSEncoder (plaintexts are made once per plan, on the CPU, then kept on the
-device). Beyond SEAL: :meth:`rotate_many` hoists the decomposition (keyswitch.py says why that is
-still bit-identical). Not in SEAL's way: a missing Galois key is an error here (SEAL would compose the
-rotation from power-of-two keys).
+device), or with ``encoder="fft"`` the same transform on the device (per-step plaintexts: within one
+unit of SEAL's coefficients, not bit for bit). On CUDA the fixed-shape parts of key switching and
+rescale, and whole rotations/relinearizations per key, run as CUDA graphs (graphs.py). Beyond SEAL:
+:meth:`rotate_many` hoists the decomposition (keyswitch.py says why that is still bit-identical).
+Not in SEAL's way: a missing Galois key is an error here (SEAL would compose the rotation from
+power-of-two keys).
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ import torch
 from fhe.backends.gpu import keyswitch as ks
 from fhe.backends.gpu import sealio
 from fhe.backends.gpu.galois import ntt_permutation
-from fhe.backends.gpu.keys import GpuKeys, load_keys
+from fhe.backends.gpu.keys import GpuKeys, keys_from_server, load_keys
 from fhe.backends.gpu.modarith import addmod, mulmod
+from fhe.backends.gpu.ntt import ntt
 from fhe.backends.gpu.rns import RNSContext, drop_last_rounded
 from fhe.backends.seal import hazmat as seal
+from fhe.backends.seal.keys import ServerKeys
 from fhe.errors import LevelError, ShapeError, WireError
 from fhe.evaluator import ParamsQueries
-from fhe.params import CKKSParams
+from fhe.params import CKKSParams, KeyLevels
 
 _EPS = np.finfo(np.float64).eps
 
@@ -59,11 +64,21 @@ class GpuEvaluator(ParamsQueries):
 
     name = "gpu"
 
-    def __init__(self, params: CKKSParams, device: str | torch.device | None = None) -> None:
+    def __init__(self, params: CKKSParams, device: str | torch.device | None = None, *,
+                 graphs: bool = True, encoder: str = "seal") -> None:
+        if encoder not in ("seal", "fft"):
+            raise ValueError(f"encoder must be 'seal' or 'fft', got {encoder!r}")
+        self.encoder = encoder
         self.params = params
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.kit = seal.Kit(params)
         self.ctx = RNSContext(self.kit, self.device)
+        # CUDA graphs of the key switch's fixed-shape halves (graphs.py); False: plain launches (benchmarks)
+        self.graphs = None
+        if graphs and self.device.type == "cuda":
+            from fhe.backends.gpu.graphs import GraphCache
+
+            self.graphs = GraphCache()
         self._perms: dict[int, torch.Tensor] = {}
         self._bits = {lev: sum(math.log2(q) for q in self.ctx.primes[:lev]) for lev in range(1, self.ctx.K + 1)}
 
@@ -100,16 +115,41 @@ class GpuEvaluator(ParamsQueries):
         if a.data.shape[-2] != b.data.shape[-2]:
             raise LevelError(f"operands at levels {a.data.shape[-2]} and {b.data.shape[-2]}")
 
-    # --- encoding (SEAL's encoder, then its residues) -------------------------------------------
+    # --- encoding (SEAL's encoder, then its residues; or the same transform on the device) --------
     def encode(self, values: np.ndarray, level: int, scale: float) -> GpuPlaintext:
         if not 1 <= level <= self.top:
             raise LevelError(f"no level {level} (1..{self.top})")
         values = np.asarray(values, np.float64)
         if values.ndim != 1 or len(values) > self.slots:
             raise ShapeError(f"need a vector of <= {self.slots} values, got shape {values.shape}")
+        if self.encoder == "fft":
+            pt = self._encode_fft(values, level, scale)
+            if pt is not None:
+                return pt
         pt = self.kit.encode(values, level, scale)
         _, sc, arr = sealio.read_plaintext(seal.to_bytes(pt), self.params.poly_modulus_degree)
         return GpuPlaintext(torch.from_numpy(arr.astype(np.int64)).to(self.device), sc)
+
+    def _encode_fft(self, values: np.ndarray, level: int, scale: float) -> GpuPlaintext | None:
+        """SEAL's CKKS encoding as one float64 FFT on the device (None: coefficients too large for it).
+
+        Slot i is the polynomial's value at zeta^(3^i) (zeta = e^(i pi / N); its conjugate at zeta^-(3^i)),
+        so the coefficients are m_k = (2/N) Re sum_i z_i zeta^(-3^i k) * scale: an FFT of length 2N with
+        z_i at index 3^i mod 2N. Rounded, reduced into each prime, NTT'd. Not SEAL's floating-point order:
+        a coefficient can differ from SEAL's by one where SEAL's value sits at a half (the decoded value
+        then differs by ~1/scale; tests measure it), hence opt-in (``encoder="fft"``)."""
+        n = self.params.poly_modulus_degree
+        if not hasattr(self, "_slot_index"):
+            self._slot_index = torch.tensor([pow(3, i, 2 * n) for i in range(self.slots)], device=self.device)
+        spread = torch.zeros(2 * n, dtype=torch.complex128, device=self.device)
+        spread[self._slot_index[: len(values)]] = torch.from_numpy(values).to(self.device, torch.complex128)
+        coeffs = torch.fft.fft(spread).real[:n] * (2.0 * scale / n)
+        if not bool(coeffs.abs().max() < 2.0 ** 62):                  # SEAL's multi-precision path: let SEAL do it
+            return None
+        coeffs = torch.round(coeffs).to(torch.int64)
+        tab = self.ctx.level(level).data
+        residues = ntt(torch.remainder(coeffs.expand(level, n), tab.primes), tab)
+        return GpuPlaintext(residues, float(scale))
 
     # --- arithmetic -------------------------------------------------------------------------------
     def _add_data(self, a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -131,6 +171,12 @@ class GpuEvaluator(ParamsQueries):
     def add_many(self, cts: Sequence[GpuCiphertext]) -> GpuCiphertext:
         if not cts:
             raise ShapeError("add_many of nothing")
+        if self.device.type == "cuda" and len(cts) > 2 and len({c.data.shape for c in cts}) == 1:
+            for c in cts[1:]:                                        # SEAL's checks, as the loop below makes them
+                self._same_level(cts[0], c)
+                if not _are_close(cts[0].scale, c.scale):
+                    raise LevelError(f"scales {cts[0].scale} and {c.scale} differ")
+            return GpuCiphertext(self._dot(cts, None), cts[0].scale)
         out = cts[0]
         for c in cts[1:]:
             out = self.add(out, c)
@@ -155,7 +201,23 @@ class GpuEvaluator(ParamsQueries):
     def dot_plain(self, pairs: Sequence[tuple[GpuCiphertext, GpuPlaintext]]) -> GpuCiphertext:
         if not pairs:
             raise ShapeError("dot_plain of nothing")
-        return self.add_many([self.mul_plain(c, p) for c, p in pairs])
+        if self.device.type != "cuda" or len(pairs) < 2 or len({c.data.shape for c, _ in pairs}) > 1:
+            return self.add_many([self.mul_plain(c, p) for c, p in pairs])
+        scales = []
+        for c, p in pairs:                                           # mul_plain's and add's checks, in order
+            self._same_level(c, p)
+            scales.append(self._check_scale(c.scale * p.scale, c.level))
+            if not _are_close(scales[0], scales[-1]):
+                raise LevelError(f"scales {scales[0]} and {scales[-1]} differ")
+        return GpuCiphertext(self._dot([c for c, _ in pairs], [p for _, p in pairs]), scales[0])
+
+    def _dot(self, cts: Sequence[GpuCiphertext], pts: Sequence[GpuPlaintext] | None) -> torch.Tensor:
+        """One kernel for sum_j c_j (* p_j): the same canonical residues as the loop of ops it replaces."""
+        from fhe.backends.gpu import triton_ops
+
+        c = torch.stack([x.data for x in cts])                              # [K, size, L, N]
+        p = None if pts is None else torch.stack([x.data for x in pts])    # [K, L, N]
+        return triton_ops.dot_rows(c, p, self.ctx.q.view(-1))
 
     def mul(self, a: GpuCiphertext, b: GpuCiphertext) -> GpuCiphertext:
         self._same_level(a, b)
@@ -179,16 +241,28 @@ class GpuEvaluator(ParamsQueries):
     def relinearize(self, ct: GpuCiphertext, keys: GpuKeys) -> GpuCiphertext:
         if self.size(ct) != 3:
             raise LevelError("relinearize needs a ciphertext of size 3")
-        lt = self.ctx.level(ct.level)
-        delta = ks.switch_key(ct.data[2], keys.relin, lt)
-        return GpuCiphertext(addmod(ct.data[:2], delta, self._q(ct.level)), ct.scale)
+        lt, key, q = self.ctx.level(ct.level), keys.relin_key(ct.level), self._q(ct.level)
+
+        def relin(x: torch.Tensor) -> torch.Tensor:
+            return addmod(x[:2], ks.switch_key(x[2], key, lt), q)
+
+        if self.graphs is not None:                                   # the whole op, one replay (keys own it)
+            return GpuCiphertext(self._key_graphs(keys).run(("relin",), relin, ct.data).clone(), ct.scale)
+        delta = self._switch_key(ct.data[2], key, lt)
+        return GpuCiphertext(addmod(ct.data[:2], delta, q), ct.scale)
 
     def rescale(self, ct: GpuCiphertext) -> GpuCiphertext:
         lev = ct.level
         if lev < 2:
             raise LevelError("cannot rescale at the last level")
         lt = self.ctx.level(lev)
-        data = drop_last_rounded(ct.data, lt.data.take(slice(0, lev - 1)), lt.last, lt.inv_qlast)
+        keep = lt.data.take(slice(0, lev - 1))
+
+        def drop(x: torch.Tensor) -> torch.Tensor:
+            return drop_last_rounded(x, keep, lt.last, lt.inv_qlast, lt.q_ext_ints[lev - 1])
+
+        # fixed shape per (size, level): one graph replay instead of ~40 launches (the copy frees its buffer)
+        data = drop(ct.data) if self.graphs is None else self.graphs.run("rescale", drop, ct.data).clone()
         return GpuCiphertext(data, self._check_scale(ct.scale / float(self.ctx.primes[lev - 1]), lev - 1))
 
     def rescale_inplace(self, ct: GpuCiphertext) -> None:
@@ -213,14 +287,30 @@ class GpuEvaluator(ParamsQueries):
             return ct
         if self.size(ct) != 2:
             raise LevelError("rotate needs a ciphertext of size 2 (relinearize first)")
-        elt, key = keys.galois_key(step)
-        perm = self._perm(elt)
+        elt, key = keys.galois_key(step, ct.level)
+        perm, lt, q = self._perm(elt), self.ctx.level(ct.level), self._q(ct.level)
+        if self.graphs is not None:                                   # the whole op, one replay (keys own it)
+
+            def rot(x: torch.Tensor) -> torch.Tensor:
+                rotated = x[..., perm]
+                delta = ks.switch_key(rotated[1], key, lt)
+                return torch.stack((addmod(delta[0], rotated[0], q), delta[1]))
+
+            return GpuCiphertext(self._key_graphs(keys).run(("rotate", elt), rot, ct.data).clone(), ct.scale)
         rotated = ct.data[..., perm]                                   # sigma on c0 and c1
-        lt = self.ctx.level(ct.level)
-        delta = ks.switch_key(rotated[1], key, lt)
+        delta = self._switch_key(rotated[1], key, lt)
         out = delta.clone()
-        out[0] = addmod(delta[0], rotated[0], self._q(ct.level))
+        out[0] = addmod(delta[0], rotated[0], q)
         return GpuCiphertext(out, ct.scale)
+
+    def _key_graphs(self, keys: GpuKeys):
+        """Graphs of whole key switches with ``keys`` (they capture the key's address, so they live and die
+        with the key set: never replayed for another one), in this evaluator's memory pool."""
+        if keys.graphs is None:
+            from fhe.backends.gpu.graphs import GraphCache
+
+            keys.graphs = GraphCache(self.graphs.pool)
+        return keys.graphs
 
     def rotate_many(self, ct: GpuCiphertext, steps: Iterable[int], keys: GpuKeys) -> dict[int, GpuCiphertext]:
         """Hoisted: c1 is decomposed once; each step permutes the digits (bit-identical to :meth:`rotate`)."""
@@ -232,17 +322,35 @@ class GpuEvaluator(ParamsQueries):
         if self.size(ct) != 2:
             raise LevelError("rotate needs a ciphertext of size 2 (relinearize first)")
         lt = self.ctx.level(ct.level)
-        digits, D = ks.decompose(ct.data[1], lt)
+        found = {s: keys.galois_key(s, ct.level) for s in todo}       # every key checked before any work
+        digits, D = self._decompose(ct.data[1], lt)
         if bool((digits == 0).any()):                                 # -0 = 0 needs no fix: plain path
             return out | {s: self.rotate(ct, s, keys) for s in todo}
         q = self._q(ct.level)
-        for s in todo:
-            elt, key = keys.galois_key(s)
+        for s, (elt, key) in found.items():
             perm = self._perm(elt)
-            delta = ks.hoisted_switch(D, perm, key, self._correction(keys, elt, key, lt), lt)
+            acc = ks.hoisted_inner(D, perm, key, self._correction(keys, elt, key, lt), lt)
+            delta = self._finish(acc, lt).clone()                     # the graph's buffer is reused next step
             delta[0] = addmod(delta[0], ct.data[0][..., perm], q)
             out[s] = GpuCiphertext(delta, ct.scale)
         return out
+
+    # --- key switching: graphs around the fixed-shape halves on CUDA --------------------------------
+    def _decompose(self, t: torch.Tensor, lt) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graphs is None:
+            return ks.decompose(t, lt)
+        return self.graphs.run("decompose", lambda x: ks.decompose(x, lt), t)
+
+    def _finish(self, acc: torch.Tensor, lt) -> torch.Tensor:
+        if self.graphs is None:
+            return ks.finish(acc, lt)
+        return self.graphs.run("finish", lambda x: ks.finish(x, lt), acc)
+
+    def _switch_key(self, t: torch.Tensor, key: torch.Tensor, lt) -> torch.Tensor:
+        """``ks.switch_key`` (bit-identical: the same kernels), through the graphs where there are some;
+        the result may be a graph's buffer: consume it before the next switch."""
+        _, D = self._decompose(t, lt)
+        return self._finish(ks.inner_product(D, key, lt), lt)
 
     def _correction(self, keys: GpuKeys, elt: int, key: torch.Tensor, lt) -> torch.Tensor:
         lev = len(lt.q_ext_ints) - 1
@@ -280,8 +388,12 @@ class GpuEvaluator(ParamsQueries):
             raise WireError("ciphertext residue or scale out of range")
         return GpuCiphertext(torch.from_numpy(raw.data.astype(np.int64)).to(self.device), float(raw.scale))
 
-    def load_keys(self, blobs: Mapping[str, bytes], rotation_steps: Iterable[int]) -> GpuKeys:
+    def load_keys(self, blobs: Mapping[str, bytes], rotation_steps: Iterable[int] | KeyLevels) -> GpuKeys:
         return load_keys(self.ctx, blobs, rotation_steps)
+
+    def keys_from_server(self, server: ServerKeys) -> GpuKeys:
+        """SEAL keys already through the allow-list (what the private worker holds) -> device keys."""
+        return keys_from_server(self.ctx, server)
 
 
 def make_evaluator(params: CKKSParams) -> GpuEvaluator:

@@ -45,7 +45,7 @@ def inner_product(D: torch.Tensor, key: torch.Tensor, lt: LevelTables) -> torch.
 
 def finish(acc: torch.Tensor, lt: LevelTables) -> torch.Tensor:
     """Divide the special prime out of ``acc [2, L+1, N]`` with rounding -> [2, L, N]."""
-    return drop_last_rounded(acc, lt.data, lt.special, lt.inv_p)
+    return drop_last_rounded(acc, lt.data, lt.special, lt.inv_p, lt.q_ext_ints[-1])
 
 
 def switch_key(t: torch.Tensor, key: torch.Tensor, lt: LevelTables) -> torch.Tensor:
@@ -74,17 +74,24 @@ def hoisted_correction(key: torch.Tensor, neg: torch.Tensor, lt: LevelTables) ->
     return mulmod(weighted, ind, q)
 
 
-def hoisted_switch(D: torch.Tensor, perm: torch.Tensor, key: torch.Tensor, corr: torch.Tensor,
-                   lt: LevelTables) -> torch.Tensor:
-    """Key switch of sigma(c1) from c1's hoisted digits ``D``: permute, multiply, add the fix, finish."""
+def hoisted_inner(D: torch.Tensor, perm: torch.Tensor, key: torch.Tensor, corr: torch.Tensor,
+                  lt: LevelTables) -> torch.Tensor:
+    """The inner product of sigma(c1)'s key switch from c1's hoisted digits ``D``: permute, multiply, add
+    the fix -> acc [2, L+1, N] (what :func:`finish` takes)."""
     if D.is_cuda:
         from fhe.backends.gpu import triton_ops
 
         acc = triton_ops.inner_product(D, key, lt.ext.primes.view(-1).contiguous(), perm)
     else:
         acc = inner_product(D[..., perm], key, lt)
-    return finish(addmod(acc, corr, lt.ext.primes), lt)
+    return addmod(acc, corr, lt.ext.primes)
 
 
-__all__ = ["decompose", "finish", "hoisted_correction", "hoisted_switch", "inner_product",
+def hoisted_switch(D: torch.Tensor, perm: torch.Tensor, key: torch.Tensor, corr: torch.Tensor,
+                   lt: LevelTables) -> torch.Tensor:
+    """Key switch of sigma(c1) from c1's hoisted digits ``D``: :func:`hoisted_inner`, then finish."""
+    return finish(hoisted_inner(D, perm, key, corr, lt), lt)
+
+
+__all__ = ["decompose", "finish", "hoisted_correction", "hoisted_inner", "hoisted_switch", "inner_product",
            "negated_positions", "switch_key"]

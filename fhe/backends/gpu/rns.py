@@ -71,15 +71,17 @@ class LevelTables:
                    t([pow(ints[lev], -1, q) for q in ints[:lev]]), ints)
 
 
-def drop_last_rounded(x: torch.Tensor, keep: NTTTables, last: NTTTables, inv_last: torch.Tensor) -> torch.Tensor:
+def drop_last_rounded(x: torch.Tensor, keep: NTTTables, last: NTTTables, inv_last: torch.Tensor,
+                      q_last: int | None = None) -> torch.Tensor:
     """SEAL's ``divide_and_round_q_last_ntt``: ``x [..., R+1, N]`` (NTT form over ``keep`` rows then the
     ``last`` row) -> ``round(x / q_last)`` over the ``keep`` rows, NTT form.
 
     The last row goes to coefficients, gets q_last//2 added (floor -> round), is reduced into each kept
     prime, has the same half subtracted there, goes back to NTT form and is subtracted; the difference is
-    multiplied by q_last^-1.
+    multiplied by q_last^-1. ``q_last`` (the last prime as an int) spares a device read, which a CUDA
+    graph capture cannot do.
     """
-    ql = int(last.primes[0, 0])
+    ql = int(last.primes[0, 0]) if q_last is None else q_last
     half = ql >> 1
     tail = intt(x[..., -1:, :], last)                                   # [..., 1, N]
     tail = addmod(tail, torch.full_like(tail, half), last.primes)

@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024
+#: Two NTT stages per launch (:func:`_ntt_stage2`); False: one per launch (the first version).
+RADIX4 = False
 
 
 @triton.jit
@@ -66,6 +68,72 @@ def _ntt_stage(x_ptr, w_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, BLOCK: 
 
 
 @triton.jit
+def _ct(u, v, w, q, qinv):
+    """Cooley-Tukey butterfly (u + w v, u - w v)."""
+    t = _mulmod(v, w, q, qinv)
+    s = u + t
+    d = u - t
+    return tl.where(s >= q, s - q, s), tl.where(d < 0, d + q, d)
+
+
+@triton.jit
+def _gs(u, v, w, q, qinv):
+    """Gentleman-Sande butterfly (u + v, (u - v) w)."""
+    s = u + v
+    d = u - v
+    d = tl.where(d < 0, d + q, d)
+    return tl.where(s >= q, s - q, s), _mulmod(d, w, q, qinv)
+
+
+@triton.jit
+def _ntt_stage2(x_ptr, w_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, BLOCK: tl.constexpr):
+    """Two radix-2 stages in one pass (half the launches and the memory traffic of :func:`_ntt_stage`).
+
+    Forward: stage (m, gap) then (2m, gap/2); inverse: stage (m, gap) then (m/2, 2 gap). Each program
+    element owns the 4 values both stages touch together.
+    """
+    row = tl.program_id(1)
+    p = row % P
+    q = tl.load(q_ptr + p)
+    qinv = 1.0 / q.to(tl.float64)
+    g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)            # group index in [0, N/4)
+    mask = g < N // 4
+    base_ptr = x_ptr + row.to(tl.int64) * N
+    wrow = w_ptr + p.to(tl.int64) * N
+    if INVERSE:
+        i2 = g // gap
+        base = i2 * 4 * gap + g % gap
+        h = gap
+        a0 = tl.load(base_ptr + base, mask=mask)
+        a1 = tl.load(base_ptr + base + h, mask=mask)
+        a2 = tl.load(base_ptr + base + 2 * h, mask=mask)
+        a3 = tl.load(base_ptr + base + 3 * h, mask=mask)
+        a0, a1 = _gs(a0, a1, tl.load(wrow + m + 2 * i2, mask=mask), q, qinv)
+        a2, a3 = _gs(a2, a3, tl.load(wrow + m + 2 * i2 + 1, mask=mask), q, qinv)
+        w2 = tl.load(wrow + m // 2 + i2, mask=mask)
+        a0, a2 = _gs(a0, a2, w2, q, qinv)
+        a1, a3 = _gs(a1, a3, w2, q, qinv)
+    else:
+        half = gap // 2
+        i = g // half
+        base = i * 2 * gap + g % half
+        h = half
+        a0 = tl.load(base_ptr + base, mask=mask)
+        a1 = tl.load(base_ptr + base + h, mask=mask)
+        a2 = tl.load(base_ptr + base + 2 * h, mask=mask)
+        a3 = tl.load(base_ptr + base + 3 * h, mask=mask)
+        w1 = tl.load(wrow + m + i, mask=mask)
+        a0, a2 = _ct(a0, a2, w1, q, qinv)
+        a1, a3 = _ct(a1, a3, w1, q, qinv)
+        a0, a1 = _ct(a0, a1, tl.load(wrow + 2 * m + 2 * i, mask=mask), q, qinv)
+        a2, a3 = _ct(a2, a3, tl.load(wrow + 2 * m + 2 * i + 1, mask=mask), q, qinv)
+    tl.store(base_ptr + base, a0, mask=mask)
+    tl.store(base_ptr + base + h, a1, mask=mask)
+    tl.store(base_ptr + base + 2 * h, a2, mask=mask)
+    tl.store(base_ptr + base + 3 * h, a3, mask=mask)
+
+
+@triton.jit
 def _mulmod_rows(a_ptr, b_ptr, out_ptr, q_ptr, P, N, B_SCALAR: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(1)
     p = row % P
@@ -105,6 +173,40 @@ def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N,
     tl.store(out_ptr + (c * R + r).to(tl.int64) * N + offs, acc, mask=mask)
 
 
+@triton.jit
+def _dot_rows(c_ptr, p_ptr, q_ptr, out_ptr, K, R, L, N, MUL: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r] = sum_j c[j, r] (* p[j, r % L] if MUL) mod q_(r % L): a dot product (or sum) of K operands
+    in one pass, instead of K products and K-1 additions each a launch of its own."""
+    r = tl.program_id(1)
+    i = r % L
+    q = tl.load(q_ptr + i)
+    qinv = 1.0 / q.to(tl.float64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), tl.int64)
+    for j in range(K):
+        a = tl.load(c_ptr + (j * R + r).to(tl.int64) * N + offs, mask=mask)
+        if MUL:
+            a = _mulmod(a, tl.load(p_ptr + (j * L + i).to(tl.int64) * N + offs, mask=mask), q, qinv)
+        acc += a
+        acc = tl.where(acc >= q, acc - q, acc)
+    tl.store(out_ptr + r.to(tl.int64) * N + offs, acc, mask=mask)
+
+
+def dot_rows(c: torch.Tensor, p: torch.Tensor | None, primes: torch.Tensor) -> torch.Tensor:
+    """``c [K, S, L, N]``, ``p [K, L, N]`` or None -> ``sum_j c[j] * p[j]`` (or ``sum_j c[j]``) ``[S, L, N]``."""
+    _check(c, "operands")
+    k, size, lev, n = c.shape
+    assert primes.numel() >= lev, (c.shape, primes.shape)
+    if p is not None:
+        _check(p, "plaintexts")
+        assert p.shape == (k, lev, n), (c.shape, p.shape)
+    out = torch.empty((size, lev, n), dtype=torch.int64, device=c.device)
+    _dot_rows[(triton.cdiv(n, BLOCK), size * lev)](c, c if p is None else p, primes, out, k, size * lev, lev, n,
+                                                   MUL=p is not None, BLOCK=BLOCK)
+    return out
+
+
 def _check(x: torch.Tensor, what: str) -> None:
     assert x.is_cuda and x.dtype == torch.int64 and x.is_contiguous(), f"{what}: need contiguous CUDA int64"
 
@@ -120,7 +222,14 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
     rows = x.numel() // n
     grid = (triton.cdiv(n // 2, BLOCK), rows)
     stages = [(1 << s, n >> (s + 1)) for s in range(n.bit_length() - 1)]
-    for m, gap in (reversed(stages) if inverse else stages):
+    order = list(reversed(stages)) if inverse else stages
+    if RADIX4:
+        grid4 = (triton.cdiv(n // 4, BLOCK), rows)
+        while len(order) >= 2:                                       # two stages per pass
+            m, gap = order[0]
+            _ntt_stage2[grid4](x, roots, primes, p, n, m, gap, INVERSE=inverse, BLOCK=BLOCK)
+            order = order[2:]
+    for m, gap in order:
         _ntt_stage[grid](x, roots, primes, p, n, m, gap, INVERSE=inverse, BLOCK=BLOCK)
     return x
 
@@ -143,7 +252,8 @@ def inner_product(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor,
     _check(D, "digits")
     _check(key, "key")
     lev, r, n = D.shape
-    assert r == lev + 1 and key.shape[1] == 2 and key.shape[3] == n and primes.numel() == r, (D.shape, key.shape)
+    assert r == lev + 1 and key.shape[0] >= lev and key.shape[1] == 2, (D.shape, key.shape)
+    assert key.shape[3] == n and primes.numel() == r, (D.shape, key.shape, primes.shape)
     out = torch.empty((2, r, n), dtype=torch.int64, device=D.device)
     src = perm if perm is not None else D
     _inner_product[(triton.cdiv(n, BLOCK), r, 2)](D, src, key, primes, out, lev, r, key.shape[2], n,
@@ -151,4 +261,4 @@ def inner_product(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor,
     return out
 
 
-__all__ = ["inner_product", "mulmod_rows", "ntt_"]
+__all__ = ["dot_rows", "inner_product", "mulmod_rows", "ntt_"]

@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, model_validator
+
+
+class RaySettings(BaseModel):
+    """Where the Ray backend runs its workers, and the resource shape of one worker actor."""
+
+    address: str | None = Field(None, description="an existing cluster (\"ray://host:10001\" or "
+                                "\"host:6379\"); None: start a head on 127.0.0.1 inside the server")
+    namespace: str = Field("cipherlm", description="Ray namespace of the worker actors")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs one worker actor reserves (the evaluator is "
+                            "single-threaded)")
+    num_gpus: float = Field(0.0, ge=0, description="GPU share one worker actor reserves (0: a CPU worker)")
+    memory_gb: float | None = Field(None, gt=0, description="memory one worker actor reserves (its "
+                                    "layers plus max_keys_per_worker key sets); None: no reservation")
+    head_cpus: int | None = Field(None, ge=1, description="CPUs of the local head (address None); None: "
+                                  "every core of this machine")
 
 
 class PrivateSettings(BaseModel):
@@ -29,6 +46,9 @@ class PrivateSettings(BaseModel):
     task_timeout_s: float = Field(600.0, gt=0, description="a worker task running longer is killed")
     key_lifetime_s: float | None = Field(30 * 86400.0, gt=0, description="expiry of a registered key")
     audit_checkpoint_every: int = Field(64, ge=1, description="records between signed checkpoints")
+    backend: Literal["local", "ray"] = Field("local", description="where workers run: \"local\" "
+                                             "processes of this server, or \"ray\" actors of a cluster")
+    ray: RaySettings = Field(default_factory=RaySettings, description="the Ray backend (backend = \"ray\")")
 
     @model_validator(mode="after")
     def _min_workers_fit(self) -> PrivateSettings:

@@ -23,9 +23,9 @@ from typing import Any
 
 from server.audit import AuditConfig, AuditLog, Event, Outcome, Pseudonymizer, SigningKeyDir, SigningKeyError
 from server.keys import EvalKeyStorage, KeyRegistry, RegistryConfig
+from server.private.backend import make_pool
 from server.private.config import PrivateSettings
 from server.private.service import PrivateService
-from server.private.workers import WorkerPool
 
 log = logging.getLogger("cipherlm.private")
 MANIFEST_FORMAT = "cipherlm-private-manifest"
@@ -162,9 +162,7 @@ async def start(app: Any) -> None:
     app.state.private_manifest = build_manifest(app.state.metrics.model_name, plan, bundle, cfg,
                                                 cfg_json["num_hidden_layers"])
     app.state.private_bundle_path = bundle_path
-    pool = WorkerPool(cfg.workers, WORKER_FACTORY,
-                      (str(model_dir), str(plan_path), cfg.max_session_tokens), task_timeout=cfg.task_timeout_s,
-                      keep_running=cfg.min_workers, idle_stop_s=cfg.worker_idle_s)
+    pool = make_pool(cfg, WORKER_FACTORY, (str(model_dir), str(plan_path), cfg.max_session_tokens))
     registry = KeyRegistry(
         RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
                        state_path=root / "keys" / "registry.json"),

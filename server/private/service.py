@@ -51,10 +51,11 @@ from server.keys import (
     SecretKeyUploadError,
     UploadRefusedError,
 )
+from server.private.backend import WorkerBackend
 from server.private.codes import WorkerCode
 from server.private.config import PrivateSettings
 from server.private.sessions import Session, SessionState, SessionTable, StepRecord
-from server.private.workers import TaskError, WorkerError, WorkerPool
+from server.private.workers import TaskError, WorkerError
 
 log = logging.getLogger("cipherlm.private")
 SOURCE = "server.private"
@@ -99,7 +100,8 @@ class PrivateService:
     backend_params: Any = None
 
     def __init__(self, cfg: PrivateSettings, plan_hash: str, encrypted_layers: tuple[int, ...],
-                 pool: WorkerPool, registry: KeyRegistry, audit: Any, clock: Callable[[], float] | None = None) -> None:
+                 pool: WorkerBackend, registry: KeyRegistry, audit: Any,
+                 clock: Callable[[], float] | None = None) -> None:
         import time
 
         self.cfg, self.plan_hash, self.layers = cfg, plan_hash, tuple(encrypted_layers)

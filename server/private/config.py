@@ -43,6 +43,9 @@ class PrivateSettings(BaseModel):
     max_key_bytes: int = Field(1 << 30, ge=1024, description="one evaluation-key upload (N=32768 keys: ~720 MB)")
     max_keys_per_worker: int = Field(2, ge=1, description="evaluation keys one worker keeps loaded "
                                      "(N=32768: ~6 GB each); the least recently used idle one is dropped")
+    spill_sessions: int | None = Field(3, ge=1, description="open sessions on the workers holding a key "
+                                       "past which a new session of that key goes to a worker with room "
+                                       "(loading another copy) rather than queueing behind them; None: never")
     task_timeout_s: float = Field(600.0, gt=0, description="a worker task running longer is killed")
     key_lifetime_s: float | None = Field(30 * 86400.0, gt=0, description="expiry of a registered key")
     audit_checkpoint_every: int = Field(64, ge=1, description="records between signed checkpoints")

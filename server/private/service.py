@@ -232,13 +232,17 @@ class PrivateService:
         self._loaded[slot].add(_owner(rec))
 
     def _pick_worker(self, fp: str) -> int:
-        """A worker that already holds the key, else one with room for it, else one holding a key no open
-        session uses (it will be dropped), else the least loaded (which will answer 429)."""
+        """A worker that already holds the key and has fewer than ``spill_sessions`` open sessions, else
+        one with room for it (a second copy of a busy key: ``bench/placement_sim.py`` shows one holder
+        per hot key queueing for minutes), else any holder, else one holding a key no open session uses
+        (it will be dropped), else the least loaded (which will answer 429)."""
         holders = [w for w, f in self._loaded if f == fp]
+        spill = self.cfg.spill_sessions
+        uncrowded = [w for w in holders if spill is None or len(self.sessions.on_worker(w)) < spill]
         workers = range(self.pool.size)
         room = [w for w in workers if len(self._keys_in(w)) < self.cfg.max_keys_per_worker]
         evictable = [w for w in workers if self._idle_keys(w)]
-        return self.pool.least_loaded(holders or room or evictable)
+        return self.pool.least_loaded(uncrowded or room or holders or evictable)
 
     def _keys_in(self, worker: int) -> list[str]:
         return [fp for w, fp in self._loaded if w == worker]

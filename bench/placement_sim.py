@@ -23,7 +23,11 @@ Policies:
   no open session uses (the least recently used is evicted); among those the fewest pending tasks;
 * ``naive`` — the fewest pending tasks among workers that can take the key set (room or an evictable
   key set), ignoring where key sets already are;
-* ``random`` — a random worker among those that can take it.
+* ``random`` — a random worker among those that can take it;
+* ``affinity-spill`` — the server since this change (``private.spill_sessions``, ``--spill``): a holder
+  only while it has fewer than ``--spill`` open sessions, else a worker with room, else any holder;
+* ``affinity-spill-open`` — the same, but "least loaded" counts open sessions before pending tasks
+  (pending is 0 while a session's client is between steps, so it undercounts a worker's sessions).
 
 A session no worker can take waits (the server answers 429 ``worker_keys_full`` and the SDK retries) until
 a session closes. Reported per policy: utilisation (share of worker-seconds running steps; key parsing is
@@ -139,20 +143,23 @@ class Fleet:
 
     # -- placement --------------------------------------------------------------------------------------
     def _least(self, mask):
+        """The fewest pending tasks among ``mask`` (``*-open`` policies: the fewest open sessions first)."""
         np = self.np
         if not mask.any():
             return None
-        return int(np.argmin(np.where(mask, self.pending, np.inf)))
+        load = self.pending + (self.open_n * 1000 if self.policy.endswith("-open") else 0)
+        return int(np.argmin(np.where(mask, load, np.inf)))
 
     def pick(self, key: int) -> int | None:
         room = self.nkeys < self.args.keys_per_worker
         able = room | (self.idle_keys > 0)
         holders = list(self.holders[key])
-        if self.policy in ("affinity", "affinity-spill"):
-            if self.policy == "affinity-spill":  # a holder only while it is not crowded
+        if self.policy.startswith("affinity"):
+            if self.policy.startswith("affinity-spill"):  # a holder only while it is not crowded
                 holders = [i for i in holders if self.open_n[i] < self.args.spill]
             if holders:
-                return min(holders, key=lambda i: self.pending[i])
+                return min(holders, key=lambda i: (self.open_n[i] if self.policy.endswith("-open") else 0,
+                                                   self.pending[i]))
             return self._least(room) if room.any() else self._least(able)
         for i in holders:
             able[i] = True
@@ -326,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-s", type=float, default=1.0, help="median worker seconds of one decode step")
     p.add_argument("--net-gbps", type=float, default=10.0, help="bandwidth a key upload travels at")
     p.add_argument("--spill", type=int, default=3, help="affinity-spill: open sessions a holder may have")
-    p.add_argument("--policy", action="append", help="affinity, affinity-spill, naive, random (default: all)")
+    p.add_argument("--policy", action="append",
+                   help="affinity, affinity-spill, affinity-spill-open, naive, random (default: all)")
     p.add_argument("--seed", type=int, default=20)
     p.add_argument("--overhead", action="store_true", help="also time a step through the local pool and Ray")
     p.add_argument("--no-sim", action="store_true", help="skip the simulation (with --overhead)")
@@ -335,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overhead-steps", type=int, default=200)
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
-    args.policy = args.policy or ["affinity", "affinity-spill", "naive", "random"]
+    args.policy = args.policy or ["affinity", "affinity-spill", "affinity-spill-open", "naive", "random"]
     out = {"args": {k: v for k, v in vars(args).items() if k != "json"}}
     if not args.no_sim:
         out["simulation"] = simulate(args)

@@ -26,11 +26,17 @@ PROBE = "tests.server.worker_states:make_probe"
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A Ray head on the loopback address, shared by the module's pools (they reuse a connected driver)."""
-    ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False, namespace="cipherlm-test")
-    yield
+    """Two logical Ray nodes on this machine (2 CPUs each; Ray's own multi-node test harness), shared by
+    the module's pools: a pool reuses the connected driver. The last test removes the second node."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    second = c.add_node(num_cpus=2)
+    ray.init(address=c.address, log_to_driver=False, namespace="cipherlm-test")
+    c.wait_for_nodes()
+    yield c, second
     ray.shutdown()
+    c.shutdown()
 
 
 def pool(size: int = 1, factory: str = PROBE, args: tuple = ("t",), **kw) -> RayWorkerPool:
@@ -121,3 +127,26 @@ async def test_timeout_kills_the_actor_and_a_broken_factory_is_a_start_error(clu
             await broken.submit(0, "a", "echo", 1)
     finally:
         await broken.close()
+
+
+async def test_losing_a_node_loses_only_its_workers(cluster):
+    """Two slots of 2 CPUs: one actor per node. The second node goes away: its slot is reported lost and
+    its queued task fails; the slot on the head keeps its state and serves."""
+    c, second = cluster
+    lost: list[int] = []
+    p = RayWorkerPool(2, PROBE, ("t",), ray_settings=RaySettings(num_cpus=2), keep_running=2, start_timeout=5,
+                      on_restart=lost.append, health_poll_s=0.2, ping_timeout_s=3.0)
+    await p.start()
+    try:
+        nodes = p.nodes()
+        assert len(set(nodes.values())) == 2
+        gone = next(i for i, n in nodes.items() if n == second.node_id)
+        stays = 1 - gone
+        await p.submit(stays, "a", "echo", 1)
+        c.remove_node(second)
+        with pytest.raises(WorkerCrashedError):
+            await p.submit(gone, "a", "echo", 2)
+        await until(lambda: gone in lost)
+        assert stays not in lost and (await p.submit(stays, "a", "echo", 3))[2] == 2  # same actor, same state
+    finally:
+        await p.close()

@@ -13,8 +13,11 @@ lost worker's state through ``on_restart(i)`` and fail tasks with the errors of
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from server.private.config import PrivateSettings
 
@@ -33,6 +36,8 @@ class WorkerBackend(Protocol):
     def running(self) -> list[int]: ...
 
     def least_loaded(self, among: list[int] | None = None) -> int: ...
+
+    def pending(self, i: int) -> int: ...
 
     async def submit(self, worker: int, tenant: str, method: str, *args, timeout: float | None = None) -> Any: ...
 
@@ -55,4 +60,31 @@ def make_pool(cfg: PrivateSettings, factory: str, factory_args: tuple) -> Worker
     return WorkerPool(cfg.workers, factory, factory_args, **common)
 
 
-__all__ = ["WorkerBackend", "make_pool"]
+class PoolCollector(Collector):
+    """``/metrics`` for the workers, per worker (process or actor) and in total, read at scrape time:
+
+    ``cipherlm:private_workers_running`` (gauge, label ``backend``),
+    ``cipherlm:private_worker_restarts`` (counter: workers lost), and per worker (label ``worker``)
+    ``cipherlm:private_worker_pending_tasks`` and ``cipherlm:private_worker_open_sessions``.
+    """
+
+    def __init__(self, pool: WorkerBackend, backend: str, sessions_on: Callable[[int], int]) -> None:
+        self.pool, self.backend, self.sessions_on = pool, backend, sessions_on
+
+    def collect(self) -> Iterable[Metric]:
+        running = GaugeMetricFamily("cipherlm:private_workers_running", "Encrypted workers up", labels=["backend"])
+        running.add_metric([self.backend], len(self.pool.running()))
+        restarts = CounterMetricFamily("cipherlm:private_worker_restarts", "Encrypted workers lost",
+                                       labels=["backend"])
+        restarts.add_metric([self.backend], self.pool.restarts)
+        pending = GaugeMetricFamily("cipherlm:private_worker_pending_tasks", "Tasks queued or running, per worker",
+                                    labels=["worker"])
+        sessions = GaugeMetricFamily("cipherlm:private_worker_open_sessions", "Open sessions, per worker",
+                                     labels=["worker"])
+        for i in range(self.pool.size):
+            pending.add_metric([str(i)], self.pool.pending(i))
+            sessions.add_metric([str(i)], self.sessions_on(i))
+        yield from (running, restarts, pending, sessions)
+
+
+__all__ = ["PoolCollector", "WorkerBackend", "make_pool"]

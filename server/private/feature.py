@@ -23,7 +23,7 @@ from typing import Any
 
 from server.audit import AuditConfig, AuditLog, Event, Outcome, Pseudonymizer, SigningKeyDir, SigningKeyError
 from server.keys import EvalKeyStorage, KeyRegistry, RegistryConfig
-from server.private.backend import make_pool
+from server.private.backend import PoolCollector, make_pool
 from server.private.config import PrivateSettings
 from server.private.service import PrivateService
 
@@ -172,6 +172,8 @@ async def start(app: Any) -> None:
     pool.in_use = lambda worker: bool(svc.sessions.on_worker(worker))  # never idle-stop a session's worker
     svc.backend_name, svc.backend_params = DEFAULT_BACKEND, CKKSParams.from_dict(plan.ckks)
     app.state.private = svc
+    app.state.private_metrics = PoolCollector(pool, cfg.backend, lambda w: len(svc.sessions.on_worker(w)))
+    app.state.metrics.registry.register(app.state.private_metrics)
     app.state.private_sweeper = asyncio.create_task(_sweep_forever(svc))
 
 
@@ -197,6 +199,10 @@ async def stop(app: Any) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
     svc = getattr(app.state, "private", None)
+    collector = getattr(app.state, "private_metrics", None)
+    if collector is not None:  # lifespans restart in tests: register it afresh next time
+        app.state.metrics.registry.unregister(collector)
+        app.state.private_metrics = None
     if svc is not None:
         await svc.pool.close()
         await svc.close()  # close_session tasks now fail at once with WorkerError, which _close expects

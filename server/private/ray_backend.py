@@ -167,6 +167,10 @@ class RayWorkerPool:
         """Slot -> Ray node id of its actor."""
         return {i: slot.info[1] for i, slot in enumerate(self._slots) if slot.alive() and slot.info}
 
+    def pending(self, i: int) -> int:
+        """Tasks queued for or running in worker ``i``."""
+        return self._slots[i].pending
+
     def least_loaded(self, among: list[int] | None = None) -> int:
         """The slot with the fewest queued tasks (a running one on a tie: no new actor)."""
         return min(among or range(self.size), key=lambda i: (self._slots[i].pending, not self._slots[i].alive()))

@@ -223,6 +223,10 @@ class WorkerPool:
         """Process ids of the running workers (for memory accounting and tests)."""
         return [slot.worker.proc.pid for slot in self._slots if slot.alive()]
 
+    def pending(self, i: int) -> int:
+        """Tasks queued for or running in worker ``i``."""
+        return self._slots[i].pending
+
     def least_loaded(self, among: list[int] | None = None) -> int:
         """Index of the worker with the fewest queued tasks (for pinning a new session), optionally
         among some workers only; on a tie a running worker is preferred (no new process)."""

@@ -17,6 +17,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from server.private.backend import PoolCollector  # noqa: E402
 from server.private.config import RaySettings  # noqa: E402
 from server.private.ray_backend import RayWorkerPool  # noqa: E402
 from server.private.workers import TaskError, WorkerCrashedError, WorkerStartError, WorkerTimeoutError  # noqa: E402
@@ -65,6 +66,11 @@ async def test_tasks_run_in_actors_and_fail_by_code(cluster):
             await p.submit(1, "a", "fail", "secret detail")
         assert err.value.code.value == "internal" and err.value.exc_type == "ValueError"
         assert await p.submit(1, "a", "echo", 8) == ("t", 8, 2)  # the same actor kept its state
+        metrics = {(m.name, tuple(s.labels.values())): s.value
+                   for m in PoolCollector(p, "ray", lambda i: 3 * i).collect() for s in m.samples}
+        assert metrics[("cipherlm:private_workers_running", ("ray",))] == 1
+        assert metrics[("cipherlm:private_worker_open_sessions", ("1",))] == 3
+        assert metrics[("cipherlm:private_worker_pending_tasks", ("0",))] == 0
     finally:
         await p.close()
 

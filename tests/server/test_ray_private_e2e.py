@@ -117,6 +117,9 @@ def test_ray_backend_gives_the_local_backends_bytes(ray_app, world, local_result
     pool = ray_app.app.state.private.pool
     assert isinstance(pool, RayWorkerPool) and pool.pids()[0] != os.getpid()
     assert _results(ray_app, world, _open(ray_app)) == local_results
+    metrics = ray_app.get("/metrics").text
+    assert 'cipherlm:private_workers_running{backend="ray"} 1.0' in metrics
+    assert 'cipherlm:private_worker_open_sessions{worker="0"}' in metrics
 
 
 def test_actor_killed_mid_step_is_session_lost_then_replay_matches(ray_app, world, local_results):

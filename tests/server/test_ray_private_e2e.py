@@ -126,11 +126,11 @@ def test_actor_killed_mid_step_is_session_lost_then_replay_matches(ray_app, worl
     svc = ray_app.app.state.private
     sid = _open(ray_app)
     worker = svc.sessions.get(sid).worker
-    ray_app.portal.call(svc.pool.submit, worker, "test", "arm_pause", 5.0)
+    ray_app.portal.call(svc.pool.submit, worker, "test", "arm_pause", 8.0)
     answer = {}
     t = threading.Thread(target=lambda: answer.setdefault("r", _step(ray_app, world, sid, 0, 2)))
     t.start()
-    time.sleep(1.5)  # the step is inside the actor now (paused before its evaluation)
+    time.sleep(3.0)  # the step is inside the actor now (paused before its evaluation)
     os.kill(svc.pool.pids()[0], signal.SIGKILL)
     t.join(120)
     r = answer["r"]

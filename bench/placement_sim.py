@@ -18,16 +18,17 @@ policy sees the same seeded workload:
 
 Policies:
 
-* ``affinity`` — the server's (:meth:`server.private.service.PrivateService._pick_worker`): a worker
+* ``affinity`` — the server's before issue 20 (:meth:`server.private.service.PrivateService._pick_worker`): a worker
   already holding the key set, else one with room for another key set, else one whose loaded key sets
   no open session uses (the least recently used is evicted); among those the fewest pending tasks;
 * ``naive`` — the fewest pending tasks among workers that can take the key set (room or an evictable
   key set), ignoring where key sets already are;
 * ``random`` — a random worker among those that can take it;
-* ``affinity-spill`` — the server since this change (``private.spill_sessions``, ``--spill``): a holder
-  only while it has fewer than ``--spill`` open sessions, else a worker with room, else any holder;
-* ``affinity-spill-open`` — the same, but "least loaded" counts open sessions before pending tasks
-  (pending is 0 while a session's client is between steps, so it undercounts a worker's sessions).
+* ``affinity-spill`` — a holder only while it has fewer than ``--spill`` open sessions
+  (``private.spill_sessions``), else a worker with room, else any holder; least loaded by pending tasks;
+* ``affinity-spill-open`` — the server's policy since issue 20: the same, but "least loaded" counts open
+  sessions before pending tasks (pending is 0 while a session's client is between steps, so it
+  undercounts a worker's sessions).
 
 A session no worker can take waits (the server answers 429 ``worker_keys_full`` and the SDK retries) until
 a session closes. Reported per policy: utilisation (share of worker-seconds running steps; key parsing is

@@ -242,7 +242,16 @@ class PrivateService:
         workers = range(self.pool.size)
         room = [w for w in workers if len(self._keys_in(w)) < self.cfg.max_keys_per_worker]
         evictable = [w for w in workers if self._idle_keys(w)]
-        return self.pool.least_loaded(uncrowded or room or holders or evictable)
+        return self._least_busy(uncrowded or room or holders or evictable)
+
+    def _least_busy(self, among: list[int]) -> int:
+        """The fewest open sessions, then the fewest pending tasks: a worker's pending count is 0 while its
+        sessions' clients are between steps, so it alone undercounts (``bench/placement_sim.py``)."""
+        if not among:
+            return self.pool.least_loaded()
+        open_n = {w: len(self.sessions.on_worker(w)) for w in among}
+        fewest = min(open_n.values())
+        return self.pool.least_loaded([w for w in among if open_n[w] == fewest])
 
     def _keys_in(self, worker: int) -> list[str]:
         return [fp for w, fp in self._loaded if w == worker]

@@ -54,3 +54,11 @@ def test_spill_off_keeps_pure_affinity(service):
     svc = service(spill_sessions=None)
     _hold(svc, 2, "hot", 50)
     assert svc._pick_worker("hot") == 2
+
+
+def test_among_equals_the_worker_with_fewer_open_sessions_wins(service):
+    svc = service(max_keys_per_worker=2)
+    _hold(svc, 0, "a", 2)
+    _hold(svc, 1, "b", 1)
+    _hold(svc, 2, "c", 2)
+    assert svc._pick_worker("new") == 1  # all have room; no task is pending anywhere

@@ -171,6 +171,13 @@ def build_engine(settings: Settings) -> Any:
         from engine.default_model import default_model_dir
 
         model = str(default_model_dir())
+    reps = settings.replicas
+    if reps.count > 1:  # data parallel: one engine per Ray actor behind the same front
+        from server.replicas import ReplicaSet
+
+        return ReplicaSet(model, dict(settings.engine), reps.count, address=settings.private.ray.address,
+                          num_cpus=reps.num_cpus, num_gpus=reps.num_gpus, prefix_tokens=reps.prefix_tokens,
+                          load_slack=reps.load_slack)
     return AsyncLLM(model, EngineConfig(**settings.engine))
 
 

@@ -81,8 +81,18 @@ def load_settings(args: argparse.Namespace):
     given = (("host", args.host), ("port", args.port), ("model", args.model))
     overrides = {k: v for k, v in given if v is not None}
     settings = Settings.load(path, **overrides)
+    if getattr(args, "cluster", None):
+        settings = with_cluster(settings, args.cluster)
     print(f"cipherlm: settings {path} ({len(settings.tenants)} tenants)", flush=True)
     return settings
+
+
+def with_cluster(settings, address: str):
+    """``--cluster ADDRESS``: the encrypted workers become Ray actors of that cluster (``local``: a Ray head
+    this server starts on 127.0.0.1)."""
+    ray = {**settings.private.ray.model_dump(), "address": None if address == "local" else address}
+    private = settings.private.model_copy(update={"backend": "ray", "ray": type(settings.private.ray)(**ray)})
+    return settings.model_copy(update={"private": private})
 
 
 #: after the drain window, how long uvicorn may still wait for responses to flush (the streams cut at
@@ -160,6 +170,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--model", help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--cluster", metavar="ADDRESS",
+                   help="run the encrypted workers as Ray actors on this cluster (host:6379 or "
+                        "ray://host:10001; 'local': a Ray head on 127.0.0.1). Needs cipherlm[ray]")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
     add_threads_option(p)

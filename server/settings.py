@@ -100,6 +100,18 @@ class TenantSettings(BaseModel):
         return hashes
 
 
+class ReplicaSettings(BaseModel):
+    """Plaintext engine replicas (``server/replicas.py``): 1 is the in-process engine; more are Ray actors
+    on ``private.ray.address`` (unset: a Ray head on 127.0.0.1 inside the server)."""
+
+    count: int = Field(1, ge=1, le=256, description="engine replicas; >1 runs each as a Ray actor")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs one replica actor reserves")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs one replica actor reserves (1 for a GPU engine)")
+    prefix_tokens: int = Field(32, ge=1, description="prompt tokens (with the tenant) that pick a replica")
+    load_slack: int = Field(4, ge=0, description="in-flight requests a preferred replica may have over the "
+                            "least loaded before the least loaded takes the request")
+
+
 class Settings(BaseSettings):
     """Everything ``cipherlm serve`` needs; validated on construction."""
 
@@ -119,6 +131,8 @@ class Settings(BaseSettings):
     max_prompts_per_request: int = Field(16, ge=1)
     drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: how long in-flight requests may run")
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After sent with 503 while draining")
+    replicas: ReplicaSettings = Field(default_factory=ReplicaSettings,
+                                      description="plaintext engine replicas (data parallel, on Ray)")
     private: PrivateSettings = Field(default_factory=PrivateSettings,
                                      description="encrypted sessions (/v1/private): plan, workers, limits")
 

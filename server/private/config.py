@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 #: Where a worker evaluates: SEAL on the CPU, our evaluator on a CUDA device, or our evaluator's torch-CPU
 #: reference (slow: the CUDA path's code without a GPU, for tests).
 _DEVICE = re.compile(r"^(cpu|cpu-reference|cuda(:[0-9]{1,2})?)$")
+
+
+class RaySettings(BaseModel):
+    """Where the Ray backend runs its workers, and the resource shape of one worker actor."""
+
+    address: str | None = Field(None, description="an existing cluster (\"ray://host:10001\" or "
+                                "\"host:6379\"); None: start a head on 127.0.0.1 inside the server")
+    namespace: str = Field("cipherlm", description="Ray namespace of the worker actors")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs one worker actor reserves (the evaluator is "
+                            "single-threaded)")
+    num_gpus: float = Field(0.0, ge=0, description="GPU share one worker actor reserves (0: a CPU worker)")
+    memory_gb: float | None = Field(None, gt=0, description="memory one worker actor reserves (its "
+                                    "layers plus max_keys_per_worker key sets); None: no reservation")
+    head_cpus: int | None = Field(None, ge=1, description="CPUs of the local head (address None); None: "
+                                  "every core of this machine")
 
 
 class PrivateSettings(BaseModel):
@@ -37,9 +53,15 @@ class PrivateSettings(BaseModel):
     device_key_bytes: int | None = Field(None, ge=1, description="device bytes of evaluation keys one GPU worker "
                                          "may hold (N=32768 plan: 1.32 GB a key set); caps max_keys_per_worker; "
                                          "None: no byte cap")
+    spill_sessions: int | None = Field(3, ge=1, description="open sessions on the workers holding a key "
+                                       "past which a new session of that key goes to a worker with room "
+                                       "(loading another copy) rather than queueing behind them; None: never")
     task_timeout_s: float = Field(600.0, gt=0, description="a worker task running longer is killed")
     key_lifetime_s: float | None = Field(30 * 86400.0, gt=0, description="expiry of a registered key")
     audit_checkpoint_every: int = Field(64, ge=1, description="records between signed checkpoints")
+    backend: Literal["local", "ray"] = Field("local", description="where workers run: \"local\" "
+                                             "processes of this server, or \"ray\" actors of a cluster")
+    ray: RaySettings = Field(default_factory=RaySettings, description="the Ray backend (backend = \"ray\")")
 
     @field_validator("device")
     @classmethod

@@ -24,9 +24,9 @@ from typing import Any
 
 from server.audit import AuditConfig, AuditLog, Event, Outcome, Pseudonymizer, SigningKeyDir, SigningKeyError
 from server.keys import EvalKeyStorage, KeyRegistry, RegistryConfig
+from server.private.backend import PoolCollector, make_pool
 from server.private.config import PrivateSettings
 from server.private.service import PrivateService
-from server.private.workers import WorkerPool
 
 log = logging.getLogger("cipherlm.private")
 MANIFEST_FORMAT = "cipherlm-private-manifest"
@@ -170,10 +170,7 @@ async def start(app: Any) -> None:
     app.state.private_manifest = build_manifest(app.state.metrics.model_name, plan, bundle, cfg,
                                                 cfg_json["num_hidden_layers"])
     app.state.private_bundle_path = bundle_path
-    pool = WorkerPool(cfg.workers, WORKER_FACTORY,
-                      (str(model_dir), str(plan_path), cfg.max_session_tokens, cfg.device),
-                      task_timeout=cfg.task_timeout_s,
-                      keep_running=cfg.min_workers, idle_stop_s=cfg.worker_idle_s)
+    pool = make_pool(cfg, WORKER_FACTORY, (str(model_dir), str(plan_path), cfg.max_session_tokens, cfg.device))
     registry = KeyRegistry(
         RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
                        state_path=root / "keys" / "registry.json"),
@@ -183,6 +180,8 @@ async def start(app: Any) -> None:
     pool.in_use = lambda worker: bool(svc.sessions.on_worker(worker))  # never idle-stop a session's worker
     svc.backend_name, svc.backend_params = DEFAULT_BACKEND, CKKSParams.from_dict(plan.ckks)
     app.state.private = svc
+    app.state.private_metrics = PoolCollector(pool, cfg.backend, lambda w: len(svc.sessions.on_worker(w)))
+    app.state.metrics.registry.register(app.state.private_metrics)
     app.state.private_sweeper = asyncio.create_task(_sweep_forever(svc))
 
 
@@ -232,6 +231,10 @@ async def stop(app: Any) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
     svc = getattr(app.state, "private", None)
+    collector = getattr(app.state, "private_metrics", None)
+    if collector is not None:  # lifespans restart in tests: register it afresh next time
+        app.state.metrics.registry.unregister(collector)
+        app.state.private_metrics = None
     if svc is not None:
         await svc.pool.close()
         await svc.close()  # close_session tasks now fail at once with WorkerError, which _close expects

@@ -51,10 +51,11 @@ from server.keys import (
     SecretKeyUploadError,
     UploadRefusedError,
 )
+from server.private.backend import WorkerBackend
 from server.private.codes import WorkerCode
 from server.private.config import PrivateSettings
 from server.private.sessions import Session, SessionState, SessionTable, StepRecord
-from server.private.workers import TaskError, WorkerError, WorkerPool
+from server.private.workers import TaskError, WorkerError
 
 log = logging.getLogger("cipherlm.private")
 SOURCE = "server.private"
@@ -99,7 +100,8 @@ class PrivateService:
     backend_params: Any = None
 
     def __init__(self, cfg: PrivateSettings, plan_hash: str, encrypted_layers: tuple[int, ...],
-                 pool: WorkerPool, registry: KeyRegistry, audit: Any, clock: Callable[[], float] | None = None) -> None:
+                 pool: WorkerBackend, registry: KeyRegistry, audit: Any,
+                 clock: Callable[[], float] | None = None) -> None:
         import time
 
         self.cfg, self.plan_hash, self.layers = cfg, plan_hash, tuple(encrypted_layers)
@@ -230,13 +232,26 @@ class PrivateService:
         self._loaded[slot].add(_owner(rec))
 
     def _pick_worker(self, fp: str) -> int:
-        """A worker that already holds the key, else one with room for it, else one holding a key no open
-        session uses (it will be dropped), else the least loaded (which will answer 429)."""
+        """A worker that already holds the key and has fewer than ``spill_sessions`` open sessions, else
+        one with room for it (a second copy of a busy key: ``bench/placement_sim.py`` shows one holder
+        per hot key queueing for minutes), else any holder, else one holding a key no open session uses
+        (it will be dropped), else the least loaded (which will answer 429)."""
         holders = [w for w, f in self._loaded if f == fp]
+        spill = self.cfg.spill_sessions
+        uncrowded = [w for w in holders if spill is None or len(self.sessions.on_worker(w)) < spill]
         workers = range(self.pool.size)
         room = [w for w in workers if len(self._keys_in(w)) < self.cfg.max_keys_per_worker]
         evictable = [w for w in workers if self._idle_keys(w)]
-        return self.pool.least_loaded(holders or room or evictable)
+        return self._least_busy(uncrowded or room or holders or evictable)
+
+    def _least_busy(self, among: list[int]) -> int:
+        """The fewest open sessions, then the fewest pending tasks: a worker's pending count is 0 while its
+        sessions' clients are between steps, so it alone undercounts (``bench/placement_sim.py``)."""
+        if not among:
+            return self.pool.least_loaded()
+        open_n = {w: len(self.sessions.on_worker(w)) for w in among}
+        fewest = min(open_n.values())
+        return self.pool.least_loaded([w for w in among if open_n[w] == fewest])
 
     def _keys_in(self, worker: int) -> list[str]:
         return [fp for w, fp in self._loaded if w == worker]

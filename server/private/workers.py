@@ -76,21 +76,32 @@ class TaskError(WorkerError):
 
 def _worker_main(conn, factory: str, factory_args: tuple) -> None:
     """Worker process: build the state, then serve (method, args) until the pipe closes."""
-    module, _, func = factory.partition(":")
-    state = getattr(importlib.import_module(module), func)(*factory_args)
+    state = build_state(factory, factory_args)
     conn.send(("ready", None))
     while True:
         try:
             method, args = conn.recv()
         except EOFError:
             return
-        try:
-            conn.send(("ok", getattr(state, method)(*args)))
-        except TaskFailure as exc:  # a failure the task names: its code says whose fault it is
-            conn.send(("error", (exc.code.value, str(exc), type(exc).__name__)))
-        except Exception as exc:  # noqa: BLE001 - anything else is a server bug, whatever its class
-            log.debug("task %s failed: %s", method, traceback.format_exc())
-            conn.send(("error", (WorkerCode.INTERNAL.value, str(exc)[:200], type(exc).__name__)))
+        conn.send(run_task(state, method, args))
+
+
+def build_state(factory: str, factory_args: tuple) -> Any:
+    """A worker's state from its importable factory ``"package.module:function"``."""
+    module, _, func = factory.partition(":")
+    return getattr(importlib.import_module(module), func)(*factory_args)
+
+
+def run_task(state: Any, method: str, args: tuple) -> tuple[str, Any]:
+    """``state.method(*args)`` as ``("ok", result)`` or ``("error", (code, message, class name))``; shared
+    by every backend's worker (the process pool here, the Ray actors of :mod:`server.private.ray_backend`)."""
+    try:
+        return "ok", getattr(state, method)(*args)
+    except TaskFailure as exc:  # a failure the task names: its code says whose fault it is
+        return "error", (exc.code.value, str(exc), type(exc).__name__)
+    except Exception as exc:  # noqa: BLE001 - anything else is a server bug, whatever its class
+        log.debug("task %s failed: %s", method, traceback.format_exc())
+        return "error", (WorkerCode.INTERNAL.value, str(exc)[:200], type(exc).__name__)
 
 
 class _Worker:
@@ -211,6 +222,10 @@ class WorkerPool:
     def pids(self) -> list[int]:
         """Process ids of the running workers (for memory accounting and tests)."""
         return [slot.worker.proc.pid for slot in self._slots if slot.alive()]
+
+    def pending(self, i: int) -> int:
+        """Tasks queued for or running in worker ``i``."""
+        return self._slots[i].pending
 
     def least_loaded(self, among: list[int] | None = None) -> int:
         """Index of the worker with the fewest queued tasks (for pinning a new session), optionally

@@ -1,0 +1,64 @@
+"""Where the service places a new encrypted session (``PrivateService._pick_worker``), on the real service,
+registry and audit log over an unstarted three-slot pool (placement reads only the pool's queue lengths)."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+from server.keys import EvalKeyStorage, KeyRegistry, RegistryConfig
+from server.private.config import PrivateSettings
+from server.private.feature import open_audit
+from server.private.service import PrivateService
+from server.private.sessions import Session
+from server.private.workers import WorkerPool
+
+
+@pytest.fixture()
+def service(tmp_path):
+    def make(**cfg) -> PrivateService:
+        audit = open_audit(tmp_path / "audit", secrets.token_bytes(32), 64)
+        registry = KeyRegistry(RegistryConfig(state_path=tmp_path / "registry.json"), audit,
+                               EvalKeyStorage(tmp_path / "material", secrets.token_bytes(32)))
+        pool = WorkerPool(3, "tests.server.worker_states:make_probe", ("t",))
+        return PrivateService(PrivateSettings(workers=3, **cfg), "plan", (1,), pool, registry, audit)
+    return make
+
+
+def _hold(svc: PrivateService, worker: int, fp: str, sessions: int) -> None:
+    """Worker ``worker`` holds key set ``fp`` with ``sessions`` open sessions on it."""
+    svc._loaded[(worker, fp)] = {("t", "k", 1)}
+    for _ in range(sessions):
+        s = Session(svc.sessions.new_id(), "t", "k", 1, fp, worker, 0.0, 0.0)
+        svc.sessions.add(s)
+
+
+def test_a_holder_is_preferred_until_it_is_crowded(service):
+    svc = service(spill_sessions=3, max_keys_per_worker=1)
+    _hold(svc, 1, "hot", 2)
+    assert svc._pick_worker("hot") == 1  # the key is there: no upload
+    _hold(svc, 1, "hot", 1)  # three open sessions now
+    assert svc._pick_worker("hot") in (0, 2)  # a second copy where there is room
+
+
+def test_a_crowded_holder_is_still_used_when_no_worker_has_room(service):
+    svc = service(spill_sessions=1, max_keys_per_worker=1)
+    _hold(svc, 0, "hot", 2)
+    _hold(svc, 1, "b", 1)
+    _hold(svc, 2, "c", 1)
+    assert svc._pick_worker("hot") == 0  # queueing behind it beats evicting nothing (no idle key)
+
+
+def test_spill_off_keeps_pure_affinity(service):
+    svc = service(spill_sessions=None)
+    _hold(svc, 2, "hot", 50)
+    assert svc._pick_worker("hot") == 2
+
+
+def test_among_equals_the_worker_with_fewer_open_sessions_wins(service):
+    svc = service(max_keys_per_worker=2)
+    _hold(svc, 0, "a", 2)
+    _hold(svc, 1, "b", 1)
+    _hold(svc, 2, "c", 2)
+    assert svc._pick_worker("new") == 1  # all have room; no task is pending anywhere

@@ -1,0 +1,50 @@
+"""The worker-backend settings and ``cipherlm serve --cluster`` (no Ray cluster needed)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pydantic
+import pytest
+
+from server.cli_serve import load_settings, register, with_cluster
+from server.private.backend import make_pool
+from server.private.config import PrivateSettings
+from server.private.workers import WorkerPool
+from server.settings import Settings
+
+
+def test_local_is_the_default_backend_and_builds_the_process_pool():
+    cfg = PrivateSettings()
+    assert cfg.backend == "local" and cfg.ray.address is None
+    assert isinstance(make_pool(cfg, "m:f", ()), WorkerPool)
+
+
+def test_bad_backend_values_are_validation_errors():
+    for bad in ({"backend": "k8s"}, {"ray": {"num_cpus": -1}}, {"ray": {"memory_gb": 0}}):
+        with pytest.raises(pydantic.ValidationError):
+            PrivateSettings(**bad)
+
+
+def test_ray_backend_builds_actors_pool_with_the_resource_shape():
+    pytest.importorskip("ray")
+    from server.private.ray_backend import RayWorkerPool
+
+    cfg = PrivateSettings(backend="ray", workers=3, ray={"num_cpus": 2, "num_gpus": 0.25, "memory_gb": 6})
+    pool = make_pool(cfg, "m:f", ())
+    assert isinstance(pool, RayWorkerPool) and pool.size == 3
+    assert pool._options() == {"num_cpus": 2, "num_gpus": 0.25, "memory": 6 << 30}
+
+
+def test_serve_cluster_flag_selects_ray(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text("[private]\nworkers = 4\n")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    for flag, address in (("local", None), ("10.1.2.3:6379", "10.1.2.3:6379")):
+        args = parser.parse_args(["serve", "--config", str(path), "--cluster", flag])
+        s = load_settings(args)
+        assert (s.private.backend, s.private.ray.address, s.private.workers) == ("ray", address, 4)
+    args = parser.parse_args(["serve", "--config", str(path)])
+    assert load_settings(args).private.backend == "local"
+    assert with_cluster(Settings(), "local").private.ray.num_cpus == 1.0

@@ -88,6 +88,25 @@ class Geometry:
         p, e = np.divmod(d, self.bands_per_period)
         return self.period * p + self.k_pos(g, e)
 
+    @property
+    def packed_chunk(self) -> int:
+        """Tokens per packed prefill ciphertext (:mod:`fhe.packed`): B, or 0 where a token's hidden vector
+        does not fit one band row per head dim (hidden must be k*D with k <= Hq)."""
+        lay = self.layout
+        ok = lay.hidden % lay.head_dim == 0 and lay.hidden // lay.head_dim <= lay.num_heads
+        return lay.block_tokens if ok else 0
+
+    def packed_input_slots(self, n: int) -> np.ndarray:
+        """[n, hidden] slots of a packed chunk's input: token i (position start + i) on row n-1-i (newest in
+        row 0, as in the cache), hidden index h'*D + d' at ``slot(d', row, h') + Hq - 1`` (the shift makes
+        every in-row offset of the projection non-negative: its babies need only the +1 key)."""
+        lay = self.layout
+        if not self.packed_chunk or not 1 <= n <= self.packed_chunk:
+            raise ShapeError(f"a packed chunk holds 1..{self.packed_chunk} tokens, got {n}")
+        i = np.arange(lay.hidden)
+        rows = (n - 1 - np.arange(n))[:, None]
+        return (lay.slot(i % lay.head_dim, rows, i // lay.head_dim) + lay.num_heads - 1) % lay.slots
+
     # levels (number of data primes) at each stage
     @property
     def top(self) -> int:

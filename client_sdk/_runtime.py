@@ -264,21 +264,29 @@ class PrivateRuntime:
         from fhe import wire
         from fhe.errors import FHEError
 
-        block = self.blocks[layer]
-        blobs = tuple(wire.encrypt_to_wire(self.ckks, block.layout_input(row)) for row in x_normed)
-        call = self.session.step_call(layer, start, blobs)
+        block, count = self.blocks[layer], len(x_normed)
+        packed = self._packs(start, count)
+        rows = block.layout_packed(x_normed) if packed else [block.layout_input(row) for row in x_normed]
+        blobs = tuple(wire.encrypt_to_wire(self.ckks, vec) for vec in rows)
+        call = self.session.step_call(layer, start, blobs, count if packed else None)
         t0 = time.perf_counter()
         reply = self.exchange(call)
         stats.seconds += time.perf_counter() - t0
         stats.bytes_up += len(call.content)
         stats.bytes_down += len(reply.content)
         stats.steps += 1
-        out = self.session.step_result(reply, layer, start, len(blobs))
+        out = self.session.step_result(reply, layer, start, count)
         try:
             cts = [wire.load_ciphertext(b, self.ckks.kit, self.ckks.fingerprint) for b in out]
             return block.finish(*block.decrypt_output(cts))
         except FHEError as exc:   # garbage, another key, or an output out of range: never a silent token
             raise PrivateModeError(f"layer {layer}: unusable server answer ({type(exc).__name__}: {exc})") from exc
+
+    def _packs(self, start: int, count: int) -> bool:
+        """Send a prefill as packed chunks when the server takes them (manifest) and the step starts at a
+        cache block boundary; a single token is a decode step either way."""
+        chunk = self.manifest.packed_chunk
+        return count > 1 and chunk > 0 and start % chunk == 0
 
     # kept for callers of the first runtime (the e2e test drives single steps)
     _attention = encrypted_attention
@@ -318,7 +326,9 @@ class PrivateRuntime:
     @torch.inference_mode()
     def forward(self, backend: EncryptedBackend, ids: list[int], start: int) -> torch.Tensor:
         """Run positions start.. through the model in steps the server accepts; last position's logits [vocab]."""
-        step = self.manifest.max_step_tokens
+        step, chunk = self.manifest.max_step_tokens, self.manifest.packed_chunk
+        if 0 < chunk <= step:  # whole packed chunks per step: every later step starts on a block boundary
+            step -= step % chunk
         logits = None
         for s in range(0, len(ids), step):
             chunk = torch.tensor(ids[s:s + step])

@@ -136,6 +136,9 @@ class PrivateRuntime:
         self.upload_bytes = 0
         self.key_bytes = 0
         self._tenant_limits: dict[str, Any] | None = None
+        #: Send prefills as packed chunks where the server takes them (False: one ciphertext per token,
+        #: the path before issue 15 — benchmarks compare both in one run).
+        self.packed_prefill = True
 
     # -- setup -------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -285,7 +288,7 @@ class PrivateRuntime:
     def _packs(self, start: int, count: int) -> bool:
         """Send a prefill as packed chunks when the server takes them (manifest) and the step starts at a
         cache block boundary; a single token is a decode step either way."""
-        chunk = self.manifest.packed_chunk
+        chunk = self.manifest.packed_chunk if getattr(self, "packed_prefill", True) else 0
         return count > 1 and chunk > 0 and start % chunk == 0
 
     # kept for callers of the first runtime (the e2e test drives single steps)
@@ -326,7 +329,8 @@ class PrivateRuntime:
     @torch.inference_mode()
     def forward(self, backend: EncryptedBackend, ids: list[int], start: int) -> torch.Tensor:
         """Run positions start.. through the model in steps the server accepts; last position's logits [vocab]."""
-        step, chunk = self.manifest.max_step_tokens, self.manifest.packed_chunk
+        step = self.manifest.max_step_tokens
+        chunk = self.manifest.packed_chunk if getattr(self, "packed_prefill", True) else 0
         if 0 < chunk <= step:  # whole packed chunks per step: every later step starts on a block boundary
             step -= step % chunk
         logits = None

@@ -285,11 +285,32 @@ class PrivateRuntime:
         except FHEError as exc:   # garbage, another key, or an output out of range: never a silent token
             raise PrivateModeError(f"layer {layer}: unusable server answer ({type(exc).__name__}: {exc})") from exc
 
+    def _chunk(self) -> int:
+        return self.manifest.packed_chunk if getattr(self, "packed_prefill", True) else 0
+
     def _packs(self, start: int, count: int) -> bool:
-        """Send a prefill as packed chunks when the server takes them (manifest) and the step starts at a
-        cache block boundary; a single token is a decode step either way."""
-        chunk = self.manifest.packed_chunk if getattr(self, "packed_prefill", True) else 0
-        return count > 1 and chunk > 0 and start % chunk == 0
+        """Send a prefill as packed chunks when the server takes them (manifest), the step starts at a
+        cache block boundary and it fills at least half a chunk: a packed chunk's projection costs the
+        same for 1 token as for B (docs/fhe.md §3a), so a short tail goes one ciphertext per token."""
+        chunk = self._chunk()
+        return chunk > 0 and start % chunk == 0 and count >= max(2, chunk // 2)
+
+    def _steps(self, start: int, count: int) -> list[tuple[int, int]]:
+        """(offset, length) of the steps for ``count`` positions from ``start``: at most
+        ``max_step_tokens`` each; when packing, whole chunks per step and a short tail on its own."""
+        step, chunk = self.manifest.max_step_tokens, self._chunk()
+        if not 0 < chunk <= step or start % chunk:
+            return [(s, min(step, count - s)) for s in range(0, count, step)]
+        step -= step % chunk
+        out = []
+        for s in range(0, count, step):
+            n = min(step, count - s)
+            whole = n - n % chunk
+            if whole and whole < n and not self._packs(start + s + whole, n - whole):
+                out += [(s, whole), (s + whole, n - whole)]   # the tail is not worth a packed chunk
+            else:
+                out.append((s, n))
+        return out
 
     # kept for callers of the first runtime (the e2e test drives single steps)
     _attention = encrypted_attention
@@ -329,13 +350,9 @@ class PrivateRuntime:
     @torch.inference_mode()
     def forward(self, backend: EncryptedBackend, ids: list[int], start: int) -> torch.Tensor:
         """Run positions start.. through the model in steps the server accepts; last position's logits [vocab]."""
-        step = self.manifest.max_step_tokens
-        chunk = self.manifest.packed_chunk if getattr(self, "packed_prefill", True) else 0
-        if 0 < chunk <= step:  # whole packed chunks per step: every later step starts on a block boundary
-            step -= step % chunk
         logits = None
-        for s in range(0, len(ids), step):
-            chunk = torch.tensor(ids[s:s + step])
+        for s, n in self._steps(start, len(ids)):
+            chunk = torch.tensor(ids[s:s + n])
             pos = torch.arange(start + s, start + s + len(chunk))
             h = self.model(chunk, pos, backend)  # engine.model forward; encrypted layers call the server
             backend.cache.advance()

@@ -44,6 +44,8 @@ class _Runtime:
     """The two PrivateRuntime methods under test, on a bare object (no server, no keys)."""
 
     _packs = PrivateRuntime._packs
+    _chunk = PrivateRuntime._chunk
+    _steps = PrivateRuntime._steps
 
     def __init__(self, man: proto.Manifest) -> None:
         self.manifest = man
@@ -51,14 +53,16 @@ class _Runtime:
 
 def test_the_runtime_packs_prefills_that_start_on_a_block_boundary():
     rt = _Runtime(manifest(14))
-    assert rt._packs(0, 32) and rt._packs(28, 2)
+    assert rt._packs(0, 32) and rt._packs(28, 7)
     assert not rt._packs(0, 1)                                    # a single token is a decode step
+    assert not rt._packs(28, 6)                                   # under half a chunk: one per token
     assert not rt._packs(5, 9)                                    # off the boundary: one per token
     assert not _Runtime(manifest(None))._packs(0, 32)             # the server takes no packed steps
 
 
 def test_prefill_steps_are_whole_chunks():
-    """max_step_tokens 64 with chunks of 14: steps of 56 positions, so each starts on a boundary."""
+    """max_step_tokens 64 with chunks of 14: steps of 56 positions, so each starts on a boundary, and a
+    tail of under half a chunk is a per-token step."""
     starts = []
 
     class Model:
@@ -77,4 +81,8 @@ def test_prefill_steps_are_whole_chunks():
     rt.model = Model()
     backend = type("B", (), {"cache": Cache()})()
     PrivateRuntime.forward(rt, backend, list(range(130)), 0)
-    assert starts == [(0, 56), (56, 56), (112, 18)]
+    assert starts == [(0, 56), (56, 56), (112, 14), (126, 4)]     # the short tail on its own
+    assert rt._steps(0, 32) == [(0, 28), (28, 4)] and rt._steps(0, 35) == [(0, 35)]
+    assert rt._steps(3, 20) == [(0, 20)]                          # off the boundary: plain steps
+    rt.packed_prefill = False
+    assert rt._steps(0, 130) == [(0, 64), (64, 64), (128, 2)]     # as before packed chunks

@@ -17,6 +17,10 @@ It prints a markdown table and notes (Concrete ML's published hybrid GPT-2 figur
     flock /tmp/cipherlm-bench.lock python bench/private_e2e.py --max-tokens 8
     python bench/private_e2e.py --max-tokens 64            # the issue's full setting, for anyone with time
     python bench/private_e2e.py --layers 1 --max-tokens 4  # one encrypted layer, quick
+    python bench/private_e2e.py --layers 1 --token-prefill  # packed vs per-token prefill, same run
+
+Run it with ``PYTHONPATH`` set to the checkout (a script's imports otherwise come from the editable
+install, which may be another checkout).
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ It prints a markdown table and notes (Concrete ML's published hybrid GPT-2 figur
     flock /tmp/cipherlm-bench.lock python bench/private_e2e.py --max-tokens 8
     python bench/private_e2e.py --max-tokens 64            # the issue's full setting, for anyone with time
     python bench/private_e2e.py --layers 1 --max-tokens 4  # one encrypted layer, quick
+    python bench/private_e2e.py --layers 1 --token-prefill  # packed vs per-token prefill, same run
+
+Run it with ``PYTHONPATH`` set to the checkout (a script's imports otherwise come from the editable
+install, which may be another checkout).
 """
 
 from __future__ import annotations
@@ -102,8 +106,10 @@ def bench_plaintext(server, prompt: str, max_tokens: int) -> Row:
                0.0 if len(sizes) > 1 else None, _mean(sizes[1:]), "".join(pieces))
 
 
-def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path):
-    """One-time setup, then one private generation driven through ``PrivateRuntime.generate``."""
+def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packed: bool = True):
+    """One-time setup, then one private generation driven through ``PrivateRuntime.generate``
+    (``packed``: the prompt goes up in packed chunks where the server takes them; else one ciphertext per
+    token, the path before issue 15)."""
     from client_sdk import Client
     from engine.sampling_params import SamplingParams
     from server.cli_demo import client_timeout, prepare_private
@@ -111,6 +117,11 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path):
     with Client(api_key=server.keys["demo-encrypted"], base_url=server.url, privacy="encrypted",
                 timeout=client_timeout()) as client:
         runtime, setup = prepare_private(client, cache_dir)
+        runtime.packed_prefill = packed
+        if not packed:  # a 32-position step of the per-token path can pass the worker's 600 s task limit on
+            # a loaded 2-core box (~20-30 s per position): steps of at most 8 positions (same work)
+            runtime.manifest = dataclasses.replace(runtime.manifest,
+                                                   max_step_tokens=min(8, runtime.manifest.max_step_tokens))
         ids = runtime.tokenizer.encode(prompt)
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         toks, times, server_s = [], [], []
@@ -123,7 +134,8 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path):
             print(f"  encrypted token {len(toks)}: {tok.text!r} {took:.1f} s", file=sys.stderr, flush=True)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     first, rest = toks[0].stats, [t.stats for t in toks[1:]]
-    row = Row("encrypted", len(toks), times[0] - t0, _mean(gaps), first.bytes_up, first.bytes_down,
+    mode = "encrypted" if packed else "encrypted, token prefill"
+    row = Row(mode, len(toks), times[0] - t0, _mean(gaps), first.bytes_up, first.bytes_down,
               _mean([s.bytes_up for s in rest]), _mean([s.bytes_down for s in rest]),
               "".join(t.text for t in toks))
     return row, setup, server_s, len(ids)
@@ -186,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1,
                    help="server worker processes (each one holding the shipped plan's keys takes several GB)")
     p.add_argument("--json", type=Path, help="also write the raw numbers here")
+    p.add_argument("--token-prefill", action="store_true",
+                   help="also run the encrypted tenant with one ciphertext per prompt token (the prefill "
+                        "before packed chunks), same server, same keys")
     args = p.parse_args(argv)
     command = "python bench/private_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv)
     from server.cli_demo import plan_with_layers, running_server
@@ -198,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
                             max_session_tokens=args.prompt_tokens + args.max_tokens + 8) as server:
             plain = bench_plaintext(server, prompt, args.max_tokens)
             enc, setup, server_s, n_prompt = bench_encrypted(server, prompt, args.max_tokens, root / "client")
-    print(table([plain, enc]))
+            extra = []
+            if args.token_prefill:
+                tok, _, tok_s, _ = bench_encrypted(server, prompt, args.max_tokens, root / "client", packed=False)
+                extra = [tok]
+                print(f"  token prefill: server prefill {_s(tok_s[0])}", file=sys.stderr, flush=True)
+    print(table([plain, enc, *extra]))
     print()
     print(notes(args, setup, server_s, n_prompt, enc, plain, command))
     if args.json:

@@ -111,6 +111,9 @@ class Manifest:
     max_session_tokens: int
     max_step_tokens: int
     max_key_bytes: int
+    #: Tokens per packed prefill ciphertext (``limits.packed_chunk``; 0 or absent: older server, one
+    #: ciphertext per token).
+    packed_chunk: int = 0
 
     @classmethod
     def from_json(cls, d: Any) -> Manifest:
@@ -122,7 +125,8 @@ class Manifest:
             return cls(str(d["model"]), str(d["plan_hash"]), dict(d["ckks"]),
                        tuple(int(i) for i in d["layers"]["encrypted_attention"]), approx,
                        str(d["bundle"]["sha256"]), int(d["bundle"]["size"]), int(limits["max_session_tokens"]),
-                       int(limits["max_step_tokens"]), int(limits.get("max_key_bytes") or 1 << 30))
+                       int(limits["max_step_tokens"]), int(limits.get("max_key_bytes") or 1 << 30),
+                       max(0, int(limits.get("packed_chunk") or 0)))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PrivateModeError(f"the server's private manifest is malformed ({exc!r})") from exc
 
@@ -206,16 +210,21 @@ class Session:
         sid, self.id = self.id, None
         return Call("DELETE", f"/v1/private/sessions/{sid}")
 
-    def step_call(self, layer: int, start: int, blobs: tuple[bytes, ...]) -> Call:
-        """The step of ``layer`` for positions ``start .. start + len(blobs)`` (one ciphertext each)."""
+    def step_call(self, layer: int, start: int, blobs: tuple[bytes, ...], count: int | None = None) -> Call:
+        """The step of ``layer`` for positions ``start .. start + count``: one ciphertext per position, or,
+        with ``count`` given, a packed prefill (``ceil(count / packed_chunk)`` ciphertexts)."""
         from fhe.envelope import Envelope
 
         if self.id is None:
             raise PrivateModeError("no open session")
-        kind = "decode" if len(blobs) == 1 and start > 0 else "prefill"
-        body = Envelope(self.id, self.fingerprint, layer, kind, (start, len(blobs)), blobs).to_bytes()
+        if count is not None:
+            kind = "packed"
+        else:
+            count = len(blobs)
+            kind = "decode" if count == 1 and start > 0 else "prefill"
+        body = Envelope(self.id, self.fingerprint, layer, kind, (start, count), blobs).to_bytes()
         return Call("POST", f"/v1/private/sessions/{self.id}/steps", content=body,
-                    read_timeout=self.manifest.step_read_timeout(len(blobs), self.read_floor))
+                    read_timeout=self.manifest.step_read_timeout(count, self.read_floor))
 
     def step_result(self, reply: Reply, layer: int, start: int, count: int) -> tuple[bytes, ...]:
         """The result envelope's ciphertexts; ``PrivateModeError`` if it answers another step."""

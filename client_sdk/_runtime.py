@@ -136,6 +136,9 @@ class PrivateRuntime:
         self.upload_bytes = 0
         self.key_bytes = 0
         self._tenant_limits: dict[str, Any] | None = None
+        #: Send prefills as packed chunks where the server takes them (False: one ciphertext per token,
+        #: the path before issue 15 — benchmarks compare both in one run).
+        self.packed_prefill = True
 
     # -- setup -------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -264,21 +267,50 @@ class PrivateRuntime:
         from fhe import wire
         from fhe.errors import FHEError
 
-        block = self.blocks[layer]
-        blobs = tuple(wire.encrypt_to_wire(self.ckks, block.layout_input(row)) for row in x_normed)
-        call = self.session.step_call(layer, start, blobs)
+        block, count = self.blocks[layer], len(x_normed)
+        packed = self._packs(start, count)
+        rows = block.layout_packed(x_normed) if packed else [block.layout_input(row) for row in x_normed]
+        blobs = tuple(wire.encrypt_to_wire(self.ckks, vec) for vec in rows)
+        call = self.session.step_call(layer, start, blobs, count if packed else None)
         t0 = time.perf_counter()
         reply = self.exchange(call)
         stats.seconds += time.perf_counter() - t0
         stats.bytes_up += len(call.content)
         stats.bytes_down += len(reply.content)
         stats.steps += 1
-        out = self.session.step_result(reply, layer, start, len(blobs))
+        out = self.session.step_result(reply, layer, start, count)
         try:
             cts = [wire.load_ciphertext(b, self.ckks.kit, self.ckks.fingerprint) for b in out]
             return block.finish(*block.decrypt_output(cts))
         except FHEError as exc:   # garbage, another key, or an output out of range: never a silent token
             raise PrivateModeError(f"layer {layer}: unusable server answer ({type(exc).__name__}: {exc})") from exc
+
+    def _chunk(self) -> int:
+        return self.manifest.packed_chunk if getattr(self, "packed_prefill", True) else 0
+
+    def _packs(self, start: int, count: int) -> bool:
+        """Send a prefill as packed chunks when the server takes them (manifest), the step starts at a
+        cache block boundary and it fills at least half a chunk: a packed chunk's projection costs the
+        same for 1 token as for B (docs/fhe.md §3a), so a short tail goes one ciphertext per token."""
+        chunk = self._chunk()
+        return chunk > 0 and start % chunk == 0 and count >= max(2, chunk // 2)
+
+    def _steps(self, start: int, count: int) -> list[tuple[int, int]]:
+        """(offset, length) of the steps for ``count`` positions from ``start``: at most
+        ``max_step_tokens`` each; when packing, whole chunks per step and a short tail on its own."""
+        step, chunk = self.manifest.max_step_tokens, self._chunk()
+        if not 0 < chunk <= step or start % chunk:
+            return [(s, min(step, count - s)) for s in range(0, count, step)]
+        step -= step % chunk
+        out = []
+        for s in range(0, count, step):
+            n = min(step, count - s)
+            whole = n - n % chunk
+            if whole and whole < n and not self._packs(start + s + whole, n - whole):
+                out += [(s, whole), (s + whole, n - whole)]   # the tail is not worth a packed chunk
+            else:
+                out.append((s, n))
+        return out
 
     # kept for callers of the first runtime (the e2e test drives single steps)
     _attention = encrypted_attention
@@ -318,10 +350,9 @@ class PrivateRuntime:
     @torch.inference_mode()
     def forward(self, backend: EncryptedBackend, ids: list[int], start: int) -> torch.Tensor:
         """Run positions start.. through the model in steps the server accepts; last position's logits [vocab]."""
-        step = self.manifest.max_step_tokens
         logits = None
-        for s in range(0, len(ids), step):
-            chunk = torch.tensor(ids[s:s + step])
+        for s, n in self._steps(start, len(ids)):
+            chunk = torch.tensor(ids[s:s + n])
             pos = torch.arange(start + s, start + s + len(chunk))
             h = self.model(chunk, pos, backend)  # engine.model forward; encrypted layers call the server
             backend.cache.advance()

@@ -83,6 +83,8 @@ class EncryptedAttentionLayer:
         wq, bq, wk, bk, self.beta = fold_scores(bw, layer_plan, g, self._qk_boost)
         self.maps = BlockMaps.build(self.geo, wq, wk, bw.wv.numpy(), bw.wo.numpy())
         self._v_bias = None if bw.bv is None else bw.bv.numpy()
+        # the packed prefill (fhe.packed) builds its per-chunk diagonals from the same folded weights
+        self.packed_weights = (wq, bq, wk, bk, bw.wv.numpy(), self._v_bias)
         self._bias = self._bias_vector(bq, bk)
         self._encode_static()
 
@@ -169,6 +171,33 @@ class EncryptedAttentionLayer:
                 keys: EvalKeys) -> list[Ciphertext]:
         """Several tokens in order (causal: each attends to the cache so far and itself)."""
         return [self.forward(cache, c, start + i, keys) for i, c in enumerate(cts)]
+
+    @property
+    def packed_chunk(self) -> int:
+        """Tokens per packed prefill ciphertext (0: this model shape has no packed path)."""
+        return self.geo.packed_chunk
+
+    def prefill_packed(self, cache: EncryptedKVCache, chunks: list[Ciphertext], start: int, count: int,
+                       keys: EvalKeys) -> list[Ciphertext]:
+        """``count`` tokens at ``start..`` sent as ``ceil(count / packed_chunk)`` packed ciphertexts
+        (:meth:`fhe.geometry.Geometry.packed_input_slots`) -> one output ciphertext per token.
+
+        ``start`` must be a cache block boundary (ShapeError otherwise); K/V fill whole cache blocks, so
+        later decode steps run unchanged.
+        """
+        from fhe.packed import PackedPrefill
+
+        b = self.packed_chunk
+        if not b:
+            raise ShapeError(f"model shape {self.geo.layout} has no packed prefill")
+        if count < 1 or len(chunks) != -(-count // b):
+            raise ShapeError(f"{count} tokens come in {-(-count // b) if count > 0 else 0} packed "
+                             f"ciphertexts of {b}, got {len(chunks)}")
+        run = PackedPrefill(self)
+        outs: list[Ciphertext] = []
+        for i, ct in enumerate(chunks):
+            outs += run.run(cache, ct, start + i * b, min(b, count - i * b), keys)
+        return outs
 
     def _project(self, ct: Ciphertext, position: int, keys: EvalKeys):
         ev, geo, lay = self.ev, self.geo, self.geo.layout

@@ -25,12 +25,14 @@ class BlockClient:
     client: KeyHolder
     layout: BandLayout
     period: int
+    #: The block geometry (for the packed prefill layout); set by :meth:`for_model`.
+    geo: Geometry | None = None
 
     @classmethod
     def for_model(cls, client: KeyHolder, cfg: ModelConfig, kind: str = "sqexp",
                   squarings: int = 6) -> BlockClient:
         geo = Geometry.build(cfg, client.params, kind, squarings)
-        return cls(client, geo.layout, geo.period)
+        return cls(client, geo.layout, geo.period, geo)
 
     def layout_input(self, x_row: torch.Tensor) -> np.ndarray:
         """One token's x̂ [hidden] -> its input slot vector [S] (replicated with the block's period)."""
@@ -42,6 +44,27 @@ class BlockClient:
             raise ShapeError(f"expected [T, {self.layout.hidden}], got {tuple(x_normed.shape)}")
         x = x_normed.detach().double().cpu().numpy()
         return [self.client.encrypt(replicate_input(row, self.layout.slots, self.period)) for row in x]
+
+    def encrypt_packed(self, x_normed: torch.Tensor) -> list[Ciphertext]:
+        """x̂ [T, hidden] -> ceil(T / B) packed ciphertexts (:meth:`Geometry.packed_input_slots`)."""
+        return [self.client.encrypt(v) for v in self.layout_packed(x_normed)]
+
+    def layout_packed(self, x_normed: torch.Tensor) -> list[np.ndarray]:
+        """x̂ [T, hidden] -> the slot vector of each packed chunk of up to B tokens."""
+        if x_normed.ndim != 2 or x_normed.shape[1] != self.layout.hidden:
+            raise ShapeError(f"expected [T, {self.layout.hidden}], got {tuple(x_normed.shape)}")
+        geo = self.geo
+        b = 0 if geo is None else geo.packed_chunk
+        if not b:
+            raise ShapeError("this block has no packed prefill layout")
+        x = x_normed.detach().double().cpu().numpy()
+        out = []
+        for s in range(0, len(x), b):
+            rows = x[s:s + b]
+            vec = np.zeros(self.layout.slots)
+            vec[geo.packed_input_slots(len(rows)).ravel()] = rows.ravel()
+            out.append(vec)
+        return out
 
     def decrypt_output(self, cts: list[Ciphertext]) -> tuple[torch.Tensor, torch.Tensor]:
         """Output ciphertexts -> y [T, Hq, hidden], z [T, Hq] (float64)."""

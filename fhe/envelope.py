@@ -31,7 +31,7 @@ ENVELOPE_VERSION = 1
 MAX_HEADER_BYTES = 4096
 MAX_BLOBS = 64
 _PREFIX = struct.Struct("<4sBI")
-KINDS = ("prefill", "decode", "result")
+KINDS = ("prefill", "decode", "packed", "result")
 
 
 class EnvelopeError(ValueError):

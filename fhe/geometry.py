@@ -16,6 +16,18 @@ from fhe.packing import BandLayout
 from fhe.params import CKKSParams, block_depth
 
 
+def packed_chunk_of(lay: BandLayout) -> int:
+    """Tokens per packed prefill ciphertext for a band layout: B, or 0 (no packed path)."""
+    ok = lay.hidden % lay.head_dim == 0 and lay.hidden // lay.head_dim <= lay.num_heads
+    return lay.block_tokens if ok else 0
+
+
+def packed_chunk_for(cfg: ModelConfig, params: CKKSParams) -> int:
+    """:func:`packed_chunk_of` from public facts only (the server's step check and its manifest)."""
+    return packed_chunk_of(BandLayout(params.slots, cfg.hidden_size, cfg.num_attention_heads,
+                                      cfg.num_key_value_heads, cfg.head_dim))
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Everything about the block's layout that depends only on public shapes and parameters.
@@ -87,6 +99,23 @@ class Geometry:
         g, d = np.meshgrid(np.arange(lay.num_kv_heads), np.arange(lay.head_dim), indexing="ij")
         p, e = np.divmod(d, self.bands_per_period)
         return self.period * p + self.k_pos(g, e)
+
+    @property
+    def packed_chunk(self) -> int:
+        """Tokens per packed prefill ciphertext (:mod:`fhe.packed`): B, or 0 where a token's hidden vector
+        does not fit one band row per head dim (hidden must be k*D with k <= Hq)."""
+        return packed_chunk_of(self.layout)
+
+    def packed_input_slots(self, n: int) -> np.ndarray:
+        """[n, hidden] slots of a packed chunk's input: token i (position start + i) on row n-1-i (newest in
+        row 0, as in the cache), hidden index h'*D + d' at ``slot(d', row, h') + Hq - 1`` (the shift makes
+        every in-row offset of the projection non-negative: its babies need only the +1 key)."""
+        lay = self.layout
+        if not self.packed_chunk or not 1 <= n <= self.packed_chunk:
+            raise ShapeError(f"a packed chunk holds 1..{self.packed_chunk} tokens, got {n}")
+        i = np.arange(lay.hidden)
+        rows = (n - 1 - np.arange(n))[:, None]
+        return (lay.slot(i % lay.head_dim, rows, i // lay.head_dim) + lay.num_heads - 1) % lay.slots
 
     # levels (number of data primes) at each stage
     @property

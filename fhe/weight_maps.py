@@ -134,6 +134,9 @@ class BlockMaps:
             ({lay.num_heads}, lp - 1),                                           # row sums of u and z
             (self.out.rotation_steps | self.z.rotation_steps, lp - 1),           # output maps
         ]
+        if geo.packed_chunk:  # packed prefill (fhe.packed): babies by +1 from the fresh input, giants by W
+            uses += [({1}, top), ({lay.band}, top - 1),                          # after one rescale,
+                     ({-lay.num_heads}, top - 1)]                                # q moved down rows
         levels: dict[int, int] = {}
         for steps, level in uses:
             for s in steps:

@@ -22,7 +22,7 @@ from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal import wire
 from fhe.backends.seal.keys import ServerKeys
 from fhe.envelope import parse_key_upload
-from fhe.errors import FHEError
+from fhe.errors import FHEError, ShapeError
 from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import Plan
 from server.keys import Inspection, inspect_upload
@@ -86,6 +86,22 @@ class PrivateCompute:
 
     def step(self, sid: str, fingerprint: str, layer: int, start: int, blobs: list[bytes]) -> tuple[list[bytes], int]:
         """Run ``layer`` over positions start.. for the session; returns (result blobs, session bytes)."""
+        return self._step(sid, fingerprint, layer, start, blobs,
+                          lambda block, cache, cts, keys: block.prefill(cache, cts, start, keys))
+
+    def step_packed(self, sid: str, fingerprint: str, layer: int, start: int, count: int,
+                    blobs: list[bytes]) -> tuple[list[bytes], int]:
+        """A packed prefill step: ``count`` tokens in ceil(count / chunk) ciphertexts; one result per token."""
+        def run(block, cache, cts, keys):
+            try:
+                return block.prefill_packed(cache, cts, start, count, keys)
+            except ShapeError as exc:   # the service checked the shape: this is a chunk the block refuses
+                raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"packed step: {exc}"[:300]) from exc
+
+        return self._step(sid, fingerprint, layer, start, blobs, run)
+
+    def _step(self, sid: str, fingerprint: str, layer: int, start: int, blobs: list[bytes],
+              run) -> tuple[list[bytes], int]:
         if sid not in self.sessions:
             raise TaskFailure(WorkerCode.SESSION_UNKNOWN, "unknown session in this worker")
         fp, caches = self.sessions[sid]
@@ -98,10 +114,9 @@ class PrivateCompute:
                               f"layer {layer} holds {cache.length} positions, step starts at {start}")
         cts = self._inputs(blobs, keys, block.ev.top)
         if self.gpu is None:
-            outs = block.prefill(cache, cts, start, keys)
+            outs = run(block, cache, cts, keys)
         else:  # SEAL parsed and checked the client's bytes; the device copy is ours
-            outs = block.prefill(cache, [self.gpu.deserialize(seal.to_bytes(c)) for c in cts], start,
-                                 self.device_keys[fp])
+            outs = run(block, cache, [self.gpu.deserialize(seal.to_bytes(c)) for c in cts], self.device_keys[fp])
             outs = [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c)) for c in outs]
         out = [wire.dump_ciphertext(c, self.params, keys.fingerprint) for c in outs]
         return out, sum(c.nbytes() for c in caches.values())

@@ -134,8 +134,10 @@ class AuditFallbackRecorder:
 
 async def start(app: Any) -> None:
     """Bring the private service up on ``app.state`` (called from the app's lifespan)."""
+    from engine.config import ModelConfig
     from engine.default_model import default_model_dir
     from fhe.backends import DEFAULT_BACKEND
+    from fhe.geometry import packed_chunk_for
     from fhe.params import CKKSParams
     from fhe.plan import Plan, PlanError
 
@@ -179,6 +181,8 @@ async def start(app: Any) -> None:
     svc = PrivateService(cfg, plan.content_hash, plan.layer_indices, pool, registry, audit)
     pool.in_use = lambda worker: bool(svc.sessions.on_worker(worker))  # never idle-stop a session's worker
     svc.backend_name, svc.backend_params = DEFAULT_BACKEND, CKKSParams.from_dict(plan.ckks)
+    svc.packed_chunk = packed_chunk_for(ModelConfig.from_hf_dict(cfg_json), svc.backend_params)
+    app.state.private_manifest["limits"]["packed_chunk"] = svc.packed_chunk
     app.state.private = svc
     app.state.private_metrics = PoolCollector(pool, cfg.backend, lambda w: len(svc.sessions.on_worker(w)))
     app.state.metrics.registry.register(app.state.private_metrics)

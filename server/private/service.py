@@ -98,6 +98,9 @@ class PrivateService:
     #: names others is a 400 ``backend_mismatch`` before any worker sees it.
     backend_name: str = "seal"
     backend_params: Any = None
+    #: Tokens per packed prefill ciphertext (``fhe.geometry.packed_chunk_for``; set by ``feature.start``);
+    #: 0 refuses packed steps.
+    packed_chunk: int = 0
 
     def __init__(self, cfg: PrivateSettings, plan_hash: str, encrypted_layers: tuple[int, ...],
                  pool: WorkerBackend, registry: KeyRegistry, audit: Any,
@@ -390,17 +393,34 @@ class PrivateService:
         if env.layer not in self.layers:
             raise InvalidRequestError(f"layer {env.layer} is not encrypted in this plan {self.layers}",
                                       code="bad_layer")
-        if env.kind not in ("prefill", "decode") or not 1 <= count <= self.cfg.max_step_tokens:
+        if env.kind not in ("prefill", "decode", "packed") or not 1 <= count <= self.cfg.max_step_tokens:
             raise InvalidRequestError(f"a step carries 1..{self.cfg.max_step_tokens} tokens", code="bad_step")
-        if len(env.blobs) != count:
+        if env.kind == "packed":
+            self._check_packed(start, count, len(env.blobs))
+        elif len(env.blobs) != count:
             raise InvalidRequestError(f"{count} positions but {len(env.blobs)} ciphertexts", code="bad_step")
         if start + count > self.cfg.max_session_tokens:
             raise RequestTooLargeError(f"session limit of {self.cfg.max_session_tokens} positions",
                                        code="session_full")
 
+    def _check_packed(self, start: int, count: int, blobs: int) -> None:
+        """A packed prefill step: ceil(count / chunk) ciphertexts of ``packed_chunk`` tokens, starting
+        at a cache block boundary (the SDK sends per-token steps elsewhere)."""
+        chunk = self.packed_chunk
+        if not chunk:
+            raise InvalidRequestError("this server's plan has no packed prefill", code="bad_step")
+        if start % chunk:
+            raise InvalidRequestError(f"a packed step starts at a multiple of {chunk}", code="bad_step")
+        if blobs != -(-count // chunk):
+            raise InvalidRequestError(f"{count} positions come in {-(-count // chunk)} packed ciphertexts "
+                                      f"of {chunk}, got {blobs}", code="bad_step")
+
     async def _run_step(self, s: Session, env: envelope.Envelope, request_id: str):
-        start = env.positions[0]
+        start, count = env.positions
         try:
+            if env.kind == "packed":
+                return await self.pool.submit(s.worker, s.tenant, "step_packed", s.id, s.fingerprint,
+                                              env.layer, start, count, list(env.blobs))
             return await self.pool.submit(s.worker, s.tenant, "step", s.id, s.fingerprint, env.layer, start,
                                           list(env.blobs))
         except TaskError as exc:

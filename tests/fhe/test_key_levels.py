@@ -73,6 +73,9 @@ def test_the_level_map_is_where_the_block_switches_keys(kind, tokens):
     bc = BlockClient.for_model(client, cfg, kind, sq)
     cache = block.new_cache()
     block.prefill(cache, bc.encrypt_input(x), 0, client.server_keys())
+    # the packed prefill is part of the block too: its uses are in the map (+1 at the top, W and -Hq one
+    # level below; a short chunk makes every one of them)
+    block.prefill_packed(block.new_cache(), bc.encrypt_packed(x[:3]), 0, 3, client.server_keys())
     used = {s: max(lv) for s, lv in ev.rotations.items()}
     assert used == dict(levels.galois)
     assert max(ev.relins) == levels.relin

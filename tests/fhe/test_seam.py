@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Backend-neutral modules: everything the encrypted block is made of, and the protocol itself.
-ABOVE_THE_SEAM = ("evaluator", "linalg", "packing", "geometry", "weight_maps", "sizing", "kv_cache",
+ABOVE_THE_SEAM = ("evaluator", "linalg", "packing", "geometry", "weight_maps", "sizing", "kv_cache", "packed",
                   "attention", "block_client", "simulator", "approx", "plan", "params", "mlp", "offload", "silu",
                   "offload_sim", "mlp_poly")
 #: Modules that are one backend's (SEAL's) and may not be imported from above the seam.

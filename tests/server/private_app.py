@@ -87,6 +87,19 @@ class TinyClient:
         return Envelope(sid, self.fingerprint, LAYER, kind, (start, len(blobs)), blobs,
                         backend["name"], backend["params_hash"]).to_bytes()
 
+    def packed_body(self, sid: str, start: int, x: torch.Tensor, blobs: tuple[bytes, ...] | None = None,
+                    count: int | None = None) -> bytes:
+        """A ``packed`` prefill envelope for positions ``start ..`` (one ciphertext per chunk)."""
+        from fhe.backends import describe
+        from fhe.backends.seal import wire
+        from fhe.envelope import Envelope
+
+        if blobs is None:
+            blobs = tuple(wire.encrypt_to_wire(self.ckks, v) for v in self.block.layout_packed(x))
+        backend = describe(self.ckks.params)
+        return Envelope(sid, self.fingerprint, LAYER, "packed", (start, len(x) if count is None else count),
+                        blobs, backend["name"], backend["params_hash"]).to_bytes()
+
     def attention(self, result: bytes) -> torch.Tensor:
         """The decrypted block output [T, hidden] of a result envelope."""
         from fhe.backends.seal import wire

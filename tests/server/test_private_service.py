@@ -175,3 +175,42 @@ def test_key_uploads_are_screened_by_the_production_inspector(env):
     assert r.status_code == 400 and _error(r)["code"] == "malformed_key", _why(r)
     keys = http.get("/v1/private/keys", headers=headers("enc-a")).json()["data"]
     assert [k["key_id"] for k in keys] == ["main"]
+
+
+def test_a_packed_prefill_step_answers_one_result_per_position(env):
+    """Issue 15: the prompt goes up as one ciphertext per chunk (kind ``packed``), the answer is one
+    ciphertext per position, and the next step is an ordinary decode step on the cache it filled."""
+    from fhe.envelope import parse
+
+    c = env["client"]
+    chunk = env["http"].get("/v1/private/manifest", headers=headers("enc-a")).json()["limits"]["packed_chunk"]
+    assert chunk == c.block.geo.packed_chunk > 3
+    sid = _open(env)
+    x = c.layer_input([5, 9, 2, 7])
+    r = _step(env, sid, c.packed_body(sid, 0, x[:3]))
+    assert r.status_code == 200, _why(r)
+    assert len(parse(r.content, 1 << 30, 1 << 34).blobs) == 3
+    want = _expected(env, x)
+    assert (c.attention(r.content) - want[:3]).abs().max().item() <= 1e-3
+    r = _step(env, sid, c.step_body(sid, 3, x[3:]))
+    assert r.status_code == 200, _why(r)
+    assert (c.attention(r.content) - want[3:]).abs().max().item() <= 1e-3
+
+
+def test_bad_packed_steps_are_400_bad_step(env):
+    c = env["client"]
+    sid = _open(env)
+    x = c.layer_input([5, 9, 2])
+    one = c.packed_body(sid, 0, x)
+    blob = parse_blobs(one)
+    for body in (c.packed_body(sid, 0, x, blobs=blob + blob),      # two ciphertexts for 3 positions
+                 c.packed_body(sid, 1, x)):                         # not on a block boundary
+        r = _step(env, sid, body)
+        assert r.status_code == 400 and _error(r)["code"] == "bad_step", _why(r)
+    assert _step(env, sid, one).status_code == 200                  # the session was not disturbed
+
+
+def parse_blobs(body: bytes) -> tuple[bytes, ...]:
+    from fhe.envelope import parse
+
+    return parse(body, 1 << 30, 1 << 34).blobs

@@ -1,0 +1,86 @@
+"""One encrypted layer's prefill on real SmolLM2 activations: packed chunks vs one ciphertext per token.
+
+Builds layer 3 of the shipped plan on SEAL (the plan's CKKS parameters), encrypts the first ``T`` tokens
+of held-out evaluation prompt 1, runs ``EncryptedAttentionLayer.prefill_packed`` and (with ``--token``)
+``prefill`` on fresh caches in the same process, and prints wall time, the packed path's time split
+(projection / scores / outputs) and the max error of ``sum_h y_h / z_h`` vs the plaintext simulator::
+
+    flock /tmp/cipherlm-bench.lock python bench/fhe_prefill.py --tokens 28 --token
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=28)
+    p.add_argument("--layer", type=int, default=3)
+    p.add_argument("--token", action="store_true", help="also time the token-by-token prefill")
+    args = p.parse_args(argv)
+
+    import torch
+
+    import fhe.packed as packed
+    from engine.default_model import default_model_dir
+    from engine.loader import load_model
+    from engine.model import DenseKVCache
+    from engine.tokenizer import Tokenizer
+    from fhe.attention import BlockClient, EncryptedAttentionLayer
+    from fhe.backends.seal.keys import CKKSClient
+    from fhe.calibrate import load_prompts
+    from fhe.params import CKKSParams
+    from fhe.plan import load_default_plan
+    from fhe.simulator import finish, simulate_block
+
+    split: dict[str, float] = {}
+
+    def timed(name):
+        f = getattr(packed.PackedPrefill, name)
+
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                split[name] = split.get(name, 0.0) + time.perf_counter() - t0
+        setattr(packed.PackedPrefill, name, run)
+
+    for name in ("_project", "_attend", "_outputs"):
+        timed(name)
+    mdir = default_model_dir()
+    model, plan = load_model(mdir), load_default_plan()
+    ids = torch.tensor(Tokenizer.from_folder(mdir).apply_chat_template(
+        [{"role": "user", "content": load_prompts("evaluation")[1]}])[:args.tokens])
+    with torch.no_grad():
+        h = model.run_layers(model.embed(ids), torch.arange(len(ids)), DenseKVCache(model.config, len(ids)),
+                             0, args.layer)
+        x = model.layers[args.layer].input_layernorm.normalize(h)
+    lp, params = plan.layer(args.layer), CKKSParams.from_dict(plan.ckks)
+    block = EncryptedAttentionLayer(model.layers[args.layer], model.rotary, lp, model.config, params,
+                                    max_tokens=128)
+    client = CKKSClient(params, sorted(block.rotation_steps))
+    keys, bc = client.server_keys(), BlockClient.for_model(client, model.config)
+    ys, zs, _ = simulate_block(model.layers[args.layer], model.rotary, x, torch.arange(len(ids)), None, lp)
+    ref = finish(ys, zs)
+    print(f"layer {args.layer}, {len(ids)} tokens, N = {params.poly_modulus_degree}, chunk {block.packed_chunk}")
+    t0 = time.perf_counter()
+    out = block.prefill_packed(block.new_cache(), bc.encrypt_packed(x), 0, len(ids), keys)
+    took = time.perf_counter() - t0
+    err = (finish(*bc.decrypt_output(out)) - ref).abs().max().item()
+    parts = ", ".join(f"{k.strip('_')} {v:.1f} s" for k, v in split.items())
+    print(f"packed: {took:.1f} s ({took / len(ids):.2f} s/token; {parts}); max error vs simulator {err:.2e}")
+    if args.token:
+        t0 = time.perf_counter()
+        out = block.prefill(block.new_cache(), bc.encrypt_input(x), 0, keys)
+        took = time.perf_counter() - t0
+        err = (finish(*bc.decrypt_output(out)) - ref).abs().max().item()
+        print(f"token by token: {took:.1f} s ({took / len(ids):.2f} s/token); max error vs simulator {err:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Packed prefill: up to B prompt tokens per ciphertext through one encrypted attention block.
+
+A chunk of n <= B tokens (B = tokens per cache block) starting at a block boundary arrives as ONE
+ciphertext in the band layout (:meth:`fhe.geometry.Geometry.packed_input_slots`): token row r holds
+position ``start + n - 1 - r`` (newest in row 0, as in the cache), hidden index ``i = h'*D + d'`` at
+``slot(d', r, h') + Hq - 1``. Then, on the server:
+
+1. q, k (GQA-expanded) and v come out of dense per-row maps directly in the band layout, RoPE and the
+   per-row step gain folded into the q/k diagonals (positions are public): one level, no repack, no
+   copy of q. The diagonals are ``(a, b)`` with offset ``a*W + b`` (64 band shifts times
+   ``Hq + hidden/D - 1`` in-row shifts); babies by +1 from the input, giants Horner by W after rescaling.
+   K and V of the chunk are a cache block as they stand (:meth:`PackedPrefill.run`).
+2. Scores by row shift: for delta = 0..n-1, q rotated down delta rows (one -Hq rotation each, chained)
+   and masked to the rows whose key is ``delta`` rows older meets K in the same rows; masking spends the
+   level the repack no longer needs, so the score path (band sums, beta, squarings, p.V) is the decode
+   path's, unchanged. Causality inside the chunk is the mask (keys are never newer than the query).
+   Earlier full cache blocks add the pairs with an older key on a lower row (K and V rotated down
+   instead of q). The products land on the key's row; a Horner sum over delta by +Hq brings each
+   query's sum Σ_j p_rj v_j to its own row r.
+3. Per token: U rotated up r rows, then the decode step's output map and z map (they read row 0 only).
+
+The first token of a session takes the single-token path (its weight is exactly 1), as in decode.
+Everything is checked against the token-by-token path and ``fhe.simulator`` (tests/fhe/test_packed.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from fhe.errors import ShapeError
+from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, add_plain_values, check_fresh, relin_rescale
+from fhe.geometry import Geometry
+from fhe.kv_cache import EncryptedKVCache
+from fhe.linalg import rotate_sum
+
+
+def _rope_rows(w: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """w [H, D, ...] -> [n, H, D, ...]: RoPE of each row's position applied along D (rotate_half)."""
+    d = w.shape[1]
+    half = d // 2
+    partner = np.concatenate([np.arange(half, d), np.arange(half)])
+    sign = np.concatenate([-np.ones(half), np.ones(d - half)])
+    extra = (None,) * (w.ndim - 2)
+    c = cos[(slice(None), None, slice(None)) + extra]
+    s = (sin * sign)[(slice(None), None, slice(None)) + extra]
+    return c * w[None] + s * w[None][:, :, partner]
+
+
+class PackedMap:
+    """Dense per-row linear map of a packed chunk: out[slot(d, r, h)] = sum_i w[r, h*D + d, i] x[r, i].
+
+    ``w`` is [n or 1, Hq*D, hidden] (one matrix for every row when its first dim is 1).
+    """
+
+    def __init__(self, geo: Geometry, w: np.ndarray) -> None:
+        lay = geo.layout
+        self.geo, self.w = geo, w
+        self.kin = lay.hidden // lay.head_dim
+        self.shift = lay.num_heads - 1
+        self.n_baby = lay.num_heads + self.kin - 1
+
+    def plaintexts(self, a: int, rows: int) -> Iterator[tuple[int, np.ndarray]]:
+        """(baby b, rot(diag_{a,b}, -a*W)) for band shift a: the in-row shifts with a nonzero entry."""
+        lay, w = self.geo.layout, self.w
+        D, Hq = lay.head_dim, lay.num_heads
+        b = np.arange(self.n_baby)[:, None, None, None]
+        d = np.arange(D)[None, :, None, None]
+        r = np.arange(rows)[None, None, :, None]
+        h = np.arange(Hq)[None, None, None, :]
+        hp = h + b - self.shift
+        ok = (hp >= 0) & (hp < self.kin)
+        rr = r if w.shape[0] > 1 else np.zeros_like(r)
+        vals = w[rr, h * D + d, np.clip(hp, 0, self.kin - 1) * D + (d + a) % D] * ok   # [nb, D, rows, Hq]
+        dst = np.broadcast_to(lay.slot(d, r, h)[0], vals.shape[1:]).ravel()
+        for k in range(self.n_baby):
+            if not ok[k].any():
+                continue
+            diag = np.zeros(lay.slots)
+            diag[dst] = vals[k].ravel()
+            if np.any(diag):
+                yield k, np.roll(diag, a * lay.band)
+
+
+def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[PackedMap], rows: int,
+                 keys: EvalKeys) -> list[Ciphertext]:
+    """The maps on one input whose in-row shifts ``babies[b] = rot(x, b)`` are given (x at one level);
+    each output rescaled once per band shift, then summed Horner-style by W one level lower."""
+    geo = maps[0].geo
+    level = ev.level(babies[0])
+    scale = ev.prime(level)
+    outs: list[Ciphertext | None] = [None] * len(maps)
+    for a in range(geo.layout.head_dim - 1, -1, -1):
+        for i, m in enumerate(maps):
+            if outs[i] is not None:
+                outs[i] = ev.rotate(outs[i], geo.layout.band, keys)
+            terms = [(babies[k], ev.encode(p, level, scale)) for k, p in m.plaintexts(a, rows)]
+            if not terms:       # SEAL refuses all-zero plaintexts: nothing to add at this shift
+                continue
+            inner = ev.dot_plain(terms)
+            ev.rescale_inplace(inner)
+            outs[i] = inner if outs[i] is None else ev.add(outs[i], inner)
+    return outs
+
+
+def _babies(ev: Evaluator, x: Ciphertext, count: int, keys: EvalKeys) -> dict[int, Ciphertext]:
+    out, cur = {0: x}, x
+    for k in range(1, count):
+        cur = ev.rotate(cur, 1, keys)
+        out[k] = cur
+    return out
+
+
+class PackedPrefill:
+    """The packed path of one :class:`fhe.attention.EncryptedAttentionLayer` (it holds the weights)."""
+
+    def __init__(self, layer) -> None:
+        self.layer, self.ev, self.geo = layer, layer.ev, layer.geo
+
+    # --- projections -------------------------------------------------------------------------
+    def _rows(self, start: int, n: int) -> np.ndarray:
+        """Position of each token row (row r holds position start + n - 1 - r)."""
+        return start + n - 1 - np.arange(n)
+
+    def _project(self, ct: Ciphertext, start: int, n: int, keys: EvalKeys):
+        layer, ev, geo, lay = self.layer, self.ev, self.geo, self.geo.layout
+        wq, bq, wk, bk, wv, bv = layer.packed_weights
+        pos = self._rows(start, n)
+        cos, sin = (t.double().numpy() for t in layer.rope.cos_sin(torch.tensor(pos)))
+        gain = np.array([layer._step_gain(int(t) + 1) for t in pos])
+        D, Hq = lay.head_dim, lay.num_heads
+        heads = np.arange(Hq) // lay.group                       # KV head of each query head
+        q_rows = _rope_rows(wq.reshape(Hq, D, -1), cos, sin) * gain[:, None, None, None]
+        k_rows = _rope_rows(wk.reshape(-1, D, wk.shape[1])[heads], cos, sin)
+        maps = [PackedMap(geo, q_rows.reshape(n, Hq * D, -1)), PackedMap(geo, k_rows.reshape(n, Hq * D, -1))]
+        babies = _babies(ev, ct, maps[0].n_baby, keys)
+        q, k = apply_packed(ev, babies, maps, n, keys)
+        for c in (q, k):
+            ev.set_scale(c, ev.scale)
+        if bq is not None:
+            q = add_plain_values(ev, q, self._bias_vec(_rope_rows(bq.reshape(Hq, D), cos, sin) * gain[:, None, None]))
+        if bk is not None:
+            k = add_plain_values(ev, k, self._bias_vec(_rope_rows(bk.reshape(-1, D)[heads], cos, sin)))
+        k = ev.mod_switch(k, geo.level_qk)
+        xv = ev.mod_switch(ct, geo.level_p + 1)
+        vmap = PackedMap(geo, wv.reshape(-1, D, wv.shape[1])[heads].reshape(1, Hq * D, -1))
+        (v,) = apply_packed(ev, _babies(ev, xv, vmap.n_baby, keys), [vmap], n, keys)
+        ev.set_scale(v, ev.scale)
+        if bv is not None:
+            v = add_plain_values(ev, v, self._bias_vec(np.broadcast_to(bv.reshape(-1, D)[heads], (n, Hq, D))))
+        return q, k, v
+
+    def _bias_vec(self, b: np.ndarray) -> np.ndarray:
+        """[n, Hq, D] per-row values -> slot vector (rows >= n stay 0, as their inputs are)."""
+        lay = self.geo.layout
+        n = b.shape[0]
+        r, h, d = np.meshgrid(np.arange(n), np.arange(lay.num_heads), np.arange(lay.head_dim), indexing="ij")
+        vec = np.zeros(lay.slots)
+        vec[lay.slot(d, r, h).ravel()] = b.ravel()
+        return vec
+
+    # --- masks ---------------------------------------------------------------------------------
+    def _rows_mask(self, rows: np.ndarray, values: np.ndarray | None = None) -> np.ndarray:
+        """[S]: ``values[i, h]`` (default 1) on token row ``rows[i]`` of every band, 0 elsewhere."""
+        lay = self.geo.layout
+        vals = np.ones((len(rows), lay.num_heads)) if values is None else values
+        vec = np.zeros(lay.slots)
+        d, i, h = np.meshgrid(np.arange(lay.head_dim), np.arange(len(rows)), np.arange(lay.num_heads),
+                              indexing="ij")
+        vec[lay.slot(d, rows[i], h).ravel()] = vals[i, h].ravel()
+        return vec
+
+    def _masked(self, ct: Ciphertext, rows: np.ndarray) -> Ciphertext:
+        """ct (one level above q.k's) kept on ``rows`` only, rescaled to q.k's level at the same scale."""
+        ev = self.ev
+        lvl = ev.level(ct)
+        out = ev.mul_plain(ct, ev.encode(self._rows_mask(rows), lvl, ev.prime(lvl)))
+        ev.rescale_inplace(out)
+        ev.set_scale(out, ev.scale)
+        return out
+
+    def _beta(self, rows: np.ndarray, query_pos: np.ndarray):
+        """beta_h times each query's step gain, on the rows where its scores sit."""
+        layer = self.layer
+        gains = np.array([layer._step_gain(int(t) + 1) for t in query_pos])
+        vec = self._rows_mask(rows, gains[:, None] * layer.beta[None, :])
+        return self.ev.encode(vec, self.geo.level_qk - 1, layer.scale_s)
+
+    # --- scores --------------------------------------------------------------------------------
+    def _p(self, q: Ciphertext, k_b: Ciphertext, beta, keys: EvalKeys) -> Ciphertext:
+        """The decode step's score path: q.K, band sums, + beta, squarings -> p at level_p."""
+        layer, ev, lay = self.layer, self.ev, self.geo.layout
+        s = relin_rescale(ev, ev.mul(q, k_b), keys)
+        s = rotate_sum(ev, s, lay.band, lay.head_dim, keys)
+        ev.set_scale(s, layer.scale_s)
+        ev.add_plain_inplace(s, beta)
+        for _ in range(self.geo.squarings):
+            s = relin_rescale(ev, ev.square(s), keys)
+        ev.set_scale(s, layer.scale_p)
+        return s
+
+    def _attend(self, cache: EncryptedKVCache, q: Ciphertext, k: Ciphertext, v: Ciphertext, start: int,
+                n: int, keys: EvalKeys) -> tuple[Ciphertext, Ciphertext]:
+        """U, Z (level_p - 1): query row r's Σ_j p_rj v_j and Σ_j p_rj on row r."""
+        ev, geo, lay = self.ev, self.geo, self.geo.layout
+        B, Hq = lay.block_tokens, lay.num_heads
+        pos = self._rows(start, n)
+        older = list(zip(cache.k_blocks, cache.v_blocks, strict=True))
+        down_pv: list[list[Ciphertext]] = []
+        down_p: list[list[Ciphertext]] = []
+        shifted = q
+        for delta in range(B if older else n):
+            if delta:
+                shifted = ev.rotate(shifted, -Hq, keys)         # row r -> row r + delta (no wrap: masked)
+            pv, ps = [], []
+            for k_b, v_b, rows_b in [(k, v, n)] + [(kb, vb, B) for kb, vb in older]:
+                rows = np.arange(delta, min(n + delta, rows_b))   # key rows whose query is delta rows up
+                if rows.size == 0:
+                    continue
+                p = self._p(self._masked(shifted, rows), k_b, self._beta(rows, pos[rows - delta]), keys)
+                pv.append(ev.mul(p, v_b))
+                ps.append(p)
+            down_pv.append(pv)
+            down_p.append(ps)
+        u = z = None
+        for pv, ps in zip(reversed(down_pv), reversed(down_p), strict=True):   # Horner: row r + delta -> r
+            w = relin_rescale(ev, ev.add_many(pv), keys)
+            ev.set_scale(w, self.layer.scale_u)
+            zt = ev.mod_switch(ev.add_many(ps), geo.level_p - 1)
+            u = w if u is None else ev.add(ev.rotate(u, Hq, keys), w)
+            z = zt if z is None else ev.add(ev.rotate(z, Hq, keys), zt)
+        up_pv, up_p = self._older_below(older, q, pos, n, keys)
+        if up_pv:
+            w = relin_rescale(ev, ev.add_many(up_pv), keys)
+            ev.set_scale(w, self.layer.scale_u)
+            u = ev.add(u, w)
+            z = ev.add(z, ev.mod_switch(ev.add_many(up_p), geo.level_p - 1))
+        return u, z
+
+    def _older_below(self, older, q: Ciphertext, pos: np.ndarray, n: int, keys: EvalKeys):
+        """Pairs (query row r, key row j < r) of the earlier full blocks: K, V rotated down r - j rows."""
+        ev, Hq = self.ev, self.geo.layout.num_heads
+        pv, ps = [], []
+        for k_b, v_b in older:
+            k_s, v_s = k_b, v_b
+            for delta in range(1, n):
+                k_s, v_s = ev.rotate(k_s, -Hq, keys), ev.rotate(v_s, -Hq, keys)
+                rows = np.arange(delta, n)
+                p = self._p(self._masked(q, rows), k_s, self._beta(rows, pos[rows]), keys)
+                pv.append(ev.mul(p, v_s))
+                ps.append(p)
+        return pv, ps
+
+    # --- outputs -------------------------------------------------------------------------------
+    def _outputs(self, u: Ciphertext, z: Ciphertext, v: Ciphertext, start: int, n: int,
+                 keys: EvalKeys) -> list[Ciphertext]:
+        """One output ciphertext per token, in position order (row n-1 first)."""
+        layer, ev, Hq = self.layer, self.ev, self.geo.layout.num_heads
+        outs: list[Ciphertext] = []
+        for r in range(n):
+            if r:
+                u, z = ev.rotate(u, Hq, keys), ev.rotate(z, Hq, keys)
+            y = layer.enc_out(ev, u, keys)
+            zo = layer.enc_z(ev, z, keys)
+            ev.set_scale(zo, ev.scale_of(y))
+            outs.append(ev.add(y, zo))
+        if start == 0:
+            outs[n - 1] = self._first_token(v, n, keys)
+        return [ev.mod_switch(c, 1) for c in reversed(outs)]
+
+    def _first_token(self, v: Ciphertext, n: int, keys: EvalKeys) -> Ciphertext:
+        """Position 0 attends only to itself: y_h = v_0 Wo_h, z_h = 1 (see ``_attend_single``)."""
+        layer, ev, lay = self.layer, self.ev, self.geo.layout
+        lvl = self.geo.level_p
+        mask = ev.encode(self._rows_mask(np.array([n - 1])), lvl, layer.scale_u * ev.prime(lvl) / ev.scale_of(v))
+        u = ev.mul_plain(v, mask)
+        ev.rescale_inplace(u)
+        ev.set_scale(u, layer.scale_u)
+        for _ in range(n - 1):
+            u = ev.rotate(u, lay.num_heads, keys)
+        y = layer.enc_out(ev, u, keys)
+        ones = np.zeros(ev.slots)
+        ones[lay.output_slots()[1]] = 1.0
+        return add_plain_values(ev, y, ones)
+
+    # --- the chunk -----------------------------------------------------------------------------
+    def run(self, cache: EncryptedKVCache, ct: Ciphertext, start: int, n: int, keys: EvalKeys) -> list[Ciphertext]:
+        """A chunk of ``n`` tokens at positions ``start..`` -> one output ciphertext per token; its K/V
+        become the cache's next block."""
+        B = self.geo.layout.block_tokens
+        if not 1 <= n <= B:
+            raise ShapeError(f"a packed chunk holds 1..{B} tokens, got {n}")
+        if start != cache.length or start % B:
+            raise ShapeError(f"a packed chunk starts at a cache block boundary (cache holds {cache.length}, "
+                             f"block {B}, chunk at {start})")
+        if start + n > cache.max_tokens:
+            raise ShapeError(f"session cache full ({cache.max_tokens} tokens)")
+        check_fresh(self.ev, keys, ct)
+        q, k, v = self._project(ct, start, n, keys)
+        u, z = self._attend(cache, q, k, v, start, n, keys)
+        outs = self._outputs(u, z, v, start, n, keys)
+        cache.k_blocks.append(k)
+        cache.v_blocks.append(v)
+        cache.length += n
+        return outs

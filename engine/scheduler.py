@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig, SchedulerConfig
@@ -87,6 +87,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.shares = FairShare()
+        # (seq, num_running, budget) -> draft tokens of a decode (engine.spec_decode); None: no speculation
+        self.proposer: Callable[[Sequence, int, int], list[int]] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (a new one, or a preempted one that keeps its place by arrival)."""
@@ -188,6 +190,7 @@ class _FairStep:
         self.taken: set[int] = set()        # seq_ids scheduled this step (never preemption victims)
         self.preempted: list[Sequence] = []
         self.admitting = True                # False once admission failed or anything was preempted
+        self.num_running = len(sched.running)  # the load speculation is switched off by
 
     def run(self) -> SchedulerOutput:
         s = self.s
@@ -199,22 +202,30 @@ class _FairStep:
         s.shares.end_step(busy)
         return SchedulerOutput(self.scheduled, s.bm.take_copies(), self.preempted)
 
-    def _add(self, seq: Sequence, n: int) -> ScheduledSeq:
-        item = ScheduledSeq(seq, seq.num_computed_tokens, n)
+    def _add(self, seq: Sequence, n: int, drafts: list[int] | None = None) -> ScheduledSeq:
+        item = ScheduledSeq(seq, seq.num_computed_tokens, n, drafts or [])
         self.scheduled.append(item)
         self.taken.add(seq.seq_id)
-        self.budget -= n
-        self.s.shares.charge(_tenant(seq), n)
+        self.budget -= item.num_query_tokens
+        self.s.shares.charge(_tenant(seq), item.num_query_tokens)
         return item
 
     def _decodes(self) -> None:
-        """Every running sequence with one token to compute (a decode) goes first."""
+        """Every running sequence with one token to compute (a decode) goes first, with its drafts when it
+        speculates (their slots are taken only if free: drafts never preempt anyone)."""
         for seq in list(self.s.running):
             if self.budget == 0:
                 return
             if seq.status is SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed_tokens == 1:
-                if self._allocate(seq, 1):
+                drafts = self._drafts(seq)
+                if drafts and self.s.bm.allocate_slots(seq, 1 + len(drafts)):
+                    self._add(seq, 1, drafts)
+                elif self._allocate(seq, 1):
                     self._add(seq, 1)
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        proposer = self.s.proposer
+        return proposer(seq, self.num_running, self.budget - 1) if proposer is not None else []
 
     def _allocate(self, seq: Sequence, n: int) -> bool:
         """Blocks for ``n`` more tokens of a running ``seq``, preempting the running sequence that would

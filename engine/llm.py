@@ -8,6 +8,7 @@ from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model import LlamaForCausalLM
 from engine.outputs import RequestOutput
+from engine.parts import EngineParts
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -16,11 +17,11 @@ class LLM:
     """Runs a list of prompts to completion with continuous batching."""
 
     def __init__(self, model: str | Path | LlamaForCausalLM, tokenizer: Tokenizer | None = None,
-                 engine_config: EngineConfig | None = None) -> None:
+                 engine_config: EngineConfig | None = None, *, parts: EngineParts | None = None) -> None:
         if isinstance(model, (str, Path)):
-            self.engine = LLMEngine.from_pretrained(model, engine_config)
+            self.engine = LLMEngine.from_pretrained(model, engine_config, parts)
         else:
-            self.engine = LLMEngine(model, tokenizer, engine_config)
+            self.engine = LLMEngine(model, tokenizer, engine_config, parts)
         self.engine.stream_outputs = False  # offline: only final outputs are needed
 
     @property

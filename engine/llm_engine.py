@@ -76,13 +76,14 @@ class LLMEngine:
         return self.executor.runner  # type: ignore[attr-defined]
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None,
+                        parts: EngineParts | None = None) -> LLMEngine:
         """Load a model folder or .gguf file and its tokenizer."""
         from engine.loader import load_model
 
         path = Path(path)
         tok = Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_folder(path)
-        return cls(load_model(path), tok, config)
+        return cls(load_model(path), tok, config, parts)
 
     # ---- admission (thread-safe) ------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.beam_search import BeamSearcher, BeamSearchOutput, BeamSearchParams
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model import LlamaForCausalLM
@@ -56,6 +57,23 @@ class LLM:
         while self.engine.has_unfinished_requests():
             self._step(final)
         return [final[rid] for rid in ids]
+
+    def beam_search(self, prompts: str | list[str] | list[list[int]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (transformers' ``num_beams`` search, :mod:`engine.beam_search`) for every prompt.
+
+        Args:
+            prompts: one prompt, or a list of texts or of token-id lists.
+            params: width, length, length penalty.
+
+        Returns:
+            One :class:`BeamSearchOutput` per prompt, in order, its beams best first.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        return BeamSearcher(self.engine).run(list(prompts), params)
 
     def _step(self, final: dict[str, RequestOutput]) -> None:
         for out in self.engine.step():

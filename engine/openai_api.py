@@ -45,9 +45,13 @@ class OpenAIRequestError(InvalidRequestError):
 
 
 def check_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
-    """Refuse fields accepted only at their neutral value (``echo``, ``suffix``, ``tools``, ...)."""
+    """Refuse fields accepted only at their neutral value (``echo``, ``suffix``, ``tools``,
+    ``use_beam_search``, ...)."""
     if body.get("logit_bias"):
         raise OpenAIRequestError("logit_bias is not supported", "logit_bias")
+    if body.get("use_beam_search"):  # LLM.beam_search drives an idle engine; the server's engine never is
+        raise OpenAIRequestError("use_beam_search is not supported by the server; run beam search offline "
+                                 "with engine.LLM.beam_search", "use_beam_search")
     if not chat:
         if body.get("echo"):
             raise OpenAIRequestError("echo is not supported", "echo")

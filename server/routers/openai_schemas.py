@@ -59,6 +59,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = Field(False, description="extra")
     skip_special_tokens: bool = Field(True, description="extra: leave special tokens out of the text")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64, description="extra")
+    use_beam_search: bool = Field(False, description="extra: not supported by the server (must be false); "
+                                                     "beam search runs offline, engine.LLM.beam_search")
     num_speculative_tokens: int | None = Field(
         None, ge=0, le=16, description="extra: n-gram draft tokens verified per step (0: off; omitted: the "
                                        "deployment's default); lossless")

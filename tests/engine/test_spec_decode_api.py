@@ -22,3 +22,10 @@ def test_bad_num_speculative_tokens_names_the_field(value):
     with pytest.raises(openai_api.OpenAIRequestError) as err:
         _params({"num_speculative_tokens": value})
     assert err.value.param == "num_speculative_tokens"
+
+
+def test_beam_search_over_the_api_is_refused_naming_the_field():
+    with pytest.raises(openai_api.OpenAIRequestError) as err:
+        openai_api.check_unsupported({"use_beam_search": True}, chat=True)
+    assert err.value.param == "use_beam_search"
+    openai_api.check_unsupported({"use_beam_search": False}, chat=False)  # the neutral value is fine

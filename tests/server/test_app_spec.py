@@ -30,9 +30,13 @@ async def test_speculative_completion_equals_the_plain_one(client):
         <= metrics["cipherlm:spec_decode_num_draft_tokens_total"]
 
 
-@pytest.mark.parametrize("value", [17, -1, "3"])
-async def test_bad_num_speculative_tokens_is_400(client, value):
-    r = await client.post("/v1/completions", headers=auth("plain"),
-                          json={"prompt": "x", "num_speculative_tokens": value})
+@pytest.mark.parametrize("field, value", [("num_speculative_tokens", 17), ("num_speculative_tokens", -1),
+                                          ("num_speculative_tokens", "3"), ("use_beam_search", True),
+                                          ("use_beam_search", "yes")])
+async def test_bad_decoding_fields_are_400(client, field, value):
+    r = await client.post("/v1/completions", headers=auth("plain"), json={"prompt": "x", field: value})
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"].startswith("num_speculative_tokens")
+    assert r.json()["error"]["param"].startswith(field)
+    r = await client.post("/v1/chat/completions", headers=auth("plain"),
+                          json={"messages": [{"role": "user", "content": "x"}], field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith(field), r.text

@@ -15,7 +15,7 @@ one ``generate`` call):
 Output: generated tokens per second of each mode, the ratios to ``base``, the acceptance rate and the
 tokens a verify step emits; the load average at the start and the end (other jobs skew CPU figures).
 
-Usage: python bench/spec_decode.py [--threads 2] [--k 8] [--max-tokens 160] [--batches 1,8,32]
+Usage: python bench/spec_decode.py [--threads 1] [--k 8] [--max-tokens 128] [--batches 1,8,32]
        [--disable-by 4] [--repeats 1] [--json out.json]
 """
 
@@ -122,9 +122,9 @@ def bench_batch(llm: LLM, prompts, batch: int, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--disable-by", type=int, default=EngineConfig().speculative_disable_by_batch_size)
     ap.add_argument("--repeats", type=int, default=1)

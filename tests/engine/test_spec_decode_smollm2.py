@@ -37,4 +37,4 @@ def test_speculative_greedy_equals_plain_greedy_on_twenty_prompts(default_model_
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, p
         assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
     stats = llm.engine.stats()
-    assert stats.spec_num_drafts > 20 and stats.spec_acceptance_rate > 0.3, stats
+    assert stats.spec_num_drafts > 20 and stats.spec_num_accepted_tokens > 100, stats  # drafts did land

@@ -15,6 +15,10 @@ Under both, waiting prompts are chunked to fit what is left of the budget, and w
 hold a running sequence's next tokens, the running sequence that would be served last is preempted: its
 blocks are freed and it waits to be recomputed (its prefix blocks usually survive in the prefix cache, so
 recompute is cheap). A step that preempted admits nothing new.
+
+Speculative decoding (``fair`` only): a decode whose sequence gets drafts from ``proposer``
+(:class:`engine.spec_decode.SpecDecoder`) is scheduled with them — budget and KV slots for ``1 + k``
+tokens, taken only if free, never by preempting — and the engine rolls the KV back after the verify.
 """
 
 from __future__ import annotations

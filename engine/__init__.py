@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 # public name -> the module that defines it
 _EXPORTS = {
     "AsyncLLM": "engine.async_llm",
+    "BeamSearchOutput": "engine.beam_search",
+    "BeamSearchParams": "engine.beam_search",
     "ModelConfig": "engine.config",
     "default_model_dir": "engine.default_model",
     "EngineConfig": "engine.engine_config",
@@ -55,6 +57,8 @@ __all__ = [
     "load_model",
     # serving engine
     "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
     "CompletionOutput",
     "EngineConfig",
     "EngineStats",
@@ -70,6 +74,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # static analysers see the eager imports
     from engine.async_llm import AsyncLLM
+    from engine.beam_search import BeamSearchOutput, BeamSearchParams
     from engine.config import ModelConfig
     from engine.default_model import default_model_dir
     from engine.engine_config import EngineConfig

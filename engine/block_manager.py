@@ -128,13 +128,16 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references (tail first, so tails are evicted before shared heads)."""
         for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[bid] = None
-                if block.hash is None:
-                    self._free.move_to_end(bid, last=False)  # nothing to keep: reuse first
+            self._release(bid)
         seq.block_table = []
+
+    def trim(self, seq: Sequence) -> None:
+        """KV rollback: drop the blocks past those the sequence's tokens need (a verify step allocated
+        slots for drafts that were rejected; their K/V in the kept blocks is overwritten later)."""
+        keep = -(-seq.num_tokens // self.block_size)
+        for bid in reversed(seq.block_table[keep:]):
+            self._release(bid)
+        del seq.block_table[keep:]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share every block of ``parent`` (the shared partial block is copied on write)."""
@@ -180,6 +183,14 @@ class BlockManager:
         self.blocks[src].ref_count -= 1
         seq.block_table[idx] = dst
         self.pending_copies.append((src, dst))
+
+    def _release(self, bid: int) -> None:
+        block = self.blocks[bid]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[bid] = None
+            if block.hash is None:
+                self._free.move_to_end(bid, last=False)  # nothing to keep: reuse first
 
     def _ref(self, bid: int) -> None:
         block = self.blocks[bid]

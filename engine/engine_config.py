@@ -66,6 +66,36 @@ class SchedulerConfig:
         return self.prefill_quantum or max(1, self.max_num_batched_tokens // 4)
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding's knobs (see :class:`EngineConfig` for their meaning)."""
+
+    method: str | None = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = 4
+
+    def __post_init__(self) -> None:
+        from engine.sampling_params import MAX_SPECULATIVE_TOKENS
+
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be None or one of {SPECULATIVE_METHODS}, "
+                             f"got {self.method!r}")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 1 or None, "
+                             f"got {self.disable_by_batch_size}")
+
+
 def _positive(cfg: object, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) <= 0:
@@ -103,6 +133,14 @@ class EngineConfig:
         cpu_packed_weights: on CPU, run the linears on oneDNN-packed weight copies (engine.cpu_linear;
             faster few-row products, one extra copy of the weights in memory).
         seed: seed of the generator used by requests without their own seed.
+        speculative_method: "ngram" (prompt lookup, :mod:`engine.spec_decode`) or None (no request
+            speculates; one that asks is refused).
+        num_speculative_tokens: draft tokens per step for requests that do not say
+            (``SamplingParams.num_speculative_tokens``); 0: only requests that ask speculate.
+        prompt_lookup_min / prompt_lookup_max: n-gram lengths the proposer matches (longest first).
+        speculative_disable_by_batch_size: no sequence speculates in a step that starts with more than
+            this many running sequences (a batched step is compute-bound: verifying drafts there costs more
+            than it saves, docs/benchmarks.md); None: never switched off by load.
     """
 
     device: str = "auto"
@@ -124,6 +162,11 @@ class EngineConfig:
     num_threads: int | None = None
     cpu_packed_weights: bool = True
     seed: int = 0
+    speculative_method: str | None = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    speculative_disable_by_batch_size: int | None = 4
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -136,6 +179,7 @@ class EngineConfig:
             self.max_num_batched_tokens = DEFAULT_BATCHED_TOKENS[kind]
         self.cache_config()       # validates the cache's fields
         self.scheduler_config()   # and the scheduler's
+        self.spec_config()        # and speculative decoding's
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:
@@ -150,6 +194,11 @@ class EngineConfig:
         """The scheduler's slice of this config."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting,
                                self.enable_chunked_prefill, self.scheduling_policy, self.prefill_quantum)
+
+    def spec_config(self) -> SpecConfig:
+        """Speculative decoding's slice of this config."""
+        return SpecConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_min,
+                          self.prompt_lookup_max, self.speculative_disable_by_batch_size)
 
     def resolved_device(self) -> str:
         """The torch device string this config runs on."""

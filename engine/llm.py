@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.beam_search import BeamSearcher, BeamSearchOutput, BeamSearchParams
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model import LlamaForCausalLM
 from engine.outputs import RequestOutput
+from engine.parts import EngineParts
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -16,11 +18,11 @@ class LLM:
     """Runs a list of prompts to completion with continuous batching."""
 
     def __init__(self, model: str | Path | LlamaForCausalLM, tokenizer: Tokenizer | None = None,
-                 engine_config: EngineConfig | None = None) -> None:
+                 engine_config: EngineConfig | None = None, *, parts: EngineParts | None = None) -> None:
         if isinstance(model, (str, Path)):
-            self.engine = LLMEngine.from_pretrained(model, engine_config)
+            self.engine = LLMEngine.from_pretrained(model, engine_config, parts)
         else:
-            self.engine = LLMEngine(model, tokenizer, engine_config)
+            self.engine = LLMEngine(model, tokenizer, engine_config, parts)
         self.engine.stream_outputs = False  # offline: only final outputs are needed
 
     @property
@@ -55,6 +57,23 @@ class LLM:
         while self.engine.has_unfinished_requests():
             self._step(final)
         return [final[rid] for rid in ids]
+
+    def beam_search(self, prompts: str | list[str] | list[list[int]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (transformers' ``num_beams`` search, :mod:`engine.beam_search`) for every prompt.
+
+        Args:
+            prompts: one prompt, or a list of texts or of token-id lists.
+            params: width, length, length penalty.
+
+        Returns:
+            One :class:`BeamSearchOutput` per prompt, in order, its beams best first.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        return BeamSearcher(self.engine).run(list(prompts), params)
 
     def _step(self, final: dict[str, RequestOutput]) -> None:
         for out in self.engine.step():

@@ -54,6 +54,8 @@ class LLMEngine:
         self.block_manager = parts.block_manager(self.num_blocks, config.cache_config())
         self.scheduler = parts.scheduler(config.scheduler_config(), self.block_manager)
         self.sampler = parts.sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.spec = parts.spec_decoder(config.spec_config(), self.max_model_len)
+        self.scheduler.proposer = self.spec.propose
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -74,13 +76,14 @@ class LLMEngine:
         return self.executor.runner  # type: ignore[attr-defined]
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None,
+                        parts: EngineParts | None = None) -> LLMEngine:
         """Load a model folder or .gguf file and its tokenizer."""
         from engine.loader import load_model
 
         path = Path(path)
         tok = Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_folder(path)
-        return cls(load_model(path), tok, config)
+        return cls(load_model(path), tok, config, parts)
 
     # ---- admission (thread-safe) ------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
@@ -114,6 +117,7 @@ class LLMEngine:
                 f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise InvalidRequestError("prompt is empty")
+        self.spec.validate(params)
         if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; without chunked prefill at most "
@@ -195,20 +199,25 @@ class LLMEngine:
             kv_cache_usage=bm.usage, num_kv_blocks=bm.num_blocks, prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total)
+            generation_tokens_total=self.generation_tokens_total,
+            spec_num_drafts=self.spec.num_drafts, spec_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec.num_accepted_tokens)
 
     # ---- internals --------------------------------------------------------------------------------
     def _process_samples(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[RequestOutput]:
-        rows, seqs = self._sampling_rows(sampling)
-        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self._sample(logits, seqs)
+        plain, plain_rows, verify, verify_rows = self._split_rows(sampling)
+        emitted: list[tuple[Sequence, list[int], list[dict[int, float] | None], bool]] = []
+        if plain:
+            emitted += self._sample_plain(logits if not verify else logits[self._index(plain_rows, logits)],
+                                          plain)
+        if verify:
+            verdicts = self.spec.verify(self.sampler, logits[self._index(verify_rows, logits)], verify)
+            emitted += [(s.seq, v.token_ids, v.logprobs, True) for s, v in zip(verify, verdicts, strict=True)]
         now = time.time()
         touched: dict[str, Request] = {}
-        for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
-            self._append(seq, tok, lp)
+        for seq, tokens, lps, speculated in emitted:
+            self._append_all(seq, tokens, lps, speculated)
             touched[seq.request.request_id] = seq.request
-        self.generation_tokens_total += len(seqs)
         outputs = []
         for request in touched.values():
             self._token_times[request.request_id].append(now)
@@ -220,13 +229,53 @@ class LLMEngine:
                 outputs.append(self.output_processor.build(request))
         return outputs
 
+    @staticmethod
+    def _split_rows(sampling: list[ScheduledSeq]):
+        """Plain samples and verify steps apart, with the logits rows of each."""
+        plain, plain_rows, verify, verify_rows, row = [], [], [], [], 0
+        for s in sampling:
+            n = s.num_logits_rows
+            if s.draft_token_ids:
+                verify.append(s)
+                verify_rows += range(row, row + n)
+            else:
+                plain.append(s)
+                plain_rows += range(row, row + n)
+            row += n
+        return plain, plain_rows, verify, verify_rows
+
+    @staticmethod
+    def _index(rows: list[int], logits: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(rows, device=logits.device)
+
+    def _sample_plain(self, logits: torch.Tensor, sampling: list[ScheduledSeq]):
+        """One token per sequence (forks included) from its one logits row."""
+        rows, seqs = self._sampling_rows(sampling)
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = self._sample(logits, seqs)
+        return [(seq, [tok], [lp], False)
+                for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)]
+
+    def _append_all(self, seq: Sequence, tokens: list[int], lps: list[dict[int, float] | None],
+                    speculated: bool) -> None:
+        """Append a step's tokens until one finishes the sequence; after a verify, roll the KV back."""
+        appended = 0
+        for tok, lp in zip(tokens, lps, strict=True):
+            self._append(seq, tok, lp)
+            appended += 1
+            if seq.finished:
+                break
+        self.generation_tokens_total += appended
+        if speculated and not seq.finished:
+            self.spec.rollback(self.block_manager, seq, appended - 1)
+
     def _sampling_rows(self, sampling: list[ScheduledSeq]) -> tuple[list[int], list[Sequence]]:
         """Logits row of every sequence to sample: a new request's n - 1 forks share its parent's row."""
         rows: list[int] = []
         seqs: list[Sequence] = []
         row = 0
         for s in sampling:
-            assert s.num_logits_rows == 1, "multi-row (verify) steps need a speculative proposer"
             for seq in [s.seq] + self._fork(s.seq):
                 rows.append(row)
                 seqs.append(seq)

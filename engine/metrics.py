@@ -27,6 +27,9 @@ VLLM_METRIC_NAMES = {
     "prefix_cache_hits": "vllm:prefix_cache_hits",
     "num_preemptions": "vllm:num_preemptions",
     "finished_requests": "vllm:request_success",
+    "spec_num_drafts": "vllm:spec_decode_num_drafts",
+    "spec_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "spec_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
 }
 
 
@@ -67,10 +70,23 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    spec_num_drafts: int = 0           # speculative verify steps (one per sequence that carried drafts)
+    spec_num_draft_tokens: int = 0     # draft tokens scored
+    spec_num_accepted_tokens: int = 0  # of which accepted
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / scored draft tokens."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        """Tokens a verify step emits on average (accepted drafts + the target's own token)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 class MetricsListener(Protocol):

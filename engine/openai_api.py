@@ -4,7 +4,8 @@ The server (``server/routers/openai.py``, after pydantic has parsed the body) an
 path (``client_sdk``, which builds the body itself) both call :func:`check_unsupported`,
 :func:`check_fields`, :func:`resolve_max_tokens` and :func:`sampling_params`, in that order, on a plain
 mapping of the body's fields, so both accept the same fields (OpenAI's plus vLLM's extras ``top_k``,
-``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, and the
+``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
+``num_speculative_tokens`` (per-request speculative decoding, :mod:`engine.spec_decode`), and the
 structured-output fields ``response_format``, ``guided_json``, ``guided_regex``, ``guided_choice``,
 ``guided_grammar`` — compiled into the request's grammar processor, :mod:`engine.structured`), apply
 the same defaults (completions: 16 tokens; chat: what fits the context, capped by the tenant's limit and
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, SamplingParams
 
 if TYPE_CHECKING:  # engine.structured imports torch and xgrammar: loaded only when a body asks for it
     from engine.structured import GrammarCompiler, GrammarSpec
@@ -44,9 +45,13 @@ class OpenAIRequestError(InvalidRequestError):
 
 
 def check_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
-    """Refuse fields accepted only at their neutral value (``echo``, ``suffix``, ``tools``, ...)."""
+    """Refuse fields accepted only at their neutral value (``echo``, ``suffix``, ``tools``,
+    ``use_beam_search``, ...)."""
     if body.get("logit_bias"):
         raise OpenAIRequestError("logit_bias is not supported", "logit_bias")
+    if body.get("use_beam_search"):  # LLM.beam_search drives an idle engine; the server's engine never is
+        raise OpenAIRequestError("use_beam_search is not supported by the server; run beam search offline "
+                                 "with engine.LLM.beam_search", "use_beam_search")
     if not chat:
         if body.get("echo"):
             raise OpenAIRequestError("echo is not supported", "echo")
@@ -115,7 +120,7 @@ def sampling_params(body: Mapping[str, Any], *, chat: bool, max_tokens: int,
             stop=[stop] if isinstance(stop, str) else list(stop or []),
             stop_token_ids=list(body.get("stop_token_ids") or []), ignore_eos=_or(body, "ignore_eos", False),
             skip_special_tokens=_or(body, "skip_special_tokens", True), logprobs=_logprobs(body, chat),
-            logits_processors=processors)
+            logits_processors=processors, num_speculative_tokens=body.get("num_speculative_tokens"))
     except OpenAIRequestError:
         raise
     except InvalidRequestError as exc:
@@ -294,7 +299,8 @@ _RANGES: dict[str, tuple[float, float, bool]] = {  # name: (low, high, low is ex
     "repetition_penalty": (0, 100, True), "presence_penalty": (-2, 2, False),
     "frequency_penalty": (-2, 2, False),
 }
-_INT_RANGES: dict[str, tuple[int, int]] = {"n": (1, 128), "top_k": (-1, 2**31 - 1), "seed": (INT64_MIN, INT64_MAX)}
+_INT_RANGES: dict[str, tuple[int, int]] = {"n": (1, 128), "top_k": (-1, 2**31 - 1), "seed": (INT64_MIN, INT64_MAX),
+                                           "num_speculative_tokens": (0, MAX_SPECULATIVE_TOKENS)}
 _BOOLS = ("ignore_eos", "skip_special_tokens", "stream")
 
 

@@ -13,12 +13,13 @@ from collections.abc import Callable
 import torch
 
 from engine.block_manager import BlockManager
-from engine.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine_config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from engine.executor import Executor, InProcessExecutor
 from engine.model import LlamaForCausalLM
 from engine.output_processor import OutputProcessor
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.spec_decode import SpecDecoder
 from engine.tokenizer import Tokenizer
 
 
@@ -37,6 +38,8 @@ class EngineParts:
         scheduler: ``(scheduler_config, block_manager) -> Scheduler``.
         sampler: ``(generator) -> Sampler`` — the generator serves requests without a seed.
         output_processor: ``(tokenizer, eos_token_ids, max_model_len) -> OutputProcessor``.
+        spec_decoder: ``(spec_config, max_model_len) -> SpecDecoder`` — drafts and verifies (a test or a
+            draft-model proposer swaps its proposer).
     """
 
     executor: Callable[[LlamaForCausalLM, EngineConfig, int], Executor] = InProcessExecutor
@@ -44,3 +47,4 @@ class EngineParts:
     scheduler: Callable[[SchedulerConfig, BlockManager], Scheduler] = Scheduler
     sampler: Callable[[torch.Generator], Sampler] = Sampler
     output_processor: Callable[[Tokenizer | None, list[int], int], OutputProcessor] = OutputProcessor
+    spec_decoder: Callable[[SpecConfig, int], SpecDecoder] = SpecDecoder

@@ -56,10 +56,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits [B, V] (any float dtype) -> one token per row."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
-        raw = logits.float()
-        if any(r.params.logits_processors for r in rows):
-            raw = apply_logits_processors(raw.clone() if raw is logits else raw, rows)
-        x = apply_penalties(raw, rows) if any(r.params.has_penalties for r in rows) else raw
+        raw, x = self.processed(logits, rows)
         tokens = x.argmax(-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
@@ -68,8 +65,25 @@ class Sampler:
         token_list = tokens.tolist()
         return SamplerOutput(token_list, compute_logprobs(raw, rows, token_list))
 
+    @staticmethod
+    def processed(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw, x): fp32 logits [B, V] after the logits processors (what logprobs report), and x after
+        the penalties too (greedy rows take its argmax; :meth:`target_probs` turns it into p)."""
+        raw = logits.float()
+        if any(r.params.logits_processors for r in rows):
+            raw = apply_logits_processors(raw.clone() if raw is logits else raw, rows)
+        x = apply_penalties(raw, rows) if any(r.params.has_penalties for r in rows) else raw
+        return raw, x
+
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """x [S, V] -> sampled ids [S] for non-greedy rows."""
+        probs = self.target_probs(x, rows)
+        return probs.div_(self._exponentials(probs, rows)).argmax(-1)
+
+    @staticmethod
+    def target_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution non-greedy rows sample from (temperature, top-k, top-p, min-p; not
+        renormalised after min-p: the exponential race does not need it): x [S, V] -> p [S, V]."""
         dev = x.device
         temp = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=x.dtype)
         x = x / temp[:, None]
@@ -79,7 +93,7 @@ class Sampler:
         if bool((min_p > 0).any()):
             cut = probs.max(-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < cut, 0.0)
-        return probs.div_(self._exponentials(probs, rows)).argmax(-1)
+        return probs
 
     def _exponentials(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Exp(1) noise [S, V]; seeded rows draw from their own generator."""

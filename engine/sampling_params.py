@@ -14,6 +14,7 @@ from engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5  # temperatures below this mean argmax (vLLM's convention)
 MAX_LOGPROBS = 20   # OpenAI's top_logprobs bound
+MAX_SPECULATIVE_TOKENS = 16  # draft tokens a verify step may score per sequence
 
 
 @dataclasses.dataclass
@@ -39,6 +40,9 @@ class SamplingParams:
         logits_processors: vLLM-style callables ``(output_token_ids, logits) -> logits`` (or
             ``(prompt_token_ids, output_token_ids, logits)``) applied to this request's logits row before
             sampling, greedy included; see :mod:`engine.logits_process` for the batched form.
+        num_speculative_tokens: draft tokens proposed per step (:mod:`engine.spec_decode`); None takes the
+            deployment's ``EngineConfig.num_speculative_tokens``, 0 switches speculation off for this
+            request. Lossless: greedy output is unchanged, sampled output keeps its distribution.
     """
 
     n: int = 1
@@ -57,6 +61,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logits_processors: list[Callable[..., Any]] = dataclasses.field(default_factory=list)
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +82,9 @@ class SamplingParams:
                  f"seed must be an integer or None, got {self.seed!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        k = self.num_speculative_tokens
+        _require(k is None or (_is_int(k) and 0 <= k <= MAX_SPECULATIVE_TOKENS),
+                 f"num_speculative_tokens must be None or an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
 
     def _check_floats(self) -> None:
         _require(_is_num(self.temperature) and self.temperature >= 0,

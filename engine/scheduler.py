@@ -15,13 +15,17 @@ Under both, waiting prompts are chunked to fit what is left of the budget, and w
 hold a running sequence's next tokens, the running sequence that would be served last is preempted: its
 blocks are freed and it waits to be recomputed (its prefix blocks usually survive in the prefix cache, so
 recompute is cheap). A step that preempted admits nothing new.
+
+Speculative decoding (``fair`` only): a decode whose sequence gets drafts from ``proposer``
+(:class:`engine.spec_decode.SpecDecoder`) is scheduled with them — budget and KV slots for ``1 + k``
+tokens, taken only if free, never by preempting — and the engine rolls the KV back after the verify.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig, SchedulerConfig
@@ -87,6 +91,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.shares = FairShare()
+        # (seq, num_running, budget) -> draft tokens of a decode (engine.spec_decode); None: no speculation
+        self.proposer: Callable[[Sequence, int, int], list[int]] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (a new one, or a preempted one that keeps its place by arrival)."""
@@ -188,6 +194,7 @@ class _FairStep:
         self.taken: set[int] = set()        # seq_ids scheduled this step (never preemption victims)
         self.preempted: list[Sequence] = []
         self.admitting = True                # False once admission failed or anything was preempted
+        self.num_running = len(sched.running)  # the load speculation is switched off by
 
     def run(self) -> SchedulerOutput:
         s = self.s
@@ -199,22 +206,30 @@ class _FairStep:
         s.shares.end_step(busy)
         return SchedulerOutput(self.scheduled, s.bm.take_copies(), self.preempted)
 
-    def _add(self, seq: Sequence, n: int) -> ScheduledSeq:
-        item = ScheduledSeq(seq, seq.num_computed_tokens, n)
+    def _add(self, seq: Sequence, n: int, drafts: list[int] | None = None) -> ScheduledSeq:
+        item = ScheduledSeq(seq, seq.num_computed_tokens, n, drafts or [])
         self.scheduled.append(item)
         self.taken.add(seq.seq_id)
-        self.budget -= n
-        self.s.shares.charge(_tenant(seq), n)
+        self.budget -= item.num_query_tokens
+        self.s.shares.charge(_tenant(seq), item.num_query_tokens)
         return item
 
     def _decodes(self) -> None:
-        """Every running sequence with one token to compute (a decode) goes first."""
+        """Every running sequence with one token to compute (a decode) goes first, with its drafts when it
+        speculates (their slots are taken only if free: drafts never preempt anyone)."""
         for seq in list(self.s.running):
             if self.budget == 0:
                 return
             if seq.status is SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed_tokens == 1:
-                if self._allocate(seq, 1):
+                drafts = self._drafts(seq)
+                if drafts and self.s.bm.allocate_slots(seq, 1 + len(drafts)):
+                    self._add(seq, 1, drafts)
+                elif self._allocate(seq, 1):
                     self._add(seq, 1)
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        proposer = self.s.proposer
+        return proposer(seq, self.num_running, self.budget - 1) if proposer is not None else []
 
     def _allocate(self, seq: Sequence, n: int) -> bool:
         """Blocks for ``n`` more tokens of a running ``seq``, preempting the running sequence that would

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic; they are also the OpenAPI schema).
 
 Fields OpenAI defines and we honour keep OpenAI's names and ranges; the extra sampling fields vLLM
-accepts (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, and the
+accepts (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``num_speculative_tokens``, and the
 structured-output extras ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) are
 accepted too; ``response_format`` is accepted by both endpoints, as vLLM does. Fields we do not
 implement are accepted only at their neutral value (e.g. ``echo=false``, ``tools`` empty) and refused
@@ -58,6 +59,11 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = Field(False, description="extra")
     skip_special_tokens: bool = Field(True, description="extra: leave special tokens out of the text")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64, description="extra")
+    use_beam_search: bool = Field(False, description="extra: not supported by the server (must be false); "
+                                                     "beam search runs offline, engine.LLM.beam_search")
+    num_speculative_tokens: int | None = Field(
+        None, ge=0, le=16, description="extra: n-gram draft tokens verified per step (0: off; omitted: the "
+                                       "deployment's default); lossless")
     # structured output (engine/structured.py): at most one of these
     response_format: dict[str, Any] | None = Field(
         None, description="{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': {'name', 'schema', "

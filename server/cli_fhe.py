@@ -16,8 +16,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal = fsub.add_parser("calibrate", help="fit an FHE-friendly softmax replacement and write a plan")
     cal.add_argument("--model", default="default", help="'default', a model folder or a .gguf file")
     cal.add_argument("--layers", default="2,3,4,5", help="encrypted layers, comma-separated")
-    cal.add_argument("--approx", choices=("sqexp", "2quad"), default="sqexp")
-    cal.add_argument("--squarings", type=int, default=6, help="R in (1 + x/2^R)^(2^R) (sqexp)")
+    cal.add_argument("--approx", choices=("sqexp", "polyexp", "2quad"), default="sqexp")
+    cal.add_argument("--squarings", type=int, default=None,
+                     help="R: sqexp (1 + x/2^R)^(2^R) (default 6); polyexp degree 2^R - 1 at depth R (default 4)")
+    cal.add_argument("--window", type=float, default=None,
+                     help="polyexp: P approximates exp on [-window, 0.5] (default 32)")
     cal.add_argument("--no-fit", action="store_true", help="uncalibrated: measure the range only")
     cal.add_argument("--distill-weights", action="store_true", help="2quad: also distill Wq/Wk/Wv/Wo")
     cal.add_argument("--steps", type=int, default=150, help="Adam steps per layer")
@@ -49,12 +52,15 @@ def _load_model_and_tokenizer(spec: str):
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from fhe.approx import POLY_WINDOW
     from fhe.calibrate import CalibrationConfig, calibrate
     from fhe.plan import PlanError
 
+    squarings = args.squarings if args.squarings is not None else 4 if args.approx == "polyexp" else 6
     try:
         cfg = CalibrationConfig(layers=tuple(int(v) for v in args.layers.split(",")), kind=args.approx,
-                                squarings=args.squarings, fit=not args.no_fit,
+                                squarings=squarings, fit=not args.no_fit,
+                                window=POLY_WINDOW if args.window is None else args.window,
                                 distill_weights=args.distill_weights, steps=args.steps, margin=args.margin,
                                 num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                                 min_denominator=args.min_denominator)
@@ -78,6 +84,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _plan_info(args: argparse.Namespace) -> int:
+    from fhe.approx import POLY_HI
     from fhe.plan import Plan, PlanError, default_plan_path
 
     try:
@@ -94,6 +101,7 @@ def _plan_info(args: argparse.Namespace) -> int:
         a = lp.approx
         rng = "" if lp.observed_range is None else "  range [{:.2f}, {:.2f}]".format(*lp.observed_range)
         extra = f"  adjusted: {', '.join(sorted(lp.weights))}" if lp.weights else ""
-        print(f"  layer {lp.index}: {a.kind} R={a.squarings} bound {a.bound:.2f}{rng}{extra}")
+        window = f" window [-{a.window:g}, {POLY_HI:g}]" if a.kind == "polyexp" else ""
+        print(f"  layer {lp.index}: {a.kind} R={a.squarings}{window} bound {a.bound:.2f}{rng}{extra}")
     print(f"ckks: {json.dumps(dict(plan.ckks)) if plan.ckks else '(none recorded)'}")
     return 0

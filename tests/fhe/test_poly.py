@@ -114,3 +114,27 @@ def test_calibration_fits_polyexp_inside_its_window():
     lp, info = fit_layer(model, 1, data[1], cfg)
     assert lp is not None and lp.approx.kind == "polyexp" and lp.approx.window == 16.0
     assert lp.approx.bound <= 16.0 and info["rel_mse"] < info0["rel_mse"]
+
+
+@pytest.mark.slow
+def test_tiny_polyexp_block_matches_simulator():
+    """The whole encrypted block with polyexp at N = 16384 (depth 9) vs the simulator (~40 s)."""
+    from fhe.plan import LayerPlan
+    from fhe.simulator import block_weights, causal_mask, finish, gqa_scores, project_qkv, simulate_block
+    from tests.fhe.test_attention import layer_input, run_encrypted, tiny_model
+
+    model = tiny_model(bias=True)
+    x = layer_input(model, 1, torch.tensor([3, 14, 15, 9, 26, 5, 35]))
+    pos = torch.arange(len(x))
+    q, k, _ = project_qkv(block_weights(model.layers[1], None), x.double(), pos, model.rotary)
+    s = gqa_scores(q, k).masked_fill(causal_mask(pos, len(pos)), float("-inf"))
+    shift = -s.amax(dim=(1, 2))
+    xs = s + shift[:, None, None]
+    lo = xs[torch.isfinite(xs)].min().item()
+    approx = ScoreApprox("polyexp", (1.0,) * 4, tuple(shift.tolist()), 4, 1.25 * abs(lo), 32.0)
+    plan = LayerPlan(1, approx, (lo, 0.0))
+    (y, z), (_, server, _, _) = run_encrypted(model, 1, x, plan)
+    assert server.ev.params.poly_modulus_degree == 16384
+    ys, zs, _ = simulate_block(model.layers[1], model.rotary, x, pos, None, plan)
+    err = (finish(y, z) - finish(ys, zs)).abs().max().item()
+    assert err <= 1e-3, err

@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--out", required=True, help="plan folder, or a .json file when no weights are adjusted")
     cal.set_defaults(func=_calibrate)
     info = fsub.add_parser("plan-info", help="verify a plan (hash, version) and summarize it")
-    info.add_argument("plan", help="plan folder or .json file ('default' = the shipped SmolLM2 plan)")
+    info.add_argument("plan", help="plan folder or .json file, or a shipped plan by name: 'default' "
+                                   "(SmolLM2, N = 16384) or 'n32768' (the former default)")
     info.add_argument("--json", action="store_true", help="print the full metadata as JSON")
     info.set_defaults(func=_plan_info)
 
@@ -85,10 +86,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _plan_info(args: argparse.Namespace) -> int:
     from fhe.approx import POLY_HI
-    from fhe.plan import Plan, PlanError, default_plan_path
+    from fhe.plan import SHIPPED_PLANS, Plan, PlanError, shipped_plan_path
 
     try:
-        plan = Plan.load(default_plan_path() if args.plan == "default" else Path(args.plan))
+        plan = Plan.load(shipped_plan_path(args.plan) if args.plan in SHIPPED_PLANS else Path(args.plan))
     except PlanError as exc:
         print(f"cipherlm: error: {exc}", file=sys.stderr)
         return 2

@@ -9,8 +9,9 @@ the client divides after decrypting, so normalization is exact and only ``f`` is
   a good ``exp(x)`` while ``|x| / 2^R`` is well below 1 (and the base stays positive),
 * ``2quad``  ``p = (a_h s + b_h) ^ 2`` (MPCFormer's 2Quad; one squaring),
 * ``polyexp`` ``p = P(x)``: the degree ``2^R - 1`` Chebyshev interpolant of ``exp`` on the window
-  ``[-window, POLY_HI]``, evaluated at depth R (``fhe.poly``): one level fewer than sqexp needs for
-  R + 1 squarings and about 10x more accurate than sqexp R=6 at R = 4 (depth 4 instead of 6).
+  ``[-window, POLY_HI]``, evaluated at depth R (``fhe.poly``). R = 5 (degree 31, max error 1e-10 on
+  [-40, 0.5]) is one level shallower than sqexp R=6 and practically exact; R = 4 (degree 15, 4e-4 on
+  [-32, 0.5]) is not enough: its absolute error swamps rows whose weights are all small.
 
 ``bound`` is the calibrated bound on ``|a_h s + b_h|`` over calibration text; the squaring
 approximation is only trusted inside it (see :func:`range_report`). Future (masked) positions
@@ -31,8 +32,9 @@ SQEXP_MAX_BOUND_FRACTION = 0.75
 #: polyexp's window reaches this far above 0: the fitted shift puts each head's largest x near 0, and a
 #: held-out prompt may go a little past it (outside the window a polynomial leaves exp quickly).
 POLY_HI = 0.5
-#: Default window (lower end -window): measured max |P - exp| at R = 4 is 4.0e-4 for 32, 1.7e-3 for 40.
-POLY_WINDOW = 32.0
+#: Default window (lower end -window): max |P - exp| is 1.0e-10 at R = 5 (1.6e-12 for 32; R = 4: 1.7e-3,
+#: 4.0e-4 for 32). SmolLM2's fitted layers reach |x| ~ 27-30, and the bound (1.25x) must stay inside.
+POLY_WINDOW = 40.0
 
 
 @dataclass(frozen=True)
@@ -235,8 +237,8 @@ def _apply_map(x: torch.Tensor, kind: str, squarings: int, window: float, clamp:
         return sqexp(x, squarings)
     if kind == "polyexp":
         c, r = window_affine(window)
-        if clamp:
-            x = x.clamp(-window, POLY_HI)
+        if clamp:  # below only: above the window P still follows exp for a while, and the fit must see it
+            x = x.clamp(min=-window)
         return poly_eval((x - c) / r, exp_poly_coefficients(window, 2 ** squarings - 1))
     return x * x
 

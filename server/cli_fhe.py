@@ -18,9 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--layers", default="2,3,4,5", help="encrypted layers, comma-separated")
     cal.add_argument("--approx", choices=("sqexp", "polyexp", "2quad"), default="sqexp")
     cal.add_argument("--squarings", type=int, default=None,
-                     help="R: sqexp (1 + x/2^R)^(2^R) (default 6); polyexp degree 2^R - 1 at depth R (default 4)")
+                     help="R: sqexp (1 + x/2^R)^(2^R) (default 6); polyexp degree 2^R - 1 at depth R (default 5)")
     cal.add_argument("--window", type=float, default=None,
-                     help="polyexp: P approximates exp on [-window, 0.5] (default 32)")
+                     help="polyexp: P approximates exp on [-window, 0.5] (default 40)")
     cal.add_argument("--no-fit", action="store_true", help="uncalibrated: measure the range only")
     cal.add_argument("--distill-weights", action="store_true", help="2quad: also distill Wq/Wk/Wv/Wo")
     cal.add_argument("--steps", type=int, default=150, help="Adam steps per layer")
@@ -57,7 +57,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from fhe.calibrate import CalibrationConfig, calibrate
     from fhe.plan import PlanError
 
-    squarings = args.squarings if args.squarings is not None else 4 if args.approx == "polyexp" else 6
+    squarings = args.squarings if args.squarings is not None else 5 if args.approx == "polyexp" else 6
     try:
         cfg = CalibrationConfig(layers=tuple(int(v) for v in args.layers.split(",")), kind=args.approx,
                                 squarings=squarings, fit=not args.no_fit,

@@ -138,3 +138,16 @@ def test_tiny_polyexp_block_matches_simulator():
     ys, zs, _ = simulate_block(model.layers[1], model.rotary, x, pos, None, plan)
     err = (finish(y, z) - finish(ys, zs)).abs().max().item()
     assert err <= 1e-3, err
+
+
+def test_keys_of_the_former_plan_are_refused_by_name():
+    """An upload made for the N = 32768 sqexp plan's chain, sent to the polyexp default's: typed refusal."""
+    from fhe.backends.seal import wire
+    from fhe.backends.seal.keys import CKKSClient
+    from fhe.errors import KeyMismatchError
+
+    old, new = ckks_params_for("sqexp", 6), ckks_params_for("polyexp", 5)
+    assert old != new and old.poly_modulus_degree == new.poly_modulus_degree == 32768
+    upload = wire.dump_public_keys(CKKSClient(old, []))
+    with pytest.raises(KeyMismatchError, match=r"other CKKS parameters than this plan's \(N = 32768, 12 primes"):
+        wire.load_server_keys(upload, new, [])

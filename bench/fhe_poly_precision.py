@@ -1,6 +1,6 @@
 """Precision of the encrypted block with polyexp at a given ring and prime chain, on real SmolLM2 tokens.
 
-    nice python bench/fhe_poly_precision.py --squarings 4 --primes 54,36,36,36,36,36,36,36,36,36,60
+    nice python -m bench.fhe_poly_precision --squarings 4 --primes 54,36,36,36,36,36,36,36,36,36,60
 
 Max |error| of the decrypted ``sum_h y_h / z_h`` vs the plaintext simulator of the same block
 (``bench.fhe_attention.precision``) over the first ``--tokens`` tokens of held-out evaluation prompt 1.

@@ -113,7 +113,7 @@ def test_cli_plan_info(tmp_path, capsys):
     from server.cli import main
 
     assert main(["fhe", "plan-info", "default"]) == 0
-    assert "layer 2: polyexp R=5 window [-32, 0.5]" in capsys.readouterr().out
+    assert "layer 2: polyexp R=5 window [-40, 0.5]" in capsys.readouterr().out
     assert main(["fhe", "plan-info", "n32768"]) == 0                  # the former default, as an option
     assert "layer 2: sqexp R=6" in capsys.readouterr().out
     bad = tmp_path / "bad.json"

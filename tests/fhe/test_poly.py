@@ -116,6 +116,50 @@ def test_calibration_fits_polyexp_inside_its_window():
     assert lp.approx.bound <= 16.0 and info["rel_mse"] < info0["rel_mse"]
 
 
+def _shaped_polyexp_plan(model, x: torch.Tensor, squarings: int, window: float = 40.0):
+    """A layer-1 polyexp plan with x = s - max score per head (inside the window on these tokens)."""
+    from fhe.plan import LayerPlan
+    from fhe.simulator import block_weights, causal_mask, gqa_scores, project_qkv
+
+    pos = torch.arange(len(x))
+    q, k, _ = project_qkv(block_weights(model.layers[1], None), x.double(), pos, model.rotary)
+    s = gqa_scores(q, k).masked_fill(causal_mask(pos, len(pos)), float("-inf"))
+    shift = -s.amax(dim=(1, 2))
+    xs = s + shift[:, None, None]
+    lo = xs[torch.isfinite(xs)].min().item()
+    hq = s.shape[0]
+    approx = ScoreApprox("polyexp", (1.0,) * hq, tuple(shift.tolist()), squarings, 1.25 * abs(lo), window)
+    return LayerPlan(1, approx, (lo, 0.0))
+
+
+@pytest.mark.parametrize("squarings,ring", [(4, 16384), (5, 32768)])
+def test_polyexp_block_runs_on_the_symbolic_evaluator(squarings, ring):
+    """The whole block with the polynomial, every level/scale/size checked by the symbolic backend
+    (exact values), over several cache blocks: equal to the simulator, results at level 1."""
+    from fhe.attention import BlockClient, EncryptedAttentionLayer, required_rotation_steps
+    from fhe.backends import evaluator_for
+    from fhe.backends.symbolic import SymbolicClient
+    from fhe.simulator import finish, simulate_block
+    from tests.fhe.test_attention import layer_input
+    from tests.fhe.test_symbolic import wide_model
+
+    model = wide_model()
+    x = layer_input(model, 1, torch.randint(0, 61, (50,), generator=torch.Generator().manual_seed(1)))
+    plan = _shaped_polyexp_plan(model, x, squarings)
+    cfg, params = model.config, ckks_params_for("polyexp", squarings)
+    assert params.poly_modulus_degree == ring
+    ev = evaluator_for(params, "symbolic")
+    client = SymbolicClient(params, required_rotation_steps(cfg, params, "polyexp", squarings))
+    block = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, cfg, params, max_tokens=64, evaluator=ev)
+    bc = BlockClient.for_model(client, cfg, "polyexp", squarings)
+    cache = block.new_cache()
+    outs = block.prefill(cache, bc.encrypt_input(x), 0, client.server_keys())
+    assert len(cache.k_blocks) > 1 and {ev.level(c) for c in outs} == {1}
+    ys, zs, _ = simulate_block(model.layers[1], model.rotary, x, torch.arange(len(x)), None, plan)
+    err = (finish(*bc.decrypt_output(outs)) - finish(ys, zs)).abs().max().item()
+    assert err < 1e-6, err
+
+
 @pytest.mark.slow
 def test_tiny_polyexp_block_matches_simulator():
     """The whole encrypted block with polyexp at N = 16384 (depth 9) vs the simulator (~40 s)."""

@@ -42,10 +42,11 @@ class ScoreApprox:
     """One layer's score-to-weight map ``f_h`` (per query head h).
 
     Attributes:
-        kind: ``"exact"``, ``"sqexp"`` or ``"2quad"``.
+        kind: ``"exact"``, ``"sqexp"``, ``"2quad"`` or ``"polyexp"``.
         scale: ``a_h`` per query head.
         shift: ``b_h`` per query head.
-        squarings: R for ``sqexp`` (p = (1 + x/2^R)^(2^R)); ignored otherwise.
+        squarings: R for ``sqexp`` (p = (1 + x/2^R)^(2^R)) and ``polyexp`` (degree 2^R - 1 at depth R);
+            ignored otherwise.
         bound: calibrated bound on ``|a_h s + b_h|`` (``inf`` only for ``exact``).
         window: polyexp only: P approximates exp on ``[-window, POLY_HI]`` (0 for the other kinds).
     """

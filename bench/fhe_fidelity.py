@@ -1,7 +1,8 @@
 """Fidelity of the FHE-friendly softmax replacements vs the plaintext model (plaintext simulation).
 
-For each variant (exact softmax through the y/z split, sqexp uncalibrated, sqexp calibrated, 2Quad
-uncalibrated, 2Quad distilled) on the same encrypted layers: next-token top-1 agreement and mean
+For each variant (exact softmax through the y/z split, sqexp uncalibrated, sqexp calibrated or the
+shipped default plan, any saved plan given with ``--extra-plan`` (e.g. polyexp), 2Quad uncalibrated,
+2Quad distilled) on the same encrypted layers: next-token top-1 agreement and mean
 KL(plain || approx) over every answer position of the held-out evaluation prompts (teacher-forced on the
 plaintext model's greedy answer), and how many greedy continuations stay identical. A greedy continuation
 is identical iff the approximated model's argmax agrees at every one of those positions (same inputs by
@@ -39,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=150, help="Adam steps per layer (sqexp)")
     ap.add_argument("--quad-steps", type=int, default=100, help="Adam steps per layer (2quad distillation)")
     ap.add_argument("--default-plan", action="store_true",
-                    help="use the shipped default plan as 'sqexp calibrated' instead of fitting here")
+                    help="use the shipped default plan instead of fitting sqexp R=6 here")
     ap.add_argument("--extra-plan", action="append", default=[], metavar="NAME=PATH",
                     help="also evaluate a saved plan (repeatable)")
     ap.add_argument("--skip-2quad", action="store_true", help="leave out the 2quad variants")
@@ -121,7 +122,8 @@ def main() -> None:
     if args.default_plan:
         plan = load_default_plan()
         plan.check_model(model)
-        variants.append((f"sqexp R=6 calibrated (shipped plan {plan.content_hash[:12]})", plan, 0.0))
+        a = plan.layers[0].approx
+        variants.append((f"{a.kind} R={a.squarings} shipped default (plan {plan.content_hash[:12]})", plan, 0.0))
     else:
         variants.append(("sqexp R=6 calibrated (scale+shift)", *fit_plan(
             model, data, layers, CalibrationConfig(layers, "sqexp", steps=args.steps), "sqexp-cal")))

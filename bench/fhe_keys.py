@@ -1,6 +1,7 @@
-"""Level-aware keys against full keys at the shipped N = 32768 plan, in one run (issue 15, item 3/5).
+"""Level-aware keys against full keys for a plan (default: the shipped one), in one run (issue 15, item 3/5).
 
     flock /tmp/cipherlm-bench.lock nice python bench/fhe_keys.py --context 40
+    flock /tmp/cipherlm-bench.lock nice python bench/fhe_keys.py --plan fhe/data/smollm2-135m-instruct-polyexp.plan.json
 
 One client key pair. "full": every Galois key and the relinearization key at the top of the chain (the
 upload before level-aware keys). "levels": the same secret, each key made at the level where the block
@@ -28,8 +29,8 @@ from engine.loader import load_model
 from fhe.attention import BlockClient, EncryptedAttentionLayer
 from fhe.backends.seal import wire
 from fhe.backends.seal.keys import CKKSClient, _level_blobs
-from fhe.params import ckks_params_for
-from fhe.plan import load_default_plan
+from fhe.params import CKKSParams, ckks_params_for
+from fhe.plan import Plan, load_default_plan
 
 
 def _mb(blobs) -> float:
@@ -42,12 +43,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plan", default=None, help="plan file (default: the shipped plan)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model, plan = load_model(default_model_dir()), load_default_plan()
+    model = load_model(default_model_dir())
+    plan = Plan.load(args.plan) if args.plan else load_default_plan()
     index = plan.layer_indices[0] if args.layer is None else args.layer
     lp = plan.layer(index)
-    params = ckks_params_for(lp.approx.kind, lp.approx.squarings)
+    params = CKKSParams.from_dict(plan.ckks) if plan.ckks else ckks_params_for(lp.approx.kind, lp.approx.squarings)
     layer = EncryptedAttentionLayer.from_plan(model, plan, index, params, max_tokens=1024)
     levels = layer.key_levels
     t = time.perf_counter()
@@ -77,7 +80,8 @@ def main() -> None:
     dec = {n: client.decrypt(c) for n, c in outs.items()}
     y, _ = bc.layout.split_output(dec["full"])
     res = {
-        "date": str(datetime.date.today()), "params": params.to_dict(), "layer": index, "context": args.context,
+        "date": str(datetime.date.today()), "plan": plan.content_hash, "params": params.to_dict(), "layer": index,
+        "context": args.context,
         "levels": {"relin": levels.relin, "galois": {str(s): lv for s, lv in levels.galois}},
         "bytes": {"full": {n: len(b) for n, b in full_up.items()}, "levels": {n: len(b) for n, b in level_up.items()}},
         "total_mb": {"full": _mb(full_up), "levels": _mb(level_up)},

@@ -7,7 +7,11 @@ the client divides after decrypting, so normalization is exact and only ``f`` is
 * ``exact``  ``p = exp(s - rowmax)`` (the plaintext baseline; not computable under CKKS),
 * ``sqexp``  ``p = (1 + x / 2^R) ^ (2^R)`` with ``x = a_h s + b_h``: R squarings of an affine map,
   a good ``exp(x)`` while ``|x| / 2^R`` is well below 1 (and the base stays positive),
-* ``2quad``  ``p = (a_h s + b_h) ^ 2`` (MPCFormer's 2Quad; one squaring).
+* ``2quad``  ``p = (a_h s + b_h) ^ 2`` (MPCFormer's 2Quad; one squaring),
+* ``polyexp`` ``p = P(x)``: the degree ``2^R - 1`` Chebyshev interpolant of ``exp`` on the window
+  ``[-window, POLY_HI]``, evaluated at depth R (``fhe.poly``). R = 5 (degree 31, max error 1e-10 on
+  [-40, 0.5]) is one level shallower than sqexp R=6 and practically exact; R = 4 (degree 15, 4e-4 on
+  [-32, 0.5]) is not enough: its absolute error swamps rows whose weights are all small.
 
 ``bound`` is the calibrated bound on ``|a_h s + b_h|`` over calibration text; the squaring
 approximation is only trusted inside it (see :func:`range_report`). Future (masked) positions
@@ -19,11 +23,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-KINDS = ("exact", "sqexp", "2quad")
+KINDS = ("exact", "sqexp", "2quad", "polyexp")
 #: sqexp's base 1 + x/2^R must stay positive: |x| must stay below this fraction of 2^R.
 SQEXP_MAX_BOUND_FRACTION = 0.75
+#: polyexp's window reaches this far above 0: the fitted shift puts each head's largest x near 0, and a
+#: held-out prompt may go a little past it (outside the window a polynomial leaves exp quickly).
+POLY_HI = 0.5
+#: Default window (lower end -window): max |P - exp| is 1.0e-10 at R = 5 (1.6e-12 for 32; R = 4: 1.7e-3,
+#: 4.0e-4 for 32). SmolLM2's fitted layers reach |x| ~ 27-30, and the bound (1.25x) must stay inside.
+POLY_WINDOW = 40.0
 
 
 @dataclass(frozen=True)
@@ -31,11 +42,13 @@ class ScoreApprox:
     """One layer's score-to-weight map ``f_h`` (per query head h).
 
     Attributes:
-        kind: ``"exact"``, ``"sqexp"`` or ``"2quad"``.
+        kind: ``"exact"``, ``"sqexp"``, ``"2quad"`` or ``"polyexp"``.
         scale: ``a_h`` per query head.
         shift: ``b_h`` per query head.
-        squarings: R for ``sqexp`` (p = (1 + x/2^R)^(2^R)); ignored otherwise.
+        squarings: R for ``sqexp`` (p = (1 + x/2^R)^(2^R)) and ``polyexp`` (degree 2^R - 1 at depth R);
+            ignored otherwise.
         bound: calibrated bound on ``|a_h s + b_h|`` (``inf`` only for ``exact``).
+        window: polyexp only: P approximates exp on ``[-window, POLY_HI]`` (0 for the other kinds).
     """
 
     kind: str
@@ -43,6 +56,7 @@ class ScoreApprox:
     shift: tuple[float, ...]
     squarings: int = 6
     bound: float = math.inf
+    window: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -65,6 +79,10 @@ class ScoreApprox:
         if self.kind == "sqexp" and self.bound > SQEXP_MAX_BOUND_FRACTION * 2 ** self.squarings:
             raise ValueError(f"sqexp bound {self.bound} too large for R={self.squarings}: "
                              f"needs <= {SQEXP_MAX_BOUND_FRACTION} * 2^R so the base stays positive")
+        if (self.kind == "polyexp") != (self.window > 0) or not math.isfinite(self.window):
+            raise ValueError("polyexp needs a finite window > 0, the other kinds none")
+        if self.kind == "polyexp" and self.bound > self.window:
+            raise ValueError(f"polyexp bound {self.bound} exceeds its window {self.window}")
 
     @property
     def num_heads(self) -> int:
@@ -79,34 +97,78 @@ class ScoreApprox:
     def with_params(self, scale, shift, bound: float | None = None) -> ScoreApprox:
         """A copy with new per-head scale/shift (and bound)."""
         return ScoreApprox(self.kind, tuple(scale), tuple(shift), self.squarings,
-                           self.bound if bound is None else bound)
+                           self.bound if bound is None else bound, self.window)
 
     def base_affine(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per head (alpha, beta) with the squared base = alpha * s + beta.
 
-        sqexp: base = 1 + (a s + b)/2^R, so alpha = a/2^R, beta = 1 + b/2^R; 2quad: (a, b).
-        This is what the encrypted block evaluates before its squarings.
+        sqexp: base = 1 + (a s + b)/2^R, so alpha = a/2^R, beta = 1 + b/2^R; 2quad: (a, b);
+        polyexp: the polynomial's variable t = (a s + b - c)/r in [-1, 1] on the window (c, r: its
+        centre and half-width). This is what the encrypted block evaluates before its squarings
+        (or its polynomial).
         """
         if self.kind == "sqexp":
             n = 2.0 ** self.squarings
             return tuple(a / n for a in self.scale), tuple(1.0 + b / n for b in self.shift)
+        if self.kind == "polyexp":
+            c, r = window_affine(self.window)
+            return tuple(a / r for a in self.scale), tuple((b - c) / r for b in self.shift)
         return self.scale, self.shift
 
     @property
     def num_squarings(self) -> int:
         """Squarings the encrypted block performs after the affine map (0 for exact)."""
-        return {"exact": 0, "sqexp": self.squarings, "2quad": 1}[self.kind]
+        return {"exact": 0, "sqexp": self.squarings, "2quad": 1, "polyexp": 0}[self.kind]
+
+    @property
+    def score_depth(self) -> int:
+        """Levels the encrypted block spends on the map after q.k (sqexp/polyexp: R, 2quad: 1)."""
+        return 0 if self.kind == "exact" else 1 if self.kind == "2quad" else self.squarings
+
+    def poly_coefficients(self) -> np.ndarray:
+        """polyexp: P's power-basis coefficients in t (see :meth:`base_affine`), lowest first."""
+        if self.kind != "polyexp":
+            raise ValueError(f"{self.kind} has no polynomial")
+        return exp_poly_coefficients(self.window, 2 ** self.squarings - 1)
 
     def to_dict(self) -> dict:
-        """JSON-ready form (plan metadata)."""
-        return {"kind": self.kind, "scale": list(self.scale), "shift": list(self.shift),
-                "squarings": self.squarings, "bound": self.bound if math.isfinite(self.bound) else None}
+        """JSON-ready form (plan metadata); ``window`` only for polyexp (older plans keep their hash)."""
+        out = {"kind": self.kind, "scale": list(self.scale), "shift": list(self.shift),
+               "squarings": self.squarings, "bound": self.bound if math.isfinite(self.bound) else None}
+        if self.kind == "polyexp":
+            out["window"] = self.window
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> ScoreApprox:
         """Inverse of :meth:`to_dict`."""
         bound = math.inf if d.get("bound") is None else float(d["bound"])
-        return cls(d["kind"], tuple(d["scale"]), tuple(d["shift"]), int(d["squarings"]), bound)
+        return cls(d["kind"], tuple(d["scale"]), tuple(d["shift"]), int(d["squarings"]), bound,
+                   float(d.get("window", 0.0)))
+
+
+def window_affine(window: float) -> tuple[float, float]:
+    """Centre c and half-width r of polyexp's window [-window, POLY_HI] (x = c + r t)."""
+    return (POLY_HI - window) / 2, (POLY_HI + window) / 2
+
+
+def exp_poly_coefficients(window: float, degree: int) -> np.ndarray:
+    """Power-basis coefficients (in t, lowest first) of the Chebyshev interpolant of exp(c + r t).
+
+    Interpolation at the Chebyshev points is within a factor ~2 of the minimax error and fully
+    deterministic (the simulator and the encrypted block use the very same numbers).
+    """
+    c, r = window_affine(window)
+    cheb = np.polynomial.chebyshev.Chebyshev.interpolate(lambda t: np.exp(c + r * t), degree)
+    return np.polynomial.chebyshev.cheb2poly(cheb.coef)
+
+
+def poly_eval(t: torch.Tensor, coeffs: np.ndarray) -> torch.Tensor:
+    """sum_k coeffs[k] t^k by Horner (the plaintext reference of ``fhe.poly``; differentiable)."""
+    y = torch.full_like(t, float(coeffs[-1]))
+    for c in coeffs[-2::-1]:
+        y = y * t + float(c)
+    return y
 
 
 def affine_scores(scores: torch.Tensor, approx: ScoreApprox) -> torch.Tensor:
@@ -149,12 +211,17 @@ def unnormalized_weights(scores: torch.Tensor, approx: ScoreApprox,
         raise ValueError(f"scores have {scores.shape[-3]} heads, approximation has {approx.num_heads}")
     a = torch.tensor(approx.scale, dtype=scores.dtype, device=scores.device)
     b = torch.tensor(approx.shift, dtype=scores.dtype, device=scores.device)
-    return score_map(scores, approx.kind, a, b, approx.squarings, mask)
+    return score_map(scores, approx.kind, a, b, approx.squarings, mask, approx.window)
 
 
 def score_map(scores: torch.Tensor, kind: str, scale: torch.Tensor, shift: torch.Tensor, squarings: int,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`unnormalized_weights` with scale/shift as tensors [Hq] (differentiable, for calibration)."""
+              mask: torch.Tensor | None = None, window: float = 0.0, clamp: bool = False) -> torch.Tensor:
+    """:func:`unnormalized_weights` with scale/shift as tensors [Hq] (differentiable, for calibration).
+
+    ``clamp`` (polyexp, calibration only) holds x inside the window while the fit moves: outside it the
+    polynomial leaves exp by orders of magnitude and its gradients with it. The encrypted block cannot
+    clamp, so a plan is only accepted when its range fits the window unclamped.
+    """
     masked = _masked(scores, mask)
     s = scores.masked_fill(masked, 0.0)
     if kind == "exact":
@@ -162,8 +229,19 @@ def score_map(scores: torch.Tensor, kind: str, scale: torch.Tensor, shift: torch
         p = torch.exp(s - rowmax.clamp_min(torch.finfo(s.dtype).min))
     else:
         x = scale[:, None, None] * s + shift[:, None, None]
-        p = sqexp(x, squarings) if kind == "sqexp" else x * x
+        p = _apply_map(x, kind, squarings, window, clamp)
     return p.masked_fill(masked, 0.0)
+
+
+def _apply_map(x: torch.Tensor, kind: str, squarings: int, window: float, clamp: bool) -> torch.Tensor:
+    if kind == "sqexp":
+        return sqexp(x, squarings)
+    if kind == "polyexp":
+        c, r = window_affine(window)
+        if clamp:  # below only: above the window P still follows exp for a while, and the fit must see it
+            x = x.clamp(min=-window)
+        return poly_eval((x - c) / r, exp_poly_coefficients(window, 2 ** squarings - 1))
+    return x * x
 
 
 def range_report(scores: torch.Tensor, approx: ScoreApprox, mask: torch.Tensor | None = None) -> dict:

@@ -9,7 +9,8 @@ Server side (:class:`EncryptedAttentionLayer`, public keys only), per token at p
 3. q is copied to all B rows; k, v enter the session's current cache block (the block's rows are
    rolled down by one row first, so the newest token is always row 0).
 4. per cache block: ``s = q * K_b`` (relin, rescale), summed over the 64 bands (every band then
-   holds s_hj), ``+ beta_h`` on valid rows, the squarings (sqexp: R; 2quad: 1), then ``p * V_b``.
+   holds s_hj), ``+ beta_h`` on valid rows, the squarings (sqexp: R; 2quad: 1) or the degree 2^R - 1
+   polynomial (polyexp, :mod:`fhe.poly`, depth R), then ``p * V_b``.
 5. sum over blocks (one relinearization), over token rows -> ``u_h = sum_j p_hj v_j`` in row 0,
    and the same row sum of p -> ``z_h``; the output map applies Wo_h per head and places ``y_h``
    and ``z_h`` in the output layout (last level).
@@ -39,6 +40,7 @@ from fhe.kv_cache import EncryptedKVCache
 from fhe.linalg import rotate_sum
 from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import LayerPlan, Plan
+from fhe.poly import PolyEvaluator
 from fhe.simulator import block_weights
 from fhe.sizing import OUTPUT_HEADROOM_BITS, Extent, base_max, fold_scores, value_gain
 from fhe.weight_maps import BlockMaps, block_key_levels, required_key_levels, required_rotation_steps
@@ -61,7 +63,7 @@ class EncryptedAttentionLayer:
     def __init__(self, layer: DecoderLayer, rope: RotaryEmbedding, layer_plan: LayerPlan, cfg: ModelConfig,
                  params: CKKSParams, max_tokens: int = 1024, *, evaluator: Evaluator | None = None) -> None:
         approx = layer_plan.approx
-        if approx.kind not in ("sqexp", "2quad"):
+        if approx.kind not in ("sqexp", "2quad", "polyexp"):
             raise ParameterError(f"approximation {approx.kind!r} has no encrypted form")
         self.geo = Geometry.build(cfg, params, approx.kind, approx.squarings)
         self.ev = evaluator if evaluator is not None else _default_evaluator(params)
@@ -74,13 +76,16 @@ class EncryptedAttentionLayer:
         limit = 2.0 ** (params.coeff_mod_bit_sizes[0] - params.scale_bits - OUTPUT_HEADROOM_BITS)
         # p <= limit / bound keeps y, z below the last prime: g is sized for the worst case at max_tokens
         # here and raised per step to the plan's observed extent at the current context (:meth:`_step_gain`)
-        self._n = 2 ** approx.num_squarings
+        # polyexp: p is a polynomial, not a power of the base, so the gain goes on its coefficients
+        self._poly = approx.poly_coefficients() if approx.kind == "polyexp" else None
+        self._n = 1 if self._poly is not None else 2 ** approx.num_squarings
         # q and k are computed qk_boost times larger; the q.k rescale by a prime of qk_boost^2 * scale
         # brings the product back (1 with uniform primes; a larger q.k prime buys q/k precision)
         self._qk_boost = math.sqrt(self.ev.prime(self.geo.level_qk) / self.ev.scale)
         self._extent = Extent.build(layer_plan, base_max(layer_plan) ** self._n, max(1.0, value_gain(bw)))
         g = (limit / self._extent.worst(max_tokens)) ** (1.0 / self._n)
-        wq, bq, wk, bk, self.beta = fold_scores(bw, layer_plan, g, self._qk_boost)
+        self._p_gain = g if self._poly is not None else 1.0
+        wq, bq, wk, bk, self.beta = fold_scores(bw, layer_plan, g / self._p_gain, self._qk_boost)
         self.maps = BlockMaps.build(self.geo, wq, wk, bw.wv.numpy(), bw.wo.numpy())
         self._v_bias = None if bw.bv is None else bw.bv.numpy()
         # the packed prefill (fhe.packed) builds its per-chunk diagonals from the same folded weights
@@ -121,7 +126,9 @@ class EncryptedAttentionLayer:
         s = delta * delta * self._qk_boost ** 2 / ev.prime(geo.level_qk)   # after q*K rescale (= delta)
         self.scale_s = s
         lvl = geo.level_qk - 1
-        for _ in range(geo.squarings):
+        if self._poly is not None:
+            s = delta          # the polynomial evaluator lands on any scale asked for: the default
+        for _ in range(0 if self._poly is not None else geo.squarings):
             s = s * s / ev.prime(lvl)
             lvl -= 1
         self.scale_p = s
@@ -237,8 +244,21 @@ class EncryptedAttentionLayer:
     def _step_gain(self, tokens: int) -> float:
         """Extra factor (>= 1) on the base at a context of ``tokens``: p is sized for this step's bound on
         max(z, |y|) instead of the setup's worst case, so it sits further above the noise floor."""
+        if self._poly is not None:  # polyexp: the gain is on p itself (:meth:`_poly_eval`), not the base
+            return 1.0
+        return self._size_gain(tokens)
+
+    def _size_gain(self, tokens: int) -> float:
         ext = self._extent
         return (ext.worst(self.max_tokens) / ext.sized(max(1, tokens))) ** (1.0 / self._n)
+
+    def _poly_eval(self, rows: int, tokens: int) -> PolyEvaluator:
+        """P times this step's gain, constants on the first ``rows`` rows (cached within a step)."""
+        key = ("poly", rows, tokens)
+        if key not in self._beta_cache:
+            coeffs = self._poly * (self._p_gain * self._size_gain(tokens))
+            self._beta_cache[key] = PolyEvaluator(self.ev, coeffs, self.scale_p, self.geo.layout.valid(rows))
+        return self._beta_cache[key]
 
     def _beta(self, rows: int, tokens: int):
         """Plaintext beta_h (times the step gain) on the first ``rows`` rows (cached within a step)."""
@@ -258,6 +278,8 @@ class EncryptedAttentionLayer:
         s = rotate_sum(ev, s, lay.band, lay.head_dim, keys)
         ev.set_scale(s, self.scale_s)
         ev.add_plain_inplace(s, self._beta(rows, tokens))
+        if self._poly is not None:
+            return self._poly_eval(rows, tokens)(s, keys)
         for _ in range(self.geo.squarings):
             s = relin_rescale(ev, ev.square(s), keys)
         ev.set_scale(s, self.scale_p)

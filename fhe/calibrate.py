@@ -8,10 +8,11 @@ Procedure (``cipherlm fhe calibrate``; see ``docs/approximations.md``):
    normalized residual times the gain) and the exact attention output (after ``o_proj``);
 3. per layer, independently (block-wise, teacher inputs), Adam minimizes the relative MSE between the
    approximated block's output (exact normalization) and the exact one, over per-head scale and shift
-   (``sqexp``) and, for ``2quad`` with ``distill_weights``, also Wq/Wk/Wv/Wo (and q/k/v biases);
+   (``sqexp``, ``polyexp``) and, for ``2quad`` with ``distill_weights``, also Wq/Wk/Wv/Wo (and q/k/v biases);
    a penalty keeps ``|a s + b|`` inside the range the squarings tolerate;
 4. the fitted range is measured on all calibration positions; ``bound = margin * max|a s + b|`` must fit
-   (sqexp: ``bound <= 0.75 * 2^R``), else :class:`CalibrationError` names the layers that do not.
+   (sqexp: ``bound <= 0.75 * 2^R``; polyexp: ``bound <= window``), else :class:`CalibrationError`
+   names the layers that do not.
 
 Everything is seeded and runs on CPU in minutes for SmolLM2.
 """
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from engine.model import DenseKVCache, LlamaForCausalLM, apply_rope
-from fhe.approx import SQEXP_MAX_BOUND_FRACTION, ScoreApprox, score_map
+from fhe.approx import POLY_HI, POLY_WINDOW, SQEXP_MAX_BOUND_FRACTION, ScoreApprox, score_map
 from fhe.plan import LayerPlan, Plan, PlanError, model_fingerprint
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -43,8 +44,8 @@ class CalibrationConfig:
 
     Attributes:
         layers: encrypted layer indices.
-        kind: ``"sqexp"`` or ``"2quad"``.
-        squarings: R for sqexp.
+        kind: ``"sqexp"``, ``"polyexp"`` or ``"2quad"``.
+        squarings: R for sqexp (squarings) and polyexp (depth: degree 2^R - 1).
         fit: False = uncalibrated (range statistics only: sqexp a=1, b=-max score; 2quad a=1, b=c).
         distill_weights: also fit Wq/Wk/Wv/Wo (2quad only; the plan then carries the weights).
         steps: Adam steps per layer.
@@ -54,7 +55,9 @@ class CalibrationConfig:
         quad_shift: 2Quad's uncalibrated c in (s + c)^2 (MPCFormer uses 5).
         min_denominator: sqexp: penalize rows whose denominator z falls below this (0 = off); a small z
             amplifies CKKS noise in the client's division.
-        max_x: sqexp: penalize a s + b above this (p = (1+x/2^R)^(2^R) must fit CKKS headroom).
+        max_x: sqexp: penalize a s + b above this (p = (1+x/2^R)^(2^R) must fit CKKS headroom);
+            polyexp uses at most ``POLY_HI`` (the top of its window).
+        window: polyexp: P approximates exp on [-window, POLY_HI]; the fitted bound must stay inside.
         num_prompts: calibration prompts used (from the shipped list).
         max_new_tokens: tokens the model generates per prompt.
         seed: torch seed (generation is greedy; this seeds the optimizer's world).
@@ -75,10 +78,11 @@ class CalibrationConfig:
     num_prompts: int = 32
     max_new_tokens: int = 24
     seed: int = 0
+    window: float = POLY_WINDOW
 
     def __post_init__(self) -> None:
-        if self.kind not in ("sqexp", "2quad"):
-            raise ValueError(f"calibration fits sqexp or 2quad, not {self.kind!r}")
+        if self.kind not in ("sqexp", "2quad", "polyexp"):
+            raise ValueError(f"calibration fits sqexp, polyexp or 2quad, not {self.kind!r}")
         if not self.layers or len(set(self.layers)) != len(self.layers) or min(self.layers) < 0:
             raise ValueError(f"layers must be distinct non-negative indices, got {self.layers}")
         if self.distill_weights and self.kind != "2quad":
@@ -88,8 +92,21 @@ class CalibrationConfig:
 
     @property
     def max_bound(self) -> float:
-        """Largest bound the kind tolerates (sqexp: the base 1 + x/2^R stays clearly positive)."""
+        """Largest bound the kind tolerates (sqexp: the base 1 + x/2^R stays clearly positive;
+        polyexp: x stays inside the polynomial's window)."""
+        if self.kind == "polyexp":
+            return self.window
         return SQEXP_MAX_BOUND_FRACTION * 2 ** self.squarings if self.kind == "sqexp" else math.inf
+
+    @property
+    def approx_window(self) -> float:
+        """The window a ScoreApprox of this kind carries (0 unless polyexp)."""
+        return self.window if self.kind == "polyexp" else 0.0
+
+    @property
+    def x_ceiling(self) -> float:
+        """Largest a s + b the fit may reach without a penalty."""
+        return min(self.max_x, POLY_HI) if self.kind == "polyexp" else self.max_x
 
 
 def load_prompts(name: str) -> list[str]:
@@ -157,6 +174,7 @@ class BlockFit(nn.Module):
         attn = model.layers[index].self_attn
         self.hq, self.hkv, self.d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.kind, self.squarings, self.rotary = init.kind, init.squarings, model.rotary
+        self.window = init.window
         self.scale = nn.Parameter(torch.tensor(init.scale))
         self.shift = nn.Parameter(torch.tensor(init.shift))
         self.proj = nn.ModuleDict({n: _copy_linear(getattr(attn, n), train_weights)
@@ -176,13 +194,14 @@ class BlockFit(nn.Module):
         mask = torch.ones(t, t, dtype=torch.bool).triu(1)
         return s, v, mask
 
-    def forward(self, x: torch.Tensor, cached=None):
+    def forward(self, x: torch.Tensor, cached=None, clamp: bool = False):
         """x [B, T, hidden] -> (out [B, T, hidden], s [B, Hq, T, T], mask [T, T], z [B, Hq, T]).
 
-        ``cached`` = ``self.affine(x)`` may be passed when the projections are frozen.
+        ``cached`` = ``self.affine(x)`` may be passed when the projections are frozen; ``clamp``: see
+        :func:`fhe.approx.score_map` (the optimizer's steps only, never the measurement).
         """
         s, v, mask = self.affine(x) if cached is None else cached
-        p = score_map(s, self.kind, self.scale, self.shift, self.squarings, mask)
+        p = score_map(s, self.kind, self.scale, self.shift, self.squarings, mask, self.window, clamp)
         vh = v.repeat_interleave(self.hq // self.hkv, dim=2)            # [B, T, Hq, D]
         z = p.sum(-1)                                                   # [B, Hq, T]
         pv = torch.einsum("bhqk,bkhd->bqhd", p, vh) / z.transpose(1, 2)[..., None]
@@ -191,7 +210,7 @@ class BlockFit(nn.Module):
     def output_extent(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[float, float]:
         """(max z, max over heads h and outputs o of |(sum_j p_hj v_j / z_h) Wo_h[o]|) on valid positions."""
         s, v, mask = self.affine(x)
-        p = score_map(s, self.kind, self.scale, self.shift, self.squarings, mask)
+        p = score_map(s, self.kind, self.scale, self.shift, self.squarings, mask, self.window)
         z = p.sum(-1)                                                   # [B, Hq, T]
         vh = v.repeat_interleave(self.hq // self.hkv, dim=2)
         pv = torch.einsum("bhqk,bkhd->bqhd", p, vh) / z.transpose(1, 2)[..., None]   # [B, T, Hq, D]
@@ -220,24 +239,32 @@ def rel_mse(out: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> tor
 
 
 @torch.no_grad()
-def score_max_per_head(model: LlamaForCausalLM, index: int, data: LayerData) -> torch.Tensor:
-    """Max exact score s per query head over the calibration positions [Hq]."""
+def score_extremes_per_head(model: LlamaForCausalLM, index: int, data: LayerData):
+    """(max, min) exact score s per query head over the calibration positions, each [Hq]."""
     fit = BlockFit(model, index, ScoreApprox.exact(model.config.num_attention_heads), False)
     s, _, mask = fit.affine(data.x)
     keep = (~mask)[None, None] & data.valid[:, None, :, None] & data.valid[:, None, None, :]
-    return s.masked_fill(~keep, -math.inf).amax(dim=(0, 2, 3))
+    return (s.masked_fill(~keep, -math.inf).amax(dim=(0, 2, 3)),
+            s.masked_fill(~keep, math.inf).amin(dim=(0, 2, 3)))
 
 
 def initial_approx(model: LlamaForCausalLM, index: int, data: LayerData,
                    cfg: CalibrationConfig) -> ScoreApprox:
-    """The uncalibrated map: sqexp a=1, b=-max score (x <= 0 on calibration data); 2quad a=1, b=c."""
+    """The uncalibrated map: sqexp/polyexp a=1, b=-max score (x <= 0 on calibration data); 2quad a=1, b=c."""
     hq = model.config.num_attention_heads
-    if cfg.kind == "sqexp":
-        shift = -score_max_per_head(model, index, data)
+    exp_like = cfg.kind in ("sqexp", "polyexp")
+    scale = torch.ones(hq)
+    if exp_like:
+        hi, lo = score_extremes_per_head(model, index, data)
+        shift = -hi
+        if cfg.kind == "polyexp":  # start inside the window: outside it P is far from exp
+            scale = (0.9 * cfg.window / cfg.margin / (hi - lo).clamp_min(1e-6)).clamp(max=1.0)
+            shift = -scale * hi
     else:
         shift = torch.full((hq,), cfg.quad_shift)
-    placeholder = cfg.max_bound if cfg.kind == "sqexp" else 1.0
-    return ScoreApprox(cfg.kind, (1.0,) * hq, tuple(shift.tolist()), cfg.squarings, placeholder)
+    placeholder = cfg.max_bound if exp_like else 1.0
+    return ScoreApprox(cfg.kind, tuple(scale.tolist()), tuple(shift.tolist()), cfg.squarings, placeholder,
+                       cfg.approx_window)
 
 
 def fit_layer(model: LlamaForCausalLM, index: int, data: LayerData, cfg: CalibrationConfig):
@@ -261,7 +288,8 @@ def fit_layer(model: LlamaForCausalLM, index: int, data: LayerData, cfg: Calibra
             "fits": bound <= cfg.max_bound, "seconds": round(time.perf_counter() - start, 2)}
     if not info["fits"]:
         return None, info
-    approx = ScoreApprox(cfg.kind, tuple(fit.scale.tolist()), tuple(fit.shift.tolist()), cfg.squarings, bound)
+    approx = ScoreApprox(cfg.kind, tuple(fit.scale.tolist()), tuple(fit.shift.tolist()), cfg.squarings, bound,
+                         cfg.approx_window)
     weights = _adjusted_weights(fit) if cfg.distill_weights else {}
     return LayerPlan(index, approx, (lo, hi), weights, extent), info
 
@@ -279,7 +307,7 @@ def _optimize(fit: BlockFit, data: LayerData, cfg: CalibrationConfig) -> list[fl
             cached = fit.affine(data.x)
     losses = []
     for _ in range(cfg.steps):
-        out, s, mask, z = fit(data.x, cached)
+        out, s, mask, z = fit(data.x, cached, clamp=True)
         loss = rel_mse(out, data.target, data.valid)
         total = loss + _range_penalty(fit.x_range(s, mask, data.valid), cap, cfg)
         if cfg.min_denominator > 0:
@@ -293,10 +321,10 @@ def _optimize(fit: BlockFit, data: LayerData, cfg: CalibrationConfig) -> list[fl
 
 
 def _range_penalty(x: torch.Tensor, cap: float, cfg: CalibrationConfig) -> torch.Tensor:
-    """Mean squared excess of |x| over ``cap`` and of x over ``cfg.max_x`` (sqexp only)."""
+    """Mean squared excess of |x| over ``cap`` and of x over ``cfg.x_ceiling`` (sqexp, polyexp)."""
     if not math.isfinite(cap):
         return x.new_zeros(())
-    return torch.relu(x.abs() - cap).pow(2).mean() + torch.relu(x - cfg.max_x).pow(2).mean()
+    return torch.relu(x.abs() - cap).pow(2).mean() + torch.relu(x - cfg.x_ceiling).pow(2).mean()
 
 
 def _adjusted_weights(fit: BlockFit) -> dict[str, torch.Tensor]:
@@ -333,7 +361,7 @@ def calibrate(model: LlamaForCausalLM, tokenizer, cfg: CalibrationConfig, model_
         raise CalibrationError(f"score range of layers {bad} does not fit {cfg.kind} with R={cfg.squarings} "
                                f"(bound must be <= {cfg.max_bound:g}); encrypt other layers or raise R")
     meta = {"kind": cfg.kind, "fit": cfg.fit, "distill_weights": cfg.distill_weights, "steps": cfg.steps,
-            "min_denominator_target": cfg.min_denominator, "max_x": cfg.max_x,
+            "min_denominator_target": cfg.min_denominator, "max_x": cfg.x_ceiling,
             "seed": cfg.seed, "margin": cfg.margin, "num_sequences": len(seqs),
             "num_positions": sum(map(len, seqs)), "max_new_tokens": cfg.max_new_tokens,
             "prompts": "fhe/data/calibration_prompts.txt",

@@ -13,7 +13,7 @@ import numpy as np
 from engine.config import ModelConfig
 from fhe.errors import ParameterError, ShapeError
 from fhe.packing import BandLayout
-from fhe.params import CKKSParams, block_depth
+from fhe.params import CKKSParams, block_depth, score_depth
 
 
 def packed_chunk_of(lay: BandLayout) -> int:
@@ -54,7 +54,7 @@ class Geometry:
         period = lay.band
         while period < lay.hidden:
             period *= 2
-        geo = cls(params, lay, period, squarings if kind == "sqexp" else 1)
+        geo = cls(params, lay, period, score_depth(kind, squarings))
         if params.slots % period or geo.k_pos(lay.num_kv_heads - 1, geo.bands_per_period - 1) >= lay.band:
             raise ShapeError(f"model shape {lay} does not fit the band layout at "
                              f"N = {params.poly_modulus_degree}")

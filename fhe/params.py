@@ -6,7 +6,8 @@ size log2(Q) (special prime included) must not exceed ``HE_STANDARD_128[N]``. SE
 table (``CoeffModulus.MaxBitCount(N, tc128)``), and :class:`CKKSParams` checks it again on construction.
 
 Depth of the block (see ``docs/fhe.md``): projection (1) + RoPE/repack (1) + q.k (1) + the
-approximation's squarings + weighted sum with V (1) + output projection (1).
+approximation's levels (sqexp: R squarings, polyexp: R for its degree 2^R - 1 polynomial, 2quad: 1)
++ weighted sum with V (1) + output projection (1).
 """
 
 from __future__ import annotations
@@ -91,11 +92,17 @@ class CKKSParams:
 
 def block_depth(kind: str, squarings: int) -> int:
     """Multiplicative depth of the encrypted attention block for one approximation kind."""
-    if kind == "sqexp":
-        return BASE_DEPTH + squarings
+    return BASE_DEPTH + score_depth(kind, squarings)
+
+
+def score_depth(kind: str, squarings: int) -> int:
+    """Levels the approximation spends after q.k: R squarings (sqexp), a degree 2^R - 1 polynomial
+    at depth R (polyexp, ``fhe.poly``), one squaring (2quad)."""
+    if kind in ("sqexp", "polyexp"):
+        return squarings
     if kind == "2quad":
-        return BASE_DEPTH + 1
-    raise ParameterError(f"approximation {kind!r} cannot run under CKKS (only sqexp and 2quad)")
+        return 1
+    raise ParameterError(f"approximation {kind!r} cannot run under CKKS (only sqexp, polyexp and 2quad)")
 
 
 def ckks_params_for(kind: str, squarings: int = 6) -> CKKSParams:

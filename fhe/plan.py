@@ -34,6 +34,10 @@ FORMAT_VERSION = 1
 PLAN_JSON = "plan.json"
 WEIGHTS_FILE = "weights.safetensors"
 DEFAULT_PLAN_FILE = "smollm2-135m-instruct.plan.json"
+#: The shipped plans by name: the default (sqexp R=6, depth 11, N = 32768) and ``polyexp`` (a degree-31
+#: exp at depth 10, N = 32768: closer to the model, 17 % smaller keys, a 23 % slower decode step; see
+#: docs/benchmarks.md "polyexp"), an option (``[private] plan = ...``, ``plan-info polyexp``).
+SHIPPED_PLANS = {"default": DEFAULT_PLAN_FILE, "polyexp": "smollm2-135m-instruct-polyexp.plan.json"}
 #: adjusted weights a plan may carry, relative to ``layers[i].self_attn``
 ADJUSTABLE = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
               "q_proj.bias", "k_proj.bias", "v_proj.bias")
@@ -180,8 +184,15 @@ class Plan:
 
 
 def default_plan_path() -> Path:
-    """The shipped sqexp plan for the default model (SmolLM2-135M-Instruct, layers 2-5)."""
-    return Path(__file__).parent / "data" / DEFAULT_PLAN_FILE
+    """The shipped default plan for the default model (SmolLM2-135M-Instruct, layers 2-5)."""
+    return shipped_plan_path("default")
+
+
+def shipped_plan_path(name: str) -> Path:
+    """A shipped plan by name (:data:`SHIPPED_PLANS`); PlanError for an unknown name."""
+    if name not in SHIPPED_PLANS:
+        raise PlanError(f"no shipped plan {name!r} (shipped: {sorted(SHIPPED_PLANS)})")
+    return Path(__file__).parent / "data" / SHIPPED_PLANS[name]
 
 
 def load_default_plan() -> Plan:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fhe.approx import POLY_HI
 from fhe.plan import LayerPlan
 from fhe.simulator import BlockWeights
 
@@ -20,6 +21,9 @@ from fhe.simulator import BlockWeights
 OUTPUT_HEADROOM_BITS = 2
 #: Margin over the plan's observed max of a s + b when sizing p (calibration's own margin is 1.25).
 X_MARGIN = 1.5
+#: polyexp: P's largest value is exp of the window's top or of the observed max x, if higher (the fit may
+#: end a little above the window, where P still follows exp); this margin covers a held-out x above that.
+P_MARGIN = 1.5
 #: Margin over the plan's observed largest denominator and normalized output when sizing p.
 OUTPUT_MARGIN = 2.0
 
@@ -31,6 +35,9 @@ def base_max(plan: LayerPlan) -> float:
     x_hi = approx.bound
     if plan.observed_range is not None:
         x_hi = min(approx.bound, X_MARGIN * max(abs(plan.observed_range[1]), 1.0))
+    if approx.kind == "polyexp":  # p itself (the block raises the base to the power 1 here)
+        top = POLY_HI if plan.observed_range is None else max(POLY_HI, plan.observed_range[1])
+        return math.exp(top) * P_MARGIN
     return 1.0 + x_hi / 2 ** approx.squarings if approx.kind == "sqexp" else max(approx.bound, 1e-6)
 
 

@@ -17,8 +17,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal = fsub.add_parser("calibrate", help="fit an FHE-friendly softmax replacement and write a plan")
     cal.add_argument("--model", default="default", help="'default', a model folder or a .gguf file")
     cal.add_argument("--layers", default="2,3,4,5", help="encrypted layers, comma-separated")
-    cal.add_argument("--approx", choices=("sqexp", "2quad"), default="sqexp")
-    cal.add_argument("--squarings", type=int, default=6, help="R in (1 + x/2^R)^(2^R) (sqexp)")
+    cal.add_argument("--approx", choices=("sqexp", "polyexp", "2quad"), default="sqexp")
+    cal.add_argument("--squarings", type=int, default=None,
+                     help="R: sqexp (1 + x/2^R)^(2^R) (default 6); polyexp degree 2^R - 1 at depth R (default 5)")
+    cal.add_argument("--window", type=float, default=None,
+                     help="polyexp: P approximates exp on [-window, 0.5] (default 40)")
     cal.add_argument("--no-fit", action="store_true", help="uncalibrated: measure the range only")
     cal.add_argument("--distill-weights", action="store_true", help="2quad: also distill Wq/Wk/Wv/Wo")
     cal.add_argument("--steps", type=int, default=150, help="Adam steps per layer")
@@ -54,8 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--out", required=True, help="offload plan .json file")
     off.set_defaults(func=_offload_plan)
     info = fsub.add_parser("plan-info", help="verify a plan (hash, version) and summarize it")
-    info.add_argument("plan", help="plan folder or .json file ('default' = the shipped SmolLM2 plan, "
-                                   "'offload' = the shipped SmolLM2 offload plan); offload plans are recognized")
+    info.add_argument("plan", help="plan folder or .json file, or a shipped plan by name: 'default' (the SmolLM2 "
+                                   "sqexp plan), 'polyexp' (its polyexp option) or 'offload' (the SmolLM2 offload "
+                                   "plan); offload plans are recognized")
     info.add_argument("--json", action="store_true", help="print the full metadata as JSON")
     info.add_argument("--context", type=int, default=64, help="keys per decoded token, for the work split")
     info.set_defaults(func=_plan_info)
@@ -72,12 +76,15 @@ def _load_model_and_tokenizer(spec: str):
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from fhe.approx import POLY_WINDOW
     from fhe.calibrate import CalibrationConfig, calibrate
     from fhe.plan import PlanError
 
+    squarings = args.squarings if args.squarings is not None else 5 if args.approx == "polyexp" else 6
     try:
         cfg = CalibrationConfig(layers=tuple(int(v) for v in args.layers.split(",")), kind=args.approx,
-                                squarings=args.squarings, fit=not args.no_fit,
+                                squarings=squarings, fit=not args.no_fit,
+                                window=POLY_WINDOW if args.window is None else args.window,
                                 distill_weights=args.distill_weights, steps=args.steps, margin=args.margin,
                                 num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                                 min_denominator=args.min_denominator)
@@ -197,7 +204,8 @@ def _offload_info(args: argparse.Namespace) -> int:
 
 
 def _plan_info(args: argparse.Namespace) -> int:
-    from fhe.plan import Plan, PlanError, default_plan_path
+    from fhe.approx import POLY_HI
+    from fhe.plan import SHIPPED_PLANS, Plan, PlanError, shipped_plan_path
 
     if args.context < 1:
         print("cipherlm: error: --context must be >= 1", file=sys.stderr)
@@ -205,7 +213,7 @@ def _plan_info(args: argparse.Namespace) -> int:
     if _is_offload_plan(args.plan):
         return _offload_info(args)
     try:
-        plan = Plan.load(default_plan_path() if args.plan == "default" else Path(args.plan))
+        plan = Plan.load(shipped_plan_path(args.plan) if args.plan in SHIPPED_PLANS else Path(args.plan))
     except PlanError as exc:
         print(f"cipherlm: error: {exc}", file=sys.stderr)
         return 2
@@ -218,7 +226,8 @@ def _plan_info(args: argparse.Namespace) -> int:
         a = lp.approx
         rng = "" if lp.observed_range is None else "  range [{:.2f}, {:.2f}]".format(*lp.observed_range)
         extra = f"  adjusted: {', '.join(sorted(lp.weights))}" if lp.weights else ""
-        print(f"  layer {lp.index}: {a.kind} R={a.squarings} bound {a.bound:.2f}{rng}{extra}")
+        window = f" window [-{a.window:g}, {POLY_HI:g}]" if a.kind == "polyexp" else ""
+        print(f"  layer {lp.index}: {a.kind} R={a.squarings}{window} bound {a.bound:.2f}{rng}{extra}")
     print(f"ckks: {json.dumps(dict(plan.ckks)) if plan.ckks else '(none recorded)'}")
     _partial_costs(plan, args.context)
     return 0

@@ -121,7 +121,7 @@ def test_smollm2_block_matches_simulator(default_model_dir):
     params = CKKSParams.from_dict(plan.ckks)
     server = EncryptedAttentionLayer(model.layers[3], model.rotary, lp, model.config, params, max_tokens=64)
     client = CKKSClient(params, sorted(server.rotation_steps))
-    bc = BlockClient.for_model(client, model.config)
+    bc = BlockClient.for_model(client, model.config, lp.approx.kind, lp.approx.squarings)
     y, z = bc.decrypt_output(server.prefill(server.new_cache(), bc.encrypt_input(x), 0, client.server_keys()))
     ys, zs, _ = simulate_block(model.layers[3], model.rotary, x, torch.arange(len(ids)), None, lp)
     err = (finish(y, z) - finish(ys, zs)).abs().max().item()

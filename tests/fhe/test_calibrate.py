@@ -113,7 +113,9 @@ def test_cli_plan_info(tmp_path, capsys):
     from server.cli import main
 
     assert main(["fhe", "plan-info", "default"]) == 0
-    assert "layer 2: sqexp" in capsys.readouterr().out
+    assert "layer 2: sqexp R=6" in capsys.readouterr().out
+    assert main(["fhe", "plan-info", "polyexp"]) == 0                 # the polyexp option
+    assert "layer 2: polyexp R=5 window [-40, 0.5]" in capsys.readouterr().out
     bad = tmp_path / "bad.json"
     doc = json.loads(load_default_plan().save(bad).read_text())
     doc["layers"][0]["approx"]["shift"][0] += 1.0

@@ -124,14 +124,30 @@ def test_check_model():
         Plan("tiny", model_fingerprint(model), (LayerPlan(5, a),)).check_model(model)
 
 
-def test_default_plan_ships_and_verifies():
-    plan = load_default_plan()
-    assert default_plan_path().suffix == ".json"
+@pytest.mark.parametrize("name,kind,depth", [("default", "sqexp", 11), ("polyexp", "polyexp", 10)])
+def test_shipped_plans_ship_and_verify(name, kind, depth):
+    from fhe.params import CKKSParams, block_depth
+    from fhe.plan import shipped_plan_path
+
+    plan = Plan.load(shipped_plan_path(name))
+    assert shipped_plan_path(name).suffix == ".json"
     assert plan.model_id == "SmolLM2-135M-Instruct" and len(plan.layers) >= 4
     for lp in plan.layers:
-        assert lp.approx.kind == "sqexp" and lp.approx.num_heads == 9 and not lp.weights
+        assert lp.approx.kind == kind and lp.approx.num_heads == 9 and not lp.weights
         lo, hi = lp.observed_range
-        assert max(abs(lo), abs(hi)) <= lp.approx.bound <= 0.75 * 2 ** lp.approx.squarings
+        limit = lp.approx.window if kind == "polyexp" else 0.75 * 2 ** lp.approx.squarings
+        assert max(abs(lo), abs(hi)) <= lp.approx.bound <= limit
+        assert block_depth(kind, lp.approx.squarings) == depth
         z_max, out_max = lp.observed_output                # the encrypted block sizes its values by these
         assert 0.5 < z_max < 20 and 0.5 < out_max < 50
-    assert plan.ckks["poly_modulus_degree"] >= 16384
+    params = CKKSParams.from_dict(plan.ckks)
+    assert params.depth == depth and params.poly_modulus_degree == 32768
+
+
+def test_default_plan_is_the_shipped_default():
+    assert load_default_plan().content_hash == Plan.load(default_plan_path()).content_hash
+    assert default_plan_path().name == "smollm2-135m-instruct.plan.json"   # server/private/feature.py names it
+    with pytest.raises(PlanError):
+        from fhe.plan import shipped_plan_path
+
+        shipped_plan_path("n4096")

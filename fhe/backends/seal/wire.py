@@ -76,7 +76,10 @@ def _unpack(data: bytes, kind: str, params: CKKSParams, fingerprint: str | None,
     if length != len(data) - _HEAD.size:
         raise WireError(f"declared payload length {length} != {len(data) - _HEAD.size}")
     if p_hash.hex() != params_hash(params):
-        raise KeyMismatchError(f"{kind} was made for other CKKS parameters")
+        # a plan change (e.g. the default plan's ring or prime chain) makes old key sets useless: say so
+        raise KeyMismatchError(f"{kind} was made for other CKKS parameters than this plan's (N = "
+                               f"{params.poly_modulus_degree}, {len(params.coeff_mod_bit_sizes)} primes, "
+                               f"params {params_hash(params)[:16]}...): make keys for the current manifest")
     if fingerprint is not None and fp.hex() != fingerprint:
         raise KeyMismatchError(f"{kind} belongs to another key set")
     payload = bytes(data[_HEAD.size:])

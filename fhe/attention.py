@@ -254,10 +254,17 @@ class EncryptedAttentionLayer:
 
     def _poly_eval(self, rows: int, tokens: int) -> PolyEvaluator:
         """P times this step's gain, constants on the first ``rows`` rows (cached within a step)."""
-        key = ("poly", rows, tokens)
+        return self.poly_evaluator(("rows", rows), lambda: self.geo.layout.valid(rows), tokens)
+
+    def poly_evaluator(self, key, mask, tokens: int) -> PolyEvaluator:
+        """polyexp: P times the gain at a context of ``tokens``, its constants on the slots of ``mask()``
+        (cached under ``key`` within a step; a packed chunk passes its own rows)."""
+        key = ("poly", key, tokens)
         if key not in self._beta_cache:
+            if len(self._beta_cache) > 64:
+                self._beta_cache.clear()
             coeffs = self._poly * (self._p_gain * self._size_gain(tokens))
-            self._beta_cache[key] = PolyEvaluator(self.ev, coeffs, self.scale_p, self.geo.layout.valid(rows))
+            self._beta_cache[key] = PolyEvaluator(self.ev, coeffs, self.scale_p, mask())
         return self._beta_cache[key]
 
     def _beta(self, rows: int, tokens: int):

@@ -189,13 +189,20 @@ class PackedPrefill:
         return self.ev.encode(vec, self.geo.level_qk - 1, layer.scale_s)
 
     # --- scores --------------------------------------------------------------------------------
-    def _p(self, q: Ciphertext, k_b: Ciphertext, beta, keys: EvalKeys) -> Ciphertext:
-        """The decode step's score path: q.K, band sums, + beta, squarings -> p at level_p."""
+    def _p(self, q: Ciphertext, k_b: Ciphertext, beta, rows: np.ndarray, tokens: int, keys: EvalKeys) -> Ciphertext:
+        """The decode step's score path: q.K, band sums, + beta, squarings (or polyexp's P) -> p at level_p.
+
+        polyexp carries its gain on P, not on q/beta, so one gain serves the whole chunk (that of its
+        last position, ``tokens``: the smallest, so no row's p overflows): the same factor on a query
+        row's every p keeps y/z exact.
+        """
         layer, ev, lay = self.layer, self.ev, self.geo.layout
         s = relin_rescale(ev, ev.mul(q, k_b), keys)
         s = rotate_sum(ev, s, lay.band, lay.head_dim, keys)
         ev.set_scale(s, layer.scale_s)
         ev.add_plain_inplace(s, beta)
+        if layer._poly is not None:  # constants only where a score sits: masked rows get p = 0
+            return layer.poly_evaluator(("packed", rows.tobytes()), lambda: self._rows_mask(rows), tokens)(s, keys)
         for _ in range(self.geo.squarings):
             s = relin_rescale(ev, ev.square(s), keys)
         ev.set_scale(s, layer.scale_p)
@@ -219,7 +226,8 @@ class PackedPrefill:
                 rows = np.arange(delta, min(n + delta, rows_b))   # key rows whose query is delta rows up
                 if rows.size == 0:
                     continue
-                p = self._p(self._masked(shifted, rows), k_b, self._beta(rows, pos[rows - delta]), keys)
+                p = self._p(self._masked(shifted, rows), k_b, self._beta(rows, pos[rows - delta]), rows,
+                            int(pos.max()) + 1, keys)
                 pv.append(ev.mul(p, v_b))
                 ps.append(p)
             down_pv.append(pv)
@@ -248,7 +256,7 @@ class PackedPrefill:
             for delta in range(1, n):
                 k_s, v_s = ev.rotate(k_s, -Hq, keys), ev.rotate(v_s, -Hq, keys)
                 rows = np.arange(delta, n)
-                p = self._p(self._masked(q, rows), k_s, self._beta(rows, pos[rows]), keys)
+                p = self._p(self._masked(q, rows), k_s, self._beta(rows, pos[rows]), rows, int(pos.max()) + 1, keys)
                 pv.append(ev.mul(p, v_s))
                 ps.append(p)
         return pv, ps

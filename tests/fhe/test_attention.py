@@ -41,11 +41,13 @@ def calibrated_plan(model, layer: int, x: torch.Tensor, kind: str) -> LayerPlan:
     q, k, _ = project_qkv(block_weights(model.layers[layer], None), x.double(), pos, model.rotary)
     s = gqa_scores(q, k).masked_fill(causal_mask(pos, len(pos)), float("-inf"))
     hq = s.shape[0]
-    if kind == "sqexp":
+    if kind in ("sqexp", "polyexp"):
         shift = -s.amax(dim=(1, 2))
         xs = s + shift[:, None, None]
         lo, hi = xs[torch.isfinite(xs)].min().item(), xs.max().item()
-        approx = ScoreApprox("sqexp", (1.0,) * hq, tuple(shift.tolist()), 6, 1.25 * max(abs(lo), abs(hi)))
+        bound = 1.25 * max(abs(lo), abs(hi))
+        extra = {"squarings": 5, "window": max(40.0, bound)} if kind == "polyexp" else {"squarings": 6}
+        approx = ScoreApprox(kind, (1.0,) * hq, tuple(shift.tolist()), bound=bound, **extra)
     else:
         xs = s + 5.0
         lo, hi = xs[torch.isfinite(xs)].min().item(), xs.max().item()

@@ -38,7 +38,7 @@ def reference(model, plan, x):
     return finish(ys, zs)
 
 
-@pytest.mark.parametrize("kind,prompt", [("2quad", 30), ("sqexp", 45)])
+@pytest.mark.parametrize("kind,prompt", [("2quad", 30), ("sqexp", 45), ("polyexp", 45)])
 def test_packed_prefill_equals_the_token_path_and_the_simulator(kind, prompt):
     """Chunks of B tokens (21 at N = 16384, 42 at 32768): a full one, then one that also attends to the
     earlier block, every operation level/scale-checked; then decode steps on the packed cache equal those

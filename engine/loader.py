@@ -317,7 +317,9 @@ def quantized_state(model: LlamaForCausalLM) -> tuple[dict[str, torch.Tensor], d
     """(tensors to save, {layer name: {"kind", "group_size", "planes"}}) of a quantized model."""
     state: dict[str, torch.Tensor] = {}
     layers: dict[str, dict] = {}
-    for name, mod in model.named_modules():
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if name.startswith("model.embed_tokens."):  # a tied lookup over the head: saved as lm_head
+            continue
         if isinstance(mod, Int4Linear):
             state.update(_int4_tensors(name, mod))
             layers[name] = {"kind": mod.kind, "group_size": mod.group_size, "planes": len(mod.planes)}

@@ -17,6 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     msub = model.add_subparsers(dest="model_command", required=True)
     pull = msub.add_parser("pull", help="download and cache the default model (SmolLM2-135M-Instruct)")
     pull.add_argument("--force", action="store_true", help="pull again even if cached")
+    pull.add_argument("--native", action="store_true",
+                      help="cache the GGUF's Q4_1 blocks as they are (for weight_format='native') instead of fp32")
     pull.set_defaults(func=_pull)
     msub.add_parser("list", help="list cached models").set_defaults(func=_list)
     info = msub.add_parser("info", help="shapes and sizes of a model")
@@ -63,9 +65,9 @@ def resolve_model(spec: str) -> Path:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from engine.default_model import pull
+    from engine.default_model import pull, pull_native
 
-    print(pull(force=args.force))
+    print((pull_native if args.native else pull)(force=args.force))
     return 0
 
 

@@ -55,8 +55,9 @@ def resident_bytes(model) -> int:
             tensors += m.quant_tensors()
     seen = {}
     for t in tensors:
-        if t.device.type != "meta":
-            seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+        if t.device.type != "meta":  # oneDNN's packed tensors have no data_ptr: keyed by identity
+            key = ("id", id(t)) if t.is_mkldnn else (t.data_ptr(), t.numel())
+            seen[key] = t.numel() * t.element_size()
     return sum(seen.values())
 
 

@@ -1,8 +1,8 @@
 """Quantized weights on the CPU, real default model, every format in one run (issue 19, CPU rows).
 
 Per weight format (``fp32``: the dequantized default; ``q4_1``: the GGUF's Q4_1 blocks and its Q8_0
-tied embedding/head run natively; ``int8``: per-channel RTN; ``int4``/``int4-g64``: group-wise RTN of
-the fp32 weights):
+tied embedding/head run natively; ``int8``: group-wise (32) RTN; ``int8-channel``: per-channel RTN;
+``int4``/``int4-g64``: group-wise RTN of the fp32 weights, the head at group-wise int8):
 
 * quality against the fp32 model — mean KL(fp32 || format) and greedy (top-1) agreement, teacher-forced
   on every position of held-out chat prompts plus the fp32 model's greedy continuations, and perplexity
@@ -38,7 +38,8 @@ def load_formats(names: list[str]):
 
     fp32_dir = default_model_dir()
     spec = {"fp32": (fp32_dir, "fp32", 32), "q4_1": (pull_native(), "native", 32),
-            "int8": (fp32_dir, "int8", 32), "int4": (fp32_dir, "int4", 32), "int4-g64": (fp32_dir, "int4", 64)}
+            "int8": (fp32_dir, "int8", 32), "int8-channel": (fp32_dir, "int8-channel", 32),
+            "int4": (fp32_dir, "int4", 32), "int4-g64": (fp32_dir, "int4", 64)}
     return {n: load_model(spec[n][0], weight_format=spec[n][1], group_size=spec[n][2]) for n in names}, fp32_dir
 
 
@@ -155,7 +156,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--formats", default="fp32,q4_1,int8,int4,int4-g64")
+    ap.add_argument("--formats", default="fp32,q4_1,int8,int8-channel,int4,int4-g64")
     args = ap.parse_args()
     from engine.threads import configure
 

@@ -104,9 +104,9 @@ class EngineConfig:
             faster few-row products, one extra copy of the weights in memory).
         weight_format: what the linears hold when a model is loaded from a path (engine.quant, CPU
             only): "fp32" (default: everything dequantized), "native" (a GGUF's Q4_1/Q8_0/Q4_K blocks or
-            a ``cipherlm model quantize`` folder run as stored), "int8" (per-channel RTN at load) or
-            "int4" (group-wise RTN at load, ``weight_group_size`` columns per scale).
-        weight_group_size: columns per scale of "int4" (32, 64, 128 or 256).
+            a ``cipherlm model quantize`` folder run as stored), "int8" (group-wise RTN at load),
+            "int8-channel" (per-channel RTN) or "int4" (group-wise RTN, the head at int8).
+        weight_group_size: columns per scale of "int4" / "int8" (32, 64, 128 or 256).
         seed: seed of the generator used by requests without their own seed.
     """
 

@@ -10,7 +10,8 @@ tokenizer files. A GGUF file is dequantized on load through transformers' GGUF r
 * ``native`` — quantized tensors stay as stored: a GGUF's Q4_1 / Q8_0 / Q4_K blocks (read with
   ``gguf.GGUFReader``, decoded into ``engine.quant`` layers without an fp32 copy), or a folder written by
   :func:`save_quantized_folder` (``cipherlm model quantize``); an fp32 source stays fp32;
-* ``int8`` / ``int4`` — load fp32, then round-to-nearest quantize every linear (``engine.quant``).
+* ``int8`` / ``int8-channel`` / ``int4`` — load fp32, then round-to-nearest quantize every linear
+  (``engine.quant``; int4 keeps the head at int8).
 """
 
 from __future__ import annotations
@@ -299,7 +300,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
 # ---- quantized folders (``cipherlm model quantize``) -----------------------------------------------
 # Portable layout, not the kernel's: int4 ``qweight`` [N, K/2] uint8 with column 2i in the low nibble and
 # 2i+1 in the high one, ``scales``/``offsets`` [N, K/group] (w = scale * u + offset); two planes (Q8_0)
-# add ``.1`` to the names; int8 ``qweight`` [N, K] int8 with ``scales`` [N].
+# add ``.1`` to the names; int8-channel ``qweight`` [N, K] int8 with ``scales`` [N].
 QUANT_METHOD = "cipherlm"
 
 
@@ -325,7 +326,7 @@ def quantized_state(model: LlamaForCausalLM) -> tuple[dict[str, torch.Tensor], d
             layers[name] = {"kind": mod.kind, "group_size": mod.group_size, "planes": len(mod.planes)}
         elif isinstance(mod, Int8Linear):
             state[f"{name}.qweight"], state[f"{name}.scales"] = mod.q, mod.scale
-            layers[name] = {"kind": "int8"}
+            layers[name] = {"kind": "int8-channel"}
         if isinstance(mod, QuantLinear) and mod.bias is not None:
             state[f"{name}.bias"] = mod.bias.detach()
     quant_prefixes = tuple(f"{n}." for n in layers)
@@ -369,7 +370,7 @@ def quantized_layers(state: dict[str, torch.Tensor], layers: dict[str, dict], so
     out: dict[str, QuantLinear] = {}
     for name, spec in layers.items():
         try:
-            if spec["kind"] == "int8":
+            if spec["kind"] == "int8-channel":
                 out[name] = Int8Linear(state.pop(f"{name}.qweight"), state.pop(f"{name}.scales"))
             else:
                 out[name] = _load_int4(state, name, spec)

@@ -6,10 +6,12 @@ Formats (``WEIGHT_FORMATS``), all weight-only (activations stay fp32 between lay
   input columns: ``w = scale * u + offset``, ``u`` in 0..15. GGUF's Q4_1 (group 32, fp16 ``d``/``m``) and
   Q4_K (super-blocks of 256 with 6-bit sub-block scales and mins, decoded here to one fp32
   scale/offset per group of 32) are the same arithmetic, so they load into the same layer unchanged.
-* ``int8`` — 8-bit symmetric round-to-nearest with one scale per output channel.
-* GGUF Q8_0 (int8 with an fp16 scale per 32 columns) is split exactly into two 4-bit planes,
-  ``q = 16 * hi + lo`` (``hi`` in -8..7, ``lo`` in 0..15), each an :class:`Int4Linear` plane with its own
-  group scales: the sum of the two planes' products is the Q8_0 product, at one byte per weight.
+* ``int8`` — 8-bit symmetric round-to-nearest with one scale per group of columns, and GGUF Q8_0 (int8
+  with an fp16 scale per 32 columns): split exactly into two 4-bit planes, ``q = 16 * hi + lo`` (``hi`` in
+  -8..7, ``lo`` in 0..15), each an :class:`Int4Linear` plane with its own group scales: the sum of the
+  two planes' products is the int8 product, at one byte per weight, on the int4 kernel.
+* ``int8-channel`` — 8-bit symmetric with one scale per output channel (``aten._weight_int8pack_mm``).
+* ``int4`` keeps the LM head at group-wise int8 (:data:`HEAD_FORMAT`).
 
 The matmul: torch's packed CPU kernels. ``aten._weight_int4pack_mm_for_cpu`` (AVX-512, group-wise
 scales and zero points in bf16, activations in bf16) runs a one-row product of a SmolLM2 MLP projection
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_FORMATS = ("fp32", "native", "int8", "int4")
+WEIGHT_FORMATS = ("fp32", "native", "int8", "int8-channel", "int4")
 KERNEL_MAX_ROWS = 16
 _ROW_BLOCK = 64  # the int4 CPU layout interleaves rows in blocks of 64
 
@@ -82,11 +84,6 @@ class Int4Plane:
         """The kernel's ``[K/group, N, 2]`` bf16 (scale, zero) with ``w = (u - 8) * scale + zero``."""
         s, o = self.scale.float(), self.offset.float()
         return torch.stack([s, o + 8 * s], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
-
-
-def _expand(groups: torch.Tensor, group: int) -> torch.Tensor:
-    """[R, G] per-group values -> [R, G * group] fp32."""
-    return groups.float().repeat_interleave(group, dim=1)
 
 
 class QuantLinear(nn.Module):
@@ -155,9 +152,11 @@ class Int4Linear(QuantLinear):
         w = None
         for p in self.planes:
             s, o = (p.scale, p.offset) if rows is None else (p.scale[rows], p.offset[rows])
-            part = torch.addcmul(_expand(o, self.group_size), _expand(s, self.group_size),
-                                 unpack_int4(p.packed, rows).float())
-            w = part if w is None else w + part
+            u = unpack_int4(p.packed, rows)
+            r, g = s.shape
+            # broadcast the group scales (no expanded copies): 8x faster than repeat_interleave here
+            part = torch.addcmul(o.float()[..., None], s.float()[..., None], u.view(r, g, self.group_size))
+            w = part.view(r, g * self.group_size) if w is None else w + part.view(r, g * self.group_size)
         return w
 
     def quant_tensors(self) -> list[torch.Tensor]:
@@ -177,7 +176,7 @@ class Int8Linear(QuantLinear):
             raise QuantError(f"int8 weight needs int8 [N, K] and scales [N], got {q.dtype} {tuple(q.shape)} "
                              f"and {tuple(scale.shape)}")
         self.out_features, self.in_features = q.shape
-        self.kind, self.q, self.scale = "int8", q.contiguous(), scale.float()
+        self.kind, self.q, self.scale = "int8-channel", q.contiguous(), scale.float()
         self._kernel_scale = self.scale.to(torch.bfloat16)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
@@ -280,6 +279,18 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32, bias: torch.Tensor | No
     return Int4Linear([Int4Plane(pack_int4(u), scale, lo)], group_size, k, bias)
 
 
+def quantize_int8_grouped(w: torch.Tensor, group_size: int = 32, bias: torch.Tensor | None = None) -> Int4Linear:
+    """RTN int8, symmetric per group of columns (as GGUF Q8_0 at group 32): scale = absmax / 127."""
+    n, k = w.shape
+    if k % group_size:
+        raise QuantError(f"in_features {k} is not a multiple of group_size {group_size}")
+    g = w.detach().float().reshape(n, k // group_size, group_size)
+    scale = g.abs().amax(-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return q8_0_linear(q, scale, bias, group_size, kind="int8")
+
+
 def quantize_int8(w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
     """RTN int8, symmetric per output channel: scale = absmax / 127."""
     wf = w.detach().float()
@@ -295,35 +306,48 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return half if torch.equal(half.float(), t) else t
 
 
-def q8_0_linear(q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
-    """Q8_0 (int8 q [N, K], one scale d [N, K/32] per 32) as two exact 4-bit planes (hi, lo nibbles)."""
+def q8_0_linear(q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None,
+                group_size: int = 32, kind: str = "q8_0") -> Int4Linear:
+    """Q8_0-style int8 (q [N, K], one scale d [N, K/group] per group) as two exact 4-bit planes."""
     qi = q.to(torch.int16)
     hi, lo = qi >> 4, qi & 15                    # q = 16 * hi + lo, hi in -8..7, lo in 0..15
     df = d.float()
     hi_s, hi_o = _compact(16 * df), _compact(-128 * df)   # w_hi = 16 d (u - 8)
     planes = [Int4Plane(pack_int4(hi + 8), hi_s, hi_o),
               Int4Plane(pack_int4(lo), _compact(df), torch.zeros_like(_compact(df)))]
-    return Int4Linear(planes, 32, q.shape[1], bias, kind="q8_0")
+    return Int4Linear(planes, group_size, q.shape[1], bias, kind=kind)
 
 
 def quantize_linear(linear: nn.Module, fmt: str, group_size: int = 32) -> QuantLinear:
-    """An ``nn.Linear`` (or a packed one) as an ``int4``/``int8`` quantized layer."""
+    """An ``nn.Linear`` (or a packed one) as an ``int4`` / ``int8`` / ``int8-channel`` quantized layer."""
     w, b = linear.weight, linear.bias
     if fmt == "int4":
         return quantize_int4(w, group_size, b)
     if fmt == "int8":
+        return quantize_int8_grouped(w, group_size, b)
+    if fmt == "int8-channel":
         return quantize_int8(w, b)
-    raise QuantError(f"unknown quantized format {fmt!r} (expected int4 or int8)")
+    raise QuantError(f"unknown quantized format {fmt!r} (expected int4, int8 or int8-channel)")
 
 
-def quantize_model(model: nn.Module, fmt: str, group_size: int = 32) -> int:
-    """Swap every CPU ``nn.Linear`` of a Llama model (and a tied embedding) for ``fmt``; return how many."""
+# The LM head (tied to the embedding in SmolLM2) at 4 bits alone costs most of int4's error (measured:
+# KL 0.073 vs fp32 with a 4-bit head; docs/benchmarks.md); llama.cpp keeps it at 6-8 bits for the same
+# reason, so int4 keeps the head at group-wise int8.
+HEAD_FORMAT = {"int4": "int8"}
+
+
+def quantize_model(model: nn.Module, fmt: str, group_size: int = 32, quantize_head: bool = False) -> int:
+    """Swap every CPU ``nn.Linear`` of a Llama model (and a tied embedding) for ``fmt``; return how many.
+
+    The head takes ``HEAD_FORMAT[fmt]`` unless ``quantize_head`` (then ``fmt`` like the rest)."""
     if fmt in ("fp32", "native"):
         return 0
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, nn.Linear)]
+    head = getattr(model, "lm_head", None)
     for parent, name, child in swaps:
-        setattr(parent, name, quantize_linear(child, fmt, group_size))
+        kind = fmt if quantize_head or child is not head else HEAD_FORMAT.get(fmt, fmt)
+        setattr(parent, name, quantize_linear(child, kind, group_size))
     tie_embedding(model)
     return len(swaps)
 

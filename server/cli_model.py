@@ -30,10 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                             formatter_class=DefaultsHelpFormatter)
     quant.add_argument("model", help="'default', a model folder or a .gguf file")
     quant.add_argument("out", help="folder to write (config.json with quantization_config + safetensors)")
-    quant.add_argument("--format", choices=("int4", "int8", "native"), default="int4",
-                       help="int4: group-wise RTN; int8: per-channel RTN; native: a GGUF's blocks as stored")
+    quant.add_argument("--format", choices=("int4", "int8", "int8-channel", "native"), default="int4",
+                       help="int4: group-wise RTN (head int8); int8: group-wise RTN; int8-channel: "
+                            "per-channel RTN; native: a GGUF's blocks as stored")
     quant.add_argument("--group-size", type=int, choices=(32, 64, 128, 256), default=32,
-                       help="int4 columns per scale")
+                       help="int4 / int8 columns per scale")
     quant.set_defaults(func=_quantize)
 
     gen = sub.add_parser("generate", help="generate text on the CPU (streams to the terminal)",

@@ -70,15 +70,19 @@ def test_q4_k_blocks_decode_to_the_gguf_packages_values():
     assert np.array_equal(Q.decode_q4_k(torch.from_numpy(raw)).dequantize().numpy(), ref)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "int8-channel"])
 def test_kernel_rows_track_and_many_rows_equal_the_dequantized_linear(fmt):
     w = torch.randn(192, 128) * 0.1
     bias = torch.randn(192)
-    lin = Q.quantize_int4(w, 32, bias) if fmt == "int4" else Q.quantize_int8(w, bias)
+    lin = Q.quantize_linear(torch.nn.Linear(128, 192), fmt)  # the dispatch, then the layer under test
+    lin = {"int4": lambda: Q.quantize_int4(w, 32, bias), "int8": lambda: Q.quantize_int8_grouped(w, 32, bias),
+           "int8-channel": lambda: Q.quantize_int8(w, bias)}[fmt]()
     dense = lin.dequantize()
+    g = w.reshape(192, 4, 32)
     if fmt == "int4":  # round to nearest: off by at most half a step of its group
-        g = w.reshape(192, 4, 32)
         step = ((g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(32, 1)
+    elif fmt == "int8":
+        step = (g.abs().amax(-1) / 127).repeat_interleave(32, 1)
     else:
         step = (w.abs().amax(1) / 127)[:, None].expand_as(w)
     assert ((dense - w).abs() <= step / 2 * (1 + 1e-4)).all()
@@ -108,6 +112,7 @@ def test_quantized_model_prefill_is_the_dequantized_model_exactly():
     model = tiny()
     assert Q.quantize_model(model, "int4") == 15  # 7 per layer + the head
     assert isinstance(model.model.embed_tokens, Q.QuantEmbedding)
+    assert model.lm_head.kind == "int8" and model.model.layers[0].mlp.up_proj.kind == "int4"  # head at 8 bits
     ref = tiny()
     for name, mod in model.named_modules(remove_duplicate=False):
         if isinstance(mod, Q.QuantLinear) and not name.startswith("model.embed"):
@@ -129,7 +134,7 @@ def test_weight_bytes_counts_quantized_layers_once():
     assert b["quantized"] > 0 and b["total"] < fp32 / 4
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "int8-channel"])
 def test_quantized_folder_round_trips(tmp_path, fmt):
     model = tiny()
     Q.quantize_model(model, fmt)

@@ -273,10 +273,11 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32, bias: torch.Tensor | No
         raise QuantError(f"in_features {k} is not a multiple of group_size {group_size}")
     g = w.detach().float().reshape(n, k // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = (hi - lo) / 15
+    # scales rounded to fp16 *before* rounding the weights (as GGUF does): exact and half the bytes
+    scale, lo = _fp16_grid((hi - lo) / 15), _fp16_grid(lo)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: u = 0, w = offset
     u = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).reshape(n, k)
-    return Int4Linear([Int4Plane(pack_int4(u), scale, lo)], group_size, k, bias)
+    return Int4Linear([Int4Plane(pack_int4(u), _compact(scale), _compact(lo))], group_size, k, bias)
 
 
 def quantize_int8_grouped(w: torch.Tensor, group_size: int = 32, bias: torch.Tensor | None = None) -> Int4Linear:
@@ -285,7 +286,7 @@ def quantize_int8_grouped(w: torch.Tensor, group_size: int = 32, bias: torch.Ten
     if k % group_size:
         raise QuantError(f"in_features {k} is not a multiple of group_size {group_size}")
     g = w.detach().float().reshape(n, k // group_size, group_size)
-    scale = g.abs().amax(-1) / 127
+    scale = _fp16_grid(g.abs().amax(-1) / 127)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(n, k)
     return q8_0_linear(q, scale, bias, group_size, kind="int8")
@@ -298,6 +299,12 @@ def quantize_int8(w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Line
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (wf / safe[:, None]).round().clamp(-127, 127).to(torch.int8)
     return Int8Linear(q, scale, bias)
+
+
+def _fp16_grid(t: torch.Tensor) -> torch.Tensor:
+    """fp32 values rounded to the nearest fp16 (kept fp32 where fp16 would overflow)."""
+    half = t.to(torch.float16).float()
+    return torch.where(torch.isfinite(half), half, t)
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:

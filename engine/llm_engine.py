@@ -83,7 +83,9 @@ class LLMEngine:
 
         path = Path(path)
         tok = Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_folder(path)
-        return cls(load_model(path), tok, config, parts)
+        cfg = config or EngineConfig()
+        return cls(load_model(path, weight_format=cfg.weight_format, group_size=cfg.weight_group_size), tok, cfg,
+                   parts)
 
     # ---- admission (thread-safe) ------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,

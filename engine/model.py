@@ -273,7 +273,7 @@ def greedy_generate(model: LlamaForCausalLM, prompt_ids: list[int], max_new_toke
     ``backend`` is any single-sequence AttentionBackend with ``advance()`` and ``length`` (the FHE
     simulator passes its own); default: a DenseKVCache.
     """
-    weight = model.lm_head.weight
+    weight = model.model.norm.weight  # dtype/device only (a quantized head has no fp32 ``weight``)
     if backend is None:
         backend = DenseKVCache(model.config, len(prompt_ids) + max_new_tokens, dtype=weight.dtype,
                                device=weight.device)

@@ -1,4 +1,4 @@
-"""``cipherlm model pull|list|info`` and ``cipherlm generate``."""
+"""``cipherlm model pull|list|info|quantize`` and ``cipherlm generate``."""
 
 from __future__ import annotations
 
@@ -17,12 +17,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     msub = model.add_subparsers(dest="model_command", required=True)
     pull = msub.add_parser("pull", help="download and cache the default model (SmolLM2-135M-Instruct)")
     pull.add_argument("--force", action="store_true", help="pull again even if cached")
+    pull.add_argument("--native", action="store_true",
+                      help="cache the GGUF's Q4_1 blocks as they are (for weight_format='native') instead of fp32")
     pull.set_defaults(func=_pull)
     msub.add_parser("list", help="list cached models").set_defaults(func=_list)
     info = msub.add_parser("info", help="shapes and sizes of a model")
     info.add_argument("model", nargs="?", default="default", help="'default', a model folder or a .gguf")
     info.add_argument("--verify", action="store_true", help="re-hash cached files against the manifest")
     info.set_defaults(func=_info)
+
+    quant = msub.add_parser("quantize", help="write a weight-quantized copy of a model (engine.quant)",
+                            formatter_class=DefaultsHelpFormatter)
+    quant.add_argument("model", help="'default', a model folder or a .gguf file")
+    quant.add_argument("out", help="folder to write (config.json with quantization_config + safetensors)")
+    quant.add_argument("--format", choices=("int4", "int8", "int8-channel", "native"), default="int4",
+                       help="int4: group-wise RTN (head int8); int8: group-wise RTN; int8-channel: "
+                            "per-channel RTN; native: a GGUF's blocks as stored")
+    quant.add_argument("--group-size", type=int, choices=(32, 64, 128, 256), default=32,
+                       help="int4 / int8 columns per scale")
+    quant.set_defaults(func=_quantize)
 
     gen = sub.add_parser("generate", help="generate text on the CPU (streams to the terminal)",
                          description="Generate text on the CPU with the engine and stream it to the terminal.",
@@ -53,9 +66,9 @@ def resolve_model(spec: str) -> Path:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from engine.default_model import pull
+    from engine.default_model import pull, pull_native
 
-    print(pull(force=args.force))
+    print((pull_native if args.native else pull)(force=args.force))
     return 0
 
 
@@ -94,6 +107,21 @@ def _info(args: argparse.Namespace) -> int:
         bad = [n for n, ok in verify(path).items() if not ok]
         print("sha256: all files match the manifest" if not bad else f"sha256 MISMATCH: {bad}")
         return 1 if bad else 0
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from engine.loader import load_model, save_quantized_folder
+    from engine.quant import weight_bytes
+    from engine.tokenizer import Tokenizer
+
+    path = resolve_model(args.model)
+    model = load_model(path, weight_format=args.format, group_size=args.group_size)
+    out = Path(args.out).expanduser()
+    save_quantized_folder(model, out)
+    (Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_folder(path)).save(out)
+    print(f"{out}: {args.format} weights, {weight_bytes(model)['total'] / 1e6:.1f} MB resident "
+          f"(run it with weight_format='native')")
     return 0
 
 

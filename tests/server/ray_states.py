@@ -21,5 +21,5 @@ class PausableCompute(ArmableCompute):
             block.prefill = paused
 
 
-def make_state(model_dir: str, plan_path: str, max_tokens: int) -> PausableCompute:
-    return PausableCompute(model_dir, plan_path, max_tokens)
+def make_state(model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu") -> PausableCompute:
+    return PausableCompute(model_dir, plan_path, max_tokens, device)

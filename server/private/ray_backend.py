@@ -38,6 +38,7 @@ from typing import Any
 from server.private.config import RaySettings
 from server.private.workers import (
     HEALTH_POLL_S,
+    SlotQueues,
     TaskError,
     WorkerCrashedError,
     WorkerError,
@@ -94,7 +95,7 @@ class _ActorSlot(_Slot):
         return self.worker is not None
 
 
-class RayWorkerPool:
+class RayWorkerPool(SlotQueues):
     """Up to ``size`` worker actors on a Ray cluster with tenant-fair queues; use from one event loop.
 
     Args mirror :class:`server.private.workers.WorkerPool`, plus:
@@ -166,27 +167,6 @@ class RayWorkerPool:
     def nodes(self) -> dict[int, str]:
         """Slot -> Ray node id of its actor."""
         return {i: slot.info[1] for i, slot in enumerate(self._slots) if slot.alive() and slot.info}
-
-    def pending(self, i: int) -> int:
-        """Tasks queued for or running in worker ``i``."""
-        return self._slots[i].pending
-
-    def least_loaded(self, among: list[int] | None = None) -> int:
-        """The slot with the fewest queued tasks (a running one on a tie: no new actor)."""
-        return min(among or range(self.size), key=lambda i: (self._slots[i].pending, not self._slots[i].alive()))
-
-    async def submit(self, worker: int, tenant: str, method: str, *args, timeout: float | None = None) -> Any:
-        """Run ``state.method(*args)`` in slot ``worker``'s actor (starting it if needed)."""
-        if self._closed:
-            raise WorkerError("worker pool closed")
-        fut = asyncio.get_running_loop().create_future()
-        self._slots[worker].put(tenant, (fut, method, args, timeout or self.task_timeout))
-        return await fut
-
-    async def broadcast(self, method: str, *args) -> list[Any]:
-        """Run a task on every slot with an actor up or about to be."""
-        live = [i for i, slot in enumerate(self._slots) if slot.worker is not None or slot.pending]
-        return await asyncio.gather(*(self.submit(i, "_pool", method, *args) for i in live))
 
     # -- the slot runner ------------------------------------------------------------------------------------
     async def _run(self, i: int) -> None:

@@ -175,7 +175,45 @@ class _Slot:
         return self.worker is not None and self.worker.proc.is_alive()
 
 
-class WorkerPool:
+class SlotQueues:
+    """What both worker backends share: per-slot tenant queues, submission, broadcast and the load measure.
+
+    A subclass sets ``size``, ``task_timeout``, ``_closed`` and ``_slots`` (one :class:`_Slot` each) and
+    runs each slot's queue (``_run``): :class:`WorkerPool` in processes, ``ray_backend.RayWorkerPool`` in
+    actors.
+    """
+
+    size: int
+    task_timeout: float
+    _closed: bool
+    _slots: list
+
+    def pending(self, i: int) -> int:
+        """Tasks queued for or running in worker ``i``."""
+        return self._slots[i].pending
+
+    def least_loaded(self, among: list[int] | None = None) -> int:
+        """Index of the worker with the fewest queued tasks (for pinning a new session), optionally
+        among some workers only; on a tie a running worker is preferred (no new process)."""
+        return min(among or range(self.size), key=lambda i: (self._slots[i].pending, not self._slots[i].alive()))
+
+    async def submit(self, worker: int, tenant: str, method: str, *args, timeout: float | None = None) -> Any:
+        """Run ``state.method(*args)`` on worker ``worker`` (starting it if needed); cancel-safe before
+        the task starts."""
+        if self._closed:
+            raise WorkerError("worker pool closed")
+        fut = asyncio.get_running_loop().create_future()
+        self._slots[worker].put(tenant, (fut, method, args, timeout or self.task_timeout))
+        return await fut
+
+    async def broadcast(self, method: str, *args) -> list[Any]:
+        """Run a task on every worker that is up or about to be (e.g. dropping a revoked key everywhere);
+        a stopped worker holds no state, so it is not started for this."""
+        live = [i for i, slot in enumerate(self._slots) if slot.worker is not None or slot.pending]
+        return await asyncio.gather(*(self.submit(i, "_pool", method, *args) for i in live))
+
+
+class WorkerPool(SlotQueues):
     """Up to ``size`` worker processes with tenant-fair queues; use from one asyncio event loop.
 
     Args:
@@ -222,30 +260,6 @@ class WorkerPool:
     def pids(self) -> list[int]:
         """Process ids of the running workers (for memory accounting and tests)."""
         return [slot.worker.proc.pid for slot in self._slots if slot.alive()]
-
-    def pending(self, i: int) -> int:
-        """Tasks queued for or running in worker ``i``."""
-        return self._slots[i].pending
-
-    def least_loaded(self, among: list[int] | None = None) -> int:
-        """Index of the worker with the fewest queued tasks (for pinning a new session), optionally
-        among some workers only; on a tie a running worker is preferred (no new process)."""
-        return min(among or range(self.size), key=lambda i: (self._slots[i].pending, not self._slots[i].alive()))
-
-    async def submit(self, worker: int, tenant: str, method: str, *args, timeout: float | None = None) -> Any:
-        """Run ``state.method(*args)`` on worker ``worker`` (starting it if needed); cancel-safe before
-        the task starts."""
-        if self._closed:
-            raise WorkerError("worker pool closed")
-        fut = asyncio.get_running_loop().create_future()
-        self._slots[worker].put(tenant, (fut, method, args, timeout or self.task_timeout))
-        return await fut
-
-    async def broadcast(self, method: str, *args) -> list[Any]:
-        """Run a task on every worker that is up or about to be (e.g. dropping a revoked key everywhere);
-        a stopped worker holds no state, so it is not started for this."""
-        live = [i for i, slot in enumerate(self._slots) if slot.worker is not None or slot.pending]
-        return await asyncio.gather(*(self.submit(i, "_pool", method, *args) for i in live))
 
     # -- the slot runner -------------------------------------------------------------------------------
     async def _run(self, i: int) -> None:

@@ -9,28 +9,13 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from fhe.attention import BlockClient, EncryptedAttentionLayer, required_rotation_steps
-from fhe.backends import evaluator_for
-from fhe.backends.symbolic import SymbolicClient
+from fhe.attention import BlockClient, EncryptedAttentionLayer
 from fhe.errors import ShapeError
 from fhe.geometry import Geometry, packed_chunk_for
 from fhe.params import ckks_params_for
 from fhe.simulator import finish, simulate_block
 from tests.fhe.test_attention import calibrated_plan, layer_input, tiny_model
-from tests.fhe.test_symbolic import wide_model
-
-
-def symbolic_setup(kind: str, tokens: int, model=None):
-    model = model or wide_model()
-    ids = torch.randint(0, 61, (tokens,), generator=torch.Generator().manual_seed(1))
-    x = layer_input(model, 1, ids)
-    plan = calibrated_plan(model, 1, x, kind)
-    cfg, sq = model.config, plan.approx.squarings
-    params = ckks_params_for(kind, sq)
-    ev = evaluator_for(params, "symbolic")
-    client = SymbolicClient(params, required_rotation_steps(cfg, params, kind, sq))
-    block = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, cfg, params, max_tokens=64, evaluator=ev)
-    return model, x, plan, block, BlockClient.for_model(client, cfg, kind, sq), client.server_keys()
+from tests.fhe.test_symbolic import symbolic_setup, wide_model
 
 
 def reference(model, plan, x):

@@ -43,11 +43,10 @@ def test_symbolic_primes_are_seals():
         assert seal_primes(params)[:-1] == Kit(params).primes
 
 
-@pytest.mark.parametrize("kind,tokens", [("2quad", 45), ("sqexp", 50)])
-def test_the_whole_block_runs_on_the_symbolic_evaluator(kind, tokens):
-    """Projections, RoPE, the cache over several blocks, scores, squarings, V and the output map: every
-    operation through the protocol, every level/scale/size checked, equal to the simulator."""
-    model = wide_model()
+def symbolic_setup(kind: str, tokens: int, model=None):
+    """(model, layer-1 input of ``tokens`` random ids, calibrated plan, block on the symbolic evaluator, its
+    BlockClient, the server keys): the whole block with exact values, every level/scale/size checked."""
+    model = model or wide_model()
     ids = torch.randint(0, 61, (tokens,), generator=torch.Generator().manual_seed(1))
     x = layer_input(model, 1, ids)
     plan = calibrated_plan(model, 1, x, kind)
@@ -56,9 +55,17 @@ def test_the_whole_block_runs_on_the_symbolic_evaluator(kind, tokens):
     ev = evaluator_for(params, "symbolic")
     client = SymbolicClient(params, required_rotation_steps(cfg, params, kind, sq))
     block = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, cfg, params, max_tokens=64, evaluator=ev)
-    bc = BlockClient.for_model(client, cfg, kind, sq)
+    return model, x, plan, block, BlockClient.for_model(client, cfg, kind, sq), client.server_keys()
+
+
+@pytest.mark.parametrize("kind,tokens", [("2quad", 45), ("sqexp", 50)])
+def test_the_whole_block_runs_on_the_symbolic_evaluator(kind, tokens):
+    """Projections, RoPE, the cache over several blocks, scores, squarings, V and the output map: every
+    operation through the protocol, every level/scale/size checked, equal to the simulator."""
+    model, x, plan, block, bc, keys = symbolic_setup(kind, tokens)
+    ev = block.ev
     cache = block.new_cache()
-    outs = block.prefill(cache, bc.encrypt_input(x), 0, client.server_keys())
+    outs = block.prefill(cache, bc.encrypt_input(x), 0, keys)
     assert len(cache.k_blocks) > 1                                  # the sequence spans several blocks
     assert {ev.level(c) for c in outs} == {1} and {ev.size(c) for c in outs} == {2}   # the whole budget
     ys, zs, _ = simulate_block(model.layers[1], model.rotary, x, torch.arange(len(x)), None, plan)

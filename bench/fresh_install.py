@@ -47,8 +47,10 @@ class Step:
     out: str
 
 
-def run_step(name: str, command: str, cwd: Path, env: dict[str, str], lock: str | None) -> Step:
-    """Run ``command`` with bash in a child that reports its children's peak RSS (ru_maxrss)."""
+def run_step(name: str, command: str, cwd: Path, env: dict[str, str], lock: str | None,
+             log: Path | None = None) -> Step:
+    """Run ``command`` with bash in a child that reports its children's peak RSS (ru_maxrss); its whole
+    output is appended to ``log`` (the step keeps only a tail)."""
     wrapped = f"flock {shlex.quote(lock)} nice bash -c {shlex.quote(command)}" if lock else command
     probe = ("import resource, subprocess, sys; r = subprocess.run(['bash', '-c', sys.argv[1]]); "
              "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
@@ -59,6 +61,9 @@ def run_step(name: str, command: str, cwd: Path, env: dict[str, str], lock: str 
     peak = next((int(line.split()[1]) for line in proc.stderr.splitlines() if line.startswith("PEAK_RSS_KB")), 0)
     out = (proc.stdout + proc.stderr).replace(f"PEAK_RSS_KB {peak}", "").strip()
     step = Step(name, wall, peak / 1024, proc.returncode, out[-3000:])
+    if log is not None:
+        with log.open("a") as f:
+            f.write(f"==== {name} (exit {proc.returncode}, {wall:.0f} s)\n{out}\n")
     print(f"[fresh_install] {name}: {wall:.0f} s, peak RSS {step.peak_rss_mb:.0f} MB, exit {proc.returncode}",
           file=sys.stderr, flush=True)
     return step
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lock", default="/tmp/cipherlm-heavy.lock", help="flock file for heavy steps ('' = none)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary clone")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--log", type=Path, help="append every step's whole output here (pytest's --durations)")
     args = ap.parse_args(argv)
     lock = args.lock or None
     root = Path(tempfile.mkdtemp(prefix="cipherlm-fresh-"))
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     steps.append(run_step("generate (warm cache)", generate, clone, env, lock))
     if not args.no_tests:
         steps.append(run_step("pytest", f". .venv/bin/activate && python -m pytest {args.pytest_args}", clone,
-                              env, lock))
+                              env, lock, args.log))
     answer = steps[3].out.splitlines()
     print("\n| step | wall | peak RSS | exit |\n|---|---|---|---|")
     for s in steps:

@@ -13,7 +13,7 @@ from fhe.backends.seal.keys import CKKSClient
 from fhe.params import ckks_params_for
 
 
-@pytest.mark.slow
+@pytest.mark.heavy   # CI checks the same code bit for bit at small N (test_gpu_backend.py); CUDA at this size
 def test_key_switching_at_the_default_parameters():
     params = ckks_params_for("sqexp", 6)
     steps = (1, 64)

@@ -88,7 +88,7 @@ def _worker_against_seal(tiny, device: str) -> None:
     assert (got - want).abs().max() <= 1e-6 * (want.max() - want.min())
 
 
-@pytest.mark.slow
+@pytest.mark.heavy   # the block on the CPU reference is checked bit for bit in CI (test_gpu_backend_block.py)
 def test_a_cpu_reference_worker_answers_like_the_seal_worker(tiny):
     _worker_against_seal(tiny, "cpu-reference")
 

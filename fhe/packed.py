@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fhe.errors import ShapeError
-from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, add_plain_values, check_fresh, relin_rescale
+from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, add_plain_values, check_fresh, encode_many, relin_rescale
 from fhe.geometry import Geometry
 from fhe.kv_cache import EncryptedKVCache
 from fhe.linalg import rotate_sum
@@ -96,7 +96,9 @@ def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[Packed
         for i, m in enumerate(maps):
             if outs[i] is not None:
                 outs[i] = ev.rotate(outs[i], geo.layout.band, keys)
-            terms = [(babies[k], ev.encode(p, level, scale)) for k, p in m.plaintexts(a, rows)]
+            diags = list(m.plaintexts(a, rows))
+            terms = list(zip([babies[k] for k, _ in diags],
+                             encode_many(ev, [p for _, p in diags], level, scale), strict=True))
             if not terms:       # SEAL refuses all-zero plaintexts: nothing to add at this shift
                 continue
             inner = ev.dot_plain(terms)

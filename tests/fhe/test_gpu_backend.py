@@ -199,3 +199,23 @@ def test_fft_encoder_is_seals_encoding(setup):
         assert np.abs(got - want).max() < 1e-6
     with pytest.raises(ValueError):
         GpuEvaluator(P, device="cpu", encoder="other")
+
+
+def test_encode_many_is_encode_one_by_one(setup):
+    """The batched encoder (what packed prefill's projections use): each plaintext is ``encode``'s own,
+    residue for residue, with either encoder; vectors of different lengths; bad input typed."""
+    _, _, ev, _, _, _ = setup
+    fast = GpuEvaluator(P, device="cpu", encoder="fft")
+    rng = np.random.default_rng(5)
+    values = [rng.uniform(-3, 3, n) for n in (P.slots, 17, P.slots // 2)]
+    for e in (fast, ev):
+        for level, scale in ((3, 2.0 ** 40), (2, e.prime(2))):
+            got = e.encode_many(values, level, scale)
+            for g, v in zip(got, values, strict=True):
+                want = e.encode(v, level, scale)
+                assert torch.equal(g.data, want.data) and g.scale == want.scale
+    assert fast.encode_many([], 3, 2.0 ** 40) == []
+    with pytest.raises(LevelError):
+        fast.encode_many(values, 9, 2.0 ** 40)
+    with pytest.raises(ShapeError):
+        fast.encode_many([np.zeros(P.slots + 1), np.zeros(3)], 3, 2.0 ** 40)

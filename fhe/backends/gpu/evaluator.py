@@ -138,25 +138,34 @@ class GpuEvaluator(ParamsQueries):
         the residues are :meth:`encode`'s; rows past the FFT's 2^62 range go through SEAL, as there."""
         if not 1 <= level <= self.top:
             raise LevelError(f"no level {level} (1..{self.top})")
-        rows = [np.asarray(v, np.float64) for v in values]
-        if any(v.ndim != 1 or len(v) > self.slots for v in rows):
-            raise ShapeError(f"need vectors of <= {self.slots} values")
-        if self.encoder != "fft" or len(rows) < 2:
+        if isinstance(values, torch.Tensor):          # [K, <= slots], already where it is encoded
+            if values.ndim != 2 or values.shape[1] > self.slots:
+                raise ShapeError(f"need [K, <= {self.slots}] values, got shape {tuple(values.shape)}")
+            rows, dense = list(values.detach().cpu().double().numpy()) if self.encoder != "fft" else None, values
+        else:
+            rows = [np.asarray(v, np.float64) for v in values]
+            if any(v.ndim != 1 or len(v) > self.slots for v in rows):
+                raise ShapeError(f"need vectors of <= {self.slots} values")
+            dense = None
+        if self.encoder != "fft" or (dense is None and len(rows) < 2):
             return [self.encode(v, level, scale) for v in rows]
-        n = self.params.poly_modulus_degree
-        width = max(len(v) for v in rows)
-        host = np.zeros((len(rows), width))
-        for i, v in enumerate(rows):
-            host[i, : len(v)] = v
-        spread = torch.zeros(len(rows), 2 * n, dtype=torch.complex128, device=self.device)    # [K, 2N]
-        spread[:, self._slot_indices()[:width]] = torch.from_numpy(host).to(self.device, torch.complex128)
+        if dense is None:
+            dense = np.zeros((len(rows), max(len(v) for v in rows)))
+            for i, v in enumerate(rows):
+                dense[i, : len(v)] = v
+            dense = torch.from_numpy(dense)
+        if len(dense) == 0:
+            return []
+        n, width = self.params.poly_modulus_degree, dense.shape[1]
+        spread = torch.zeros(len(dense), 2 * n, dtype=torch.complex128, device=self.device)   # [K, 2N]
+        spread[:, self._slot_indices()[:width]] = dense.to(self.device, torch.complex128)
         coeffs = torch.fft.fft(spread, dim=-1).real[:, :n] * (2.0 * scale / n)               # [K, N]
         fits = (coeffs.abs().amax(dim=-1) < 2.0 ** 62).tolist()
         tab = self.ctx.level(level).data
         ints = torch.round(coeffs).to(torch.int64)
-        residues = ntt(torch.remainder(ints[:, None, :].expand(len(rows), level, n), tab.primes), tab)  # [K, L, N]
-        return [GpuPlaintext(residues[i], float(scale)) if ok else self.encode(rows[i], level, scale)
-                for i, ok in enumerate(fits)]
+        residues = ntt(torch.remainder(ints[:, None, :].expand(len(dense), level, n), tab.primes), tab)  # [K, L, N]
+        return [GpuPlaintext(residues[i], float(scale)) if ok
+                else self.encode(dense[i].detach().cpu().double().numpy(), level, scale) for i, ok in enumerate(fits)]
 
     def _slot_indices(self) -> torch.Tensor:
         """3^i mod 2N for each slot i: where slot i's value goes in the length-2N FFT."""

@@ -66,7 +66,7 @@ def _values_device(ev: Evaluator) -> torch.device | None:
     """Where the backend takes plaintext values as torch tensors (the gpu backend: its device), else None
     (numpy on the host). A chunk's ~3,300 diagonals then never leave the device before encoding."""
     dev = getattr(ev, "device", None)
-    return dev if isinstance(dev, torch.device) and hasattr(ev, "encode_many") else None
+    return dev if isinstance(dev, torch.device) and getattr(ev, "encode_many", None) is not None else None
 
 
 class PackedMap:

@@ -8,8 +8,8 @@
 What it measures, in one run, from the same client ciphertexts and keys (level-aware, the plan's):
 
 * GPU, on-device encoder: one full packed chunk (B = 28 tokens at N = 32768), and a 32-token prompt as the
-  SDK sends it (one packed chunk + 4 tokens one by one); the chunk again with the projections' diagonals
-  encoded one by one (``encode_many`` off: the launch sequence per plaintext it replaces); the 32 tokens
+  SDK sends it (one packed chunk + 4 tokens one by one); the chunk again the way it ran before this
+  bench (``encode_many`` off: diagonals built by numpy on the host and encoded one by one); the 32 tokens
   one by one (the token path, for scale); medians of ``--repeat``.
 * fidelity: the GPU chunk's decrypted outputs against the plaintext simulator and the GPU token path.
 * then (``--marker`` is written first, so a caller may start other GPU work: this part is CPU only) the

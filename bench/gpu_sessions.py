@@ -1,9 +1,10 @@
 """Aggregate encrypted decode throughput on one GPU with the sessions spread over P worker processes.
 
-One process steps its sessions one after another and its GPU waits on launches most of the time (the
-sessions row of ``bench/gpu_attention.py``: flat 7.8 tokens/s per layer from 1 to 32 sessions). Several
-worker processes on one card (``[private] workers = P, device = "cuda"``: each worker holds its own
-sessions, keys and block) overlap their launch gaps without any batched kernel. This measures it:
+One process steps its sessions one after another (the sessions row of ``bench/gpu_attention.py``: flat
+7.8 tokens/s per layer from 1 to 32 sessions). Several worker processes on one card (``[private] workers =
+P, device = "cuda"``: each worker holds its own sessions, keys and block) could overlap one another's
+launch gaps without any batched kernel, if the GPU has gaps to fill. This measures whether it does
+(2026-12-02 on an H200: no, 8.1-8.3 tokens/s per layer for P = 1..8; docs/benchmarks.md):
 
     python3 bench/gpu_sessions.py --weights .carry/gpufhe/packed --procs 1,2,4,8 --sessions 1,8,32
 

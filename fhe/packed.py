@@ -69,6 +69,10 @@ def _values_device(ev: Evaluator) -> torch.device | None:
     return dev if isinstance(dev, torch.device) and getattr(ev, "encode_many", None) is not None else None
 
 
+def _on(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+
 class PackedMap:
     """Dense per-row linear map of a packed chunk: out[slot(d, r, h)] = sum_i w[r, h*D + d, i] x[r, i].
 
@@ -102,7 +106,6 @@ class PackedMap:
             diag[dst] = vals[k].ravel()
             if np.any(diag):
                 yield k, np.roll(diag, a * lay.band)
-
 
     def diagonals(self, a: int, rows: int) -> tuple[list[int], torch.Tensor]:
         """:meth:`plaintexts` at once, for ``w`` a torch tensor: (babies, their diagonals [K, slots] on w's
@@ -191,7 +194,7 @@ class PackedPrefill:
         xv = ev.mod_switch(ct, geo.level_p + 1)
         wv_rows = wv.reshape(-1, D, wv.shape[1])[heads].reshape(1, Hq * D, -1)
         dev = _values_device(ev)
-        vmap = PackedMap(geo, wv_rows if dev is None else torch.from_numpy(np.ascontiguousarray(wv_rows)).to(dev))
+        vmap = PackedMap(geo, wv_rows if dev is None else _on(wv_rows, dev))
         (v,) = apply_packed(ev, _babies(ev, xv, vmap.n_baby, keys), [vmap], n, keys)
         ev.set_scale(v, ev.scale)
         if bv is not None:
@@ -207,10 +210,9 @@ class PackedPrefill:
             q_rows = _rope_rows(wq.reshape(Hq, D, -1), cos, sin) * gain[:, None, None, None]
             k_rows = _rope_rows(wk.reshape(-1, D, wk.shape[1])[heads], cos, sin)
         else:
-            t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)   # noqa: E731
-            c, s = t(cos), t(sin)
-            q_rows = _rope_rows_torch(t(wq.reshape(Hq, D, -1)), c, s) * t(gain)[:, None, None, None]
-            k_rows = _rope_rows_torch(t(wk.reshape(-1, D, wk.shape[1])[heads]), c, s)
+            c, s = _on(cos, dev), _on(sin, dev)
+            q_rows = _rope_rows_torch(_on(wq.reshape(Hq, D, -1), dev), c, s) * _on(gain, dev)[:, None, None, None]
+            k_rows = _rope_rows_torch(_on(wk.reshape(-1, D, wk.shape[1])[heads], dev), c, s)
         return [PackedMap(self.geo, q_rows.reshape(n, Hq * D, -1)), PackedMap(self.geo, k_rows.reshape(n, Hq * D, -1))]
 
     def _bias_vec(self, b: np.ndarray) -> np.ndarray:

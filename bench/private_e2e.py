@@ -146,6 +146,8 @@ def _device_name(device: str | None) -> str:
     """What the workers evaluated on, in words."""
     if not device or device == "cpu":
         return "the CPU (SEAL)"
+    if not device.startswith("cuda"):
+        return f"{device} (the gpu backend's torch-CPU reference)"
     import torch
 
     return f"{device} ({torch.cuda.get_device_name(torch.device(device))}, the gpu backend)"

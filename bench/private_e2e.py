@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -141,6 +142,17 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
     return row, setup, server_s, len(ids)
 
 
+def _device_name(device: str | None) -> str:
+    """What the workers evaluated on, in words."""
+    if not device or device == "cpu":
+        return "the CPU (SEAL)"
+    if not device.startswith("cuda"):
+        return f"{device} (the gpu backend's torch-CPU reference)"
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(torch.device(device))}, the gpu backend)"
+
+
 def _b(n: float | None) -> str:
     if n is None:
         return "–"
@@ -168,7 +180,8 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
     decode_server = _mean(server_s[1:])
     lines = [
         f"- {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `{command}`; "
-        f"{platform.machine()} CPU, server and client on the same machine over loopback.",
+        f"{platform.machine()} CPU, server and client on the same machine over loopback; server workers on "
+        f"{_device_name(args.device)}, the SDK on the CPU.",
         f"- Prompt {n_prompt} tokens, {args.max_tokens} output tokens requested (greedy, ignore_eos); "
         f"encrypted layers {list(setup.encrypted_layers)} (of 30), "
         f"{'the shipped default plan' if args.layers == 'all' else f'the first {args.layers} of the default plan'}.",
@@ -198,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1,
                    help="server worker processes (each one holding the shipped plan's keys takes several GB)")
     p.add_argument("--json", type=Path, help="also write the raw numbers here")
+    p.add_argument("--plan", type=Path, help="this plan file instead of the shipped one (with --layers all), "
+                   "e.g. the re-stamped copy of bench/gpu_e2e_home.py for random weights")
+    p.add_argument("--device", default=None,
+                   help="the server workers' [private] device ('cuda', 'cuda:N': the gpu backend; default: "
+                        "the settings' 'cpu', SEAL); the SDK always runs on the CPU")
     p.add_argument("--token-prefill", action="store_true",
                    help="also run the encrypted tenant with one ciphertext per prompt token (the prefill "
                         "before packed chunks), same server, same keys")
@@ -206,9 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     from server.cli_demo import plan_with_layers, running_server
 
     prompt = exact_prompt(args.prompt_tokens)
+    if args.device:  # the server subprocess reads [private] device from its environment (over the TOML file)
+        os.environ["CIPHERLM_PRIVATE__DEVICE"] = args.device
     with tempfile.TemporaryDirectory(prefix="cipherlm-bench-") as tmp:
         root = Path(tmp)
-        plan = plan_with_layers(args.layers, root)
+        plan = args.plan if args.plan and args.layers == "all" else plan_with_layers(args.layers, root)
         with running_server(root, None, plan, args.workers,
                             max_session_tokens=args.prompt_tokens + args.max_tokens + 8) as server:
             plain = bench_plaintext(server, prompt, args.max_tokens)

@@ -245,6 +245,15 @@ def add_plain_values(ev: Evaluator, ct: Ciphertext, values: np.ndarray) -> Ciphe
     return ev.add_plain(ct, ev.encode(values, ev.level(ct), ev.scale_of(ct)))
 
 
+def encode_many(ev: Evaluator, values: Sequence[np.ndarray], level: int, scale: float) -> list:
+    """``ev.encode`` of each vector at one level and scale; in one batch where the backend has one (the
+    gpu backend's ``encode_many``: same plaintexts, one launch sequence), else one by one."""
+    batched = getattr(ev, "encode_many", None)
+    if batched is not None:
+        return batched(values, level, scale)
+    return [ev.encode(v, level, scale) for v in values]
+
+
 def check_fresh(ev: Evaluator, keys: EvalKeys, ct: Ciphertext) -> None:
     """A client input must be fresh: size 2, top level, default scale (LevelError otherwise), and the
     keys must be this evaluator's (backend and parameters)."""

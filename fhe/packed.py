@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fhe.errors import ShapeError
-from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, add_plain_values, check_fresh, relin_rescale
+from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, add_plain_values, check_fresh, encode_many, relin_rescale
 from fhe.geometry import Geometry
 from fhe.kv_cache import EncryptedKVCache
 from fhe.linalg import rotate_sum
@@ -47,6 +47,30 @@ def _rope_rows(w: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     c = cos[(slice(None), None, slice(None)) + extra]
     s = (sin * sign)[(slice(None), None, slice(None)) + extra]
     return c * w[None] + s * w[None][:, :, partner]
+
+
+def _rope_rows_torch(w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`_rope_rows` in torch (on the evaluator's device): the same float64 operations in the same
+    order, so the same values bit for bit."""
+    d = w.shape[1]
+    half = d // 2
+    partner = torch.cat([torch.arange(half, d), torch.arange(half)]).to(w.device)
+    sign = torch.cat([-torch.ones(half, dtype=w.dtype), torch.ones(d - half, dtype=w.dtype)]).to(w.device)
+    extra = (None,) * (w.ndim - 2)
+    c = cos[(slice(None), None, slice(None)) + extra]
+    s = (sin * sign)[(slice(None), None, slice(None)) + extra]
+    return c * w[None] + s * w[None][:, :, partner]
+
+
+def _values_device(ev: Evaluator) -> torch.device | None:
+    """Where the backend takes plaintext values as torch tensors (the gpu backend: its device), else None
+    (numpy on the host). A chunk's ~3,300 diagonals then never leave the device before encoding."""
+    dev = getattr(ev, "device", None)
+    return dev if isinstance(dev, torch.device) and getattr(ev, "encode_many", None) is not None else None
+
+
+def _on(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
 
 
 class PackedMap:
@@ -83,6 +107,26 @@ class PackedMap:
             if np.any(diag):
                 yield k, np.roll(diag, a * lay.band)
 
+    def diagonals(self, a: int, rows: int) -> tuple[list[int], torch.Tensor]:
+        """:meth:`plaintexts` at once, for ``w`` a torch tensor: (babies, their diagonals [K, slots] on w's
+        device), the same values (the same gathers, products by the mask and roll)."""
+        lay, w, dev = self.geo.layout, self.w, self.w.device
+        D, Hq = lay.head_dim, lay.num_heads
+        b = torch.arange(self.n_baby, device=dev)[:, None, None, None]
+        d = torch.arange(D, device=dev)[None, :, None, None]
+        r = torch.arange(rows, device=dev)[None, None, :, None]
+        h = torch.arange(Hq, device=dev)[None, None, None, :]
+        hp = h + b - self.shift
+        ok = (hp >= 0) & (hp < self.kin)
+        rr = r if w.shape[0] > 1 else torch.zeros_like(r)
+        vals = w[rr, h * D + d, torch.clamp(hp, 0, self.kin - 1) * D + (d + a) % D] * ok   # [nb, D, rows, Hq]
+        dn, rn, hn = np.arange(D)[:, None, None], np.arange(rows)[None, :, None], np.arange(Hq)[None, None, :]
+        dst = torch.from_numpy(np.broadcast_to(lay.slot(dn, rn, hn), vals.shape[1:]).ravel().copy()).to(dev)
+        diag = torch.zeros(self.n_baby, lay.slots, dtype=w.dtype, device=dev)
+        diag[:, dst] = vals.reshape(self.n_baby, -1)
+        keep = (ok.reshape(self.n_baby, -1).any(dim=1) & (diag != 0).any(dim=1)).nonzero().view(-1)
+        return keep.tolist(), torch.roll(diag[keep], a * lay.band, dims=1)
+
 
 def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[PackedMap], rows: int,
                  keys: EvalKeys) -> list[Ciphertext]:
@@ -96,7 +140,12 @@ def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[Packed
         for i, m in enumerate(maps):
             if outs[i] is not None:
                 outs[i] = ev.rotate(outs[i], geo.layout.band, keys)
-            terms = [(babies[k], ev.encode(p, level, scale)) for k, p in m.plaintexts(a, rows)]
+            if isinstance(m.w, torch.Tensor):
+                ks, vals = m.diagonals(a, rows)
+            else:
+                diags = list(m.plaintexts(a, rows))
+                ks, vals = [k for k, _ in diags], [p for _, p in diags]
+            terms = list(zip([babies[k] for k in ks], encode_many(ev, vals, level, scale), strict=True))
             if not terms:       # SEAL refuses all-zero plaintexts: nothing to add at this shift
                 continue
             inner = ev.dot_plain(terms)
@@ -132,9 +181,7 @@ class PackedPrefill:
         gain = np.array([layer._step_gain(int(t) + 1) for t in pos])
         D, Hq = lay.head_dim, lay.num_heads
         heads = np.arange(Hq) // lay.group                       # KV head of each query head
-        q_rows = _rope_rows(wq.reshape(Hq, D, -1), cos, sin) * gain[:, None, None, None]
-        k_rows = _rope_rows(wk.reshape(-1, D, wk.shape[1])[heads], cos, sin)
-        maps = [PackedMap(geo, q_rows.reshape(n, Hq * D, -1)), PackedMap(geo, k_rows.reshape(n, Hq * D, -1))]
+        maps = self._qk_maps(wq, wk, cos, sin, gain, heads, n)
         babies = _babies(ev, ct, maps[0].n_baby, keys)
         q, k = apply_packed(ev, babies, maps, n, keys)
         for c in (q, k):
@@ -145,12 +192,28 @@ class PackedPrefill:
             k = add_plain_values(ev, k, self._bias_vec(_rope_rows(bk.reshape(-1, D)[heads], cos, sin)))
         k = ev.mod_switch(k, geo.level_qk)
         xv = ev.mod_switch(ct, geo.level_p + 1)
-        vmap = PackedMap(geo, wv.reshape(-1, D, wv.shape[1])[heads].reshape(1, Hq * D, -1))
+        wv_rows = wv.reshape(-1, D, wv.shape[1])[heads].reshape(1, Hq * D, -1)
+        dev = _values_device(ev)
+        vmap = PackedMap(geo, wv_rows if dev is None else _on(wv_rows, dev))
         (v,) = apply_packed(ev, _babies(ev, xv, vmap.n_baby, keys), [vmap], n, keys)
         ev.set_scale(v, ev.scale)
         if bv is not None:
             v = add_plain_values(ev, v, self._bias_vec(np.broadcast_to(bv.reshape(-1, D)[heads], (n, Hq, D))))
         return q, k, v
+
+    def _qk_maps(self, wq, wk, cos, sin, gain, heads, n: int) -> list[PackedMap]:
+        """The q and k maps of a chunk: RoPE of each row's position and the step gain folded in; built
+        in torch on the evaluator's device where it takes values there (same values), else numpy."""
+        lay, dev = self.geo.layout, _values_device(self.ev)
+        D, Hq = lay.head_dim, lay.num_heads
+        if dev is None:
+            q_rows = _rope_rows(wq.reshape(Hq, D, -1), cos, sin) * gain[:, None, None, None]
+            k_rows = _rope_rows(wk.reshape(-1, D, wk.shape[1])[heads], cos, sin)
+        else:
+            c, s = _on(cos, dev), _on(sin, dev)
+            q_rows = _rope_rows_torch(_on(wq.reshape(Hq, D, -1), dev), c, s) * _on(gain, dev)[:, None, None, None]
+            k_rows = _rope_rows_torch(_on(wk.reshape(-1, D, wk.shape[1])[heads], dev), c, s)
+        return [PackedMap(self.geo, q_rows.reshape(n, Hq * D, -1)), PackedMap(self.geo, k_rows.reshape(n, Hq * D, -1))]
 
     def _bias_vec(self, b: np.ndarray) -> np.ndarray:
         """[n, Hq, D] per-row values -> slot vector (rows >= n stay 0, as their inputs are)."""

@@ -23,7 +23,7 @@ from fhe.backends.gpu.ntt import NTTTables, intt, ntt
 from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal.keys import CKKSClient
 from fhe.errors import KeyMismatchError, LevelError, ShapeError, WireError
-from fhe.params import CKKSParams, KeyLevels
+from fhe.params import CKKSParams, KeyLevels, ckks_params_for
 
 P = CKKSParams(8192, (60, 40, 40, 60), 40)
 STEPS = (1, 5, P.slots - 3)
@@ -199,3 +199,63 @@ def test_fft_encoder_is_seals_encoding(setup):
         assert np.abs(got - want).max() < 1e-6
     with pytest.raises(ValueError):
         GpuEvaluator(P, device="cpu", encoder="other")
+
+
+def test_encode_many_is_encode_one_by_one(setup):
+    """The batched encoder (what packed prefill's projections use): each plaintext is ``encode``'s own,
+    residue for residue, with either encoder; vectors of different lengths; bad input typed."""
+    _, _, ev, _, _, _ = setup
+    fast = GpuEvaluator(P, device="cpu", encoder="fft")
+    rng = np.random.default_rng(5)
+    values = [rng.uniform(-3, 3, n) for n in (P.slots, 17, P.slots // 2)]
+    for e in (fast, ev):
+        for level, scale in ((3, 2.0 ** 40), (2, e.prime(2))):
+            got = e.encode_many(values, level, scale)
+            for g, v in zip(got, values, strict=True):
+                want = e.encode(v, level, scale)
+                assert torch.equal(g.data, want.data) and g.scale == want.scale
+    assert fast.encode_many([], 3, 2.0 ** 40) == []
+    with pytest.raises(LevelError):
+        fast.encode_many(values, 9, 2.0 ** 40)
+    with pytest.raises(ShapeError):
+        fast.encode_many([np.zeros(P.slots + 1), np.zeros(3)], 3, 2.0 ** 40)
+
+
+def test_packed_diagonals_built_in_torch_are_numpys():
+    """Packed prefill on the gpu backend builds its per-chunk diagonals in torch on the device
+    (``PackedMap.diagonals``, ``_rope_rows_torch``): the same values bit for bit as the numpy path the
+    other backends take, at the shipped geometry, per-row maps and one shared map."""
+    from engine.config import ModelConfig
+    from fhe.geometry import Geometry
+    from fhe.packed import PackedMap, _rope_rows, _rope_rows_torch
+
+    cfg = ModelConfig.from_hf_dict({"hidden_size": 576, "intermediate_size": 64, "num_hidden_layers": 1,
+                                    "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 64,
+                                    "rope_theta": 100000.0, "rms_norm_eps": 1e-5})
+    params = ckks_params_for("sqexp", 6)
+    geo = Geometry.build(cfg, params, "sqexp", 6)
+    rng = np.random.default_rng(2)
+    n, D, Hq = 5, geo.layout.head_dim, geo.layout.num_heads
+    w, cos, sin = rng.standard_normal((Hq, D, 576)), rng.standard_normal((n, D)), rng.standard_normal((n, D))
+    rows = _rope_rows(w, cos, sin)
+    assert np.array_equal(_rope_rows_torch(*(torch.from_numpy(a) for a in (w, cos, sin))).numpy(), rows)
+    for mat in (rows.reshape(n, Hq * D, -1), rng.standard_normal((1, Hq * D, 576)).astype(np.float32)):
+        ref, dev = PackedMap(geo, mat), PackedMap(geo, torch.from_numpy(mat))
+        for a in (0, 1, D - 1):
+            want = list(ref.plaintexts(a, n))
+            ks, vals = dev.diagonals(a, n)
+            assert ks == [k for k, _ in want] and vals.shape == (len(want), params.slots)
+            assert all(np.array_equal(v.numpy(), p) for v, (_, p) in zip(vals, want, strict=True))
+
+
+def test_encode_many_takes_a_tensor_of_rows(setup):
+    """Values already on the evaluator's device ([K, slots] tensor): each plaintext still ``encode``'s."""
+    _, _, ev, _, _, _ = setup
+    fast = GpuEvaluator(P, device="cpu", encoder="fft")
+    vals = torch.from_numpy(np.random.default_rng(4).uniform(-2, 2, (3, P.slots)))
+    for e in (fast, ev):
+        for g, v in zip(e.encode_many(vals, 2, 2.0 ** 40), vals, strict=True):
+            assert torch.equal(g.data, e.encode(v.numpy(), 2, 2.0 ** 40).data)
+    assert fast.encode_many(vals[:0], 2, 2.0 ** 40) == []
+    with pytest.raises(ShapeError):
+        fast.encode_many(torch.zeros(2, P.slots + 1), 2, 2.0 ** 40)

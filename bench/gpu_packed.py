@@ -1,0 +1,149 @@
+"""Packed prefill (fhe/packed.py) of SmolLM2 layer 3 on the gpu backend (CUDA), at the shipped plan.
+
+    # here (the machine with the cached model): layer 3's attention weights + 32 real block inputs
+    python bench/gpu_packed.py --export .carry/gpufhe/packed
+    # on the GPU machine (tenseal/zstandard carried as wheels)
+    python3 bench/gpu_packed.py --weights .carry/gpufhe/packed --out packed.json --marker /tmp/gpu_done
+
+What it measures, in one run, from the same client ciphertexts and keys (level-aware, the plan's):
+
+* GPU, on-device encoder: one full packed chunk (B = 28 tokens at N = 32768), and a 32-token prompt as the
+  SDK sends it (one packed chunk + 4 tokens one by one); the chunk again the way it ran before this
+  bench (``encode_many`` off: diagonals built by numpy on the host and encoded one by one); the 32 tokens
+  one by one (the token path, for scale); medians of ``--repeat``.
+* fidelity: the GPU chunk's decrypted outputs against the plaintext simulator and the GPU token path.
+* then (``--marker`` is written first, so a caller may start other GPU work: this part is CPU only) the
+  same chunk on the SEAL backend (CPU, one thread, as in a worker): the decrypted outputs' largest
+  difference over their range (the CPU backend is the reference the issue names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.gpu_attention import _median_s, _reference, _to_gpu, _to_seal, export, load_layer
+from fhe.attention import BlockClient, EncryptedAttentionLayer
+from fhe.params import ckks_params_for
+from fhe.plan import load_default_plan
+
+
+def _finish(bc, ev, kit, outs):
+    y, z = bc.decrypt_output([_to_seal(ev, kit, c) for c in outs])
+    return BlockClient.finish(y, z)
+
+
+def setup(folder: Path, index: int, device: str):
+    """(cfg, layer, rope, inputs, plan layer, params, SEAL block, client, server keys, GPU block, GPU keys)."""
+    from fhe.backends.gpu import GpuEvaluator
+    from fhe.backends.seal.keys import CKKSClient
+
+    cfg, layer, rope, x = load_layer(folder, index)
+    lp = load_default_plan().layer(index)
+    params = ckks_params_for(lp.approx.kind, lp.approx.squarings)
+    cpu = EncryptedAttentionLayer(layer, rope, lp, cfg, params, max_tokens=1024)
+    client = CKKSClient(params, cpu.key_levels.steps, levels=cpu.key_levels)
+    server = client.server_keys()
+    ev = GpuEvaluator(params, device=device, encoder="fft")
+    gpu = EncryptedAttentionLayer(layer, rope, lp, cfg, params, max_tokens=1024, evaluator=ev)
+    return cfg, layer, rope, x, lp, params, cpu, client, server, gpu, ev.keys_from_server(server)
+
+
+def gpu_part(args, s: dict, res: dict) -> None:
+    """The GPU timings and the fidelity checks (see the module docstring)."""
+    cfg, layer, rope, x, lp, gpu, client, keys = (s[k] for k in ("cfg", "layer", "rope", "x", "lp", "gpu",
+                                                                   "client", "keys"))
+    ev, b = gpu.ev, gpu.packed_chunk
+    bc = BlockClient.for_model(client, cfg, lp.approx.kind, lp.approx.squarings)
+    xs = x[: args.tokens].double()
+    chunk = [_to_gpu(ev, c) for c in bc.encrypt_packed(xs[:b])]
+    rest = [_to_gpu(ev, c) for c in bc.encrypt_input(xs[b:])]
+    singles = [_to_gpu(ev, c) for c in bc.encrypt_input(xs)]
+    res |= {"chunk_tokens": b, "tokens": len(xs)}
+
+    def packed_chunk():
+        return gpu.prefill_packed(gpu.new_cache(), chunk, 0, b, keys)
+
+    def as_the_sdk():                      # one packed chunk, then the rest one by one (PrivateRuntime._steps)
+        cache = gpu.new_cache()
+        return gpu.prefill_packed(cache, chunk, 0, b, keys) + gpu.prefill(cache, rest, b, keys)
+
+    packed_chunk()                                                # warm-up: Triton compiles, graphs captured
+    res["packed_chunk_s"], out = _median_s(packed_chunk, args.repeat)
+    res["packed_32_as_sdk_s"], _ = _median_s(as_the_sdk, args.repeat)
+    print(f"packed chunk of {b}: {res['packed_chunk_s']:.3f} s; {len(xs)} as the SDK sends them: "
+          f"{res['packed_32_as_sdk_s']:.3f} s", flush=True)
+    token_s, token_out = _median_s(lambda: gpu.prefill(gpu.new_cache(), singles, 0, keys), 1)
+    res["token_path_s"] = token_s
+    batched = ev.encode_many
+    ev.encode_many = None                                         # fhe.evaluator.encode_many: one by one
+    res["packed_chunk_one_by_one_encode_s"], _ = _median_s(packed_chunk, 1)
+    ev.encode_many = batched
+    got = _finish(bc, ev, client.kit, out)
+    ref = _reference(layer, rope, lp, xs[:b])
+    tok = _finish(bc, ev, client.kit, token_out[:b])
+    span = float(ref.max() - ref.min())
+    res |= {"output_range": span, "packed_vs_simulator_over_range": float((got - ref).abs().max()) / span,
+            "packed_vs_token_path_over_range": float((got - tok).abs().max()) / span,
+            "token_path_vs_simulator_over_range": float((tok - ref).abs().max()) / span}
+    s["gpu_out"], s["chunk_inputs"] = got, bc.encrypt_packed(xs[:b])
+    print(json.dumps(res), flush=True)
+
+
+def seal_part(s: dict, res: dict) -> None:
+    """The same chunk on the SEAL backend (CPU): decrypted difference to the GPU's over the range."""
+    cpu, client, server, lp, cfg = s["cpu"], s["client"], s["server"], s["lp"], s["cfg"]
+    bc = BlockClient.for_model(client, cfg, lp.approx.kind, lp.approx.squarings)
+    b = res["chunk_tokens"]
+    t = time.perf_counter()
+    want = cpu.prefill_packed(cpu.new_cache(), s["chunk_inputs"], 0, b, server)
+    res["seal_packed_chunk_s"] = time.perf_counter() - t
+    y, z = bc.decrypt_output(want)
+    seal_out = BlockClient.finish(y, z)
+    res["gpu_vs_seal_over_range"] = float((s["gpu_out"] - seal_out).abs().max()) / res["output_range"]
+    print(json.dumps({k: res[k] for k in ("seal_packed_chunk_s", "gpu_vs_seal_over_range")}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--export", type=Path, help="write layer 3's weights and 32 real inputs here and stop")
+    ap.add_argument("--weights", type=Path, default=Path(".carry/gpufhe/packed"))
+    ap.add_argument("--layer", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--skip-seal", action="store_true")
+    ap.add_argument("--marker", type=Path, help="touched when the GPU part is done")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if args.export:
+        export(args.export, [args.layer], args.tokens, 1)
+        return
+    torch.set_num_threads(1)                                  # SEAL's peer figure is one thread, as in a worker
+    res: dict = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
+                 "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "layer": args.layer}
+    t = time.perf_counter()
+    names = ("cfg", "layer", "rope", "x", "lp", "params", "cpu", "client", "server", "gpu", "keys")
+    s = dict(zip(names, setup(args.weights, args.layer, args.device), strict=True))
+    res["setup_s"] = time.perf_counter() - t
+    try:
+        gpu_part(args, s, res)
+    finally:
+        if args.out:
+            args.out.write_text(json.dumps(res, indent=1))
+        if args.marker:
+            args.marker.touch()
+    if not args.skip_seal:
+        seal_part(s, res)
+        if args.out:
+            args.out.write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

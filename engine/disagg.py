@@ -44,6 +44,7 @@ class RequestTrace:
     arrival: float
     token_ids: list[int] = dataclasses.field(default_factory=list)
     token_times: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)  # when params ask for them
     kv_blocks: int = 0
     kv_transfer_s: float = 0.0   # first block staged -> last block taken by the decode instance
     finished: bool = False
@@ -140,7 +141,8 @@ class _Instance:
     def _step(self) -> None:
         for out in self.engine.step():
             comp = out.outputs[0]
-            self.router.send(("tokens", out.request_id, comp.delta_token_ids, comp.finish_reason))
+            self.router.send(("tokens", out.request_id, comp.delta_token_ids, comp.finish_reason,
+                              comp.logprobs or []))
             if out.finished and self.role == "prefill":
                 self._send_blocks(out.request_id)
 
@@ -243,9 +245,10 @@ class Router:
         if kind == "kv":
             tr.kv_blocks, tr.kv_transfer_s = msg[2], msg[3]
             return
-        _, _, tokens, finish = msg
+        _, _, tokens, finish, logprobs = msg
         now = time.perf_counter()
         tr.token_ids += tokens
+        tr.logprobs += logprobs
         tr.token_times += [now] * len(tokens)
         if finish is None:
             return

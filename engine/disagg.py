@@ -46,7 +46,9 @@ class RequestTrace:
     token_times: list[float] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)  # when params ask for them
     kv_blocks: int = 0
-    kv_transfer_s: float = 0.0   # first block staged -> last block taken by the decode instance
+    kv_transfer_s: float = 0.0   # prefill starts staging -> decode has taken the last block (one clock:
+                                 # perf_counter is CLOCK_MONOTONIC, shared by the processes of a host)
+    kv_copy_s: float = 0.0       # of which copying: pool -> ring on the prefill side, ring -> pool on decode
     finished: bool = False
 
     @property
@@ -92,7 +94,7 @@ class _Instance:
         self.kv = self.engine.executor.runner.kv
         self.bm = self.engine.block_manager
         self.free_slots = list(range(staging.shape[0])) if staging is not None else []
-        self.blocks_seen: dict[str, list[float]] = {}   # decode: rid -> [first block time, blocks]
+        self.blocks_seen: dict[str, tuple[int, float]] = {}  # decode: rid -> (blocks taken, copy seconds)
         self.arrived: set[str] = set()                  # decode: requests whose blocks all came
         self.parked: dict[str, tuple] = {}              # decode: continuations waiting for their blocks
         self.salts: dict[str, str | None] = {}
@@ -104,8 +106,9 @@ class _Instance:
             busy = self.engine.has_unfinished_requests()
             conns = [c for c in (self.router, self.peer) if c is not None]
             for conn in wait(conns, timeout=0 if busy else None):
-                if not self._handle(conn, conn.recv()):
-                    return
+                while conn.poll():  # everything queued (all the blocks that came) before the next step
+                    if not self._handle(conn, conn.recv()):
+                        return
             if self.engine.has_unfinished_requests():
                 self._step()
 
@@ -125,8 +128,8 @@ class _Instance:
             self._take_block(*msg[1:])
         elif kind == "end":                          # decode: every block of rid has come
             self.arrived.add(msg[1])
-            first = self.blocks_seen.pop(msg[1], [time.perf_counter(), 0])
-            self.router.send(("kv", msg[1], first[1], time.perf_counter() - first[0]))
+            blocks, copy_s = self.blocks_seen.pop(msg[1], (0, 0.0))
+            self.router.send(("kv", msg[1], blocks, time.perf_counter() - msg[2], copy_s + msg[3]))
             if msg[1] in self.parked:
                 self._handle(conn, self.parked.pop(msg[1]))
         elif kind == "free":                         # prefill: the decode side is done with a slot
@@ -150,16 +153,20 @@ class _Instance:
         """Stage the finished prompt's full blocks one by one (they stay in the prefix cache until the
         next allocation, and nothing is allocated before this returns)."""
         prompt, salt = self.prompts.pop(rid), self.salts.pop(rid)
+        t0 = time.perf_counter()
+        copy_s = 0.0
         for i, h in enumerate(prompt_block_hashes(prompt, self.bm.block_size, salt)):
             bid = self.bm.cached_block(h)
             if bid is None:
                 break
             slot = self._free_slot()
+            c0 = time.perf_counter()
             for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v, strict=True)):
                 self.staging[slot, layer, 0].copy_(k[bid])   # [block_size, Hkv, D]
                 self.staging[slot, layer, 1].copy_(v[bid])
+            copy_s += time.perf_counter() - c0
             self.peer.send(("block", rid, i, slot, h))
-        self.peer.send(("end", rid))
+        self.peer.send(("end", rid, t0, copy_s))
 
     def _free_slot(self) -> int:
         while not self.free_slots:
@@ -167,14 +174,15 @@ class _Instance:
         return self.free_slots.pop()
 
     def _take_block(self, rid: str, index: int, slot: int, block_hash: bytes) -> None:
-        seen = self.blocks_seen.setdefault(rid, [time.perf_counter(), 0])
+        c0 = time.perf_counter()
         got = self.bm.adopt_cached(block_hash)
         if got is not None and got[1]:
             bid = got[0]
             for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v, strict=True)):
                 k[bid].copy_(self.staging[slot, layer, 0])
                 v[bid].copy_(self.staging[slot, layer, 1])
-        seen[1] += 1
+        blocks, copy_s = self.blocks_seen.get(rid, (0, 0.0))
+        self.blocks_seen[rid] = (blocks + 1, copy_s + time.perf_counter() - c0)
         self.peer.send(("free", slot))
 
 
@@ -243,7 +251,7 @@ class Router:
         if tr is None:  # a late transfer report of an earlier run's one-token request
             return
         if kind == "kv":
-            tr.kv_blocks, tr.kv_transfer_s = msg[2], msg[3]
+            tr.kv_blocks, tr.kv_transfer_s, tr.kv_copy_s = msg[2:5]
             return
         _, _, tokens, finish, logprobs = msg
         now = time.perf_counter()

@@ -80,8 +80,8 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 
 def threads_per_rank(config: EngineConfig, world: int) -> int:
-    """CPU threads of one rank: ``num_threads`` if set, else the cores shared out evenly."""
-    return config.num_threads or max(1, len(os.sched_getaffinity(0)) // world)
+    """CPU threads of one rank: the engine's threads (``num_threads``, else every core) shared out evenly."""
+    return max(1, (config.num_threads or len(os.sched_getaffinity(0))) // world)
 
 
 class RankContext:

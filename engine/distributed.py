@@ -204,10 +204,15 @@ class TensorParallelExecutor:
         for p in self.procs:
             p.start()
         conns = [recv for recv, _ in pipes]
-        self._await(conns, "up")
-        self.ctx = RankContext(specs[0], shards[0])
-        del shards
-        self._await(conns, "ready")
+        try:
+            self._await(conns, "up")
+            self.ctx = RankContext(specs[0], shards[0])
+            del shards
+            self._await(conns, "ready")
+        except BaseException:  # rank 0 failed (or a peer did): no rank may outlive the engine
+            for p in self.procs:
+                p.terminate()
+            raise
         self.runner = self.ctx.runner
         self.device = self.runner.device
         self._closed = False
@@ -222,8 +227,6 @@ class TensorParallelExecutor:
             ready = wait([conn, proc.sentinel], timeout)
             said = conn.recv() if conn in ready and conn.poll() else None
             if said != word:
-                for p in self.procs:
-                    p.terminate()
                 why = said or (f"exit code {proc.exitcode}" if ready else f"no answer in {timeout:.0f} s")
                 raise EngineError(f"tensor-parallel {proc.name} did not start: {why}")
 

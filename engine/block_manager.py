@@ -163,6 +163,25 @@ class BlockManager:
                 self._cached[hashes[i]] = block.block_id
         seq.num_hashed_blocks = num_full
 
+    # ---- KV transfer between instances (engine.disagg) ----------------------------------------------
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The block holding the full block of this hash, if it is still cached."""
+        return self._cached.get(block_hash)
+
+    def adopt_cached(self, block_hash: bytes) -> tuple[int, bool] | None:
+        """A block to receive a transferred full block of this hash: (block id, whether its K/V must be
+        written). The block enters the prefix cache unreferenced, so a request with this prefix hits it;
+        None when every block is in use."""
+        if block_hash in self._cached:
+            return self._cached[block_hash], False
+        if not self._free:
+            return None
+        bid = self._take_free()
+        self.blocks[bid].hash = block_hash
+        self._cached[block_hash] = bid
+        self._release(bid)  # ref 0, hashed: back of the LRU, kept until space runs out
+        return bid, True
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write (src, dst) block pairs the runner must apply before the next forward."""
         copies, self.pending_copies = self.pending_copies, []

@@ -146,6 +146,8 @@ class EngineConfig:
         speculative_disable_by_batch_size: no sequence speculates in a step that starts with more than
             this many running sequences (a batched step is compute-bound: verifying drafts there costs more
             than it saves, docs/benchmarks.md); None: never switched off by load.
+        tensor_parallel_size: ranks the model is split over (``engine.distributed``: heads, MLP columns
+            and vocabulary; gloo on CPU, NCCL on GPUs ``cuda:0 .. cuda:N-1``); 1: one process, as before.
     """
 
     device: str = "auto"
@@ -174,6 +176,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_disable_by_batch_size: int | None = 4
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -192,6 +195,17 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         self._check_weight_format()
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        from engine.errors import ParallelConfigError
+
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ParallelConfigError(f"tensor_parallel_size must be an integer >= 1, "
+                                      f"got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.weight_format != "fp32":
+            raise ParallelConfigError("tensor parallelism shards fp32/bf16 weights: weight_format must be "
+                                      f"'fp32', got {self.weight_format!r}")
 
     def _check_weight_format(self) -> None:
         from engine.quant import WEIGHT_FORMATS

@@ -6,7 +6,8 @@ Hierarchy::
     ├── ModelLoadError            a weight file is missing, corrupt or does not fit the config
     │   └── UnsupportedModelError the architecture or one of its options is not implemented
     ├── InvalidRequestError       bad prompt / sampling parameters (maps to HTTP 400)
-    └── EngineOverloadedError     the waiting queue is full (maps to HTTP 429)
+    ├── EngineOverloadedError     the waiting queue is full (maps to HTTP 429)
+    └── ParallelConfigError       a tensor-parallel size the model's heads do not divide (also a ValueError)
 """
 
 
@@ -32,3 +33,7 @@ class EngineOverloadedError(EngineError):
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class ParallelConfigError(EngineError, ValueError):
+    """A tensor-parallel layout this model or machine cannot run (e.g. N does not divide the heads)."""

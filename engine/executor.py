@@ -4,7 +4,9 @@
 :class:`InProcessExecutor` (today's, the default) drives one :class:`~engine.model_runner.ModelRunner` in
 this process. A tensor-parallel executor implements the same three calls by broadcasting the
 :class:`~engine.scheduler.SchedulerOutput` to one runner per rank (torch.distributed/NCCL) and returning
-rank 0's logits; the engine, scheduler and sampler do not change.
+rank 0's logits; the engine, scheduler and sampler do not change: that one is
+:class:`engine.distributed.TensorParallelExecutor`, which :func:`make_executor` (the engine's default
+factory) picks when ``tensor_parallel_size > 1``.
 """
 
 from __future__ import annotations
@@ -67,3 +69,12 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         """Nothing to stop: the runner lives and dies with the engine."""
+
+
+def make_executor(model: LlamaForCausalLM, config: EngineConfig, max_model_len: int) -> Executor:
+    """The executor the config asks for: in process, or ``tensor_parallel_size`` ranks."""
+    if config.tensor_parallel_size > 1:
+        from engine.distributed import TensorParallelExecutor  # torch.distributed only when asked for
+
+        return TensorParallelExecutor(model, config, max_model_len)
+    return InProcessExecutor(model, config, max_model_len)

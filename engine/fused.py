@@ -103,10 +103,10 @@ class FusedLlama(nn.Module):
         v = qkv[:, self._q + self._kv:].view(t, attn.num_kv_heads, d)
         q, k = kernels.rope(q, k, cos, sin)
         o = backend.attend(attn.layer_idx, q, k, v)         # [T, Hq, D]
-        h = self._linear(o.reshape(t, -1), attn.o_proj.weight)
+        h = _reduce(attn.o_proj, self._linear(o.reshape(t, -1), attn.o_proj.weight))
         x, residual = kernels.add_rms_norm(h, residual, norm2.weight, norm2.eps)
         act = kernels.silu_mul(self._linear(x, w.gate_up))  # [T, I]
-        return self._linear(act, layer.mlp.down_proj.weight), residual
+        return _reduce(layer.mlp.down_proj, self._linear(act, layer.mlp.down_proj.weight)), residual
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ weight[N, K]^T (+ bias): one row goes through the GEMV kernel, more through cuBLAS."""
@@ -118,6 +118,13 @@ class FusedLlama(nn.Module):
         """Final norm + head: hidden [T, hidden] -> logits [T, vocab] (fp32)."""
         norm = self.base.model.norm
         return self.base.lm_head(kernels.rms_norm(h, norm.weight, norm.eps)).float()
+
+
+def _reduce(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel row slice (``engine.tp_linear.RowParallelLinear``) sums its partial product over
+    the ranks; a plain linear's output is already whole."""
+    reduce = getattr(module, "reduce", None)
+    return partial if reduce is None else reduce(partial)
 
 
 def fuse_for_cuda(model: LlamaForCausalLM) -> FusedLlama:

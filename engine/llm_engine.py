@@ -193,6 +193,10 @@ class LLMEngine:
                 listener.on_step(stats)
         return outputs
 
+    def shutdown(self) -> None:
+        """Release the executor (a tensor-parallel one stops its rank processes)."""
+        self.executor.shutdown()
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(

@@ -14,7 +14,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.engine_config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from engine.executor import Executor, InProcessExecutor
+from engine.executor import Executor, make_executor
 from engine.model import LlamaForCausalLM
 from engine.output_processor import OutputProcessor
 from engine.sampler import Sampler
@@ -33,7 +33,8 @@ class EngineParts:
     """Factories of the engine's parts.
 
     Attributes:
-        executor: ``(model, engine_config, max_model_len) -> Executor`` — runs steps, owns the KV pool.
+        executor: ``(model, engine_config, max_model_len) -> Executor`` — runs steps, owns the KV pool
+            (default: in process, or tensor-parallel ranks when ``tensor_parallel_size > 1``).
         block_manager: ``(num_blocks, cache_config) -> BlockManager``.
         scheduler: ``(scheduler_config, block_manager) -> Scheduler``.
         sampler: ``(generator) -> Sampler`` — the generator serves requests without a seed.
@@ -42,7 +43,7 @@ class EngineParts:
             draft-model proposer swaps its proposer).
     """
 
-    executor: Callable[[LlamaForCausalLM, EngineConfig, int], Executor] = InProcessExecutor
+    executor: Callable[[LlamaForCausalLM, EngineConfig, int], Executor] = make_executor
     block_manager: Callable[[int, CacheConfig], BlockManager] = default_block_manager
     scheduler: Callable[[SchedulerConfig, BlockManager], Scheduler] = Scheduler
     sampler: Callable[[torch.Generator], Sampler] = Sampler

@@ -83,6 +83,8 @@ def load_settings(args: argparse.Namespace):
     settings = Settings.load(path, **overrides)
     if getattr(args, "cluster", None):
         settings = with_cluster(settings, args.cluster)
+    if getattr(args, "tensor_parallel", None):
+        settings = with_tensor_parallel(settings, args.tensor_parallel)
     print(f"cipherlm: settings {path} ({len(settings.tenants)} tenants)", flush=True)
     return settings
 
@@ -93,6 +95,38 @@ def with_cluster(settings, address: str):
     ray = {**settings.private.ray.model_dump(), "address": None if address == "local" else address}
     private = settings.private.model_copy(update={"backend": "ray", "ray": type(settings.private.ray)(**ray)})
     return settings.model_copy(update={"private": private})
+
+
+def with_tensor_parallel(settings, size: int):
+    """``--tensor-parallel N``: the engine splits the model over N ranks (``engine.distributed``); an N
+    that does not divide the model's heads is refused here, before the server starts."""
+    from engine.errors import ParallelConfigError
+
+    engine = {**settings.engine, "tensor_parallel_size": size}
+    model_cfg = _model_config(settings.model)
+    if model_cfg is not None:
+        from engine.tp_linear import check_tensor_parallel
+
+        check_tensor_parallel(model_cfg, size)
+    elif size < 1:
+        raise ParallelConfigError(f"--tensor-parallel must be >= 1, got {size}")
+    return settings.model_copy(update={"engine": engine})
+
+
+def _model_config(model: str | None):
+    """The served model's config, read without its weights (None when the model is not there yet)."""
+    from engine.config import ModelConfig
+
+    if model is None:  # the default model, if pulled (the engine checks again once it has it)
+        from engine.default_model import DEFAULT_MODEL_NAME, models_dir
+
+        model = str(models_dir() / DEFAULT_MODEL_NAME)
+    path = Path(model)
+    if path.suffix == ".gguf":
+        from engine.loader import gguf_config
+
+        return gguf_config(path)
+    return ModelConfig.from_file(path / "config.json") if (path / "config.json").exists() else None
 
 
 #: after the drain window, how long uvicorn may still wait for responses to flush (the streams cut at
@@ -150,7 +184,11 @@ def serve(args: argparse.Namespace) -> int:
 
     from server.app import create_app
 
-    settings = load_settings(args)
+    try:
+        settings = load_settings(args)
+    except ValueError as exc:  # ParallelConfigError and the like: say what is wrong, no traceback
+        print(f"cipherlm: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
                             timeout_graceful_shutdown=FLUSH_GRACE_S)
@@ -175,6 +213,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "ray://host:10001; 'local': a Ray head on 127.0.0.1). Needs cipherlm[ray]")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
+    p.add_argument("--tensor-parallel", type=int, metavar="N",
+                   help="split the model over N ranks (GPUs cuda:0..N-1, or CPU processes); N must divide "
+                        "the query and KV heads (default 1)")
     add_threads_option(p)
     p.set_defaults(func=serve)
 

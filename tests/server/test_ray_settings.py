@@ -48,3 +48,24 @@ def test_serve_cluster_flag_selects_ray(tmp_path):
     args = parser.parse_args(["serve", "--config", str(path)])
     assert load_settings(args).private.backend == "local"
     assert with_cluster(Settings(), "local").private.ray.num_cpus == 1.0
+
+
+def test_serve_tensor_parallel_flag_sets_the_engine_and_refuses_a_size_the_heads_do_not_fit(tmp_path):
+    from engine.config import ModelConfig
+    from engine.errors import ParallelConfigError
+    from server.cli_serve import with_tensor_parallel
+
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=8)
+    (model / "config.json").write_text(__import__("json").dumps(cfg.to_hf_dict()))
+    path = tmp_path / "s.toml"
+    path.write_text(f'model = "{model}"\n[engine]\nmax_num_seqs = 8\n')
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    s = load_settings(parser.parse_args(["serve", "--config", str(path), "--tensor-parallel", "3"]))
+    assert s.engine == {"max_num_seqs": 8, "tensor_parallel_size": 3}
+    with pytest.raises(ParallelConfigError, match=r"9 query heads, 3 KV heads.*\[1, 3\]"):
+        load_settings(parser.parse_args(["serve", "--config", str(path), "--tensor-parallel", "2"]))
+    assert with_tensor_parallel(Settings(model=str(tmp_path / "absent")), 4).engine["tensor_parallel_size"] == 4

@@ -15,6 +15,8 @@ repr)`` if building the engine or a step raised (the client fails every stream w
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -164,6 +166,14 @@ class EngineCore:
             errors.append((request.request_id, exc))
 
 
+def _exit_now() -> None:
+    """Leave without the interpreter's teardown (torch's takes ~1 s; a stopped core has nothing to
+    flush but its streams), so a SIGTERM drain is not held up by the core's exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def core_main(conn: Connection, spec: CoreSpec) -> None:
     """Entry point of the core process."""
     try:
@@ -175,6 +185,8 @@ def core_main(conn: Connection, spec: CoreSpec) -> None:
         conn.send(("ready", CoreInfo(engine.model_config, engine.tokenizer, engine.max_model_len,
                                      engine.stats())))
         EngineCore(engine, conn).run()
+        conn.close()
+        _exit_now()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the API process went away: nothing to report to
     except BaseException as exc:  # noqa: BLE001 - the client must learn why every stream ends

@@ -9,8 +9,9 @@ than bf16.
 GPU layout (:func:`pack_int4_rows`): ``qweight [N, K/2]`` uint8, byte ``j`` of row ``n`` holds column
 ``2j`` in its low nibble and ``2j + 1`` in its high nibble (rows contiguous: one program streams its rows
 with unit stride); ``scale``/``offset`` ``[N, K/group]`` fp16 or bf16. Grid ``(cdiv(N, BLOCK_N), M)``; a
-program keeps a ``[BLOCK_N, BLOCK_K/2]`` fp32 tile over its K loop and reduces it once, and folds the
-group arithmetic as ``scale * (u_lo x_even + u_hi x_odd) + offset * (x_even + x_odd)``.
+program sums ``u_lo x_even + u_hi x_odd`` within each group of a K step, then applies the group's scale
+and offset once: ``acc[n, g] += scale * sum(u x) + offset * sum(x)`` (one scale load per group, not per
+weight), and reduces ``acc`` once at the end. The Triton path needs a power-of-two group size.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ if HAS_TRITON:
         x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, y_ptr, N, K, s_xm, s_qn, s_sn, s_ym,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
+        NG: tl.constexpr = BLOCK_K // GROUP      # groups per K step
+        HALF: tl.constexpr = GROUP // 2          # bytes per group
         m = tl.program_id(1).to(tl.int64)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
@@ -87,20 +90,23 @@ if HAS_TRITON:
         q_rows = q_ptr + rows64[:, None] * s_qn
         s_rows = s_ptr + rows64[:, None] * s_sn
         o_rows = o_ptr + rows64[:, None] * s_sn
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             j = k0 // 2 + tl.arange(0, BLOCK_K // 2)       # byte index: columns 2j, 2j + 1
             col_ok = 2 * j < K
-            mask = row_ok[:, None] & col_ok[None, :]
-            byte = tl.load(q_rows + j[None, :], mask=mask, other=0, eviction_policy="evict_first")
-            lo = (byte & 15).to(tl.float32)
-            hi = (byte >> 4).to(tl.float32)
+            byte = tl.load(q_rows + j[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0,
+                           eviction_policy="evict_first")  # each weight byte is read once
             xe = tl.load(x_ptr + m * s_xm + 2 * j, mask=col_ok, other=0.0).to(tl.float32)
             xo = tl.load(x_ptr + m * s_xm + 2 * j + 1, mask=col_ok, other=0.0).to(tl.float32)
-            g = (2 * j) // GROUP
-            sc = tl.load(s_rows + g[None, :], mask=mask, other=0.0).to(tl.float32)
-            of = tl.load(o_rows + g[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += sc * (lo * xe[None, :] + hi * xo[None, :]) + of * (xe + xo)[None, :]
+            prod = (byte & 15).to(tl.float32) * xe[None, :] + (byte >> 4).to(tl.float32) * xo[None, :]
+            # one scale and offset per group, not per weight: sum u*x and x within each group first
+            dot = tl.sum(tl.reshape(prod, [BLOCK_N, NG, HALF]), axis=2)          # [BLOCK_N, NG]
+            xsum = tl.sum(tl.reshape(xe + xo, [NG, HALF]), axis=1)               # [NG]
+            gi = k0 // GROUP + tl.arange(0, NG)
+            g_mask = row_ok[:, None] & (gi < K // GROUP)[None, :]
+            sc = tl.load(s_rows + gi[None, :], mask=g_mask, other=0.0).to(tl.float32)
+            of = tl.load(o_rows + gi[None, :], mask=g_mask, other=0.0).to(tl.float32)
+            acc += sc * dot + of * xsum[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -163,13 +169,17 @@ def gemv_int4(
         check_tensor("out", out, 2, (x.dtype,))
         check_shape("out", out, (m, n))
     tensors = [x, qweight, scale, offset] + ([bias] if bias is not None else [])
-    if not (m and use_triton(backend, *tensors)):
+    pow2 = group & (group - 1) == 0  # the kernel reshapes K steps into [groups, group]
+    if not (m and use_triton(backend, *tensors)) or (not pow2 and backend != "triton"):
         return out.copy_(gemv_int4_reference(x, qweight, scale, offset, bias))
+    if not pow2:
+        raise KernelInputError(f"the Triton kernel needs a power-of-two group size, got {group}")
     tune = tuning or GemvInt4Tuning()
+    block_k = max(tune.block_k, group)  # whole groups per K step
     _gemv_int4_kernel[(cdiv(n, tune.block_n), m)](
         x, qweight, scale, offset, bias if bias is not None else scale, out, n, k,
         x.stride(0), qweight.stride(0), scale.stride(0), out.stride(0),
-        GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, BLOCK_K=tune.block_k,
+        GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, BLOCK_K=block_k,
         num_warps=tune.num_warps, num_stages=tune.num_stages,
     )
     return out

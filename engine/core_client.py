@@ -191,6 +191,11 @@ class ProcessAsyncLLM:
     def max_model_len(self) -> int:
         return self._started().max_model_len
 
+    @property
+    def healthy(self) -> bool:
+        """The core runs and has not failed (``/health/ready`` turns 503 otherwise)."""
+        return self._proc is not None and self._error is None and self._proc.is_alive()
+
     def stats(self) -> EngineStats:
         """Gauges and counters as of the core's last step."""
         return self._stats if self._stats is not None else self._started().stats

@@ -114,9 +114,11 @@ async def test_a_dead_core_fails_its_streams_and_refuses_new_requests():
     try:
         stream = llm.generate([1, 2, 3], ENDLESS, "orphan")
         await anext(stream)
+        assert llm.healthy
         llm._proc.kill()
         with pytest.raises(EngineError, match="engine loop failed"):
             await asyncio.wait_for(collect(stream), 30)
+        assert not llm.healthy
         with pytest.raises(EngineError):
             llm.generate([1, 2], GREEDY, "late")
     finally:

@@ -9,9 +9,15 @@ first, per request) and ITL (every gap between streamed chunks) — vLLM's ``ben
 
 By default the script starts ``cipherlm serve`` itself (one plaintext tenant with a fresh key, on a free
 loopback port, the default model unless ``--model``) and stops it at the end; ``--url``/``--api-key``
-measure a running server instead. Example::
+measure a running server instead. ``--engine-process off on`` measures the server twice in one run, with
+the engine in a thread of the API process (the old layout) and in its own process (the default);
+``--offline`` then runs the offline engine (``engine.LLM``, same model, device, threads, lengths, at most
+``users`` sequences per step) in this process with no server running, and reports each row's output
+tokens per second as a share of it and its TPOT p50 against the engine's own time per output token.
+Example::
 
-    python bench/serve_bench.py --users 1 8 32 --duration 60 --output-len 32 --json bench/serve.json
+    python bench/serve_bench.py --users 1 8 32 --duration 60 --output-len 32 --engine-process off on \
+        --offline --json bench/serve.json
 """
 
 from __future__ import annotations
@@ -146,7 +152,7 @@ def markdown(rows: list[dict]) -> str:
             "| ITL p50 | ITL p99 |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
-        lines.append(f"| {r['users']} | {r['requests'] - r['failed']} | {r['req_per_s']:.2f} "
+        lines.append(f"| {r.get('engine', '')} {r['users']} | {r['requests'] - r['failed']} | {r['req_per_s']:.2f} "
                      f"| {r['out_tok_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} "
                      f"| {r['tpot_p50_ms']:.1f} "
                      f"| {r['tpot_p99_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} |")
@@ -164,10 +170,10 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
     key, port = generate_api_key(), free_port()
     engine = f'device = "{args.device}"' + (f"\nnum_threads = {args.threads}" if args.threads else "")
     settings = workdir / "bench-settings.toml"
-    settings.write_text(f'host = "127.0.0.1"\nport = {port}\n'
+    settings.write_text(f'host = "127.0.0.1"\nport = {port}\nengine_process = {str(args.process).lower()}\n'
                         + (f'model = "{args.model}"\n' if args.model else "")
                         + f"[engine]\n{engine}\n"
-                        + "[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\n"
+                        + "[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\ntokens_per_minute = 0\n"
                         f'[[tenants]]\nid = "bench"\napi_key_hashes = ["{hash_api_key(key)}"]\n')
     log = open(workdir / "server.log", "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen([sys.executable, "-m", "server.cli_serve", "--config", str(settings),
@@ -195,6 +201,65 @@ async def bench(args: argparse.Namespace, url: str, key: str) -> list[dict]:
     return rows
 
 
+# --- the offline engine on the same lengths ----------------------------------------------------------
+
+
+def offline_level(args: argparse.Namespace, users: int) -> dict:
+    """The offline engine at ``users`` sequences per step: output tok/s and its own time per output token."""
+    from engine.default_model import default_model_dir
+    from engine.engine_config import EngineConfig
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    cfg = {"device": args.device} | ({"num_threads": args.threads} if args.threads else {})
+    llm = LLM(args.model or str(default_model_dir()), engine_config=EngineConfig(max_num_seqs=users, **cfg))
+    rng = random.Random(args.seed)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    llm.generate([make_prompt(rng, args.input_len) for _ in range(min(users, 4))], params)  # warm-up
+    n = max(2 * users, 8) if args.offline_requests is None else args.offline_requests
+    prompts = [make_prompt(rng, args.input_len) for _ in range(n)]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1) * 1e3
+            for o in outs if o.metrics and o.metrics.first_token_time and len(o.outputs[0].token_ids) > 1]
+    return {"users": users, "requests": n, "wall_s": wall, "out_tok_per_s": tokens / wall,
+            "tpot_p50_ms": _pct(tpot, 50)}
+
+
+def compare(rows: list[dict], offline: list[dict]) -> str:
+    """Every served row against the offline engine at the same users."""
+    by_users = {o["users"]: o for o in offline}
+    lines = ["| engine | users | served out tok/s | offline out tok/s | share | served TPOT p50 | engine TPOT p50 "
+             "| ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        o = by_users.get(r["users"])
+        if o is None:
+            continue
+        lines.append(f"| {r.get('engine', '?')} | {r['users']} | {r['out_tok_per_s']:.1f} | {o['out_tok_per_s']:.1f} "
+                     f"| {100 * r['out_tok_per_s'] / o['out_tok_per_s']:.0f} % | {r['tpot_p50_ms']:.2f} "
+                     f"| {o['tpot_p50_ms']:.2f} | {r['tpot_p50_ms'] / o['tpot_p50_ms']:.2f}x |")
+    return "\n".join(lines)
+
+
+def serve_once(args: argparse.Namespace, tmp: Path) -> list[dict]:
+    """Every level against one server (started here unless ``--url``)."""
+    proc = None
+    if args.url:
+        url, key = args.url.rstrip("/"), args.api_key
+    else:
+        proc, url, key = start_server(args, tmp)
+    try:
+        rows = asyncio.run(bench(args, url, key))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    label = "url" if args.url else ("process" if args.process else "thread")
+    return [{**r, "engine": label} for r in rows]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running server (default: start `cipherlm serve`)")
@@ -210,24 +275,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on one request and on a level's tail")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-process", nargs="+", choices=("on", "off"), default=["on"],
+                   help="engine core in its own process (on, the default) or a thread (off); both: one run each")
+    p.add_argument("--offline", action="store_true", help="also run the offline engine at every level")
+    p.add_argument("--offline-requests", type=int, help="requests per offline level (default 2 x users, >= 8)")
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="cipherlm-bench-") as tmp:
-        proc = None
-        if args.url:
-            url, key = args.url.rstrip("/"), args.api_key
-        else:
-            proc, url, key = start_server(args, Path(tmp))
-        try:
-            rows = asyncio.run(bench(args, url, key))
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(60)
+        for mode in ([None] if args.url else args.engine_process):
+            args.process = mode == "on"
+            rows += serve_once(args, Path(tmp))
+    offline = [offline_level(args, users) for users in args.users] if args.offline else []
     if args.json:
-        record = {"args": {k: str(v) for k, v in vars(args).items() if k != "api_key"}, "rows": rows}
+        record = {"args": {k: str(v) for k, v in vars(args).items() if k != "api_key"}, "rows": rows,
+                  "offline": offline}
         args.json.write_text(json.dumps(record, indent=2))
     print(markdown(rows))
+    if offline:
+        print()
+        print(compare(rows, offline))
     return 0
 
 

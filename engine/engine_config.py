@@ -67,6 +67,7 @@ class SchedulerConfig:
 
 
 SPECULATIVE_METHODS = ("ngram",)
+CUDA_WEIGHT_FORMATS = ("bf16", "int4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +138,8 @@ class EngineConfig:
             a ``cipherlm model quantize`` folder run as stored), "int8" (group-wise RTN at load),
             "int8-channel" (per-channel RTN) or "int4" (group-wise RTN, the head at int8).
         weight_group_size: columns per scale of "int4" / "int8" (32, 64, 128 or 256).
+        cuda_weight_format: what the layer GEMMs and the head read on CUDA: "bf16" (default) or "int4"
+            (group-wise RTN of ``weight_group_size`` at load, decode rows through ``kernels.gemv_int4``).
         seed: seed of the generator used by requests without their own seed.
         speculative_method: "ngram" (prompt lookup, :mod:`engine.spec_decode`) or None (no request
             speculates; one that asks is refused).
@@ -170,6 +173,7 @@ class EngineConfig:
     cpu_packed_weights: bool = True
     weight_format: str = "fp32"
     weight_group_size: int = 32
+    cuda_weight_format: str = "bf16"
     seed: int = 0
     speculative_method: str | None = "ngram"
     num_speculative_tokens: int = 0
@@ -214,6 +218,9 @@ class EngineConfig:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if self.weight_group_size not in (32, 64, 128, 256):
             raise ValueError(f"weight_group_size must be 32, 64, 128 or 256, got {self.weight_group_size}")
+        if self.cuda_weight_format not in CUDA_WEIGHT_FORMATS:
+            raise ValueError(f"cuda_weight_format must be one of {CUDA_WEIGHT_FORMATS}, "
+                             f"got {self.cuda_weight_format!r}")
         if self.weight_format != "fp32" and self.resolved_device() != "cpu":
             raise ValueError(f"weight_format {self.weight_format!r} runs on the CPU only (device='cpu')")
 

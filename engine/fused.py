@@ -24,14 +24,47 @@ from torch import nn
 import kernels
 from engine.model import AttentionBackend, LlamaForCausalLM
 
+# rows up to which int4 weights go through the GEMV kernel (it re-reads W from L2 per row); more: dequantize
+INT4_GEMV_MAX_ROWS = 4
+
+
+@dataclasses.dataclass
+class Int4Weight:
+    """A linear's weight in ``kernels.gemv_int4``'s layout: ``w = scale * u + offset`` per column group."""
+
+    qweight: torch.Tensor  # [N, K/2] uint8
+    scale: torch.Tensor    # [N, K/group] fp16
+    offset: torch.Tensor   # [N, K/group] fp16
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return kernels.dequantize_int4_rows(self.qweight, self.scale, self.offset).to(dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.offset))
+
+
+@torch.no_grad()
+def quantize_int4_rtn(w: torch.Tensor, group: int) -> Int4Weight:
+    """RTN int4 per group of ``group`` columns, on w's device (the arithmetic of engine.quant.quantize_int4:
+    offset = group min, scale = (max - min) / 15, both rounded to fp16 before the weights are)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo = g.amin(-1).half().float()
+    scale = ((g.amax(-1) - lo) / 15).half().float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    u = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).reshape(n, k)
+    return Int4Weight(kernels.pack_int4_rows(u), scale.half(), lo.half())
+
 
 @dataclasses.dataclass
 class FusedLayerWeights:
     """One decoder layer's weights in the fused layout (views share storage with the model's parameters)."""
 
-    qkv: torch.Tensor              # [(Hq + 2 Hkv) * D, hidden]
-    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D]
-    gate_up: torch.Tensor          # [2 * I, hidden]
+    qkv: torch.Tensor | Int4Weight      # [(Hq + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None       # [(Hq + 2 Hkv) * D]
+    gate_up: torch.Tensor | Int4Weight  # [2 * I, hidden]
+    o: torch.Tensor | Int4Weight        # [hidden, Hq * D]
+    down: torch.Tensor | Int4Weight     # [hidden, I]
 
 
 def _concat_into(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
@@ -55,19 +88,37 @@ def fuse_layer_weights(model: LlamaForCausalLM) -> list[FusedLayerWeights]:
         attn, mlp = layer.self_attn, layer.mlp
         lins = [attn.q_proj, attn.k_proj, attn.v_proj]
         out.append(FusedLayerWeights(_concat_into(lins, "weight"), _concat_into(lins, "bias"),
-                                     _concat_into([mlp.gate_proj, mlp.up_proj], "weight")))
+                                     _concat_into([mlp.gate_proj, mlp.up_proj], "weight"),
+                                     attn.o_proj.weight, mlp.down_proj.weight))
     return out
+
+
+@torch.no_grad()
+def quantize_layer_weights(model: LlamaForCausalLM, fused: list[FusedLayerWeights], group: int) -> None:
+    """Replace every layer GEMM weight by its int4 form and free the bf16 copies (the model's own linears
+    then hold empty tensors: only the fused forward can run it)."""
+    for layer, w in zip(model.layers, fused, strict=True):
+        w.qkv, w.gate_up = quantize_int4_rtn(w.qkv, group), quantize_int4_rtn(w.gate_up, group)
+        w.o, w.down = quantize_int4_rtn(w.o, group), quantize_int4_rtn(w.down, group)
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            lin.weight.data = lin.weight.data.new_empty(0)
 
 
 class FusedLlama(nn.Module):
     """Same interface as :class:`LlamaForCausalLM` for the runner: ``forward`` and ``logits``."""
 
-    def __init__(self, model: LlamaForCausalLM, use_gemv: bool = True) -> None:
+    def __init__(self, model: LlamaForCausalLM, use_gemv: bool = True, int4_group: int | None = None) -> None:
         super().__init__()
         self.base = model
         self.use_gemv = use_gemv  # single-row GEMMs through kernels.gemv (batch-1 decode) instead of cuBLAS
         self.config = model.config
         self.fused = fuse_layer_weights(model)
+        # int4 weights: decode rows through kernels.gemv_int4; the head too (the embedding keeps its copy)
+        self.head_int4: Int4Weight | None = None
+        if int4_group is not None:
+            quantize_layer_weights(model, self.fused, int4_group)
+            self.head_int4 = quantize_int4_rtn(model.lm_head.weight, int4_group)
         cfg = model.config
         self._q, self._kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
 
@@ -103,13 +154,18 @@ class FusedLlama(nn.Module):
         v = qkv[:, self._q + self._kv:].view(t, attn.num_kv_heads, d)
         q, k = kernels.rope(q, k, cos, sin)
         o = backend.attend(attn.layer_idx, q, k, v)         # [T, Hq, D]
-        h = _reduce(attn.o_proj, self._linear(o.reshape(t, -1), attn.o_proj.weight))
+        h = _reduce(attn.o_proj, self._linear(o.reshape(t, -1), w.o))
         x, residual = kernels.add_rms_norm(h, residual, norm2.weight, norm2.eps)
         act = kernels.silu_mul(self._linear(x, w.gate_up))  # [T, I]
-        return _reduce(layer.mlp.down_proj, self._linear(act, layer.mlp.down_proj.weight)), residual
+        return _reduce(layer.mlp.down_proj, self._linear(act, w.down)), residual
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor | Int4Weight,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ weight[N, K]^T (+ bias): one row goes through the GEMV kernel, more through cuBLAS."""
+        if isinstance(weight, Int4Weight):
+            if x.shape[0] <= INT4_GEMV_MAX_ROWS:
+                return kernels.gemv_int4(x, weight.qweight, weight.scale, weight.offset, bias)
+            return F.linear(x, weight.dequantize(x.dtype), bias)  # prefill: a transient bf16 copy
         if self.use_gemv and x.shape[0] == 1 and x.is_cuda:
             return kernels.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
@@ -117,7 +173,10 @@ class FusedLlama(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + head: hidden [T, hidden] -> logits [T, vocab] (fp32)."""
         norm = self.base.model.norm
-        return self.base.lm_head(kernels.rms_norm(h, norm.weight, norm.eps)).float()
+        x = kernels.rms_norm(h, norm.weight, norm.eps)
+        if self.head_int4 is not None:
+            return self._linear(x, self.head_int4).float()
+        return self.base.lm_head(x).float()
 
 
 def _reduce(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
@@ -127,6 +186,6 @@ def _reduce(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
     return partial if reduce is None else reduce(partial)
 
 
-def fuse_for_cuda(model: LlamaForCausalLM) -> FusedLlama:
-    """The model with the fused forward (the runner's choice on CUDA)."""
-    return FusedLlama(model)
+def fuse_for_cuda(model: LlamaForCausalLM, int4_group: int | None = None) -> FusedLlama:
+    """The model with the fused forward (the runner's choice on CUDA); ``int4_group``: int4 weights."""
+    return FusedLlama(model, int4_group=int4_group)

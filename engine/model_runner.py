@@ -56,7 +56,8 @@ class ModelRunner:
         # RoPE frequencies stay fp32: bf16 would put angles off by radians at positions in the thousands
         self.model.rotary.inv_freq = rope_inv_freq(model.config).to(self.device)
         if self.is_cuda:  # fused QKV / gate-up weights and Triton norm/RoPE/SwiGLU kernels (engine.fused)
-            self.model = fuse_for_cuda(self.model)
+            int4 = config.weight_group_size if config.cuda_weight_format == "int4" else None
+            self.model = fuse_for_cuda(self.model, int4_group=int4)
         elif config.cpu_packed_weights:  # oneDNN-packed linears: no per-call weight re-pack (engine.cpu_linear)
             pack_linears(self.model)
         self.block_size = config.block_size

@@ -113,6 +113,7 @@ class GrammarCompiler:
         self.stop_token_ids = sorted(set(int(t) for t in stop_token_ids))
         info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=self.vocab_size,
                                                   stop_token_ids=self.stop_token_ids)
+        self.tokenizer_info = info  # what a pickled grammar is rebuilt against (engine core process)
         # our own cache below (bounded, counts hits, keeps errors); one thread: compiles run per request
         self._xgr = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
@@ -205,6 +206,26 @@ class _State:
         return _State(child, not ok or child.is_terminated())
 
 
+# The engine core process's (tokenizer, model config): a GrammarProcessor pickled by the API process is
+# rebuilt against this tokenizer's vocabulary (engine/engine_core.py sets it).
+_PROCESS_MODEL: tuple[Any, Any] | None = None
+
+
+def bind_process_model(tokenizer: Any, model_config: Any) -> None:
+    """Name the model whose vocabulary unpickled grammars use in this process (the engine core's)."""
+    global _PROCESS_MODEL
+    _PROCESS_MODEL = (tokenizer, model_config)
+
+
+def _processor_from_json(data: str, stop_token_ids: list[int]) -> GrammarProcessor:
+    import xgrammar as xgr
+
+    if _PROCESS_MODEL is None:
+        raise RuntimeError("a grammar arrived in a process with no model bound (bind_process_model)")
+    info = model_compiler(*_PROCESS_MODEL).tokenizer_info
+    return GrammarProcessor(xgr.CompiledGrammar.deserialize_json(data, info), stop_token_ids)
+
+
 class GrammarProcessor(BitmaskLogitsProcessor):
     """One request's grammar constraint (a :class:`~engine.logits_process.BitmaskLogitsProcessor`)."""
 
@@ -212,6 +233,10 @@ class GrammarProcessor(BitmaskLogitsProcessor):
         self.compiled = compiled
         self.stop_token_ids = list(stop_token_ids)
         self._states: dict[tuple[int, ...], _State] = {}
+
+    def __reduce__(self):
+        # to the engine core: the compiled grammar as xgrammar's JSON (a few KB), never its matchers
+        return _processor_from_json, (self.compiled.serialize_json(), self.stop_token_ids)
 
     def fill_bitmask(self, prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
                      bitmask: torch.Tensor, rows: list[int]) -> None:

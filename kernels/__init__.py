@@ -7,6 +7,7 @@ a ValueError) and runs the Triton kernel on CUDA tensors when Triton imports, th
 
 from .errors import BackendUnavailableError, KernelError, KernelInputError
 from .gemv import GemvTuning, gemv, gemv_reference
+from .gemv_int4 import GemvInt4Tuning, dequantize_int4_rows, gemv_int4, gemv_int4_reference, pack_int4_rows
 from .paged_decode import paged_decode_attention, paged_decode_attention_reference
 from .paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
@@ -19,6 +20,11 @@ __all__ = [
     "GemvTuning",
     "gemv",
     "gemv_reference",
+    "GemvInt4Tuning",
+    "dequantize_int4_rows",
+    "gemv_int4",
+    "gemv_int4_reference",
+    "pack_int4_rows",
     "add_rms_norm",
     "add_rms_norm_reference",
     "KernelError",

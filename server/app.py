@@ -178,6 +178,10 @@ def build_engine(settings: Settings) -> Any:
         return ReplicaSet(model, dict(settings.engine), reps.count, address=settings.private.ray.address,
                           num_cpus=reps.num_cpus, num_gpus=reps.num_gpus, prefix_tokens=reps.prefix_tokens,
                           load_slack=reps.load_slack)
+    if settings.engine_process:  # the core off the API's interpreter (engine/core_client.py)
+        from engine.core_client import ProcessAsyncLLM
+
+        return ProcessAsyncLLM(model, EngineConfig(**settings.engine))
     return AsyncLLM(model, EngineConfig(**settings.engine))
 
 

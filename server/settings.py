@@ -131,6 +131,8 @@ class Settings(BaseSettings):
     max_prompts_per_request: int = Field(16, ge=1)
     drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: how long in-flight requests may run")
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After sent with 503 while draining")
+    engine_process: bool = Field(
+        True, description="run the engine core in its own process (false: a thread of the API process)")
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings,
                                       description="plaintext engine replicas (data parallel, on Ray)")
     private: PrivateSettings = Field(default_factory=PrivateSettings,

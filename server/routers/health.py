@@ -30,6 +30,8 @@ async def ready(request: Request) -> JSONResponse:
                             headers={"Retry-After": "1"})
     if getattr(request.app.state, "engine", None) is None:
         return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "1"})
+    if not getattr(request.app.state.engine, "healthy", True):  # the engine core process died
+        return JSONResponse({"status": "engine_failed"}, status_code=503)
     return JSONResponse({"status": "ready", "in_flight": lifecycle.in_flight})
 
 

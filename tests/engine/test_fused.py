@@ -6,6 +6,8 @@ residual stream, shared RoPE tables); tests/engine/test_engine_gpu.py checks it 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -39,3 +41,32 @@ def test_fused_weights_share_storage_with_the_model():
     with torch.no_grad():
         attn.k_proj.weight.add_(1.0)  # a write through the model is seen by the fused weight
     assert torch.equal(w.qkv[attn.q_proj.out_features:][: attn.k_proj.out_features], attn.k_proj.weight)
+
+
+@torch.inference_mode()
+def test_int4_fused_forward_is_the_dequantized_model():
+    """int4 weights (chunks of 13 rows dequantize, single rows take gemv_int4's torch reference on CPU):
+    the same function as the reference model on the dequantized weights."""
+    model = tiny_model("llama-gqa", seed=3)
+    ids = torch.tensor(random_prompts([21], seed=4)[0])
+    chunks = [13, 1, 1, 6]
+    fused = FusedLlama(copy.deepcopy(model), int4_group=16)
+    deq = copy.deepcopy(model)
+    for layer, w in zip(deq.layers, fused.fused, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = w.qkv.dequantize(torch.float32), w.gate_up.dequantize(torch.float32)
+        q, k = attn.q_proj.out_features, attn.k_proj.out_features
+        attn.q_proj.weight.data, attn.k_proj.weight.data = qkv[:q], qkv[q:q + k]
+        attn.v_proj.weight.data = qkv[q + k:]
+        mlp.gate_proj.weight.data = gate_up[:mlp.gate_proj.out_features]
+        mlp.up_proj.weight.data = gate_up[mlp.gate_proj.out_features:]
+        attn.o_proj.weight.data = w.o.dequantize(torch.float32)
+        mlp.down_proj.weight.data = w.down.dequantize(torch.float32)
+    deq.lm_head = torch.nn.Linear(deq.config.hidden_size, deq.config.vocab_size, bias=False)
+    deq.lm_head.weight.data = fused.head_int4.dequantize(torch.float32)
+    want = our_logits(deq, ids, chunks)
+    got = our_logits(fused, ids, chunks)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(want, our_logits(model, ids, chunks))  # int4 is not the bf16/fp32 model
+    n, k = fused.fused[0].qkv.qweight.shape[0], model.config.hidden_size
+    assert fused.fused[0].qkv.nbytes() == n * k // 2 + 2 * 2 * n * k // 16  # nibbles + fp16 scale, offset

@@ -3,6 +3,7 @@ settings with one tenant of each kind, and a started engine (the real AsyncLLM, 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -59,8 +60,10 @@ def tenants() -> list[TenantSettings]:
 
 def make_settings(model_dir: Path | None = None, **overrides) -> Settings:
     """Settings with the test tenants (no TOML, no environment)."""
+    # engine_process: apps that build their own engine keep it in a thread (no process spawn per test);
+    # the live `cipherlm serve` fixture and tests/server/test_engine_process.py run the core process
     fields = dict(model=str(model_dir) if model_dir else None, served_model_name="tiny",
-                  server_secret="test-secret", tenants=tenants())
+                  server_secret="test-secret", tenants=tenants(), engine_process=False)
     return Settings(**{**fields, **overrides})
 
 
@@ -91,8 +94,12 @@ async def engine(tiny_loaded):
     from engine.engine_config import EngineConfig
 
     model, tok = tiny_loaded
-    llm = AsyncLLM.from_model(model, tok, EngineConfig(device="cpu", num_kv_blocks=256, block_size=16,
-                                                       max_waiting=64))
+    # CIPHERLM_TEST_ENGINE=process runs every test of this fixture against the engine-core process
+    cls = AsyncLLM
+    if os.environ.get("CIPHERLM_TEST_ENGINE") == "process":
+        from engine.core_client import ProcessAsyncLLM as cls
+    llm = cls.from_model(model, tok, EngineConfig(device="cpu", num_kv_blocks=256, block_size=16,
+                                                  max_waiting=64))
     await llm.start()
     yield llm
     await llm.shutdown()

@@ -1,0 +1,107 @@
+"""Batch-1 decode with int4 weights vs bf16 on the GPU (random weights in real model shapes).
+
+Per shape and weight format (``EngineConfig.cuda_weight_format``): the engine's batch-1 decode step
+(host clock, a 128-token prompt then 256 greedy tokens: ``bench/engine_gpu.py``'s ``decode_step_time``),
+tokens per second, the replay time of the batch-1 CUDA graph (GPU only), and the step's bytes over
+the bandwidth floor (weights read once per step — the layer GEMMs, the head, one embedding row — plus
+the K/V at the mean context), at the nominal 4.8 TB/s and at the measured device copy bandwidth.
+Then each layer GEMM alone: ``kernels.gemv`` (bf16) vs ``kernels.gemv_int4`` (best of a few tunings).
+
+    python bench/int4_gpu.py --shapes llama3.2-1b --json bench/results/int4_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+import torch
+
+import kernels
+from bench.engine_gpu import SHAPES, copy_bandwidth, decode_step_time, graph_replay_ms, kv_bytes, random_model
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.fused import Int4Weight, quantize_int4_rtn
+from engine.llm import LLM
+
+NOMINAL_BW = 4.8e12
+TUNINGS = [kernels.GemvInt4Tuning(bn, bk, 4) for bn in (2, 4, 8) for bk in (512, 1024)] + [
+    kernels.GemvInt4Tuning(4, 1024, 8), kernels.GemvInt4Tuning(8, 2048, 8)]
+
+
+def step_bytes(llm: LLM, cfg: ModelConfig) -> int:
+    """Bytes one batch-1 decode step must read: GEMM weights (as stored), one embedding row, the K/V."""
+    fused = llm.engine.runner.model
+    total = 0
+    for w in fused.fused:
+        for t in (w.qkv, w.gate_up, w.o, w.down):
+            total += t.nbytes() if isinstance(t, Int4Weight) else t.numel() * t.element_size()
+    head = fused.head_int4
+    total += head.nbytes() if head is not None else fused.base.lm_head.weight.numel() * 2
+    return total + cfg.hidden_size * 2 + kv_bytes(cfg)
+
+
+def engine_row(name: str, fmt: str, bw: float) -> dict:
+    cfg = ModelConfig(**SHAPES[name])
+    llm = LLM(random_model(cfg), engine_config=EngineConfig(
+        device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3, max_model_len=4096, cuda_weight_format=fmt))
+    step = decode_step_time(llm, cfg.vocab_size)
+    with torch.inference_mode():  # the runner's buffers are inference tensors
+        replay = graph_replay_ms(llm, 1)
+    nbytes = step_bytes(llm, cfg)
+    row = {"shape": name, "format": fmt, "step_ms": step * 1e3, "tok_per_s": 1 / step, "replay_ms": replay,
+           "step_bytes": nbytes, "floor_ms_nominal": nbytes / NOMINAL_BW * 1e3, "floor_ms_measured": nbytes / bw * 1e3}
+    row["share_nominal"] = row["floor_ms_nominal"] / row["step_ms"]
+    row["replay_share_nominal"] = row["floor_ms_nominal"] / replay
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def gemm_rows(name: str) -> list[dict]:
+    """Each distinct layer GEMM of the shape at one row: bf16 gemv vs int4 gemv (best tuning)."""
+    from triton.testing import do_bench
+
+    c = SHAPES[name]
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    shapes = {"qkv": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d, h), "o": (h, h),
+              "gate_up": (2 * i, h), "down": (h, i), "head": (c["vocab_size"], h)}
+    rows = []
+    for part, (n, k) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        q = quantize_int4_rtn(w, 32)
+        t_bf16 = do_bench(lambda: kernels.gemv(x, w), warmup=20, rep=100)  # noqa: B023
+        best = min((do_bench(lambda t=t: kernels.gemv_int4(x, q.qweight, q.scale, q.offset, tuning=t),  # noqa: B023
+                             warmup=10, rep=50), t) for t in TUNINGS)
+        rows.append({"shape": name, "gemm": part, "n": n, "k": k, "bf16_us": t_bf16 * 1e3, "int4_us": best[0] * 1e3,
+                     "int4_tuning": str(best[1]), "bf16_tb_s": n * k * 2 / t_bf16 / 1e9,
+                     "int4_tb_s": q.nbytes() / best[0] / 1e9})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="llama3.2-1b")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    res = {"copy_bw": bw, "engine": [], "gemm": []}
+    for name in args.shapes.split(","):
+        for fmt in ("bf16", "int4"):
+            row = engine_row(name, fmt, bw)
+            print(json.dumps(row), flush=True)
+            res["engine"].append(row)
+        for row in gemm_rows(name):
+            print(json.dumps(row), flush=True)
+            res["gemm"].append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

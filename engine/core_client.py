@@ -1,0 +1,347 @@
+"""``ProcessAsyncLLM``: :class:`~engine.async_llm.AsyncLLM`'s interface over an engine core in its own process.
+
+The engine core (``engine.engine_core``) runs the model, scheduler, sampler and detokenizer in a spawned
+process; this side validates and admits requests (same errors, same moment: before any model work),
+sends them down a pipe from a sender thread, and a reader thread receives one batch per engine step and
+hands it to the event loop with **one** ``call_soon_threadsafe``. The loop then rebuilds each request's
+:class:`RequestOutput` (cumulative ids and text from the deltas) and feeds its stream. A stream whose
+consumer fell behind (a slow socket, a busy loop at hundreds of users) gets its queued outputs merged
+into one, so a lagging client costs one SSE chunk per wake-up, not one per token.
+
+Leaving the ``async for`` early (or cancelling) aborts the request in the core and frees its KV blocks;
+``shutdown`` stops the core and ends unfinished streams with an EngineError; a core that dies fails
+every stream with an EngineError and refuses new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.engine_core import CoreInfo, CoreSpec, RequestDelta, StepBatch, core_main
+from engine.errors import EngineError, EngineOverloadedError, InvalidRequestError
+from engine.metrics import EngineStats, MetricsListener
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import Request
+from engine.tokenizer import Tokenizer
+
+START_TIMEOUT_S = 600.0  # loading a large checkpoint onto a GPU takes minutes
+STOP_TIMEOUT_S = 30.0
+
+
+class _Validator:
+    """What :meth:`LLMEngine.validate` reads, filled from the core's :class:`CoreInfo`."""
+
+    def __init__(self, info: CoreInfo, config: EngineConfig) -> None:
+        from engine.parts import EngineParts
+
+        self.tokenizer, self.model_config, self.config = info.tokenizer, info.model_config, config
+        self.max_model_len = info.max_model_len
+        self.spec = EngineParts().spec_decoder(config.spec_config(), info.max_model_len)
+
+    def validate(self, prompt, params) -> list[int]:
+        from engine.llm_engine import LLMEngine
+
+        return LLMEngine.validate(self, prompt, params)  # type: ignore[arg-type]
+
+
+class _Progress:
+    """The cumulative state of one request on the client side (the core sends deltas only)."""
+
+    __slots__ = ("prompt", "ids", "text")
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt = prompt
+        self.ids: dict[int, list[int]] = {}
+        self.text: dict[int, str] = {}
+
+    def rebuild(self, delta: RequestDelta) -> RequestOutput:
+        rid, finished, cached, metrics, comps = delta
+        outs = []
+        for index, dtext, dids, lps, reason, stop in comps:
+            ids = self.ids.setdefault(index, [])
+            ids.extend(dids)
+            text = self.text[index] = self.text.get(index, "") + dtext
+            outs.append(CompletionOutput(index, list(ids), text, dtext, dids, lps, reason, stop))
+        return RequestOutput(rid, self.prompt, outs, finished, cached, metrics)
+
+
+def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """``new`` with the deltas of ``old`` (an output its consumer has not taken yet) in front."""
+    before = {c.index: c for c in old.outputs}
+    for c in new.outputs:
+        prev = before.get(c.index)
+        if prev is None:
+            continue
+        c.delta_text = prev.delta_text + c.delta_text
+        c.delta_token_ids = prev.delta_token_ids + c.delta_token_ids
+        if prev.logprobs is not None or c.logprobs is not None:
+            c.logprobs = (prev.logprobs or []) + (c.logprobs or [])
+    return new
+
+
+class ProcessAsyncLLM:
+    """Serve many concurrent requests from asyncio code; the engine steps in a child process."""
+
+    def __init__(self, model_dir_or_model, engine_config: EngineConfig | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        self.config = engine_config or EngineConfig()
+        if isinstance(model_dir_or_model, (str, Path)):
+            self._spec = CoreSpec(self.config, path=str(model_dir_or_model))
+        else:
+            self._spec = CoreSpec(self.config, model=model_dir_or_model, tokenizer=tokenizer)
+        self._info: CoreInfo | None = None
+        self._validator: _Validator | None = None
+        self._proc = None
+        self._conn = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._progress: dict[str, _Progress] = {}
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count()
+        self._listeners: list[MetricsListener] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._error: str | None = None
+        self._adds_sent = 0
+        self._adds_seen = 0
+        self._num_unscheduled = 0
+        self._stats: EngineStats | None = None
+
+    @classmethod
+    def from_model(cls, model, tokenizer: Tokenizer | None,
+                   engine_config: EngineConfig | None = None) -> ProcessAsyncLLM:
+        """Build from an already loaded (CPU) model and its tokenizer; the core gets a copy."""
+        return cls(model, engine_config, tokenizer)
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Spawn the core and wait until its engine is built (raises EngineError if that fails)."""
+        if self._proc is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping, self._error = False, None
+        ctx = mp.get_context("spawn")  # never fork a process that holds CUDA or threads
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(target=core_main, args=(child, self._spec), name="cipherlm-engine-core",
+                                 daemon=True)
+        self._proc.start()
+        child.close()
+        msg = await asyncio.to_thread(self._first_message)
+        if msg[0] != "ready":
+            await self._reap()
+            raise EngineError(f"the engine core failed to start: {msg[1]}")
+        self._info = msg[1]
+        self._stats = self._info.stats
+        self._validator = _Validator(self._info, self.config)
+        threading.Thread(target=self._sender, name="cipherlm-core-send", daemon=True).start()
+        threading.Thread(target=self._reader, name="cipherlm-core-recv", daemon=True).start()
+
+    def _first_message(self) -> tuple:
+        if not self._conn.poll(START_TIMEOUT_S):
+            return ("failed", f"no answer in {START_TIMEOUT_S:.0f} s")
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            return ("failed", f"the process exited (code {self._proc.exitcode})")
+
+    async def shutdown(self) -> None:
+        """Stop the core; unfinished streams end with an EngineError."""
+        if self._proc is None:
+            return
+        self._stopping = True
+        self._outbox.put(("stop",))
+        self._outbox.put(None)  # ends the sender thread after the stop message
+        await self._reap()
+        self._fail_all("the engine was shut down")
+
+    async def _reap(self) -> None:
+        proc, self._proc = self._proc, None
+        await asyncio.to_thread(proc.join, STOP_TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
+            await asyncio.to_thread(proc.join)
+
+    async def __aenter__(self) -> ProcessAsyncLLM:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    # ---- public API -------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._started().tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._started().model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self._started().max_model_len
+
+    @property
+    def healthy(self) -> bool:
+        """The core runs and has not failed (``/health/ready`` turns 503 otherwise)."""
+        return self._proc is not None and self._error is None and self._proc.is_alive()
+
+    def stats(self) -> EngineStats:
+        """Gauges and counters as of the core's last step."""
+        return self._stats if self._stats is not None else self._started().stats
+
+    def add_metrics_listener(self, listener: MetricsListener) -> None:
+        """Receive per-request and per-step metrics (called from the reader thread)."""
+        self._listeners.append(listener)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None, request_id: str, *,
+                 cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Admit a request and return its stream of outputs (deltas since the previous one).
+
+        Raises InvalidRequestError / EngineOverloadedError immediately, before any model work."""
+        self._started()
+        if self._error is not None:
+            raise EngineError(f"the engine loop failed: {self._error}")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        ids = self._validator.validate(prompt, params)
+        if self._num_unscheduled + self._adds_sent - self._adds_seen >= self.config.max_waiting:
+            raise EngineOverloadedError(
+                f"the engine's waiting queue is full ({self.config.max_waiting} requests); retry later",
+                retry_after=1.0)
+        request = Request(request_id, ids, params, time.time(), cache_salt, priority)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._progress[request_id] = _Progress(request.prompt_token_ids)
+        self._adds_sent += 1
+        self._outbox.put(("add", request))
+        return self._stream(request_id, stream)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished); its stream ends with finish_reason "abort"."""
+        await self._control(("abort", request_id))
+
+    async def wait_idle(self) -> None:
+        """Return once the core has handled everything sent so far."""
+        await self._control(("sync",))
+
+    # ---- event-loop side --------------------------------------------------------------------------
+    def _started(self) -> CoreInfo:
+        if self._info is None:
+            raise EngineError("the engine is not started (await start() first)")
+        return self._info
+
+    async def _control(self, msg: tuple) -> None:
+        if self._proc is None or self._error is not None:
+            return
+        token = next(self._tokens)
+        fut = self._loop.create_future()
+        self._waiters[token] = fut
+        self._outbox.put((*msg, token))
+        await fut
+
+    async def _stream(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                while not isinstance(item, BaseException) and not item.finished and not stream.empty():
+                    nxt = stream.get_nowait()  # the consumer lagged: one merged output, not several
+                    if isinstance(nxt, BaseException):
+                        yield item
+                        item = nxt
+                        break
+                    item = merge_outputs(item, nxt)
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            self._progress.pop(request_id, None)
+            if not finished and not self._stopping and self._error is None:
+                self._outbox.put(("abort", request_id, -1))  # consumer left or was cancelled
+
+    def _on_batch(self, batch: StepBatch) -> None:
+        self._adds_seen, self._num_unscheduled = batch.adds_seen, batch.num_unscheduled
+        for rid, exc in batch.add_errors:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put_nowait(exc)
+        for delta in batch.outputs:
+            rid = delta[0]
+            progress = self._progress.get(rid)
+            stream = self._streams.get(rid)
+            if progress is None or stream is None:
+                continue  # its consumer left: the abort is on its way
+            out = progress.rebuild(delta)
+            if out.finished:
+                del self._streams[rid], self._progress[rid]
+            stream.put_nowait(out)
+        for token in batch.acks:
+            fut = self._waiters.pop(token, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    def _fail_all(self, why: str) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(EngineError(why))
+        self._streams.clear()
+        self._progress.clear()
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_result(None)
+        self._waiters.clear()
+
+    def _on_core_lost(self, why: str) -> None:
+        self._error = why
+        self._fail_all(f"the engine loop failed: {why}")
+
+    # ---- threads ----------------------------------------------------------------------------------
+    def _sender(self) -> None:
+        conn = self._conn
+        while (msg := self._outbox.get()) is not None:
+            try:
+                conn.send(msg)
+            except (OSError, ValueError):
+                return  # the core is gone; the reader reports it
+
+    def _reader(self) -> None:
+        conn, loop = self._conn, self._loop
+        why = "the engine core exited"
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "failed":
+                why = msg[1]
+                break
+            batch: StepBatch = msg[1]
+            self._notify(batch)
+            loop.call_soon_threadsafe(self._on_batch, batch)
+        conn.close()
+        if not self._stopping:
+            loop.call_soon_threadsafe(self._on_core_lost, why)
+
+    def _notify(self, batch: StepBatch) -> None:
+        if batch.stats is not None:
+            self._stats = batch.stats
+        for listener in self._listeners:
+            for stats in batch.finished:
+                listener.on_request_finished(stats)
+            if batch.stats is not None:
+                listener.on_step(batch.stats)

@@ -1,0 +1,198 @@
+"""The engine core in its own process: :class:`LLMEngine` stepping behind a pipe (vLLM v1's EngineCore).
+
+The API process (``engine.core_client.ProcessAsyncLLM``) keeps the event loop, tokenization and SSE
+framing; this process keeps the model, the scheduler, sampling and detokenization, so neither waits on
+the other's interpreter. Per step the core sends **one** message holding every request's progress as
+plain tuples (deltas only: the client rebuilds the cumulative token ids and text), the step's gauges, the
+finished requests' latency records and the acknowledgements of control messages -- one pickle per step,
+never one per token per request.
+
+Messages, client → core: ``("add", Request)``, ``("abort", request_id, token)``, ``("sync", token)``,
+``("stop",)``. Core → client: ``("ready", CoreInfo)`` once, then ``("step", StepBatch)``; ``("failed",
+repr)`` if building the engine or a step raised (the client fails every stream with it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.metrics import EngineStats, RequestStats
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.tokenizer import Tokenizer
+
+IDLE_POLL_S = 0.5  # an idle core blocks on the pipe this long between checks of its parent
+
+# One completion's progress in a step: (index, delta_text, delta_token_ids, logprobs, finish_reason,
+# stop_reason); one request's: (request_id, finished, num_cached_tokens, metrics-if-finished, completions).
+CompletionDelta = tuple[int, str, list[int], list | None, str | None, str | int | None]
+RequestDelta = tuple[str, bool, int, RequestMetrics | None, list[CompletionDelta]]
+
+
+@dataclasses.dataclass
+class CoreSpec:
+    """How the core builds its engine: a model folder / .gguf file, or an already loaded model."""
+
+    config: EngineConfig
+    path: str | None = None
+    model: Any = None            # LlamaForCausalLM (pickled to the child: CPU tensors, shared memory)
+    tokenizer: Tokenizer | None = None
+
+    def build(self):
+        from engine.llm_engine import LLMEngine
+
+        if self.path is not None:
+            return LLMEngine.from_pretrained(Path(self.path), self.config)
+        return LLMEngine(self.model, self.tokenizer, self.config)
+
+
+@dataclasses.dataclass
+class CoreInfo:
+    """What the API process needs to validate and tokenize without asking the core."""
+
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    stats: EngineStats
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """Everything one core iteration produced.
+
+    Attributes:
+        outputs: per request that progressed, its deltas.
+        stats: gauges after the step (None: no step ran).
+        finished: latency records of the requests that ended.
+        acks: tokens of the abort / sync messages handled before the step.
+        adds_seen: "add" messages handled so far; with ``num_unscheduled`` the client bounds its queue.
+        num_unscheduled: admitted requests not yet scheduled.
+        add_errors: (request_id, error) of adds the engine refused.
+    """
+
+    outputs: list[RequestDelta]
+    stats: EngineStats | None
+    finished: list[RequestStats]
+    acks: list[int]
+    adds_seen: int
+    num_unscheduled: int
+    add_errors: list[tuple[str, Exception]]
+
+
+def encode(out: RequestOutput) -> RequestDelta:
+    """A request output without its cumulative fields (the client has the earlier deltas)."""
+    comps = [(c.index, c.delta_text, c.delta_token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+             for c in out.outputs]
+    return out.request_id, out.finished, out.num_cached_tokens, out.metrics if out.finished else None, comps
+
+
+class _Collector:
+    """The core's metrics listener: keeps finished-request records for the next batch."""
+
+    def __init__(self) -> None:
+        self.finished: list[RequestStats] = []
+
+    def on_request_finished(self, stats: RequestStats) -> None:
+        self.finished.append(stats)
+
+    def on_step(self, stats: EngineStats) -> None:
+        pass
+
+
+class EngineCore:
+    """The loop of the core process: handle control messages, step, send one batch."""
+
+    def __init__(self, engine, conn: Connection) -> None:
+        self.engine, self.conn = engine, conn
+        self.collector = _Collector()
+        engine.listeners.append(self.collector)
+        self.adds_seen = 0
+        self.stopping = False
+
+    def run(self) -> None:
+        while not self.stopping:
+            acks, errors, outputs = self._drain(block=not self.engine.has_unfinished_requests())
+            if self.engine.has_unfinished_requests() and not self.stopping:
+                outputs += self.engine.step()
+            stats = self.engine.stats() if outputs or acks or errors or self.collector.finished else None
+            if stats is not None or acks:
+                self._send(outputs, stats, acks, errors)
+
+    def _send(self, outputs: list[RequestOutput], stats, acks: list[int], errors) -> None:
+        finished, self.collector.finished = self.collector.finished, []
+        batch = StepBatch([encode(o) for o in outputs], stats, finished, acks, self.adds_seen,
+                          self.engine.num_waiting_requests, errors)
+        self.conn.send(("step", batch))
+
+    def _drain(self, block: bool) -> tuple[list[int], list, list[RequestOutput]]:
+        """Handle every waiting message (waiting for one when idle); abort outputs join the step's."""
+        acks: list[int] = []
+        errors: list[tuple[str, Exception]] = []
+        outputs: list[RequestOutput] = []
+        if block and not self.conn.poll(IDLE_POLL_S):
+            return acks, errors, outputs
+        while self.conn.poll():
+            msg = self.conn.recv()
+            kind = msg[0]
+            if kind == "add":
+                self._add(msg[1], errors)
+            elif kind == "abort":
+                out = self.engine.abort_request(msg[1])
+                if out is not None:
+                    outputs.append(out)
+                acks.append(msg[2])
+            elif kind == "sync":
+                acks.append(msg[1])
+            elif kind == "stop":
+                self.stopping = True
+                break
+        return acks, errors, outputs
+
+    def _add(self, request, errors: list) -> None:
+        self.adds_seen += 1
+        engine = self.engine
+        with engine._admission:  # the client admitted it; count it as the engine's make_request would
+            engine._num_unscheduled += 1
+        try:
+            engine.enqueue(request)
+        except InvalidRequestError as exc:
+            errors.append((request.request_id, exc))
+
+
+def _exit_now() -> None:
+    """Leave without the interpreter's teardown (torch's takes ~1 s; a stopped core has nothing to
+    flush but its streams), so a SIGTERM drain is not held up by the core's exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def core_main(conn: Connection, spec: CoreSpec) -> None:
+    """Entry point of the core process."""
+    try:
+        engine = spec.build()
+        if engine.tokenizer is not None:
+            from engine import structured
+
+            structured.bind_process_model(engine.tokenizer, engine.model_config)
+        conn.send(("ready", CoreInfo(engine.model_config, engine.tokenizer, engine.max_model_len,
+                                     engine.stats())))
+        EngineCore(engine, conn).run()
+        conn.close()
+        _exit_now()
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        return  # the API process went away: nothing to report to
+    except BaseException as exc:  # noqa: BLE001 - the client must learn why every stream ends
+        try:
+            conn.send(("failed", repr(exc)))
+        except (OSError, ValueError):
+            pass
+    finally:
+        conn.close()

@@ -1,0 +1,136 @@
+"""ProcessAsyncLLM: the engine core in a spawned process behaves as AsyncLLM does (same outputs, same
+admission errors, abort, cancellation, metrics), and a core that dies fails its streams instead of
+hanging them. One core per test: a spawn imports torch again (~5 s on 2 busy cores)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.core_client import ProcessAsyncLLM, merge_outputs
+from engine.engine_config import EngineConfig
+from engine.errors import EngineError, EngineOverloadedError, InvalidRequestError
+from engine.llm import LLM
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from tests.engine.engine_helpers import random_prompts, tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+ENDLESS = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+
+
+def config(**kw) -> EngineConfig:
+    base = dict(device="cpu", block_size=4, num_kv_blocks=256, max_num_batched_tokens=64, max_model_len=1024)
+    return EngineConfig(**{**base, **kw})
+
+
+async def collect(stream) -> list:
+    return [out async for out in stream]
+
+
+class Recorder:
+    def __init__(self):
+        self.requests, self.steps = [], []
+
+    def on_request_finished(self, stats):
+        self.requests.append(stats)
+
+    def on_step(self, stats):
+        self.steps.append(stats)
+
+
+async def test_process_core_streams_what_the_offline_engine_makes():
+    prompts = random_prompts([7, 19, 3], seed=9)
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=6, n=2, logprobs=2, ignore_eos=True)
+    cfg = config(max_model_len=32, max_num_seqs=2, max_waiting=2)
+    offline = LLM(tiny_model(), engine_config=cfg).generate(prompts, GREEDY)
+    offline_n = LLM(tiny_model(), engine_config=cfg).generate(prompts[:1], sampled)[0]
+    rec = Recorder()
+    async with ProcessAsyncLLM.from_model(tiny_model(), None, cfg) as llm:
+        llm.add_metrics_listener(rec)
+        # admission errors are raised here, before anything reaches the core
+        with pytest.raises(InvalidRequestError):
+            llm.generate([], GREEDY, "empty")
+        with pytest.raises(InvalidRequestError, match="maximum model length"):
+            llm.generate(list(range(40)), GREEDY, "long")
+        results = await asyncio.gather(*(collect(llm.generate(p, GREEDY, f"r{i}"))
+                                         for i, p in enumerate(prompts[:2])))
+        n_outs = await collect(llm.generate(prompts[0], sampled, "n2"))
+        # the bounded queue: two running, two waiting, the next one refused with a Retry-After
+        first = llm.generate([1, 2, 3], ENDLESS, "running")
+        second = llm.generate([1, 2, 4], ENDLESS, "running2")
+        await anext(first)
+        await anext(second)
+        waiting = [llm.generate([4, 5], GREEDY, f"w{i}") for i in range(2)]
+        with pytest.raises(EngineOverloadedError, match="waiting queue is full") as info:
+            llm.generate([6, 7], GREEDY, "rejected")
+        assert info.value.retry_after > 0
+        await llm.abort("running")
+        await llm.abort("running2")
+        assert (await collect(first))[-1].outputs[0].finish_reason == "abort"
+        assert (await collect(second))[-1].outputs[0].finish_reason == "abort"
+        for w in waiting:
+            assert (await collect(w))[-1].outputs[0].finish_reason == "length"
+        await llm.wait_idle()
+        stats = llm.stats()
+    for outs, exp in zip(results, offline, strict=False):
+        deltas = [t for o in outs for t in o.outputs[0].delta_token_ids]
+        assert deltas == exp.outputs[0].token_ids == outs[-1].outputs[0].token_ids
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert outs[-1].metrics.first_token_time <= outs[-1].metrics.last_token_time
+    final = {c.index: c for c in n_outs[-1].outputs}
+    for c in offline_n.outputs:
+        assert final[c.index].token_ids == c.token_ids
+        lps = [lp for o in n_outs for d in o.outputs if d.index == c.index for lp in d.logprobs or []]
+        assert [lp[t] for lp, t in zip(lps, c.token_ids, strict=True)] == \
+            [lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+    assert len(rec.requests) == 7 and rec.steps
+    assert stats.num_running == stats.num_waiting == 0 and stats.generation_tokens_total > 0
+
+
+async def test_cancelled_consumer_aborts_in_the_core():
+    async with ProcessAsyncLLM.from_model(tiny_model(), None, config()) as llm:
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in llm.generate(random_prompts([30])[0], ENDLESS, "victim"):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        assert llm.stats().kv_cache_usage > 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await llm.wait_idle()
+        await collect(llm.generate([1, 2], GREEDY, "after"))  # a step after the abort refreshes the gauges
+        assert llm.stats().num_running == 0 and llm.stats().kv_cache_usage == 0
+
+
+async def test_a_dead_core_fails_its_streams_and_refuses_new_requests():
+    llm = ProcessAsyncLLM.from_model(tiny_model(), None, config())
+    await llm.start()
+    try:
+        stream = llm.generate([1, 2, 3], ENDLESS, "orphan")
+        await anext(stream)
+        assert llm.healthy
+        llm._proc.kill()
+        with pytest.raises(EngineError, match="engine loop failed"):
+            await asyncio.wait_for(collect(stream), 30)
+        assert not llm.healthy
+        with pytest.raises(EngineError):
+            llm.generate([1, 2], GREEDY, "late")
+    finally:
+        await llm.shutdown()
+
+
+def test_merged_outputs_keep_every_delta():
+    def out(ids, text, finished=False):
+        return RequestOutput("r", [1], [CompletionOutput(0, ids, text, text[-1:], ids[-1:], [{ids[-1]: -0.5}],
+                                                         "length" if finished else None)], finished)
+
+    merged = merge_outputs(out([7], "a"), out([7, 8], "ab", finished=True))
+    c = merged.outputs[0]
+    assert (c.delta_token_ids, c.delta_text, c.token_ids, c.text) == ([7, 8], "ab", [7, 8], "ab")
+    assert c.logprobs == [{7: -0.5}, {8: -0.5}] and merged.finished

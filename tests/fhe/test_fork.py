@@ -73,3 +73,16 @@ def test_a_child_that_dies_is_an_error_not_a_hang():
     with pytest.raises(ForkedStepError, match="ended before"):
         with Forked(block.ev, lambda ch: os._exit(3)) as ch:
             ch.recv()
+
+
+def test_the_step_processes_setting_is_bounded():
+    """[private] step_processes: 1 (default) or 2; anything else is refused when the settings load."""
+    from pydantic import ValidationError
+
+    from server.private.config import PrivateSettings
+
+    assert PrivateSettings().step_processes == 1
+    assert PrivateSettings(step_processes=2).step_processes == 2
+    for bad in (0, 3):
+        with pytest.raises(ValidationError):
+            PrivateSettings(step_processes=bad)

@@ -28,8 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layer", type=int, default=3)
     p.add_argument("--token", action="store_true", help="also time the token-by-token prefill")
     p.add_argument("--processes", default="1", help="comma-separated process counts to time the packed path with")
-    p.add_argument("--decode-context", type=int, default=0, help="also time one decode step at this context")
+    p.add_argument("--decode-context", type=int, default=0, help="also time decode steps at this context")
+    p.add_argument("--decode-repeats", type=int, default=1, help="decode steps per process count (alternated)")
     args = p.parse_args(argv)
+
+    import os
 
     import torch
 
@@ -80,17 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     for procs in (int(c) for c in args.processes.split(",")):
         block.processes = procs
         split.clear()
-        cache = block.new_cache()
-        t0 = time.perf_counter()
-        out = block.prefill_packed(cache, bc.encrypt_packed(x), 0, len(ids), keys)
-        took = time.perf_counter() - t0
+        cache, cts = block.new_cache(), bc.encrypt_packed(x)
+        c0, t0 = os.times(), time.perf_counter()
+        out = block.prefill_packed(cache, cts, 0, len(ids), keys)
+        took, cpu = time.perf_counter() - t0, sum(os.times()[:4]) - sum(c0[:4])
         err = (finish(*bc.decrypt_output(out)) - ref).abs().max().item()
         parts = ", ".join(f"{k.strip('_')} {v:.1f} s" for k, v in split.items()) if procs == 1 else "forked"
-        print(f"packed, {procs} process(es): {took:.1f} s ({took / len(ids):.2f} s/token; {parts}); "
+        print(f"packed, {procs} process(es): {took:.1f} s wall, {cpu:.1f} s CPU, load {os.getloadavg()[0]:.1f} "
+              f"({took / len(ids):.2f} s/token; {parts}); "
               f"max error vs simulator {err:.2e}", flush=True)
         caches[procs] = cache
-    for procs, cache in caches.items() if args.decode_context else ():
-        _decode_step(block, cache, bc, x, args.decode_context, procs, keys)
+    counts = list(caches)
+    cache = caches[counts[0]]
+    for _ in range(args.decode_repeats if args.decode_context else 0):
+        for procs in counts:            # alternated on one cache: the box's load drifts
+            _decode_step(block, cache, bc, x, args.decode_context, procs, keys)
     block.processes = 1
     if args.token:
         t0 = time.perf_counter()
@@ -103,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _decode_step(block, cache, bc, x, context: int, procs: int, keys) -> None:
     """One decode step at ``context`` (cache padded with copies of its blocks), timed with ``procs``."""
+    import os
     import time
 
     b = cache.block_tokens
@@ -112,9 +120,12 @@ def _decode_step(block, cache, bc, x, context: int, procs: int, keys) -> None:
     cache.length = context - 1
     block.processes = procs
     ct = bc.encrypt_input(x[-1:])[0]
-    t0 = time.perf_counter()
+    c0, t0 = os.times(), time.perf_counter()
     block.forward(cache, ct, context - 1, keys)
-    print(f"decode step at context {context}, {procs} process(es): {time.perf_counter() - t0:.2f} s", flush=True)
+    c1, wall = os.times(), time.perf_counter() - t0
+    cpu = sum(c1[:4]) - sum(c0[:4])     # user + system, this process and its reaped children
+    print(f"decode step at context {context}, {procs} process(es): {wall:.2f} s wall, {cpu:.2f} s CPU "
+          f"(load {os.getloadavg()[0]:.1f})", flush=True)
 
 
 if __name__ == "__main__":

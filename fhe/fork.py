@@ -99,11 +99,12 @@ class Forked:
         to_parent_r, to_parent_w = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the child: never returns into the caller's code
             os.close(to_child_w)
             os.close(to_parent_r)
-            _child(Channel(self.ev, to_child_r, to_parent_w), self.fn)
+            _child(Channel(self.ev, to_child_r, to_parent_w), self.fn, parent)
         os.close(to_child_r)
         os.close(to_parent_w)
         self.pid = pid
@@ -121,9 +122,23 @@ class Forked:
         os.waitpid(self.pid, 0)
 
 
-def _child(ch: Channel, fn: Callable[[Channel], Sequence[Ciphertext]]) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: the child is killed when the parent dies (a worker killed on its task timeout must not leave
+    its half-step running on a core); elsewhere the child ends at its next write into the closed pipe."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:          # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _child(ch: Channel, fn: Callable[[Channel], Sequence[Ciphertext]], parent: int) -> None:
     code = 0
     try:
+        _die_with_parent(parent)
         ch.send(list(fn(ch)))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent, then the child exits
         code = 1

@@ -86,3 +86,31 @@ def test_the_step_processes_setting_is_bounded():
     for bad in (0, 3):
         with pytest.raises(ValidationError):
             PrivateSettings(step_processes=bad)
+
+
+def test_seal_ciphertexts_cross_the_fork_unchanged():
+    """Real SEAL (N = 8192): a child forked after the keys are loaded rotates and multiplies with them; its
+    ciphertexts, sent back through the pipe, are byte for byte the ones this process computes."""
+    import numpy as np
+
+    from fhe.backends import evaluator_for
+    from fhe.backends.seal.keys import CKKSClient
+    from fhe.evaluator import relin_rescale
+    from fhe.params import CKKSParams
+
+    params = CKKSParams(8192, (60, 40, 40, 60), 40)
+    client = CKKSClient(params, (1,))
+    ev, keys = evaluator_for(params, "seal"), client.server_keys()
+    ct = ev.deserialize(client.encrypt_bytes(np.linspace(-1, 1, ev.slots)))
+
+    def work(c):
+        return [ev.rotate(c, 1, keys), relin_rescale(ev, ev.mul(c, c), keys)]
+
+    def child(ch):
+        (got,) = ch.recv()
+        return work(got)
+
+    with Forked(ev, child) as ch:
+        ch.send([ct])
+        theirs = ch.recv()
+    assert [ev.serialize(c) for c in theirs] == [ev.serialize(c) for c in work(ct)]

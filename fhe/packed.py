@@ -130,15 +130,14 @@ class PackedPrefill:
         return tuple(t.double().numpy() for t in self.layer.rope.cos_sin(torch.tensor(pos)))
 
     def _project(self, ct: Ciphertext, start: int, n: int, keys: EvalKeys):
-        rope, babies = self._rope(start, n), self._babies(ct, keys)      # one set of babies for q and k
-        return (self._project_q(ct, start, n, keys, rope, babies),) + self._project_kv(ct, start, n, keys, rope,
-                                                                                       babies)
+        rope = self._rope(start, n)
+        return (self._project_q(ct, start, n, keys, rope),) + self._project_kv(ct, start, n, keys, rope)
 
     def _babies(self, ct: Ciphertext, keys: EvalKeys) -> dict[int, Ciphertext]:
         lay = self.geo.layout
         return _babies(self.ev, ct, lay.num_heads + lay.hidden // lay.head_dim - 1, keys)
 
-    def _project_q(self, ct: Ciphertext, start: int, n: int, keys: EvalKeys, rope, babies=None) -> Ciphertext:
+    def _project_q(self, ct: Ciphertext, start: int, n: int, keys: EvalKeys, rope) -> Ciphertext:
         """q (level 11): RoPE and each row's step gain folded into the diagonals."""
         layer, ev, lay = self.layer, self.ev, self.geo.layout
         wq, bq = layer.packed_weights[:2]
@@ -146,27 +145,28 @@ class PackedPrefill:
         gain = np.array([layer._step_gain(int(t) + 1) for t in self._rows(start, n)])
         D, Hq = lay.head_dim, lay.num_heads
         q_rows = _rope_rows(wq.reshape(Hq, D, -1), cos, sin) * gain[:, None, None, None]
-        babies = babies if babies is not None else self._babies(ct, keys)
-        (q,) = apply_packed(ev, babies, [PackedMap(self.geo, q_rows.reshape(n, Hq * D, -1))], n, keys)
+        (q,) = apply_packed(ev, self._babies(ct, keys), [PackedMap(self.geo, q_rows.reshape(n, Hq * D, -1))],
+                            n, keys)
         ev.set_scale(q, ev.scale)
         if bq is not None:
             q = add_plain_values(ev, q, self._bias_vec(_rope_rows(bq.reshape(Hq, D), cos, sin) * gain[:, None, None]))
         return q
 
-    def _project_kv(self, ct: Ciphertext, start: int, n: int, keys: EvalKeys, rope, babies=None):
-        """k (GQA-expanded, RoPE folded, level_qk) and v (level_p)."""
+    def _project_kv(self, ct: Ciphertext, start: int, n: int, keys: EvalKeys, rope):
+        """k (GQA-expanded, RoPE folded, level_qk) and v (level_p), each from x switched down to one level
+        above its own: k needs no mask level (q does), so its 1088 diagonals are encoded and multiplied at
+        11 primes instead of 12 (measured: 9.9 vs 14.8 ms each, docs/benchmarks.md)."""
         layer, ev, geo, lay = self.layer, self.ev, self.geo, self.geo.layout
         _, _, wk, bk, wv, bv = layer.packed_weights
         cos, sin = rope
         D, Hq = lay.head_dim, lay.num_heads
         heads = np.arange(Hq) // lay.group                       # KV head of each query head
         k_rows = _rope_rows(wk.reshape(-1, D, wk.shape[1])[heads], cos, sin)
-        babies = babies if babies is not None else self._babies(ct, keys)
-        (k,) = apply_packed(ev, babies, [PackedMap(geo, k_rows.reshape(n, Hq * D, -1))], n, keys)
+        xk = ev.mod_switch(ct, geo.level_qk + 1)
+        (k,) = apply_packed(ev, self._babies(xk, keys), [PackedMap(geo, k_rows.reshape(n, Hq * D, -1))], n, keys)
         ev.set_scale(k, ev.scale)
         if bk is not None:
             k = add_plain_values(ev, k, self._bias_vec(_rope_rows(bk.reshape(-1, D)[heads], cos, sin)))
-        k = ev.mod_switch(k, geo.level_qk)
         xv = ev.mod_switch(ct, geo.level_p + 1)
         vmap = PackedMap(geo, wv.reshape(-1, D, wv.shape[1])[heads].reshape(1, Hq * D, -1))
         (v,) = apply_packed(ev, _babies(ev, xv, vmap.n_baby, keys), [vmap], n, keys)

@@ -9,7 +9,9 @@ position ``start + n - 1 - r`` (newest in row 0, as in the cache), hidden index 
    per-row step gain folded into the q/k diagonals (positions are public): one level, no repack, no
    copy of q. The diagonals are ``(a, b)`` with offset ``a*W + b`` (64 band shifts times
    ``Hq + hidden/D - 1`` in-row shifts); babies by +1 from the input, giants Horner by W after rescaling.
-   K and V of the chunk are a cache block as they stand (:meth:`PackedPrefill.run`).
+   K and V of the chunk are a cache block as they stand (:meth:`PackedPrefill.run`). q's map reads the
+   fresh input; k's and v's read it switched down to one level above where they are used (k needs no
+   level for the mask, so its products run at one prime fewer).
 2. Scores by row shift: for delta = 0..n-1, q rotated down delta rows (one -Hq rotation each, chained)
    and masked to the rows whose key is ``delta`` rows older meets K in the same rows; masking spends the
    level the repack no longer needs, so the score path (band sums, beta, squarings, p.V) is the decode
@@ -18,6 +20,9 @@ position ``start + n - 1 - r`` (newest in row 0, as in the cache), hidden index 
    instead of q). The products land on the key's row; a Horner sum over delta by +Hq brings each
    query's sum Σ_j p_rj v_j to its own row r.
 3. Per token: U rotated up r rows, then the decode step's output map and z map (they read row 0 only).
+
+With ``layer.processes == 2`` a forked child (:mod:`fhe.fork`) runs the k/v maps, the larger row shifts
+and half the output maps (:meth:`PackedPrefill._run_forked`).
 
 The first token of a session takes the single-token path (its weight is exactly 1), as in decode.
 Everything is checked against the token-by-token path and ``fhe.simulator`` (tests/fhe/test_packed.py).

@@ -58,6 +58,10 @@ class EncryptedAttentionLayer:
         max_tokens: the longest session this block serves (g is sized for it).
         evaluator: the backend that evaluates (default: SEAL for ``params``); its parameters must be
             ``params``.
+
+    Attributes:
+        processes: 1 (default) or 2: each step forks a copy-on-write child for part of it (:mod:`fhe.fork`;
+            the results are the same).
     """
 
     def __init__(self, layer: DecoderLayer, rope: RotaryEmbedding, layer_plan: LayerPlan, cfg: ModelConfig,

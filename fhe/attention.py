@@ -58,6 +58,10 @@ class EncryptedAttentionLayer:
         max_tokens: the longest session this block serves (g is sized for it).
         evaluator: the backend that evaluates (default: SEAL for ``params``); its parameters must be
             ``params``.
+
+    Attributes:
+        processes: 1 (default) or 2: each step forks a copy-on-write child for part of it (:mod:`fhe.fork`;
+            the results are the same).
     """
 
     def __init__(self, layer: DecoderLayer, rope: RotaryEmbedding, layer_plan: LayerPlan, cfg: ModelConfig,
@@ -92,6 +96,8 @@ class EncryptedAttentionLayer:
         self.packed_weights = (wq, bq, wk, bk, bw.wv.numpy(), self._v_bias)
         self._bias = self._bias_vector(bq, bk)
         self._encode_static()
+        #: processes one step runs on: 2 forks a copy of this process per step for part of it (fhe.fork)
+        self.processes = 1
 
     @classmethod
     def from_plan(cls, model, plan: Plan, index: int, params: CKKSParams, *, expected_hash: str | None = None,
@@ -168,11 +174,57 @@ class EncryptedAttentionLayer:
         if cache.length >= cache.max_tokens:
             raise ShapeError(f"session cache full ({cache.max_tokens} tokens)")
         check_fresh(self.ev, keys, ct)
-        q, k0, v0 = self._project(ct, position, keys)
-        self._insert(cache, k0, v0, keys)
+        if self.processes > 1:
+            out = self._forward_forked(cache, ct, position, keys)
+        else:
+            q, k0, v0 = self._project(ct, position, keys)
+            self._insert(cache, k0, v0, keys)
+            out = self._attend(cache, q, keys)
         # the client only decrypts: the lowest level is the smallest download (a no-op when the block's
         # depth uses the whole chain, as the shipped plans do)
-        return self.ev.mod_switch(self._attend(cache, q, keys), 1)
+        return self.ev.mod_switch(out, 1)
+
+    def _forward_forked(self, cache: EncryptedKVCache, ct: Ciphertext, position: int, keys: EvalKeys) -> Ciphertext:
+        """:meth:`forward` on two cores (:mod:`fhe.fork`): a forked child makes v (the V path) while this
+        process projects q and k, then scores the earliest full cache blocks (unchanged by this step's
+        insert) while this process scores the rest and, after adding the child's partial sums, runs the
+        row sums and output maps. Same operations, so the same values up to the child's one extra
+        relinearization of its partial Σ p·V."""
+        from fhe.fork import Forked
+
+        ev, lay = self.ev, self.geo.layout
+        tokens = cache.length + 1
+        n_blocks = -(-tokens // lay.block_tokens)
+        # the child's blocks: full before this step (so the same in both copies); the parent keeps the
+        # rest and the output side (~1.5 blocks' worth of work)
+        mine = list(range(min(cache.length // lay.block_tokens, (n_blocks + 2) // 2)))
+        cos_sin = self._cos_sin(position)        # torch before the fork: the child runs none
+
+        def child(ch):
+            ch.send([self._project_v(ct, keys)])
+            if tokens == 1 or not mine:
+                return []
+            (q,) = ch.recv()
+            pv, ps = self._blocks_p(cache, q, mine, tokens, keys)
+            return [ev.relinearize(ev.add_many(pv), keys), ev.add_many(ps)]
+
+        with Forked(ev, child) as ch:
+            q, k0 = self._project_qk(ct, position, keys, cos_sin)
+            (v0,) = ch.recv()
+            self._insert(cache, k0, v0, keys)
+            if cache.length == 1:
+                return self._attend_single(cache, keys)
+            if mine:
+                ch.send([q])
+            rest = [b for b in range(len(cache.k_blocks)) if b not in mine]
+            pv, ps = self._blocks_p(cache, q, rest, tokens, keys)
+            u = ev.relinearize(ev.add_many(pv), keys)
+            if mine:
+                pv_c, p_c = ch.recv()
+                ev.add_inplace(u, pv_c)
+                ps.append(p_c)
+        ev.rescale_inplace(u)
+        return self._finish(u, ps, keys)
 
     def prefill(self, cache: EncryptedKVCache, cts: list[Ciphertext], start: int,
                 keys: EvalKeys) -> list[Ciphertext]:
@@ -206,13 +258,21 @@ class EncryptedAttentionLayer:
             outs += run.run(cache, ct, start + i * b, min(b, count - i * b), keys)
         return outs
 
+    def _cos_sin(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        return tuple(t[0].double().numpy() for t in self.rope.cos_sin(torch.tensor([position])))
+
     def _project(self, ct: Ciphertext, position: int, keys: EvalKeys):
+        q, k0 = self._project_qk(ct, position, keys, self._cos_sin(position))
+        return q, k0, self._project_v(ct, keys)
+
+    def _project_qk(self, ct: Ciphertext, position: int, keys: EvalKeys, cos_sin):
+        """q copied to the B rows and k0 expanded to its G heads, both in row 0's band layout (level_qk)."""
         ev, geo, lay = self.ev, self.geo, self.geo.layout
         qk = self.enc_qk(ev, ct, keys)
         ev.set_scale(qk, ev.scale)
         if self._bias is not None:
             qk = add_plain_values(ev, qk, self._bias)
-        cos, sin = (t[0].double().numpy() for t in self.rope.cos_sin(torch.tensor([position])))
+        cos, sin = cos_sin
         w_q = self.maps.q_rope.weights(cos, sin) * self._step_gain(position + 1)
         q0 = self.maps.q_rope.map.encode(ev, geo.top - 1, w_q)(ev, qk, keys)
         k0 = self.maps.k_rope.map.encode(ev, geo.top - 1, self.maps.k_rope.weights(cos, sin))(ev, qk, keys)
@@ -220,6 +280,11 @@ class EncryptedAttentionLayer:
         ev.set_scale(k0, ev.scale)
         q = rotate_sum(ev, q0, -lay.num_heads, lay.block_tokens, keys)     # tree: this level is expensive
         k0 = rotate_sum(ev, k0, -1, lay.group, keys, horner=True)         # GQA: k_g to its G heads
+        return q, k0
+
+    def _project_v(self, ct: Ciphertext, keys: EvalKeys) -> Ciphertext:
+        """v0 in row 0 of the band layout, expanded to the G heads of its group (level_p)."""
+        ev, geo, lay = self.ev, self.geo, self.geo.layout
         xv = ev.mod_switch(ct, geo.level_p + 2)
         v = self.enc_v(ev, xv, keys)
         ev.set_scale(v, ev.scale)
@@ -229,7 +294,7 @@ class EncryptedAttentionLayer:
             v = add_plain_values(ev, v, vec)
         v0 = rotate_sum(ev, self.enc_v_repack(ev, v, keys), -1, lay.group, keys, horner=True)
         ev.set_scale(v0, ev.scale)
-        return q, k0, v0
+        return v0
 
     def _insert(self, cache: EncryptedKVCache, k0: Ciphertext, v0: Ciphertext, keys: EvalKeys) -> None:
         ev, lay = self.ev, self.geo.layout
@@ -292,16 +357,26 @@ class EncryptedAttentionLayer:
         ev.set_scale(s, self.scale_p)
         return s
 
+    def _blocks_p(self, cache: EncryptedKVCache, q: Ciphertext, blocks: list[int], tokens: int,
+                  keys: EvalKeys) -> tuple[list[Ciphertext], list[Ciphertext]]:
+        """p ⊙ V_b (size 3) and p of the cache blocks ``blocks`` at a context of ``tokens``."""
+        pv, ps = [], []
+        for b in blocks:
+            p = self._block_p(q, cache.k_blocks[b], min(cache.block_tokens, tokens - b * cache.block_tokens),
+                              tokens, keys)
+            pv.append(self.ev.mul(p, cache.v_blocks[b]))
+            ps.append(p)
+        return pv, ps
+
     def _attend(self, cache: EncryptedKVCache, q: Ciphertext, keys: EvalKeys) -> Ciphertext:
         if cache.length == 1:
             return self._attend_single(cache, keys)
+        pv, ps = self._blocks_p(cache, q, list(range(len(cache.k_blocks))), cache.length, keys)
+        return self._finish(relin_rescale(self.ev, self.ev.add_many(pv), keys), ps, keys)
+
+    def _finish(self, u: Ciphertext, ps: list[Ciphertext], keys: EvalKeys) -> Ciphertext:
+        """Σ_b p_b ⊙ V_b (relinearized, rescaled) and the p_b -> the output ciphertext (y, z)."""
         ev, lay = self.ev, self.geo.layout
-        pv, ps = [], []
-        for b, (k_b, v_b) in enumerate(zip(cache.k_blocks, cache.v_blocks, strict=True)):
-            p = self._block_p(q, k_b, cache.rows_in(b), cache.length, keys)
-            pv.append(ev.mul(p, v_b))
-            ps.append(p)
-        u = relin_rescale(ev, ev.add_many(pv), keys)
         u = rotate_sum(ev, u, lay.num_heads, lay.block_tokens, keys, horner=True)
         ev.set_scale(u, self.scale_u)
         # z's row sum runs one level lower (where the z map reads it): same values, cheaper rotations

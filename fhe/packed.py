@@ -9,7 +9,9 @@ position ``start + n - 1 - r`` (newest in row 0, as in the cache), hidden index 
    per-row step gain folded into the q/k diagonals (positions are public): one level, no repack, no
    copy of q. The diagonals are ``(a, b)`` with offset ``a*W + b`` (64 band shifts times
    ``Hq + hidden/D - 1`` in-row shifts); babies by +1 from the input, giants Horner by W after rescaling.
-   K and V of the chunk are a cache block as they stand (:meth:`PackedPrefill.run`).
+   K and V of the chunk are a cache block as they stand (:meth:`PackedPrefill.run`). q's map reads the
+   fresh input; k's and v's read it switched down to one level above where they are used (k needs no
+   level for the mask, so its products run at one prime fewer).
 2. Scores by row shift: for delta = 0..n-1, q rotated down delta rows (one -Hq rotation each, chained)
    and masked to the rows whose key is ``delta`` rows older meets K in the same rows; masking spends the
    level the repack no longer needs, so the score path (band sums, beta, squarings, p.V) is the decode
@@ -18,6 +20,9 @@ position ``start + n - 1 - r`` (newest in row 0, as in the cache), hidden index 
    instead of q). The products land on the key's row; a Horner sum over delta by +Hq brings each
    query's sum Σ_j p_rj v_j to its own row r.
 3. Per token: U rotated up r rows, then the decode step's output map and z map (they read row 0 only).
+
+With ``layer.processes == 2`` a forked child (:mod:`fhe.fork`) runs the k/v maps, the larger row shifts
+and half the output maps (:meth:`PackedPrefill._run_forked`).
 
 The first token of a session takes the single-token path (its weight is exactly 1), as in decode.
 Everything is checked against the token-by-token path and ``fhe.simulator`` (tests/fhe/test_packed.py).
@@ -173,24 +178,48 @@ class PackedPrefill:
         """Position of each token row (row r holds position start + n - 1 - r)."""
         return start + n - 1 - np.arange(n)
 
-    def _project(self, ct: Ciphertext, start: int, n: int, keys: EvalKeys):
-        layer, ev, geo, lay = self.layer, self.ev, self.geo, self.geo.layout
-        wq, bq, wk, bk, wv, bv = layer.packed_weights
+    def _rope(self, start: int, n: int):
+        """cos, sin [n, D/2 or D] of each row's position (torch: computed before any fork)."""
         pos = self._rows(start, n)
-        cos, sin = (t.double().numpy() for t in layer.rope.cos_sin(torch.tensor(pos)))
-        gain = np.array([layer._step_gain(int(t) + 1) for t in pos])
+        return tuple(t.double().numpy() for t in self.layer.rope.cos_sin(torch.tensor(pos)))
+
+    def _project(self, ct: Ciphertext, start: int, n: int, keys: EvalKeys):
+        rope = self._rope(start, n)
+        return (self._project_q(ct, start, n, keys, rope),) + self._project_kv(ct, start, n, keys, rope)
+
+    def _babies(self, ct: Ciphertext, keys: EvalKeys) -> dict[int, Ciphertext]:
+        lay = self.geo.layout
+        return _babies(self.ev, ct, lay.num_heads + lay.hidden // lay.head_dim - 1, keys)
+
+    def _project_q(self, ct: Ciphertext, start: int, n: int, keys: EvalKeys, rope) -> Ciphertext:
+        """q (level 11): RoPE and each row's step gain folded into the diagonals."""
+        layer, ev, lay = self.layer, self.ev, self.geo.layout
+        wq, bq = layer.packed_weights[:2]
+        cos, sin = rope
+        gain = np.array([layer._step_gain(int(t) + 1) for t in self._rows(start, n)])
         D, Hq = lay.head_dim, lay.num_heads
-        heads = np.arange(Hq) // lay.group                       # KV head of each query head
-        maps = self._qk_maps(wq, wk, cos, sin, gain, heads, n)
-        babies = _babies(ev, ct, maps[0].n_baby, keys)
-        q, k = apply_packed(ev, babies, maps, n, keys)
-        for c in (q, k):
-            ev.set_scale(c, ev.scale)
+        (q,) = apply_packed(ev, self._babies(ct, keys), [self._rope_map(wq.reshape(Hq, D, -1), cos, sin, gain)],
+                            n, keys)
+        ev.set_scale(q, ev.scale)
         if bq is not None:
             q = add_plain_values(ev, q, self._bias_vec(_rope_rows(bq.reshape(Hq, D), cos, sin) * gain[:, None, None]))
+        return q
+
+    def _project_kv(self, ct: Ciphertext, start: int, n: int, keys: EvalKeys, rope):
+        """k (GQA-expanded, RoPE folded, level_qk) and v (level_p), each from x switched down to one level
+        above its own: k needs no mask level (q does), so its 1088 diagonals are encoded and multiplied at
+        11 primes instead of 12 (measured: 9.9 vs 14.8 ms each, docs/benchmarks.md)."""
+        layer, ev, geo, lay = self.layer, self.ev, self.geo, self.geo.layout
+        _, _, wk, bk, wv, bv = layer.packed_weights
+        cos, sin = rope
+        D, Hq = lay.head_dim, lay.num_heads
+        heads = np.arange(Hq) // lay.group                       # KV head of each query head
+        kmap = self._rope_map(wk.reshape(-1, D, wk.shape[1])[heads], cos, sin)
+        xk = ev.mod_switch(ct, geo.level_qk + 1)
+        (k,) = apply_packed(ev, self._babies(xk, keys), [kmap], n, keys)
+        ev.set_scale(k, ev.scale)
         if bk is not None:
             k = add_plain_values(ev, k, self._bias_vec(_rope_rows(bk.reshape(-1, D)[heads], cos, sin)))
-        k = ev.mod_switch(k, geo.level_qk)
         xv = ev.mod_switch(ct, geo.level_p + 1)
         wv_rows = wv.reshape(-1, D, wv.shape[1])[heads].reshape(1, Hq * D, -1)
         dev = _values_device(ev)
@@ -199,21 +228,20 @@ class PackedPrefill:
         ev.set_scale(v, ev.scale)
         if bv is not None:
             v = add_plain_values(ev, v, self._bias_vec(np.broadcast_to(bv.reshape(-1, D)[heads], (n, Hq, D))))
-        return q, k, v
+        return k, v
 
-    def _qk_maps(self, wq, wk, cos, sin, gain, heads, n: int) -> list[PackedMap]:
-        """The q and k maps of a chunk: RoPE of each row's position and the step gain folded in; built
+    def _rope_map(self, w, cos, sin, gain=None) -> PackedMap:
+        """A chunk's map of ``w`` [heads, D, hidden] with each row's RoPE (and step gain) folded in; built
         in torch on the evaluator's device where it takes values there (same values), else numpy."""
-        lay, dev = self.geo.layout, _values_device(self.ev)
-        D, Hq = lay.head_dim, lay.num_heads
+        dev = _values_device(self.ev)
         if dev is None:
-            q_rows = _rope_rows(wq.reshape(Hq, D, -1), cos, sin) * gain[:, None, None, None]
-            k_rows = _rope_rows(wk.reshape(-1, D, wk.shape[1])[heads], cos, sin)
+            rows = _rope_rows(w, cos, sin)
+            scale = None if gain is None else gain[:, None, None, None]
         else:
-            c, s = _on(cos, dev), _on(sin, dev)
-            q_rows = _rope_rows_torch(_on(wq.reshape(Hq, D, -1), dev), c, s) * _on(gain, dev)[:, None, None, None]
-            k_rows = _rope_rows_torch(_on(wk.reshape(-1, D, wk.shape[1])[heads], dev), c, s)
-        return [PackedMap(self.geo, q_rows.reshape(n, Hq * D, -1)), PackedMap(self.geo, k_rows.reshape(n, Hq * D, -1))]
+            rows = _rope_rows_torch(_on(w, dev), _on(cos, dev), _on(sin, dev))
+            scale = None if gain is None else _on(gain, dev)[:, None, None, None]
+        rows = rows if scale is None else rows * scale
+        return PackedMap(self.geo, rows.reshape(len(cos), -1, w.shape[-1]))
 
     def _bias_vec(self, b: np.ndarray) -> np.ndarray:
         """[n, Hq, D] per-row values -> slot vector (rows >= n stay 0, as their inputs are)."""
@@ -271,19 +299,25 @@ class PackedPrefill:
         ev.set_scale(s, layer.scale_p)
         return s
 
-    def _attend(self, cache: EncryptedKVCache, q: Ciphertext, k: Ciphertext, v: Ciphertext, start: int,
-                n: int, keys: EvalKeys) -> tuple[Ciphertext, Ciphertext]:
-        """U, Z (level_p - 1): query row r's Σ_j p_rj v_j and Σ_j p_rj on row r."""
+    def _deltas(self, older: bool, n: int) -> int:
+        """Row shifts of q the chunk's scores need: n within the chunk, B with earlier full blocks."""
+        return self.geo.layout.block_tokens if older else n
+
+    def _down(self, cache: EncryptedKVCache, q: Ciphertext, k: Ciphertext, v: Ciphertext, start: int, n: int,
+              deltas: range, keys: EvalKeys) -> list[tuple[Ciphertext, Ciphertext]]:
+        """Per δ in ``deltas``: (Σ p ⊙ V relinearized and rescaled, Σ p at level_p - 1) of the pairs whose key
+        sits δ rows below its query."""
         ev, geo, lay = self.ev, self.geo, self.geo.layout
         B, Hq = lay.block_tokens, lay.num_heads
         pos = self._rows(start, n)
         older = list(zip(cache.k_blocks, cache.v_blocks, strict=True))
-        down_pv: list[list[Ciphertext]] = []
-        down_p: list[list[Ciphertext]] = []
+        out = []
         shifted = q
-        for delta in range(B if older else n):
+        for delta in range(deltas.stop):
             if delta:
                 shifted = ev.rotate(shifted, -Hq, keys)         # row r -> row r + delta (no wrap: masked)
+            if delta < deltas.start:
+                continue
             pv, ps = [], []
             for k_b, v_b, rows_b in [(k, v, n)] + [(kb, vb, B) for kb, vb in older]:
                 rows = np.arange(delta, min(n + delta, rows_b))   # key rows whose query is delta rows up
@@ -293,21 +327,39 @@ class PackedPrefill:
                             int(pos.max()) + 1, keys)
                 pv.append(ev.mul(p, v_b))
                 ps.append(p)
-            down_pv.append(pv)
-            down_p.append(ps)
-        u = z = None
-        for pv, ps in zip(reversed(down_pv), reversed(down_p), strict=True):   # Horner: row r + delta -> r
             w = relin_rescale(ev, ev.add_many(pv), keys)
             ev.set_scale(w, self.layer.scale_u)
-            zt = ev.mod_switch(ev.add_many(ps), geo.level_p - 1)
+            out.append((w, ev.mod_switch(ev.add_many(ps), geo.level_p - 1)))
+        return out
+
+    def _horner(self, terms: list[tuple[Ciphertext, Ciphertext]], keys: EvalKeys, u=None, z=None):
+        """Σ_δ rot(w_δ, δ·Hq) (and of z) for the δs of ``terms`` in increasing order, continuing from (u, z),
+        the sum of the δs above them: row r + δ -> r."""
+        ev, Hq = self.ev, self.geo.layout.num_heads
+        for w, zt in reversed(terms):
             u = w if u is None else ev.add(ev.rotate(u, Hq, keys), w)
             z = zt if z is None else ev.add(ev.rotate(z, Hq, keys), zt)
-        up_pv, up_p = self._older_below(older, q, pos, n, keys)
-        if up_pv:
-            w = relin_rescale(ev, ev.add_many(up_pv), keys)
-            ev.set_scale(w, self.layer.scale_u)
-            u = ev.add(u, w)
-            z = ev.add(z, ev.mod_switch(ev.add_many(up_p), geo.level_p - 1))
+        return u, z
+
+    def _below(self, cache: EncryptedKVCache, q: Ciphertext, start: int, n: int, keys: EvalKeys):
+        """(Σ p ⊙ V, Σ p) of the earlier full blocks' keys below their query row, or None without any."""
+        ev, geo = self.ev, self.geo
+        older = list(zip(cache.k_blocks, cache.v_blocks, strict=True))
+        up_pv, up_p = self._older_below(older, q, self._rows(start, n), n, keys)
+        if not up_pv:
+            return None
+        w = relin_rescale(ev, ev.add_many(up_pv), keys)
+        ev.set_scale(w, self.layer.scale_u)
+        return w, ev.mod_switch(ev.add_many(up_p), geo.level_p - 1)
+
+    def _attend(self, cache: EncryptedKVCache, q: Ciphertext, k: Ciphertext, v: Ciphertext, start: int,
+                n: int, keys: EvalKeys) -> tuple[Ciphertext, Ciphertext]:
+        """U, Z (level_p - 1): query row r's Σ_j p_rj v_j and Σ_j p_rj on row r."""
+        deltas = range(self._deltas(bool(cache.k_blocks), n))
+        u, z = self._horner(self._down(cache, q, k, v, start, n, deltas, keys), keys)
+        below = self._below(cache, q, start, n, keys)
+        if below is not None:
+            u, z = self.ev.add(u, below[0]), self.ev.add(z, below[1])
         return u, z
 
     def _older_below(self, older, q: Ciphertext, pos: np.ndarray, n: int, keys: EvalKeys):
@@ -326,19 +378,23 @@ class PackedPrefill:
 
     # --- outputs -------------------------------------------------------------------------------
     def _outputs(self, u: Ciphertext, z: Ciphertext, v: Ciphertext, start: int, n: int,
-                 keys: EvalKeys) -> list[Ciphertext]:
-        """One output ciphertext per token, in position order (row n-1 first)."""
+                 keys: EvalKeys, rows: range | None = None) -> list[Ciphertext]:
+        """One output ciphertext per token row in ``rows`` (default all), in position order (last row first)."""
         layer, ev, Hq = self.layer, self.ev, self.geo.layout.num_heads
+        rows = range(n) if rows is None else rows
         outs: list[Ciphertext] = []
-        for r in range(n):
+        for r in range(rows.stop):
             if r:
                 u, z = ev.rotate(u, Hq, keys), ev.rotate(z, Hq, keys)
+            if r < rows.start:
+                continue
+            if start == 0 and r == n - 1:
+                outs.append(self._first_token(v, n, keys))
+                continue
             y = layer.enc_out(ev, u, keys)
             zo = layer.enc_z(ev, z, keys)
             ev.set_scale(zo, ev.scale_of(y))
             outs.append(ev.add(y, zo))
-        if start == 0:
-            outs[n - 1] = self._first_token(v, n, keys)
         return [ev.mod_switch(c, 1) for c in reversed(outs)]
 
     def _first_token(self, v: Ciphertext, n: int, keys: EvalKeys) -> Ciphertext:
@@ -369,10 +425,64 @@ class PackedPrefill:
         if start + n > cache.max_tokens:
             raise ShapeError(f"session cache full ({cache.max_tokens} tokens)")
         check_fresh(self.ev, keys, ct)
-        q, k, v = self._project(ct, start, n, keys)
-        u, z = self._attend(cache, q, k, v, start, n, keys)
-        outs = self._outputs(u, z, v, start, n, keys)
+        if self.layer.processes > 1 and n > 1:
+            q, k, v, outs = self._run_forked(cache, ct, start, n, keys)
+        else:
+            q, k, v = self._project(ct, start, n, keys)
+            u, z = self._attend(cache, q, k, v, start, n, keys)
+            outs = self._outputs(u, z, v, start, n, keys)
         cache.k_blocks.append(k)
         cache.v_blocks.append(v)
         cache.length += n
         return outs
+
+    def _run_forked(self, cache: EncryptedKVCache, ct: Ciphertext, start: int, n: int, keys: EvalKeys):
+        """:meth:`run` on two cores (:mod:`fhe.fork`): a forked child projects k and v while this process
+        projects q; then each scores about half of the row shifts δ (the child the larger ones, plus the
+        pairs below the query row in earlier blocks) and the Horner sum over δ continues from the child's
+        part; then each runs the output maps of half the token rows. Same operations in the same order per
+        value, so the same results as one process."""
+        from fhe.fork import Forked
+
+        ev = self.ev
+        rope = self._rope(start, n)            # torch before the fork: the child runs none
+        total = self._deltas(bool(cache.k_blocks), n)
+        cut = self._delta_cut(cache, n, total)
+        half = n // 2
+
+        def child(ch):
+            k, v = self._project_kv(ct, start, n, keys, rope)
+            ch.send([k, v])
+            (q,) = ch.recv()
+            u, z = self._horner(self._down(cache, q, k, v, start, n, range(cut, total), keys), keys)
+            below = self._below(cache, q, start, n, keys)
+            ch.send([u, z] + ([] if below is None else list(below)))
+            u, z = ch.recv()
+            return self._outputs(u, z, v, start, n, keys, range(half, n))
+
+        with Forked(ev, child) as ch:
+            q = self._project_q(ct, start, n, keys, rope)
+            k, v = ch.recv()
+            ch.send([q])
+            mine = self._down(cache, q, k, v, start, n, range(cut), keys)
+            u, z, *below = ch.recv()
+            u, z = self._horner(mine, keys, u, z)
+            if below:                           # no row shift: added after the Horner sum
+                u, z = ev.add(u, below[0]), ev.add(z, below[1])
+            ch.send([u, z])
+            outs = self._outputs(u, z, v, start, n, keys, range(half))
+            outs = ch.recv() + outs
+        return q, k, v, outs
+
+    def _delta_cut(self, cache: EncryptedKVCache, n: int, total: int) -> int:
+        """The parent's row shifts are δ < cut: about half of the score paths (each δ pairs with the chunk
+        while δ < n and with every earlier block), the child also taking the pairs below the query row."""
+        older = len(cache.k_blocks)
+        cost = [int(d < n) + older for d in range(total)]
+        below = (n - 1) * older
+        target, acc = (sum(cost) + below) / 2, 0
+        for d, c in enumerate(cost):
+            if acc + c > target:
+                return max(1, d)
+            acc += c
+        return total - 1

@@ -32,7 +32,8 @@ from server.private.codes import TaskFailure, WorkerCode
 class PrivateCompute:
     """Server half of the plan's encrypted attention blocks (no secret key ever reaches it)."""
 
-    def __init__(self, model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu") -> None:
+    def __init__(self, model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu",
+                 step_processes: int = 1) -> None:
         from engine.loader import load_model
 
         torch.set_num_threads(1)  # one core per worker: parallelism comes from the pool
@@ -44,6 +45,8 @@ class PrivateCompute:
         self.layers = {i: EncryptedAttentionLayer(model.model.layers[i], model.rotary, plan.layer(i), model.config,
                                                   self.params, max_tokens, evaluator=self.gpu)
                        for i in plan.layer_indices}
+        for layer in self.layers.values():   # fork-per-step split (fhe.fork): SEAL on the CPU only
+            layer.processes = step_processes if self.gpu is None else 1
         # level-aware keys (docs/protocol.md): uploads must carry each key at the level the blocks use it
         self.key_levels = functools.reduce(KeyLevels.merge, (layer.key_levels for layer in self.layers.values()))
         self.steps = list(self.key_levels.steps)
@@ -150,9 +153,10 @@ def _gpu_evaluator(params: CKKSParams, device: str):
     return GpuEvaluator(params, "cpu" if device == "cpu-reference" else device, encoder="fft")
 
 
-def make_state(model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu") -> PrivateCompute:
+def make_state(model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu",
+               step_processes: int = 1) -> PrivateCompute:
     """Worker factory (``server.private.workers`` imports it by name)."""
-    return PrivateCompute(model_dir, plan_path, max_tokens, device)
+    return PrivateCompute(model_dir, plan_path, max_tokens, device, step_processes)
 
 
 __all__ = ["PrivateCompute", "make_state"]

@@ -50,6 +50,9 @@ class PrivateSettings(BaseModel):
                                      "(N=32768: ~6 GB each); the least recently used idle one is dropped")
     device: str = Field("cpu", description="where workers evaluate: 'cpu' (SEAL), 'cuda' or 'cuda:N' (the gpu "
                         "backend on that device), 'cpu-reference' (the gpu backend's torch-CPU reference: tests)")
+    step_processes: int = Field(1, ge=1, le=2, description="processes one layer step runs on: 2 forks a "
+                                "copy-on-write child per step for part of it (fhe.fork; local SEAL workers only: "
+                                "ignored with device != 'cpu' or backend = 'ray'); give each worker two cores")
     device_key_bytes: int | None = Field(None, ge=1, description="device bytes of evaluation keys one GPU worker "
                                          "may hold (N=32768 plan: 1.32 GB a key set); caps max_keys_per_worker; "
                                          "None: no byte cap")

@@ -172,7 +172,10 @@ async def start(app: Any) -> None:
     app.state.private_manifest = build_manifest(app.state.metrics.model_name, plan, bundle, cfg,
                                                 cfg_json["num_hidden_layers"])
     app.state.private_bundle_path = bundle_path
-    pool = make_pool(cfg, WORKER_FACTORY, (str(model_dir), str(plan_path), cfg.max_session_tokens, cfg.device))
+    # step_processes only when set (factories written for the four arguments keep working), and only for
+    # local workers: a Ray actor's process runs Ray's own threads, which a fork per step would copy mid-flight
+    split = (cfg.step_processes,) if cfg.step_processes != 1 and cfg.backend == "local" else ()
+    pool = make_pool(cfg, WORKER_FACTORY, (str(model_dir), str(plan_path), cfg.max_session_tokens, cfg.device) + split)
     registry = KeyRegistry(
         RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
                        state_path=root / "keys" / "registry.json"),

@@ -201,8 +201,7 @@ class TensorParallelExecutor:
         pipes = [mp.Pipe(duplex=False) for _ in range(1, world)]
         self.procs = [mp.Process(target=_worker_main, args=(specs[r], shards[r], pipes[r - 1][1]), daemon=True,
                                  name=f"cipherlm-tp-rank{r}") for r in range(1, world)]
-        for p in self.procs:
-            p.start()
+        _start(self.procs)
         conns = [recv for recv, _ in pipes]
         try:
             self._await(conns, "up")
@@ -265,6 +264,25 @@ class TensorParallelExecutor:
         if not self._closed:
             self._closed = True
             self._finalizer()
+
+
+def _start(procs: list) -> None:
+    """Start the rank processes, also from a daemonic process (the engine core of ``engine_process``).
+
+    multiprocessing refuses children to a daemon so that none is orphaned when it is killed; the ranks are
+    daemons of their own, stopped by :meth:`TensorParallelExecutor.shutdown`, and a rank whose engine died
+    fails its next collective (``COLLECTIVE_TIMEOUT_S``) and exits, so the refusal is lifted while they start.
+    """
+    import multiprocessing
+
+    config = multiprocessing.current_process()._config  # noqa: SLF001 - the flag start() checks
+    daemonic = config.get("daemon", False)
+    config["daemon"] = False
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        config["daemon"] = daemonic
 
 
 def _stop_ranks(ctx: RankContext, procs: list) -> None:

@@ -125,3 +125,22 @@ def test_three_ranks_match_one_process_on_smollm2(default_model_dir):
     one = run_engine(model, tok, prompts, params)
     assert_same_run(one, three, rtol=1e-4)
     assert any(len(t) == 10 for t in one[0])  # real continuations, not an immediate stop
+
+
+def _tp_in_a_daemon(out) -> None:
+    prompts = random_prompts([6, 11], seed=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out.put(run_engine(tiny_model(), None, prompts, params, tensor_parallel_size=2, block_size=4)[0])
+
+
+def test_ranks_start_from_a_daemon_process():
+    """The engine core runs in a daemonic process (``engine_process``); its ranks must still start."""
+    mp = torch.multiprocessing.get_context("spawn")
+    out = mp.Queue()
+    proc = mp.Process(target=_tp_in_a_daemon, args=(out,), daemon=True)
+    proc.start()
+    prompts = random_prompts([6, 11], seed=2)
+    want = run_engine(tiny_model(), None, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                      block_size=4)[0]
+    proc.join(timeout=120)  # a rank that cannot start fails the child at once, not after the timeout
+    assert proc.exitcode == 0 and out.get(timeout=5) == want

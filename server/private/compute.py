@@ -58,13 +58,11 @@ class PrivateCompute:
     def inspect_key(self, data: bytes) -> Inspection:
         """The production inspector's verdict on an upload, for this plan's parameters and rotations.
 
-        With an offload plan, an upload that does not parse at the attention parameters is tried at the
-        MLP's (N differs, so no upload fits both): the verdict's ``params_hash`` says which key set it is."""
-        verdict = inspect_upload(data, self.params, self.key_levels, max_bytes=self.max_key_bytes)
-        if self.mlp is None or verdict.verdict.value != "malformed":
-            return verdict
-        mlp_verdict = inspect_upload(data, self.mlp.params, self.mlp.steps, max_bytes=self.max_key_bytes)
-        return mlp_verdict if mlp_verdict.verdict.value != "malformed" else verdict
+        With an offload plan, an upload whose public key names the MLP's parameters is screened at those
+        (N differs, so no upload fits both): the verdict's ``params_hash`` says which key set it is."""
+        if self.mlp is not None and self.mlp.owns_upload(data, self.max_key_bytes):
+            return inspect_upload(data, self.mlp.params, self.mlp.steps, max_bytes=self.max_key_bytes)
+        return inspect_upload(data, self.params, self.key_levels, max_bytes=self.max_key_bytes)
 
     def load_key(self, fingerprint: str, data: bytes, key_set: str | None = None) -> None:
         """Parse a registered key set (screened when it was registered: a failure here is the server's)
@@ -183,6 +181,16 @@ class _OffloadMLP:
             steps |= block.rotation_steps
         self.steps = tuple(sorted(steps))
         self.keys: dict[str, ServerKeys] = {}
+
+    def owns_upload(self, data: bytes, max_bytes: int) -> bool:
+        """Whether an untrusted upload claims the MLP's parameters (its framing and the public key's wire
+        envelope only: the allow-list then screens it at those parameters)."""
+        from fhe.envelope import EnvelopeError
+
+        try:
+            return self.owns(parse_key_upload(data, max_bytes))
+        except EnvelopeError:
+            return False
 
     def owns(self, blobs: dict[str, bytes]) -> bool:
         """Whether a stored key set (already screened) is an MLP key set: its public key names our ring."""

@@ -115,6 +115,7 @@ class PrivateService:
         self.sessions = SessionTable(cfg.session_ttl_s, clock or time.monotonic)
         self._loaded: dict[Slot, set[Owner]] = {}  # key sets in workers and the registrations owning them
         self._key_used: dict[Slot, float] = {}  # last session opened with it there
+        self._mlp_keys: set[str] = set()  # offload MLP key sets (2.6 MB): outside max_keys_per_worker
         pool.on_restart = self._worker_lost
         registry.add_cancel_hook(self._key_left_active)
 
@@ -229,6 +230,7 @@ class PrivateService:
         lease = self._lease(tenant, mlp_key_id, actor, request_id)
         self.offload.check_mlp_key(lease.record)   # 400 wrong_key_set, before any worker sees it
         s.mlp_lease, s.mlp_fingerprint = lease, lease.record.fingerprint
+        self._mlp_keys.add(s.mlp_fingerprint)   # before loading: it must not make room by evicting
         await self._ensure_key(worker, tenant, lease)
 
     @staticmethod
@@ -252,7 +254,8 @@ class PrivateService:
         slot = (worker, rec.fingerprint)
         self._key_used[slot] = self.sessions.now()
         if slot not in self._loaded:
-            await self._make_room(worker, tenant)
+            if rec.fingerprint not in self._mlp_keys:
+                await self._make_room(worker, tenant)
             material = self.registry.load_material(lease)
             await self.pool.submit(worker, tenant, "load_key", rec.fingerprint, material, rec.key_set)
             self._loaded.setdefault(slot, set())
@@ -284,7 +287,7 @@ class PrivateService:
         return self.pool.least_loaded([w for w in among if open_n[w] == fewest])
 
     def _keys_in(self, worker: int) -> list[str]:
-        return [fp for w, fp in self._loaded if w == worker]
+        return [fp for w, fp in self._loaded if w == worker and fp not in self._mlp_keys]
 
     def _idle_keys(self, worker: int) -> list[str]:
         """Keys loaded in ``worker`` that no open session there uses (the ones a new key may replace)."""

@@ -148,7 +148,8 @@ def test_no_secret_and_no_prompt_reaches_the_server(setup, generated):
         if p.suffix != ".safetensors":   # the bundle holds the tokenizer, whose vocabulary has every word
             assert not any(t in data for t in texts if len(t) > 8), p
     assert messages, "the run logged nothing: the check would be empty"
-    assert not [m for m in messages if PROMPT in m or out.choices[0].text in m]
+    shown = [PROMPT] + ([out.choices[0].text] if len(out.choices[0].text) >= 8 else [])
+    assert not [m for m in messages if any(t in m for t in shown)]
 
 
 # -- the MLP steps' checks: 4xx, OpenAI-style bodies ----------------------------------------------------

@@ -228,7 +228,11 @@ class PrivateService:
         """Lease the session's MLP key set (it must be one made for the MLP's parameters) and load it
         into the session's worker (other workers load it when they run the session's MLP steps)."""
         lease = self._lease(tenant, mlp_key_id, actor, request_id)
-        self.offload.check_mlp_key(lease.record)   # 400 wrong_key_set, before any worker sees it
+        try:
+            self.offload.check_mlp_key(lease.record)   # 400 wrong_key_set, before any worker sees it
+        except InvalidRequestError:
+            lease.release()
+            raise
         s.mlp_lease, s.mlp_fingerprint = lease, lease.record.fingerprint
         self._mlp_keys.add(s.mlp_fingerprint)   # before loading: it must not make room by evicting
         await self._ensure_key(worker, tenant, lease)

@@ -219,7 +219,7 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
         f"{platform.machine()} CPU, server and client on the same machine over loopback.",
         f"- Prompt {n_prompt} tokens, {args.max_tokens} output tokens requested (greedy, ignore_eos); "
         f"encrypted layers {list(setup.encrypted_layers)} (of 30), "
-        f"{'the shipped default plan' if args.layers == 'all' else f'the first {args.layers} of the default plan'}.",
+        f"{_plan_words(args)}.",
         f"- Encrypted one-time setup (not in TTFT): bundle {_b(setup.bundle_bytes)} downloaded + SHA-256 "
         f"verified in {setup.bundle_s:.1f} s; CKKS key generation + registration {setup.keys_s:.1f} s, "
         f"{_b(setup.key_upload_bytes)} of public evaluation keys uploaded once.",
@@ -235,6 +235,12 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
         f"- {CONCRETE_ML_NOTE}",
     ]
     return "\n".join(lines)
+
+
+def _plan_words(args) -> str:
+    if getattr(args, "offload", None):
+        return f"an offload plan: attention and MLP of layers {args.offload} on the server, the rest on the client"
+    return "the shipped default plan" if args.layers == "all" else f"the first {args.layers} of the default plan"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -381,9 +381,8 @@ class PrivateRuntime:
         for s, n in self._steps(start, len(ids)):
             chunk = torch.tensor(ids[s:s + n])
             pos = torch.arange(start + s, start + s + len(chunk))
-            self.current_stats = backend.stats
-            if self.offload is not None:   # the MLP steps of this chunk name its first position
-                self.offload.start = start + s
+            if getattr(self, "offload", None) is not None:   # its MLP steps: this chunk's position, stats
+                self.offload.start, self.current_stats = start + s, backend.stats
             h = self.model(chunk, pos, backend)  # engine.model forward; encrypted layers call the server
             backend.cache.advance()
             logits = self.model.logits(h[-1:])[0]

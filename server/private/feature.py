@@ -173,8 +173,9 @@ async def start(app: Any) -> None:
                                                 cfg_json["num_hidden_layers"])
     app.state.private_bundle_path = bundle_path
     offload = await _offload(app, cfg, model_dir, plan, root)
+    offload_arg = (cfg.offload_plan,) if cfg.offload_plan else ()   # worker factories without it keep working
     pool = make_pool(cfg, WORKER_FACTORY, (str(model_dir), str(plan_path), cfg.max_session_tokens, cfg.device,
-                                           cfg.offload_plan))
+                                           *offload_arg))
     registry = KeyRegistry(
         RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
                        state_path=root / "keys" / "registry.json"),

@@ -18,6 +18,13 @@ It prints a markdown table and notes (Concrete ML's published hybrid GPT-2 figur
     python bench/private_e2e.py --max-tokens 64            # the issue's full setting, for anyone with time
     python bench/private_e2e.py --layers 1 --max-tokens 4  # one encrypted layer, quick
     python bench/private_e2e.py --layers 1 --token-prefill  # packed vs per-token prefill, same run
+    python bench/private_e2e.py --offload 2,3 --max-tokens 4   # an offload plan: layers 2-3, attention + MLP
+
+With ``--offload`` the server runs an offload plan (``[private] offload_plan``): the listed layers' attention
+(the shipped sqexp score maps) and MLP (N = 8192, client-aided SiLU) on the server, every other layer on the
+client; a second table gives each server part's cost per decode token (seconds in the step's HTTP round
+trip, bytes up and down, round trips) per layer, and its extrapolation to the 28 server layers of the
+default offload plan.
 
 Run it with ``PYTHONPATH`` set to the checkout (a script's imports otherwise come from the editable
 install, which may be another checkout).
@@ -126,6 +133,7 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
         ids = runtime.tokenizer.encode(prompt)
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         toks, times, server_s = [], [], []
+        bench_encrypted.tokens = toks
         t0 = time.perf_counter()
         for tok in runtime.generate(ids, params):
             times.append(time.perf_counter())
@@ -151,6 +159,46 @@ def _device_name(device: str | None) -> str:
     import torch
 
     return f"{device} ({torch.cuda.get_device_name(torch.device(device))}, the gpu backend)"
+
+
+def offload_plans(layers: str, root: Path) -> tuple[Path, Path]:
+    """(attention plan, offload plan) files for server layers ``layers`` ("2,3"): the shipped plan's score
+    maps of those layers, and an offload plan running their attention and MLP on the server."""
+    from engine.config import ModelConfig
+    from engine.default_model import default_model_dir
+    from fhe.offload import SERVER, LayerPlacement, OffloadPlan
+    from fhe.plan import Plan
+    from server.private.feature import default_plan_path
+
+    full, want = Plan.load(default_plan_path()), {int(x) for x in layers.split(",")}
+    if not want <= set(full.layer_indices):
+        raise SystemExit(f"--offload: the shipped attention plan calibrates layers {list(full.layer_indices)}")
+    att = Plan(full.model_id, full.weights_sha256, tuple(lp for lp in full.layers if lp.index in want), full.ckks,
+               f"bench: offload layers {sorted(want)}", full.calibration)
+    cfg = ModelConfig.from_file(default_model_dir() / "config.json")
+    placements = tuple(LayerPlacement(i, SERVER, SERVER, "approx", "client") if i in want else LayerPlacement(i)
+                       for i in range(cfg.num_hidden_layers))
+    off = OffloadPlan(full.model_id, cfg.to_hf_dict(), placements, att.content_hash)
+    return att.save(root / "offload-attention.plan.json"), off.save(root / "offload.json")
+
+
+def part_table(toks: list, n_layers: int, server_layers: int = 28) -> str:
+    """Per server layer and decode token, each part's mean cost; and x ``server_layers``."""
+    rest = [t.stats for t in toks[1:]] or [toks[0].stats]
+    rows = {}
+    for part in ("mlp_up", "mlp_down"):
+        rows[part] = [statistics.mean(st.parts.get(part, [0, 0, 0, 0])[k] for st in rest) for k in range(4)]
+    tot = [statistics.mean(getattr(st, f) for st in rest) for f in ("seconds", "bytes_up", "bytes_down", "steps")]
+    rows = {"attention": [tot[k] - rows["mlp_up"][k] - rows["mlp_down"][k] for k in range(4)], **rows}
+    out = ["| part (per layer, per decode token) | seconds | up | down | round trips |", "|---|---:|---:|---:|---:|"]
+    for part, (sec, up, down, n) in rows.items():
+        out.append(f"| {part} | {_s(sec / n_layers)} | {_b(up / n_layers)} | {_b(down / n_layers)} | "
+                   f"{n / n_layers:.0f} |")
+    sec, up, down, n = (sum(r[k] for r in rows.values()) / n_layers for k in range(4))
+    out.append(f"| one server layer | {_s(sec)} | {_b(up)} | {_b(down)} | {n:.0f} |")
+    out.append(f"| x {server_layers} layers (extrapolated) | {_s(sec * server_layers)} | {_b(up * server_layers)} | "
+               f"{_b(down * server_layers)} | {n * server_layers:.0f} |")
+    return "\n".join(out)
 
 
 def _b(n: float | None) -> str:
@@ -184,7 +232,7 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
         f"{_device_name(args.device)}, the SDK on the CPU.",
         f"- Prompt {n_prompt} tokens, {args.max_tokens} output tokens requested (greedy, ignore_eos); "
         f"encrypted layers {list(setup.encrypted_layers)} (of 30), "
-        f"{'the shipped default plan' if args.layers == 'all' else f'the first {args.layers} of the default plan'}.",
+        f"{_plan_words(args)}.",
         f"- Encrypted one-time setup (not in TTFT): bundle {_b(setup.bundle_bytes)} downloaded + SHA-256 "
         f"verified in {setup.bundle_s:.1f} s; CKKS key generation + registration {setup.keys_s:.1f} s, "
         f"{_b(setup.key_upload_bytes)} of public evaluation keys uploaded once.",
@@ -202,6 +250,12 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
     return "\n".join(lines)
 
 
+def _plan_words(args) -> str:
+    if getattr(args, "offload", None):
+        return f"an offload plan: attention and MLP of layers {args.offload} on the server, the rest on the client"
+    return "the shipped default plan" if args.layers == "all" else f"the first {args.layers} of the default plan"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the markdown."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None,
                    help="the server workers' [private] device ('cuda', 'cuda:N': the gpu backend; default: "
                         "the settings' 'cpu', SEAL); the SDK always runs on the CPU")
+    p.add_argument("--offload", help="server layers of an offload plan, e.g. '2,3' (of the shipped plan's 2-5)")
     p.add_argument("--token-prefill", action="store_true",
                    help="also run the encrypted tenant with one ciphertext per prompt token (the prefill "
                         "before packed chunks), same server, same keys")
@@ -229,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cipherlm-bench-") as tmp:
         root = Path(tmp)
         plan = args.plan if args.plan and args.layers == "all" else plan_with_layers(args.layers, root)
+        offload = None
+        if args.offload:
+            plan, offload = offload_plans(args.offload, root)
         with running_server(root, None, plan, args.workers,
-                            max_session_tokens=args.prompt_tokens + args.max_tokens + 8) as server:
+                            max_session_tokens=args.prompt_tokens + args.max_tokens + 8, offload=offload) as server:
             plain = bench_plaintext(server, prompt, args.max_tokens)
             enc, setup, server_s, n_prompt = bench_encrypted(server, prompt, args.max_tokens, root / "client")
             extra = []
@@ -241,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table([plain, enc, *extra]))
     print()
     print(notes(args, setup, server_s, n_prompt, enc, plain, command))
+    if args.offload:
+        print()
+        print(part_table(bench_encrypted.tokens, len(setup.encrypted_layers)))
     if args.json:
         args.json.write_text(json.dumps({"rows": [dataclasses.asdict(plain), dataclasses.asdict(enc)],
                                          "setup": dataclasses.asdict(setup), "server_s": server_s}, indent=1))

@@ -46,6 +46,16 @@ class StepStats:
     bytes_up: int = 0
     bytes_down: int = 0
     steps: int = 0
+    #: an offload plan's MLP steps by part: part -> [seconds, bytes up, bytes down, steps] (the attention
+    #: steps are the totals minus these)
+    parts: dict[str, list] = dataclasses.field(default_factory=dict)
+
+    def record(self, part: str, seconds: float, up: int, down: int) -> None:
+        """Count one step of ``part`` in the totals and in its part's row."""
+        self.seconds, self.bytes_up, self.bytes_down, self.steps = (self.seconds + seconds, self.bytes_up + up,
+                                                                    self.bytes_down + down, self.steps + 1)
+        row = self.parts.setdefault(part, [0.0, 0, 0, 0])
+        row[0], row[1], row[2], row[3] = row[0] + seconds, row[1] + up, row[2] + down, row[3] + 1
 
 
 @dataclasses.dataclass
@@ -139,6 +149,11 @@ class PrivateRuntime:
         #: Send prefills as packed chunks where the server takes them (False: one ciphertext per token,
         #: the path before issue 15 — benchmarks compare both in one run).
         self.packed_prefill = True
+        #: an offload plan's MLP half (manifest ``offload``; None: the partial plan) and the stats of the
+        #: token being computed (its MLP steps count there)
+        self.offload_info: Any = None
+        self.offload: Any = None
+        self.current_stats = StepStats()
 
     # -- setup -------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -148,14 +163,19 @@ class PrivateRuntime:
         man = self.fetch_manifest()
         self.load_bundle(man)
         self.make_keys(man)
+        if self.offload is not None:
+            self.offload.make_keys(man)
         self.manifest = man
 
     def fetch_manifest(self) -> proto.Manifest:
         """``GET /v1/private/manifest`` (``PrivacyModeError`` when the server offers no encrypted sessions)."""
         from client_sdk._exceptions import NotFoundError, PrivacyModeError
+        from client_sdk._offload import OffloadInfo
 
         try:
-            return proto.Manifest.from_json(self.exchange(proto.MANIFEST).json())
+            raw = self.exchange(proto.MANIFEST).json()
+            self.offload_info = OffloadInfo.from_manifest(raw)
+            return proto.Manifest.from_json(raw)
         except NotFoundError as exc:
             raise PrivacyModeError("this server offers no encrypted sessions, so an encrypted-mode client "
                                    "cannot run; nothing was sent (pass non_sensitive=True only where your "
@@ -174,10 +194,16 @@ class PrivateRuntime:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
         model, meta = read_bundle(path, path.with_suffix(".files"))
-        if meta["plan_hash"] != man.plan_hash:
+        info = self.offload_info
+        if meta["plan_hash"] != (info.plan_hash if info is not None else man.plan_hash):
             raise PrivateModeError("bundle was built for another plan")
         self.layers = man.encrypted_layers
         self.model = client_model(model, self.layers)
+        if info is not None:
+            from client_sdk._offload import OffloadClient
+
+            self.offload = OffloadClient(self, info)
+            self.offload.install(self.model)
         self.tokenizer = Tokenizer.from_folder(path.with_suffix(".files"))
 
     def make_keys(self, man: proto.Manifest) -> None:
@@ -244,7 +270,8 @@ class PrivateRuntime:
     def open_session(self) -> str:
         """Open a session on the registered key (closing the previous one)."""
         self.close_session()
-        session = proto.Session(self.manifest, self.key_id, self.fingerprint, self.key_bytes, self.read_floor)
+        session = (self.offload.session(self.manifest) if self.offload is not None else
+                   proto.Session(self.manifest, self.key_id, self.fingerprint, self.key_bytes, self.read_floor))
         sid = session.opened(self.exchange(session.open_call()))
         self.session = session
         return sid
@@ -354,6 +381,8 @@ class PrivateRuntime:
         for s, n in self._steps(start, len(ids)):
             chunk = torch.tensor(ids[s:s + n])
             pos = torch.arange(start + s, start + s + len(chunk))
+            if getattr(self, "offload", None) is not None:   # its MLP steps: this chunk's position, stats
+                self.offload.start, self.current_stats = start + s, backend.stats
             h = self.model(chunk, pos, backend)  # engine.model forward; encrypted layers call the server
             backend.cache.advance()
             logits = self.model.logits(h[-1:])[0]

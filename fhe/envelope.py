@@ -8,7 +8,9 @@ Layout of one message (request or response body)::
     header                    canonical JSON (RFC 8785): session, key fingerprint, layer, kind,
                               positions [start, count], sizes [n_0, n_1, ...] of the blobs, and the
                               evaluator backend and parameter hash the blobs are made for (``backend``,
-                              ``params``; optional on input: absent means ``seal`` and unchecked)
+                              ``params``; optional on input: absent means ``seal`` and unchecked),
+                              and for an offload plan's steps the layer ``part`` (absent means
+                              ``attention``: envelopes of older SDKs parse unchanged)
     blobs                     concatenated; their lengths are the header's ``sizes``
 
 Everything is checked before any blob reaches a deserializer: the magic, the version, the header
@@ -32,6 +34,10 @@ MAX_HEADER_BYTES = 4096
 MAX_BLOBS = 64
 _PREFIX = struct.Struct("<4sBI")
 KINDS = ("prefill", "decode", "packed", "result")
+#: Which part of a layer a step runs (docs/protocol.md, "Offload steps"); ``attention`` is the default and
+#: is left out of the header, so an attention step's bytes are what they were before parts existed.
+ATTENTION = "attention"
+PARTS = (ATTENTION, "mlp_up", "mlp_down")
 
 
 class EnvelopeError(ValueError):
@@ -56,11 +62,16 @@ class Envelope:
     #: parameter set (``fhe.fingerprint.params_hash``; "" = not stated). A mismatch is BackendMismatchError.
     backend: str = "seal"
     params: str = ""
+    #: The part of the layer (:data:`PARTS`): the attention block, or an MLP half of an offload plan.
+    part: str = ATTENTION
 
     def header(self) -> dict:
-        return {"v": ENVELOPE_VERSION, "session": self.session, "key_fingerprint": self.key_fingerprint,
+        head = {"v": ENVELOPE_VERSION, "session": self.session, "key_fingerprint": self.key_fingerprint,
                 "layer": self.layer, "kind": self.kind, "positions": list(self.positions),
                 "sizes": [len(b) for b in self.blobs], "backend": self.backend, "params": self.params}
+        if self.part != ATTENTION:
+            head["part"] = self.part
+        return head
 
     def to_bytes(self) -> bytes:
         """Serialize (canonical header, so equal envelopes give equal bytes)."""
@@ -95,7 +106,8 @@ def parse(body: bytes, max_blob_bytes: int, max_total_bytes: int) -> Envelope:
         blobs.append(body[offset:offset + n])
         offset += n
     return Envelope(head["session"], head["key_fingerprint"], head["layer"], head["kind"],
-                    tuple(head["positions"]), tuple(blobs), head.get("backend", "seal"), head.get("params", ""))
+                    tuple(head["positions"]), tuple(blobs), head.get("backend", "seal"), head.get("params", ""),
+                    head.get("part", ATTENTION))
 
 
 def _load_header(raw: bytes, message: str) -> object:
@@ -121,6 +133,8 @@ def _check_header(head: object, max_blob_bytes: int) -> list[int]:
     _check_backend_fields(head)
     if head["kind"] not in KINDS:
         raise EnvelopeError(f"kind must be one of {KINDS}")
+    if head.get("part", ATTENTION) not in PARTS:
+        raise EnvelopeError(f"part must be one of {PARTS}")
     pos, sizes = head["positions"], head["sizes"]
     if len(pos) != 2 or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pos):
         raise EnvelopeError("positions must be [start, count] of non-negative ints")

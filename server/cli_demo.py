@@ -67,8 +67,9 @@ def plan_with_layers(layers: str, root: Path) -> Path | None:
 
 
 def write_settings(root: Path, port: int, plan: Path | None, workers: int,
-                   max_session_tokens: int = 512) -> tuple[Path, dict[str, str]]:
-    """The demo settings file (mode 0600) in ``root``; returns (path, {tenant id: API key})."""
+                   max_session_tokens: int = 512, offload: Path | None = None) -> tuple[Path, dict[str, str]]:
+    """The demo settings file (mode 0600) in ``root``; returns (path, {tenant id: API key}). ``offload``: an
+    offload plan whose server attention layers are ``plan``'s (the server runs their MLPs too)."""
     import secrets
 
     from server.tenants import generate_api_key, hash_api_key
@@ -78,6 +79,8 @@ def write_settings(root: Path, port: int, plan: Path | None, workers: int,
     tenants = "".join(f'[[tenants]]\nid = "{t}"\napi_key_hashes = ["{hash_api_key(k)}"]\n'
                       f'privacy_mode = "{modes[t]}"\n\n' for t, k in keys.items())
     plan_line = f'plan = "{plan}"\n' if plan is not None else ""
+    if offload is not None:
+        plan_line += f'offload_plan = "{offload}"\n'
     text = (f'server_secret = "{secrets.token_urlsafe(32)}"\nhost = "127.0.0.1"\nport = {port}\n\n{tenants}'
             f'[private]\nenabled = true\nworkers = {workers}\nstate_dir = "{root / "state"}"\n{plan_line}'
             f"max_session_tokens = {max_session_tokens}\nmax_key_bytes = {MAX_KEY_BYTES}\n")
@@ -90,10 +93,10 @@ def write_settings(root: Path, port: int, plan: Path | None, workers: int,
 
 @contextlib.contextmanager
 def running_server(root: Path, port: int | None, plan: Path | None, workers: int,
-                   max_session_tokens: int = 512) -> Iterator[DemoServer]:
+                   max_session_tokens: int = 512, offload: Path | None = None) -> Iterator[DemoServer]:
     """Start ``cipherlm serve`` with demo settings in ``root``; yield it ready; stop it on exit."""
     port = port or free_port()
-    settings, keys = write_settings(root, port, plan, workers, max_session_tokens)
+    settings, keys = write_settings(root, port, plan, workers, max_session_tokens, offload)
     log_path = root / "server.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "server.cli_serve", "--config", str(settings),
@@ -153,9 +156,13 @@ def prepare_private(client, cache_dir: Path):
     runtime.load_bundle(man)
     t2 = time.perf_counter()
     runtime.make_keys(man)
+    uploaded = runtime.upload_bytes
+    if runtime.offload is not None:   # an offload plan's MLP key set (N = 8192)
+        runtime.offload.make_keys(man)
+        uploaded += runtime.offload.upload_bytes
     t3 = time.perf_counter()
     runtime.manifest = man
-    setup = Setup(t1 - t0, t2 - t1, man.bundle_size, t3 - t2, runtime.upload_bytes, runtime.layers)
+    setup = Setup(t1 - t0, t2 - t1, man.bundle_size, t3 - t2, uploaded, runtime.layers)
     return runtime, setup
 
 

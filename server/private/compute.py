@@ -33,7 +33,7 @@ class PrivateCompute:
     """Server half of the plan's encrypted attention blocks (no secret key ever reaches it)."""
 
     def __init__(self, model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu",
-                 step_processes: int = 1) -> None:
+                 step_processes: int = 1, offload_path: str | None = None) -> None:
         from engine.loader import load_model
 
         torch.set_num_threads(1)  # one core per worker: parallelism comes from the pool
@@ -54,10 +54,16 @@ class PrivateCompute:
         self.keys: dict[str, ServerKeys] = {}
         self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
+        self.mlp = _OffloadMLP(model, offload_path) if offload_path else None
 
     # -- keys --------------------------------------------------------------------------------------
     def inspect_key(self, data: bytes) -> Inspection:
-        """The production inspector's verdict on an upload, for this plan's parameters and rotations."""
+        """The production inspector's verdict on an upload, for this plan's parameters and rotations.
+
+        With an offload plan, an upload whose public key names the MLP's parameters is screened at those
+        (N differs, so no upload fits both): the verdict's ``params_hash`` says which key set it is."""
+        if self.mlp is not None and self.mlp.owns_upload(data, self.max_key_bytes):
+            return inspect_upload(data, self.mlp.params, self.mlp.steps, max_bytes=self.max_key_bytes)
         return inspect_upload(data, self.params, self.key_levels, max_bytes=self.max_key_bytes)
 
     def load_key(self, fingerprint: str, data: bytes, key_set: str | None = None) -> None:
@@ -65,6 +71,10 @@ class PrivateCompute:
         and keep it under its registry fingerprint. ``data`` is the registry's canonical re-serialization,
         so the key-set fingerprint the client's ciphertexts name is ``key_set`` (None: from ``data``)."""
         blobs = parse_key_upload(data, len(data))  # the server's own bytes: unseeded, larger than the upload
+        if self.mlp is not None and self.mlp.owns(blobs):
+            self.mlp.keys[fingerprint] = wire.load_server_keys(blobs, self.mlp.params, self.mlp.steps,
+                                                               fingerprint=key_set)
+            return
         self.keys[fingerprint] = wire.load_server_keys(blobs, self.params, self.key_levels, fingerprint=key_set)
         if self.gpu is not None:   # expanded once onto the device (the service caps how many a worker holds)
             self.device_keys[fingerprint] = self.gpu.keys_from_server(self.keys[fingerprint])
@@ -73,6 +83,8 @@ class PrivateCompute:
         """Forget a key and every session that used it; returns the sessions dropped."""
         self.keys.pop(fingerprint, None)
         self.device_keys.pop(fingerprint, None)
+        if self.mlp is not None:
+            self.mlp.keys.pop(fingerprint, None)
         doomed = [sid for sid, (fp, _) in self.sessions.items() if fp == fingerprint]
         for sid in doomed:
             del self.sessions[sid]
@@ -124,6 +136,19 @@ class PrivateCompute:
         out = [wire.dump_ciphertext(c, self.params, keys.fingerprint) for c in outs]
         return out, sum(c.nbytes() for c in caches.values())
 
+    def mlp_step(self, fingerprint: str, layer: int, part: str, blobs: list[bytes]) -> list[bytes]:
+        """One MLP half of an offload plan over one ciphertext per position (stateless: no session state,
+        so any worker holding the MLP key set runs it); ``mlp_up`` answers ``outputs_per_position``
+        ciphertexts per position, position by position, ``mlp_down`` one."""
+        if self.mlp is None or fingerprint not in self.mlp.keys:
+            raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "MLP key set not loaded in this worker")
+        keys, block = self.mlp.keys[fingerprint], self.mlp.blocks[layer]
+        run = block.gate_up if part == "mlp_up" else (lambda ct, k: [block.down(ct, k)])
+        out = []
+        for ct in self._inputs(blobs, keys, block.ev.top):
+            out += [wire.dump_ciphertext(c, self.mlp.params, keys.fingerprint) for c in run(ct, keys)]
+        return out
+
     @staticmethod
     def _inputs(blobs: list[bytes], keys: ServerKeys, top: int) -> list:
         """The client's ciphertexts, parsed and checked fresh (level, size, scale): any refusal here is
@@ -137,6 +162,45 @@ class PrivateCompute:
                 raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"ciphertext {i}: {exc}"[:300]) from exc
             cts.append(ct)
         return cts
+
+
+class _OffloadMLP:
+    """The server MLP blocks of an offload plan (``[private] offload_plan``) and their key sets.
+
+    They run on SEAL at :data:`fhe.mlp.MLP_PARAMS` whatever ``[private] device`` says (the gpu backend runs
+    the attention blocks; the MLP's N = 8192 products are 0.2-1 s each on one core).
+    """
+
+    def __init__(self, model, offload_path: str) -> None:
+        from fhe.mlp import MLP_PARAMS, EncryptedMLP
+        from fhe.offload import OffloadPlan
+
+        plan = OffloadPlan.load(offload_path)
+        self.params = MLP_PARAMS
+        self.blocks = {i: EncryptedMLP(model.model.layers[i], self.params) for i in plan.server_mlp}
+        steps: set[int] = set()
+        for block in self.blocks.values():
+            steps |= block.rotation_steps
+        self.steps = tuple(sorted(steps))
+        self.keys: dict[str, ServerKeys] = {}
+
+    def owns_upload(self, data: bytes, max_bytes: int) -> bool:
+        """Whether an untrusted upload claims the MLP's parameters (its framing and the public key's wire
+        envelope only: the allow-list then screens it at those parameters)."""
+        from fhe.envelope import EnvelopeError
+
+        try:
+            return self.owns(parse_key_upload(data, max_bytes))
+        except EnvelopeError:
+            return False
+
+    def owns(self, blobs: dict[str, bytes]) -> bool:
+        """Whether a stored key set (already screened) is an MLP key set: its public key names our ring."""
+        try:
+            wire.unpack_public_keys({"public_key": blobs["public_key"]}, self.params)
+        except (FHEError, KeyError, ValueError):
+            return False
+        return True
 
 
 def _gpu_evaluator(params: CKKSParams, device: str):
@@ -154,9 +218,9 @@ def _gpu_evaluator(params: CKKSParams, device: str):
 
 
 def make_state(model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu",
-               step_processes: int = 1) -> PrivateCompute:
+               step_processes: int = 1, offload_path: str | None = None) -> PrivateCompute:
     """Worker factory (``server.private.workers`` imports it by name)."""
-    return PrivateCompute(model_dir, plan_path, max_tokens, device, step_processes)
+    return PrivateCompute(model_dir, plan_path, max_tokens, device, step_processes, offload_path)
 
 
 __all__ = ["PrivateCompute", "make_state"]

@@ -32,6 +32,9 @@ class PrivateSettings(BaseModel):
 
     enabled: bool | None = Field(None, description="None: on when some tenant is in encrypted mode")
     plan: str | None = Field(None, description="plan file/folder; None: the plan shipped for the default model")
+    offload_plan: str | None = Field(None, description="an offload plan (fhe/offload.py) whose server attention "
+                                     "layers are `plan`'s: the server also runs its MLP blocks (N = 8192, "
+                                     "client-aided SiLU) and keeps their weights; None: attention blocks only")
     state_dir: str | None = Field(None, description="key store, audit log, bundle cache; None: $CIPHERLM_HOME/server")
     workers: int = Field(2, ge=1, le=64, description="most worker processes for ciphertext work; each is "
                          "started when an encrypted session (or key upload) first needs it")

@@ -132,6 +132,17 @@ class AuditFallbackRecorder:
                           detail={"endpoint": event.endpoint, "reason": event.reason})
 
 
+def _worker_args(cfg: PrivateSettings, model_dir: Path, plan_path: Path) -> tuple:
+    """The worker factory's arguments. The optional trailing ones (step_processes, offload_plan) go only
+    when set, so factories written for the first four keep working; step_processes only for local workers:
+    a Ray actor's process runs Ray's own threads, which a fork per step would copy mid-flight."""
+    args: tuple = (str(model_dir), str(plan_path), cfg.max_session_tokens, cfg.device)
+    split = cfg.step_processes if cfg.backend == "local" else 1
+    if cfg.offload_plan:
+        return args + (split, cfg.offload_plan)
+    return args + ((split,) if split != 1 else ())
+
+
 async def start(app: Any) -> None:
     """Bring the private service up on ``app.state`` (called from the app's lifespan)."""
     from engine.config import ModelConfig
@@ -172,10 +183,8 @@ async def start(app: Any) -> None:
     app.state.private_manifest = build_manifest(app.state.metrics.model_name, plan, bundle, cfg,
                                                 cfg_json["num_hidden_layers"])
     app.state.private_bundle_path = bundle_path
-    # step_processes only when set (factories written for the four arguments keep working), and only for
-    # local workers: a Ray actor's process runs Ray's own threads, which a fork per step would copy mid-flight
-    split = (cfg.step_processes,) if cfg.step_processes != 1 and cfg.backend == "local" else ()
-    pool = make_pool(cfg, WORKER_FACTORY, (str(model_dir), str(plan_path), cfg.max_session_tokens, cfg.device) + split)
+    offload = await _offload(app, cfg, model_dir, plan, root)
+    pool = make_pool(cfg, WORKER_FACTORY, _worker_args(cfg, model_dir, plan_path))
     registry = KeyRegistry(
         RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
                        state_path=root / "keys" / "registry.json"),
@@ -185,11 +194,50 @@ async def start(app: Any) -> None:
     pool.in_use = lambda worker: bool(svc.sessions.on_worker(worker))  # never idle-stop a session's worker
     svc.backend_name, svc.backend_params = DEFAULT_BACKEND, CKKSParams.from_dict(plan.ckks)
     svc.packed_chunk = packed_chunk_for(ModelConfig.from_hf_dict(cfg_json), svc.backend_params)
+    svc.offload = offload
     app.state.private_manifest["limits"]["packed_chunk"] = svc.packed_chunk
     app.state.private = svc
     app.state.private_metrics = PoolCollector(pool, cfg.backend, lambda w: len(svc.sessions.on_worker(w)))
     app.state.metrics.registry.register(app.state.private_metrics)
     app.state.private_sweeper = asyncio.create_task(_sweep_forever(svc))
+
+
+async def _offload(app: Any, cfg: PrivateSettings, model_dir: Path, plan: Any, root: Path):
+    """With ``[private] offload_plan``: check it fits (a misfit is fatal: it was asked for), publish it in
+    the manifest and serve the offload bundle (only the client's parts) instead of the partial plan's."""
+    if not cfg.offload_plan:
+        return None
+    from engine.config import ModelConfig
+    from fhe.offload import OffloadPlan
+    from server.private.offload import OffloadSteps, check_fits
+
+    offload = OffloadPlan.load(cfg.offload_plan)
+    mcfg = ModelConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
+    check_fits(offload, plan, mcfg)
+    steps = OffloadSteps.of(offload)
+    path, desc = await asyncio.to_thread(build_offload_bundle, model_dir, offload, root)
+    man = app.state.private_manifest
+    man["offload"] = steps.manifest(mcfg)
+    man["bundle"].update({"sha256": desc["sha256"], "size": desc["size"], "withheld": desc["withheld"]})
+    app.state.private_bundle_path = path
+    return steps
+
+
+def build_offload_bundle(model_dir: Path, offload: Any, root: Path) -> tuple[Path, dict]:
+    """The offload plan's client bundle (no tensor of a server part), built once and cached."""
+    from engine.loader import load_model
+    from fhe.bundle import write_offload_bundle
+
+    path = root / "bundles" / f"offload-{offload.content_hash}.safetensors"
+    desc_path = path.with_suffix(".json")
+    if not path.exists() or not desc_path.exists():
+        tmp = path.with_suffix(".partial")
+        desc = write_offload_bundle(load_model(model_dir), model_dir, offload, tmp)
+        desc["sha256"] = hashlib.sha256(tmp.read_bytes()).hexdigest()
+        desc["size"] = tmp.stat().st_size
+        tmp.rename(path)
+        desc_path.write_text(json.dumps(desc))
+    return path, json.loads(desc_path.read_text())
 
 
 def with_device_key_cap(cfg: PrivateSettings, model_config: dict, plan) -> PrivateSettings:

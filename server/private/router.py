@@ -151,6 +151,8 @@ async def revoke_key(key_id: Annotated[str, Field(pattern=KEY_ID_PATTERN)], body
 class OpenSession(BaseModel):
     key_id: str = Field(pattern=KEY_ID_PATTERN)
     plan_hash: str = Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")
+    #: an offload plan's MLP key set (registered like any key, made for the manifest's offload.mlp.ckks)
+    mlp_key_id: str | None = Field(None, pattern=KEY_ID_PATTERN)
 
 
 @router.post("/sessions", status_code=201, dependencies=_NEW_WORK)
@@ -159,7 +161,7 @@ async def open_session(body: OpenSession, request: Request, tenant: TenantDep, s
     limiter = admit_request(request, tenant)
     try:
         s = await svc.open_session(tenant.id, body.key_id, body.plan_hash, actor=tenant.id,
-                                   request_id=_request_id(request))
+                                   request_id=_request_id(request), mlp_key_id=body.mlp_key_id)
     finally:
         limiter.release()
     return {"session_id": s.id, "key_id": s.key_id, "key_version": s.key_version,

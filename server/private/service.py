@@ -101,6 +101,9 @@ class PrivateService:
     #: Tokens per packed prefill ciphertext (``fhe.geometry.packed_chunk_for``; set by ``feature.start``);
     #: 0 refuses packed steps.
     packed_chunk: int = 0
+    #: The offload plan's MLP steps (``server.private.offload.OffloadSteps``; set by ``feature.start`` when
+    #: ``[private] offload_plan`` is set); None: attention steps only (the partial plan).
+    offload: Any = None
 
     def __init__(self, cfg: PrivateSettings, plan_hash: str, encrypted_layers: tuple[int, ...],
                  pool: WorkerBackend, registry: KeyRegistry, audit: Any,
@@ -112,6 +115,7 @@ class PrivateService:
         self.sessions = SessionTable(cfg.session_ttl_s, clock or time.monotonic)
         self._loaded: dict[Slot, set[Owner]] = {}  # key sets in workers and the registrations owning them
         self._key_used: dict[Slot, float] = {}  # last session opened with it there
+        self._mlp_keys: set[str] = set()  # offload MLP key sets (2.6 MB): outside max_keys_per_worker
         pool.on_restart = self._worker_lost
         registry.add_cancel_hook(self._key_left_active)
 
@@ -178,8 +182,11 @@ class PrivateService:
 
     # -- sessions ----------------------------------------------------------------------------------
     async def open_session(self, tenant: str, key_id: str, plan_hash: str, *, actor: str,
-                           request_id: str | None = None) -> Session:
-        """A new session on the tenant's ACTIVE key ``key_id`` for this server's plan."""
+                           request_id: str | None = None, mlp_key_id: str | None = None) -> Session:
+        """A new session on the tenant's ACTIVE key ``key_id`` for this server's plan (and, with an offload
+        plan, its MLP key set ``mlp_key_id``)."""
+        if self.offload is not None:
+            self.offload.check_open(mlp_key_id)
         if plan_hash != self.plan_hash:
             raise ConflictError(f"plan {plan_hash[:16]}... is not this server's plan {self.plan_hash[:16]}...; "
                                 "fetch /v1/private/manifest again", code="plan_mismatch")
@@ -193,22 +200,48 @@ class PrivateService:
                     self.sessions.now(), self.sessions.now(), lease)
         try:
             await self._ensure_key(worker, tenant, lease)
+            if self.offload is not None:
+                await self._attach_mlp_key(s, worker, tenant, mlp_key_id, actor, request_id)
             await self.pool.submit(worker, tenant, "open_session", s.id, rec.fingerprint)
-        except RateLimitError:
+        except (RateLimitError, InvalidRequestError, NotFoundError, PermissionDeniedError):
             lease.release()
+            self._release_mlp(s)
             raise
         except TaskError as exc:
             lease.release()
+            self._release_mlp(s)
             if exc.code is WorkerCode.KEY_NOT_LOADED:  # the worker lost it: load it again next time
                 self._unload((worker, rec.fingerprint))
             raise task_error(exc, request_id or new_request_id()) from exc
         except WorkerError as exc:
             lease.release()
+            self._release_mlp(s)
             raise _lost_worker("encrypted worker unavailable", "worker_lost") from exc
+        if s.mlp_lease is not None:
+            s.mlp_lease.on_cancel(lambda reason, sid=s.id: self._mark_closed(sid, f"MLP key {reason}"))
         lease.on_cancel(lambda reason, sid=s.id: self._mark_closed(sid, f"key {reason}"))
         self.sessions.add(s)
         self._audit_session(Event.SESSION_OPENED, s, actor, request_id)
         return s
+
+    async def _attach_mlp_key(self, s: Session, worker: int, tenant: str, mlp_key_id: str, actor, request_id) -> None:
+        """Lease the session's MLP key set (it must be one made for the MLP's parameters) and load it
+        into the session's worker (other workers load it when they run the session's MLP steps)."""
+        lease = self._lease(tenant, mlp_key_id, actor, request_id)
+        try:
+            self.offload.check_mlp_key(lease.record)   # 400 wrong_key_set, before any worker sees it
+        except InvalidRequestError:
+            lease.release()
+            raise
+        s.mlp_lease, s.mlp_fingerprint = lease, lease.record.fingerprint
+        self._mlp_keys.add(s.mlp_fingerprint)   # before loading: it must not make room by evicting
+        await self._ensure_key(worker, tenant, lease)
+
+    @staticmethod
+    def _release_mlp(s: Session) -> None:
+        if s.mlp_lease is not None:
+            s.mlp_lease.release()
+            s.mlp_lease = None
 
     def _lease(self, tenant, key_id, actor, request_id):
         try:
@@ -225,7 +258,8 @@ class PrivateService:
         slot = (worker, rec.fingerprint)
         self._key_used[slot] = self.sessions.now()
         if slot not in self._loaded:
-            await self._make_room(worker, tenant)
+            if rec.fingerprint not in self._mlp_keys:
+                await self._make_room(worker, tenant)
             material = self.registry.load_material(lease)
             await self.pool.submit(worker, tenant, "load_key", rec.fingerprint, material, rec.key_set)
             self._loaded.setdefault(slot, set())
@@ -257,11 +291,12 @@ class PrivateService:
         return self.pool.least_loaded([w for w in among if open_n[w] == fewest])
 
     def _keys_in(self, worker: int) -> list[str]:
-        return [fp for w, fp in self._loaded if w == worker]
+        return [fp for w, fp in self._loaded if w == worker and fp not in self._mlp_keys]
 
     def _idle_keys(self, worker: int) -> list[str]:
         """Keys loaded in ``worker`` that no open session there uses (the ones a new key may replace)."""
-        busy = {s.fingerprint for s in self.sessions.on_worker(worker)}
+        sessions = self.sessions.on_worker(worker)
+        busy = {s.fingerprint for s in sessions} | {s.mlp_fingerprint for s in sessions if s.mlp_fingerprint}
         return [fp for fp in self._keys_in(worker) if fp not in busy]
 
     async def _make_room(self, worker: int, tenant: str) -> None:
@@ -321,6 +356,8 @@ class PrivateService:
         """
         s = self.session_for(tenant, sid)
         env = self._parse(body)
+        if env.part != envelope.ATTENTION:
+            return await self._mlp_step(s, env, body, request_id or new_request_id())
         self._check_step(s, env)
         digest = hashlib.sha256(body).hexdigest()
         prev = s.last_step.get(env.layer)
@@ -336,6 +373,47 @@ class PrivateService:
         s.last_step[env.layer] = StepRecord(env.positions, digest, task)
         task.add_done_callback(lambda t, rec=s.last_step[env.layer]: self._step_done(s, env.layer, rec, prev, t))
         return await asyncio.shield(task)
+
+    async def _mlp_step(self, s: Session, env: envelope.Envelope, body: bytes, request_id: str) -> bytes:
+        """An offload plan's MLP half: checked here (part, layer, key set, sizes: all 4xx), run stateless
+        on a worker holding the MLP key set, retry-safe like an attention step (the answer is stored per
+        (layer, part), and the same positions with another body are a 409)."""
+        if self.offload is None:
+            raise InvalidRequestError("this server's plan runs no MLP on the server", code="bad_part")
+        self.offload.check_step(s, env, self.cfg)
+        digest, slot = hashlib.sha256(body).hexdigest(), (env.layer, env.part)
+        prev = s.last_step.get(slot)
+        same = None if prev is None else prev.same_request(env.positions, digest)
+        if same is False:
+            raise ConflictError(f"layer {env.layer} {env.part} positions {env.positions[0]}.. were already sent "
+                                "with other ciphertexts; repeat the same request", code="step_mismatch")
+        if same:
+            return prev.answer if isinstance(prev.answer, bytes) else await asyncio.shield(prev.answer)
+        try:
+            s.mlp_lease.check()
+        except KeyCancelledError as exc:
+            raise PermissionDeniedError(f"MLP key no longer usable: {exc}", code="key_not_active") from exc
+        task = asyncio.ensure_future(self._run_mlp(s, env, request_id))
+        s.last_step[slot] = StepRecord(env.positions, digest, task)
+        task.add_done_callback(lambda t, rec=s.last_step[slot]: self._step_done(s, slot, rec, prev, t))
+        return await asyncio.shield(task)
+
+    async def _run_mlp(self, s: Session, env: envelope.Envelope, request_id: str) -> bytes:
+        """Any worker holding the MLP key set (the session's always does) runs the step."""
+        holders = [w for w, fp in self._loaded if fp == s.mlp_fingerprint] or [s.worker]
+        worker = self.pool.least_loaded(holders)
+        try:
+            blobs = await self.pool.submit(worker, s.tenant, "mlp_step", s.mlp_fingerprint, env.layer, env.part,
+                                           list(env.blobs))
+        except TaskError as exc:
+            if exc.code is WorkerCode.KEY_NOT_LOADED:
+                self._unload((worker, s.mlp_fingerprint))
+            raise task_error(exc, request_id) from exc
+        except WorkerError as exc:
+            raise _lost_worker("the worker running this MLP step was lost; retry", "worker_lost") from exc
+        self.sessions.touch(s)
+        return envelope.Envelope(s.id, s.mlp_fingerprint, env.layer, "result", env.positions, tuple(blobs),
+                                 env.backend, env.params, env.part).to_bytes()
 
     def _check_next(self, s: Session, env: envelope.Envelope) -> None:
         """A new step must continue the layer and run on a usable key."""
@@ -359,7 +437,7 @@ class PrivateService:
                                  env.backend, env.params).to_bytes()
 
     @staticmethod
-    def _step_done(s: Session, layer: int, rec: StepRecord, prev: StepRecord | None, task: asyncio.Future) -> None:
+    def _step_done(s: Session, layer: Any, rec: StepRecord, prev: StepRecord | None, task: asyncio.Future) -> None:
         """Keep a finished step's answer for retries; a failed one leaves the layer as it was."""
         if s.last_step.get(layer) is not rec:
             return
@@ -447,6 +525,7 @@ class PrivateService:
                 pass  # the worker is gone, and the session with it
         if s.lease is not None:
             s.lease.release()
+        self._release_mlp(s)
         s.reason = s.reason or reason
         self.sessions.bury(s)  # LOST stays LOST for the tombstone: the SDK replays on session_lost
         s.state = SessionState.CLOSED

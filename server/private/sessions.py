@@ -59,6 +59,9 @@ class Session:
     last_step: dict[int, StepRecord] = dataclasses.field(default_factory=dict)
     nbytes: int = 0
     reason: str = ""
+    #: an offload plan's session: the MLP key set (fingerprint, lease) its MLP steps run on
+    mlp_fingerprint: str | None = None
+    mlp_lease: object | None = None
 
     def expected(self, layer: int) -> int:
         return self.next_position.get(layer, 0)

@@ -1,0 +1,197 @@
+"""The client half of an offload plan's MLP steps (docs/protocol.md, "Offload steps").
+
+When the manifest carries an ``offload`` section, the server runs, besides its attention blocks, the MLP
+of every layer the plan places there, under a second, small key set (N = 8192, ``offload.mlp.ckks``).
+Per such layer and token the client, which holds the residual stream ``h``:
+
+1. normalizes ``x̂ = h / rms(h)`` (float64, no gain: the server folds it in), encrypts it replicated with
+   period P1 and sends an ``mlp_up`` step;
+2. decrypts ``[gate|up]``, computes ``a = silu(g) * u`` exactly, encrypts ``a`` replicated with period P2
+   and sends an ``mlp_down`` step;
+3. decrypts ``W_down a`` and adds it to ``h``.
+
+The layout comes from the model's shapes (:func:`fhe.offload_steps.mlp_geometry`); the bundle holds no
+MLP weight of a server layer. Nothing here does I/O: calls go through the runtime's ``exchange``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from client_sdk import _protocol as proto
+from client_sdk._exceptions import PrivateModeError
+
+MLP_KEY_SUFFIX = ".mlp"
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadInfo:
+    """The manifest's ``offload`` section, checked."""
+
+    plan_hash: str
+    server_mlp: tuple[int, ...]
+    mlp_ckks: dict[str, Any]
+    rotation_steps: tuple[int, ...]
+    max_blob_bytes: int
+
+    @classmethod
+    def from_manifest(cls, d: Any) -> OffloadInfo | None:
+        """None when the server runs no offload plan (``PrivateModeError`` for a malformed section)."""
+        section = d.get("offload") if isinstance(d, Mapping) else None
+        if section is None:
+            return None
+        try:
+            mlp = section["mlp"]
+            return cls(str(section["plan_hash"]), tuple(int(i) for i in section["server_mlp"]), dict(mlp["ckks"]),
+                       tuple(int(s) for s in mlp["rotation_steps"]), int(mlp["max_blob_bytes"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PrivateModeError(f"the server's offload manifest is malformed ({exc!r})") from exc
+
+
+class OffloadSession(proto.Session):
+    """A session of an offload plan: opened with the MLP key too, and able to send MLP steps."""
+
+    def __init__(self, *args: Any, mlp_key_id: str, mlp_fingerprint: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mlp_key_id, self.mlp_fingerprint = mlp_key_id, mlp_fingerprint
+
+    def open_call(self) -> proto.Call:
+        call = super().open_call()
+        return dataclasses.replace(call, json={**call.json, "mlp_key_id": self.mlp_key_id})
+
+    def mlp_call(self, layer: int, part: str, start: int, blobs: tuple[bytes, ...], params_hash: str) -> proto.Call:
+        """The ``part`` step of ``layer`` for positions ``start .. start + len(blobs)``."""
+        from fhe.envelope import Envelope
+
+        if self.id is None:
+            raise PrivateModeError("no open session")
+        kind = "decode" if len(blobs) == 1 and start > 0 else "prefill"
+        body = Envelope(self.id, self.mlp_fingerprint, layer, kind, (start, len(blobs)), blobs, "seal",
+                        params_hash, part).to_bytes()
+        # an MLP half is a tenth of an attention step at N = 32768; the attention budget bounds it
+        return proto.Call("POST", f"/v1/private/sessions/{self.id}/steps", content=body,
+                          read_timeout=self.manifest.step_read_timeout(len(blobs), self.read_floor))
+
+    def mlp_result(self, reply: proto.Reply, layer: int, part: str, start: int, n_out: int) -> tuple[bytes, ...]:
+        from fhe.envelope import parse
+        from fhe.errors import FHEError
+
+        try:
+            env = parse(reply.content, 1 << 30, 1 << 34)
+        except FHEError as exc:
+            raise PrivateModeError(f"layer {layer} {part}: malformed result envelope ({exc})") from exc
+        if env.layer != layer or env.part != part or env.positions[0] != start or len(env.blobs) != n_out:
+            raise PrivateModeError("server answered another step")
+        return env.blobs
+
+
+class EncryptedMLPSeam(nn.Module):
+    """The MLP of a layer whose MLP runs on the server: hands the residual to the runtime's offload half
+    (the layer's ``post_attention_layernorm`` is replaced by the identity: the client normalizes in float64
+    and the gain is the server's)."""
+
+    def __init__(self, layer_idx: int, half: OffloadClient) -> None:
+        super().__init__()
+        self.layer_idx, self.half = layer_idx, half
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.half.mlp(self.layer_idx, h).to(h.dtype)
+
+
+class OffloadClient:
+    """The MLP key set and the MLP steps of one runtime.
+
+    Args:
+        runtime: the :class:`client_sdk._runtime.PrivateRuntime` (its exchange, session, stats).
+        info: the manifest's offload section.
+    """
+
+    def __init__(self, runtime: Any, info: OffloadInfo) -> None:
+        from fhe.offload_steps import mlp_geometry
+        from fhe.params import CKKSParams
+
+        self.rt, self.info = runtime, info
+        self.params = CKKSParams.from_dict(info.mlp_ckks)
+        self.layout, steps = mlp_geometry(runtime.model.config, self.params)
+        if steps != info.rotation_steps:
+            raise PrivateModeError("the server's MLP rotations do not match this model's shapes")
+        self.start = 0          # first position of the chunk the runtime's forward is running
+        self.ckks: Any = None
+        self.fingerprint = ""
+        self.upload_bytes = 0
+
+    @property
+    def key_id(self) -> str:
+        return self.rt.key_id + MLP_KEY_SUFFIX
+
+    def install(self, model: nn.Module) -> nn.Module:
+        """Replace each server MLP of the bundle's model by the seam."""
+        for i in self.info.server_mlp:
+            layer = model.model.layers[i]
+            layer.mlp = EncryptedMLPSeam(i, self)
+            layer.post_attention_layernorm = nn.Identity()
+        return model
+
+    def make_keys(self, man: proto.Manifest) -> None:
+        """A fresh MLP key set (2.6 MB of public keys: cheaper to make than to store), registered."""
+        from fhe import wire
+        from fhe.ckks import CKKSClient
+        from fhe.envelope import pack_key_upload
+        from fhe.mlp import MLPClient
+
+        self.ckks = CKKSClient(self.params, self.info.rotation_steps)
+        upload = pack_key_upload(wire.dump_public_keys(self.ckks))
+        self.fingerprint = hashlib.sha256(upload).hexdigest()
+        self.half = MLPClient(self.ckks, self.layout, self.rt.model.config.rms_norm_eps)
+        reply = self.rt.exchange(proto.key_upload_call(man, self.key_id, upload, self.rt.read_floor))
+        proto.check_registered(reply.json(), self.fingerprint)
+        self.upload_bytes = len(upload)
+
+    def session(self, man: proto.Manifest) -> OffloadSession:
+        rt = self.rt
+        return OffloadSession(man, rt.key_id, rt.fingerprint, rt.key_bytes, rt.read_floor,
+                              mlp_key_id=self.key_id, mlp_fingerprint=self.fingerprint)
+
+    # -- one MLP block over the chunk's positions ---------------------------------------------------------
+    def mlp(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] (the residual after the layer's attention) -> the MLP's output [T, hidden]."""
+        from fhe.linalg import replicate_input
+
+        lay, eps = self.layout, self.rt.model.config.rms_norm_eps
+        x = h.double()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        ups = self._send(layer, "mlp_up", [replicate_input(r.numpy(), lay.slots, lay.up_periods[0]) for r in x],
+                         len(lay.up_slots))
+        acts = [self.half.activation(cts) for cts in ups]
+        downs = self._send(layer, "mlp_down", [replicate_input(a.numpy(), lay.slots, lay.down_period) for a in acts],
+                           1)
+        return torch.stack([self.half.output(cts[0]) for cts in downs])
+
+    def _send(self, layer: int, part: str, rows: list, per_position: int) -> list[list]:
+        """Encrypt ``rows`` (one per position), run the step, return the decryptable answers per position."""
+        from fhe import wire
+        from fhe.errors import FHEError
+        from fhe.fingerprint import params_hash
+
+        session, stats = self.rt.session, self.rt.current_stats
+        blobs = tuple(wire.encrypt_to_wire(self.ckks, r) for r in rows)
+        call = session.mlp_call(layer, part, self.start, blobs, params_hash(self.params))
+        t0 = time.perf_counter()
+        reply = self.rt.exchange(call)
+        stats.record(part, time.perf_counter() - t0, len(call.content), len(reply.content))
+        out = session.mlp_result(reply, layer, part, self.start, per_position * len(rows))
+        try:
+            cts = [wire.load_ciphertext(b, self.ckks.kit, self.ckks.fingerprint) for b in out]
+        except FHEError as exc:
+            raise PrivateModeError(f"layer {layer} {part}: unusable server answer ({type(exc).__name__})") from exc
+        return [cts[i:i + per_position] for i in range(0, len(cts), per_position)]
+
+
+__all__ = ["EncryptedMLPSeam", "OffloadClient", "OffloadInfo", "OffloadSession"]

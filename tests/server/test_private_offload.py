@@ -1,0 +1,256 @@
+"""An offload plan end to end at the smallest real configuration: the real app and worker process, the
+real SDK, real ciphertexts.
+
+The tiny random model (2 layers, hidden 64) with an offload plan that keeps layer 0 on the client and
+runs layer 1's attention (2Quad, N = 16384, the tiny attention plan of ``tests/server/private_app.py``)
+and its MLP (N = 8192, client-aided SiLU, its own key set) on the server. The SDK's greedy tokens must be
+the plan's simulator's; the MLP steps' checks answer 4xx with OpenAI-style bodies; the bundle holds no
+server tensor; no secret key byte and no prompt reaches the server's files or logs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from client_sdk import Client
+from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
+from tests.server.private_app import KEYS, private_settings, tiny_plan
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 3
+OCTET = {"Content-Type": "application/octet-stream"}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    from fastapi.testclient import TestClient
+
+    from engine.loader import load_model
+    from fhe.offload import offload_plan
+    from fhe.plan import Plan
+    from server.app import create_app
+
+    model = load_model(tiny_model_dir)
+    folder = tmp_path_factory.mktemp("plans")
+    att_path = tiny_plan(model, folder)
+    att = Plan.load(att_path)
+    off = offload_plan(model.config, "tiny", client_layers=1, softmax="approx", silu="client",
+                       attention_plan_hash=att.content_hash)
+    off_path = off.save(folder / "tiny.offload.json")
+    state = tmp_path_factory.mktemp("state")
+    settings = private_settings(tiny_model_dir, att_path, state, offload_plan=str(off_path), max_step_tokens=8)
+    app = create_app(settings)
+    with TestClient(app, base_url="http://testserver") as http:
+        client = Client(api_key=KEYS["enc-a"], base_url="http://testserver", http_client=http,
+                        privacy="encrypted", max_retries=0)
+        from client_sdk._private import runtime_of
+
+        runtime_of(client).cache_dir = tmp_path_factory.mktemp("client-cache")
+        yield {"http": http, "client": client, "model": model, "att": att, "off": off, "state": state}
+        if client._private is not None:
+            client._private.close_session()
+
+
+@pytest.fixture(scope="module")
+def generated(setup):
+    """The SDK's greedy tokens for PROMPT (with the server's log records of that run)."""
+    handler = _Records()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old = root.level
+    root.setLevel(logging.DEBUG)
+    try:
+        out = setup["client"].completions.create(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                                 extra_body={"logprobs": 1, "ignore_eos": True})
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old)
+    return out, handler.messages
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _simulated_greedy(setup, ids: list[int]) -> tuple[list[int], float]:
+    """The plan's simulator's greedy tokens, and the smallest top-1 / top-2 logit gap on the way."""
+    from fhe.offload_sim import OffloadSimulator
+
+    sim = OffloadSimulator(setup["model"], setup["off"], setup["att"])
+    ids, out, gap = list(ids), [], float("inf")
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = sim.logits(ids)[-1]
+            top, tok = logits.topk(2).values, int(logits.argmax())
+            gap = min(gap, float(top[0] - top[1]))
+            out.append(tok)
+            ids.append(tok)
+    return out, gap
+
+
+def test_the_sdk_runs_the_offload_plan_and_matches_its_simulator(setup, generated):
+    out, _ = generated
+    rt = setup["client"]._private
+    ids = rt.tokenizer.encode(PROMPT)
+    want, gap = _simulated_greedy(setup, ids)
+    assert gap > 1e-3, "the simulator's greedy choice is a near-tie: pick another prompt"
+    got = rt.tokenizer.encode(out.choices[0].text)
+    assert out.usage.completion_tokens == MAX_TOKENS
+    assert rt.tokenizer.decode(want) == out.choices[0].text, (want, got)
+
+
+def test_each_token_runs_attention_then_both_mlp_halves(setup, generated):
+    man = setup["http"].get("/v1/private/manifest", headers=_auth()).json()
+    assert man["offload"]["server_mlp"] == [1] and man["offload"]["server_attention"] == [1]
+    assert man["offload"]["plan_hash"] == setup["off"].content_hash
+    assert man["offload"]["mlp"]["ckks"]["poly_modulus_degree"] == 8192
+    rt = setup["client"]._private
+    stats = rt.current_stats        # the last token's: one decode step of each part
+    assert stats.parts["mlp_up"][3] == 1 and stats.parts["mlp_down"][3] == 1
+    assert stats.steps == 3         # attention(1) -> mlp_up(1) -> mlp_down(1)
+
+
+def test_the_bundle_holds_no_server_tensor(setup, generated):
+    from safetensors import safe_open
+
+    from fhe.bundle import offload_withheld_names
+
+    rt = setup["client"]._private
+    path = rt.cache_dir / "bundles" / f"{rt.manifest.bundle_sha256}.safetensors"
+    with safe_open(str(path), framework="pt") as fh:
+        names = set(fh.keys())
+    withheld = set(offload_withheld_names(setup["model"].config, setup["off"]))
+    assert withheld and not names & withheld
+    assert not [n for n in names if n.startswith(("model.layers.1.self_attn", "model.layers.1.mlp"))]
+
+
+def test_no_secret_and_no_prompt_reaches_the_server(setup, generated):
+    """The server holds only public keys and ciphertexts; neither secret key, nor the prompt or the
+    generated text, is in any file it wrote (registry, key material, audit log, bundles) or its logs."""
+    out, messages = generated
+    rt = setup["client"]._private
+    secrets = [rt.ckks.unsafe_export_secret(), rt.offload.ckks.unsafe_export_secret()]
+    needles = [s[len(s) // 2:len(s) // 2 + 64] for s in secrets]
+    texts = [PROMPT.encode(), out.choices[0].text.encode()]
+    files = [p for p in setup["state"].rglob("*") if p.is_file()]
+    assert files
+    for p in files:
+        data = p.read_bytes()
+        assert not any(n in data for n in needles), p
+        if p.suffix != ".safetensors":   # the bundle holds the tokenizer, whose vocabulary has every word
+            assert not any(t in data for t in texts if len(t) > 8), p
+    assert messages, "the run logged nothing: the check would be empty"
+    shown = [PROMPT] + ([out.choices[0].text] if len(out.choices[0].text) >= 8 else [])
+    assert not [m for m in messages if any(t in m for t in shown)]
+
+
+# -- the MLP steps' checks: 4xx, OpenAI-style bodies ----------------------------------------------------
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS['enc-a']}"}
+
+
+@pytest.fixture()
+def session(setup, generated):
+    rt = setup["client"]._private
+    sid = rt.open_session()
+    yield rt, sid
+    rt.close_session()
+
+
+def _mlp_body(rt, sid, *, layer=1, part="mlp_up", start=0, fingerprint=None, blobs=None, params=None) -> bytes:
+    from fhe.backends.seal import wire
+    from fhe.envelope import Envelope
+    from fhe.fingerprint import params_hash
+    from fhe.linalg import replicate_input
+
+    off = rt.offload
+    if blobs is None:
+        lay = off.layout
+        vec = replicate_input(torch.randn(lay.hidden).double().numpy(), lay.slots, lay.up_periods[0])
+        blobs = (wire.encrypt_to_wire(off.ckks, vec),)
+    return Envelope(sid, fingerprint or off.fingerprint, layer, "prefill", (start, len(blobs)), blobs, "seal",
+                    params if params is not None else params_hash(off.params), part).to_bytes()
+
+
+def _post(setup, sid, body):
+    return setup["http"].post(f"/v1/private/sessions/{sid}/steps", content=body, headers={**_auth(), **OCTET})
+
+
+def _error(resp, status: int, code: str) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == code and err["message"] and "type" in err
+
+
+def test_an_mlp_step_of_a_client_layer_is_bad_layer(setup, session):
+    rt, sid = session
+    _error(_post(setup, sid, _mlp_body(rt, sid, layer=0)), 400, "bad_layer")
+
+
+def test_an_mlp_step_under_the_attention_key_is_wrong_key_set(setup, session):
+    rt, sid = session
+    _error(_post(setup, sid, _mlp_body(rt, sid, fingerprint=rt.fingerprint)), 400, "wrong_key_set")
+    _error(_post(setup, sid, _mlp_body(rt, sid, fingerprint="ab" * 32)), 403, "key_mismatch")
+
+
+def test_an_mlp_step_for_other_parameters_is_backend_mismatch(setup, session):
+    rt, sid = session
+    _error(_post(setup, sid, _mlp_body(rt, sid, params="cd" * 32)), 400, "backend_mismatch")
+
+
+def test_an_oversized_mlp_blob_is_413_before_any_worker(setup, session):
+    from fhe.offload_steps import fresh_blob_limit
+
+    rt, sid = session
+    blob = b"\0" * (fresh_blob_limit(rt.offload.params) + 1)
+    _error(_post(setup, sid, _mlp_body(rt, sid, blobs=(blob,))), 413, "step_too_large")
+
+
+def test_garbage_of_the_right_size_is_bad_ciphertext(setup, session):
+    rt, sid = session
+    _error(_post(setup, sid, _mlp_body(rt, sid, blobs=(b"\1" * 1000,))), 400, "bad_ciphertext")
+
+
+def test_an_mlp_step_is_retry_safe(setup, session):
+    rt, sid = session
+    body = _mlp_body(rt, sid, start=0)
+    first = _post(setup, sid, body)
+    assert first.status_code == 200
+    assert _post(setup, sid, body).content == first.content       # the stored answer, not a recomputation
+    _error(_post(setup, sid, _mlp_body(rt, sid, start=0)), 409, "step_mismatch")
+
+
+def test_an_unknown_part_is_bad_envelope(setup, session):
+    import rfc8785
+
+    from fhe import envelope
+
+    rt, sid = session
+    body = _mlp_body(rt, sid)
+    prefix = envelope._PREFIX.size
+    head_len = envelope._PREFIX.unpack_from(body)[2]
+    head = {**__import__("json").loads(body[prefix:prefix + head_len]), "part": "mlp_sideways"}
+    raw = rfc8785.dumps(head)
+    bad = envelope._PREFIX.pack(envelope.MAGIC, envelope.ENVELOPE_VERSION, len(raw)) + raw + body[prefix + head_len:]
+    _error(_post(setup, sid, bad), 400, "bad_envelope")
+
+
+def test_a_session_needs_an_mlp_key_of_the_mlp_parameters(setup, generated):
+    rt = setup["client"]._private
+    url, plan = "/v1/private/sessions", rt.manifest.plan_hash
+    _error(setup["http"].post(url, json={"key_id": rt.key_id, "plan_hash": plan}, headers=_auth()),
+           400, "mlp_key_required")
+    _error(setup["http"].post(url, json={"key_id": rt.key_id, "plan_hash": plan, "mlp_key_id": rt.key_id},
+                              headers=_auth()), 400, "wrong_key_set")
+    _error(setup["http"].post(url, json={"key_id": rt.key_id, "plan_hash": plan, "mlp_key_id": "nope"},
+                              headers=_auth()), 404, "key_not_found")

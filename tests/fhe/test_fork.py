@@ -61,11 +61,12 @@ def test_a_failing_child_fails_the_step_and_is_reaped():
     def child(ch):
         raise ValueError("boom")
 
+    forked = Forked(block.ev, child)
     with pytest.raises(ForkedStepError, match="ValueError: boom"):
-        with Forked(block.ev, child) as ch:
+        with forked as ch:
             ch.recv()
-    with pytest.raises(ChildProcessError):
-        os.waitpid(-1, os.WNOHANG)                      # nothing left to reap
+    with pytest.raises(ChildProcessError):   # already reaped (not -1: other tests' workers may still run)
+        os.waitpid(forked.pid, os.WNOHANG)
 
 
 def test_a_child_that_dies_is_an_error_not_a_hang():

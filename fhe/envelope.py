@@ -31,7 +31,9 @@ ENVELOPE_VERSION = 1
 MAX_HEADER_BYTES = 4096
 MAX_BLOBS = 64
 _PREFIX = struct.Struct("<4sBI")
-KINDS = ("prefill", "decode", "packed", "result")
+#: ``verify``: a speculative step (one ciphertext per position, the cache may be rolled back within it);
+#: ``rollback``: no blobs, positions ``[keep, dropped]``: the layer's cache back to ``keep`` positions.
+KINDS = ("prefill", "decode", "packed", "result", "verify", "rollback")
 
 
 class EnvelopeError(ValueError):

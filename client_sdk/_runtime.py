@@ -144,6 +144,9 @@ class PrivateRuntime:
         self.num_speculative_tokens = 0
         #: True while a speculative verify forward runs (its encrypted steps are sent as ``verify``).
         self.verifying = False
+        #: The last generation's :class:`client_sdk._speculate.Speculation` (its acceptance counters), or
+        #: None when it did not speculate.
+        self.last_speculation: Any = None
 
     # -- setup -------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -388,7 +391,7 @@ class _Generation:
     def tokens(self) -> Iterator[PrivateToken]:
         from client_sdk._speculate import Speculation
 
-        spec = Speculation.for_request(self.rt, self.params)
+        spec = self.rt.last_speculation = Speculation.for_request(self.rt, self.params)
         if spec is not None:
             yield from spec.tokens(self)
             return

@@ -119,7 +119,7 @@ def main() -> None:
     load_start = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="private-spec-"))
     plan = one_layer_plan(tmp / "plan.json", args.ring)
-    with TestClient(make_app(plan, tmp / "state", args.k + 1), base_url="http://testserver") as http:
+    with TestClient(make_app(plan, tmp / "state", max(16, args.k + 1)), base_url="http://testserver") as http:
         client = Client(api_key=KEY, base_url="http://testserver", http_client=http, privacy="encrypted",
                         max_retries=0, timeout=600)
         rt = runtime_of(client)

@@ -256,12 +256,11 @@ class Session:
 
     def rollback_done(self, reply: Reply, layer: int, keep: int, dropped: int) -> None:
         """``PrivateModeError`` unless the answer confirms this rollback."""
-        from fhe.envelope import parse
-        from fhe.errors import FHEError
+        from fhe.envelope import EnvelopeError, parse
 
         try:
             env = parse(reply.content, 1 << 20, 1 << 20)
-        except FHEError as exc:
+        except EnvelopeError as exc:
             raise PrivateModeError(f"layer {layer}: malformed rollback answer ({exc})") from exc
         if (env.kind, env.layer, env.positions, env.blobs) != ("result", layer, (keep, dropped), ()):
             raise PrivateModeError("server answered another rollback")

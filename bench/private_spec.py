@@ -75,7 +75,7 @@ def generate(client, k: int, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     stamps, texts = [], []
     for chunk in client.completions.create(prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=True,
-                                           ignore_eos=True, extra_body={"num_speculative_tokens": k}):
+                                           extra_body={"num_speculative_tokens": k, "ignore_eos": True}):
         stamps.append(time.perf_counter())
         texts.append(chunk.choices[0].text)
     spec = rt.last_speculation

@@ -45,8 +45,8 @@ def enc(tiny_model_dir, tmp_path_factory):  # noqa: F811
 
 
 def _greedy(client: Client, k: int) -> str:
-    out = client.completions.create(prompt=PROMPT, max_tokens=10, temperature=0, ignore_eos=True,
-                                    extra_body={"num_speculative_tokens": k})
+    out = client.completions.create(prompt=PROMPT, max_tokens=10, temperature=0,
+                                    extra_body={"num_speculative_tokens": k, "ignore_eos": True})
     return out.choices[0].text
 
 

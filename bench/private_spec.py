@@ -121,7 +121,7 @@ def main() -> None:
     plan = one_layer_plan(tmp / "plan.json", args.ring)
     with TestClient(make_app(plan, tmp / "state", max(16, args.k + 1)), base_url="http://testserver") as http:
         client = Client(api_key=KEY, base_url="http://testserver", http_client=http, privacy="encrypted",
-                        max_retries=0, timeout=600)
+                        max_retries=0)
         rt = runtime_of(client)
         rt.cache_dir = tmp / "client"
         t0 = time.perf_counter()

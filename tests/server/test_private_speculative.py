@@ -33,7 +33,8 @@ def enc(tiny_model_dir, tmp_path_factory):  # noqa: F811
 
     plan = tiny_plan(tiny_model_dir, tmp_path_factory.mktemp("plan") / "tiny.plan.json")
     tenants = [TenantSettings(id="enc", api_key_hashes=[hash_api_key(KEY)], privacy_mode="encrypted")]
-    private = private_settings(plan, tmp_path_factory.mktemp("state"), max_session_tokens=64, max_step_tokens=4)
+    private = private_settings(plan, tmp_path_factory.mktemp("state"), max_session_tokens=64, max_step_tokens=4,
+                               max_step_bytes=32 << 20)   # real ciphertexts (the helper's cap is for probes)
     settings = Settings(model=str(tiny_model_dir), served_model_name="tiny", server_secret="s", tenants=tenants,
                         private=private, engine={"device": "cpu", "num_kv_blocks": 16})
     with TestClient(create_app(settings), base_url="http://testserver") as http:

@@ -53,14 +53,20 @@ def _greedy(client: Client, k: int) -> str:
     return out.choices[0].text
 
 
-def test_speculative_greedy_output_is_the_non_speculative_output(enc):
+def test_speculative_greedy_output_is_the_non_speculative_output(enc, monkeypatch):
+    from engine.spec_decode import NgramProposer
+
     plain = _greedy(enc, 0)
     assert runtime_of(enc).last_speculation is None           # k = 0: no speculation, no verify step
     spec = _greedy(enc, 3)
     s = runtime_of(enc).last_speculation.decoder
     assert spec == plain
     assert s.num_drafts > 0 and s.num_draft_tokens > 0        # drafts were proposed and verified
-    print(f"verify steps {s.num_drafts}, drafts {s.num_draft_tokens}, accepted {s.num_accepted_tokens}")
+    # drafts that are mostly wrong (the last token again, every step): rejections, rollbacks on the server
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, ids, k: [ids[-1]] * k)
+    assert _greedy(enc, 3) == plain
+    s = runtime_of(enc).last_speculation.decoder
+    assert s.num_drafts >= 3 and s.num_accepted_tokens < s.num_draft_tokens
 
 
 def test_the_client_default_switches_it_on(enc):

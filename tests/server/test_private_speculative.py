@@ -62,8 +62,9 @@ def test_speculative_greedy_output_is_the_non_speculative_output(enc, monkeypatc
     s = runtime_of(enc).last_speculation.decoder
     assert spec == plain
     assert s.num_drafts > 0 and s.num_draft_tokens > 0        # drafts were proposed and verified
-    # drafts that are mostly wrong (the last token again, every step): rejections, rollbacks on the server
-    monkeypatch.setattr(NgramProposer, "propose", lambda self, ids, k: [ids[-1]] * k)
+    # drafts that are wrong (the random model repeats tokens, so not the last one: its successor id):
+    # every verify step ends in a rejection and a rollback of the server's caches
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, ids, k: [ids[-1] + 1] * k)
     assert _greedy(enc, 3) == plain
     s = runtime_of(enc).last_speculation.decoder
     assert s.num_drafts >= 3 and s.num_accepted_tokens < s.num_draft_tokens

@@ -114,6 +114,9 @@ class Manifest:
     #: Tokens per packed prefill ciphertext (``limits.packed_chunk``; 0 or absent: older server, one
     #: ciphertext per token).
     packed_chunk: int = 0
+    #: The server takes ``verify`` steps and ``rollback`` messages (speculative decoding; absent: an
+    #: older server, the SDK decodes one token per step).
+    verify_steps: bool = False
 
     @classmethod
     def from_json(cls, d: Any) -> Manifest:
@@ -126,7 +129,7 @@ class Manifest:
                        tuple(int(i) for i in d["layers"]["encrypted_attention"]), approx,
                        str(d["bundle"]["sha256"]), int(d["bundle"]["size"]), int(limits["max_session_tokens"]),
                        int(limits["max_step_tokens"]), int(limits.get("max_key_bytes") or 1 << 30),
-                       max(0, int(limits.get("packed_chunk") or 0)))
+                       max(0, int(limits.get("packed_chunk") or 0)), limits.get("verify_steps") is True)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PrivateModeError(f"the server's private manifest is malformed ({exc!r})") from exc
 
@@ -210,9 +213,11 @@ class Session:
         sid, self.id = self.id, None
         return Call("DELETE", f"/v1/private/sessions/{sid}")
 
-    def step_call(self, layer: int, start: int, blobs: tuple[bytes, ...], count: int | None = None) -> Call:
+    def step_call(self, layer: int, start: int, blobs: tuple[bytes, ...], count: int | None = None, *,
+                  verify: bool = False) -> Call:
         """The step of ``layer`` for positions ``start .. start + count``: one ciphertext per position, or,
-        with ``count`` given, a packed prefill (``ceil(count / packed_chunk)`` ciphertexts)."""
+        with ``count`` given, a packed prefill (``ceil(count / packed_chunk)`` ciphertexts); ``verify``: a
+        speculative verify step (one ciphertext per position; the server can roll it back)."""
         from fhe.envelope import Envelope
 
         if self.id is None:
@@ -221,7 +226,7 @@ class Session:
             kind = "packed"
         else:
             count = len(blobs)
-            kind = "decode" if count == 1 and start > 0 else "prefill"
+            kind = "verify" if verify else "decode" if count == 1 and start > 0 else "prefill"
         body = Envelope(self.id, self.fingerprint, layer, kind, (start, count), blobs).to_bytes()
         return Call("POST", f"/v1/private/sessions/{self.id}/steps", content=body,
                     read_timeout=self.manifest.step_read_timeout(count, self.read_floor))
@@ -238,6 +243,27 @@ class Session:
         if env.positions != (start, count) or env.layer != layer or len(env.blobs) != count:
             raise PrivateModeError("server answered another step")
         return env.blobs
+
+    def rollback_call(self, layer: int, keep: int, dropped: int) -> Call:
+        """``layer``'s cache back to ``keep`` positions, dropping the ``dropped`` newest (of a verify step)."""
+        from fhe.envelope import Envelope
+
+        if self.id is None:
+            raise PrivateModeError("no open session")
+        body = Envelope(self.id, self.fingerprint, layer, "rollback", (keep, dropped), ()).to_bytes()
+        return Call("POST", f"/v1/private/sessions/{self.id}/steps", content=body,
+                    read_timeout=self.manifest.step_read_timeout(1, self.read_floor))
+
+    def rollback_done(self, reply: Reply, layer: int, keep: int, dropped: int) -> None:
+        """``PrivateModeError`` unless the answer confirms this rollback."""
+        from fhe.envelope import EnvelopeError, parse
+
+        try:
+            env = parse(reply.content, 1 << 20, 1 << 20)
+        except EnvelopeError as exc:
+            raise PrivateModeError(f"layer {layer}: malformed rollback answer ({exc})") from exc
+        if (env.kind, env.layer, env.positions, env.blobs) != ("result", layer, (keep, dropped), ()):
+            raise PrivateModeError("server answered another rollback")
 
     @staticmethod
     def lost(exc: BaseException) -> bool:

@@ -154,6 +154,14 @@ class PrivateRuntime:
         self.offload_info: Any = None
         self.offload: Any = None
         self.current_stats = StepStats()
+        #: Draft tokens per speculative step for requests that do not say (``num_speculative_tokens``;
+        #: 0: only requests that ask speculate). Needs a server that takes verify steps (manifest).
+        self.num_speculative_tokens = 0
+        #: True while a speculative verify forward runs (its encrypted steps are sent as ``verify``).
+        self.verifying = False
+        #: The last generation's :class:`client_sdk._speculate.Speculation` (its acceptance counters), or
+        #: None when it did not speculate.
+        self.last_speculation: Any = None
 
     # -- setup -------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -295,10 +303,11 @@ class PrivateRuntime:
         from fhe.errors import FHEError
 
         block, count = self.blocks[layer], len(x_normed)
-        packed = self._packs(start, count)
+        verify = self.verifying
+        packed = not verify and self._packs(start, count)
         rows = block.layout_packed(x_normed) if packed else [block.layout_input(row) for row in x_normed]
         blobs = tuple(wire.encrypt_to_wire(self.ckks, vec) for vec in rows)
-        call = self.session.step_call(layer, start, blobs, count if packed else None)
+        call = self.session.step_call(layer, start, blobs, count if packed else None, verify=verify)
         t0 = time.perf_counter()
         reply = self.exchange(call)
         stats.seconds += time.perf_counter() - t0
@@ -409,24 +418,41 @@ class _Generation:
         self.sampler = Sampler(torch.Generator().manual_seed(0))
 
     def tokens(self) -> Iterator[PrivateToken]:
-        from engine.sampler import SamplingRow
-        from engine.sequence import SequenceStatus
+        from client_sdk._speculate import Speculation
 
-        seq, stats = self.seq, StepStats()
+        spec = self.rt.last_speculation = Speculation.for_request(self.rt, self.params)
+        if spec is not None:
+            yield from spec.tokens(self)
+            return
+        stats = StepStats()
         backend, logits = self._replay(stats)
         while True:
-            row = SamplingRow(self.params, self.request.prompt_token_ids, seq.output_token_ids, seq.generator)
-            result = self.sampler(logits[None], [row])
-            tok, lp = result.token_ids[0], result.logprobs[0]
-            self.out.append_token(seq, tok, lp)
-            if seq.finish_reason is not None:
-                seq.status = SequenceStatus.FINISHED
-            c = self.out.build(self.request).outputs[0]
-            yield PrivateToken(tok, c.delta_text, c.finish_reason, stats, lp)
-            if c.finish_reason is not None:
+            tok = self.sample(logits, stats)
+            yield tok
+            if tok.finish_reason is not None:
                 return
             stats = StepStats()
             logits = self._step(backend, stats)
+
+    def sample(self, logits: torch.Tensor, stats: StepStats) -> PrivateToken:
+        """The next token from its logits [vocab], appended to the sequence."""
+        from engine.sampler import SamplingRow
+
+        seq = self.seq
+        row = SamplingRow(self.params, self.request.prompt_token_ids, seq.output_token_ids, seq.generator)
+        result = self.sampler(logits[None], [row])
+        return self.emit(result.token_ids[0], result.logprobs[0], stats)
+
+    def emit(self, tok: int, lp: dict[int, float] | None, stats: StepStats) -> PrivateToken:
+        """Append a chosen token (finish rules applied) and return it with its stream delta."""
+        from engine.sequence import SequenceStatus
+
+        seq = self.seq
+        self.out.append_token(seq, tok, lp)
+        if seq.finish_reason is not None:
+            seq.status = SequenceStatus.FINISHED
+        c = self.out.build(self.request).outputs[0]
+        return PrivateToken(tok, c.delta_text, c.finish_reason, stats, lp)
 
     def _replay(self, stats: StepStats) -> tuple[EncryptedBackend, torch.Tensor]:
         """A fresh session and cache, with every token so far run through from position 0."""

@@ -33,7 +33,9 @@ ENVELOPE_VERSION = 1
 MAX_HEADER_BYTES = 4096
 MAX_BLOBS = 64
 _PREFIX = struct.Struct("<4sBI")
-KINDS = ("prefill", "decode", "packed", "result")
+#: ``verify``: a speculative step (one ciphertext per position, the cache may be rolled back within it);
+#: ``rollback``: no blobs, positions ``[keep, dropped]``: the layer's cache back to ``keep`` positions.
+KINDS = ("prefill", "decode", "packed", "result", "verify", "rollback")
 #: Which part of a layer a step runs (docs/protocol.md, "Offload steps"); ``attention`` is the default and
 #: is left out of the header, so an attention step's bytes are what they were before parts existed.
 ATTENTION = "attention"

@@ -8,6 +8,7 @@ Hierarchy::
     ├── SecretKeyRefusedError     a blob that would give the server a secret key
     │   └── KeyRefusedError       an upload blob outside the allow-list (name, kind, type, parameters)
     ├── ShapeError                wrong sizes: vector length, token count, slots, positions
+    │   └── RollbackError         a KV-cache rollback beyond the cache or into committed positions
     ├── LevelError                a ciphertext is at the wrong level/scale for the operation
     ├── WireError                 bytes that do not parse (garbage, truncated, wrong kind/version)
     │   └── SizeLimitError        a blob over its size limit (checked before deserializing)
@@ -72,3 +73,8 @@ class BackendMismatchError(FHEError):
 class OutputRangeError(FHEError):
     """A decrypted block output is impossible (a denominator <= 0 or not finite): the values overflowed
     the last prime or the ciphertext was tampered with."""
+
+
+class RollbackError(ShapeError):
+    """A rollback of an encrypted KV cache to a length it cannot return to: beyond the cache, or into
+    positions committed before the last speculative (verify) step."""

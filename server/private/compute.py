@@ -22,7 +22,7 @@ from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal import wire
 from fhe.backends.seal.keys import ServerKeys
 from fhe.envelope import parse_key_upload
-from fhe.errors import FHEError, ShapeError
+from fhe.errors import FHEError, RollbackError, ShapeError
 from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import Plan
 from server.keys import Inspection, inspect_upload
@@ -104,6 +104,36 @@ class PrivateCompute:
         return self._step(sid, fingerprint, layer, start, blobs,
                           lambda block, cache, cts, keys: block.prefill(cache, cts, start, keys))
 
+    def step_verify(self, sid: str, fingerprint: str, layer: int, start: int,
+                    blobs: list[bytes]) -> tuple[list[bytes], int]:
+        """A speculative verify step (:func:`fhe.speculative.verify_step`): one decode per position, the
+        cache rollback-able to any length inside the step until the next step or rollback."""
+        from fhe.speculative import verify_step
+
+        return self._step(sid, fingerprint, layer, start, blobs,
+                          lambda block, cache, cts, keys: verify_step(block, cache, cts, start, keys),
+                          speculative=True)
+
+    def rollback(self, sid: str, fingerprint: str, layer: int, keep: int) -> tuple[int, int]:
+        """Drop ``layer``'s positions from ``keep`` on; returns (positions dropped, session bytes).
+
+        The service checked the request against the last verify step; a cache that cannot go back there
+        (the worker restarted, or its state differs from the service's) is out of step: SESSION_DESYNC."""
+        caches = self._caches(sid, fingerprint)
+        try:
+            dropped = caches[layer].rollback(keep)
+        except RollbackError as exc:
+            raise TaskFailure(WorkerCode.SESSION_DESYNC, f"layer {layer}: {exc}"[:300]) from exc
+        return dropped, sum(c.nbytes() for c in caches.values())
+
+    def _caches(self, sid: str, fingerprint: str) -> dict[int, EncryptedKVCache]:
+        if sid not in self.sessions:
+            raise TaskFailure(WorkerCode.SESSION_UNKNOWN, "unknown session in this worker")
+        fp, caches = self.sessions[sid]
+        if fp != fingerprint:  # the service pins a session to its key: a mismatch here is a server bug
+            raise RuntimeError("session belongs to another key")
+        return caches
+
     def step_packed(self, sid: str, fingerprint: str, layer: int, start: int, count: int,
                     blobs: list[bytes]) -> tuple[list[bytes], int]:
         """A packed prefill step: ``count`` tokens in ceil(count / chunk) ciphertexts; one result per token."""
@@ -116,7 +146,7 @@ class PrivateCompute:
         return self._step(sid, fingerprint, layer, start, blobs, run)
 
     def _step(self, sid: str, fingerprint: str, layer: int, start: int, blobs: list[bytes],
-              run) -> tuple[list[bytes], int]:
+              run, speculative: bool = False) -> tuple[list[bytes], int]:
         if sid not in self.sessions:
             raise TaskFailure(WorkerCode.SESSION_UNKNOWN, "unknown session in this worker")
         fp, caches = self.sessions[sid]
@@ -128,6 +158,8 @@ class PrivateCompute:
             raise TaskFailure(WorkerCode.SESSION_DESYNC,
                               f"layer {layer} holds {cache.length} positions, step starts at {start}")
         cts = self._inputs(blobs, keys, block.ev.top)
+        if not speculative:   # a plain step after a verify step makes its positions final
+            cache.commit()
         if self.gpu is None:
             outs = run(block, cache, cts, keys)
         else:  # SEAL parsed and checked the client's bytes; the device copy is ours

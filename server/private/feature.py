@@ -117,7 +117,8 @@ def build_manifest(model_name: str, plan: Any, bundle: dict, cfg: PrivateSetting
                        "path": "/v1/private/bundle"},
             "limits": {"max_session_tokens": cfg.max_session_tokens, "max_step_tokens": cfg.max_step_tokens,
                        "max_blob_bytes": cfg.max_blob_bytes, "max_step_bytes": cfg.max_step_bytes,
-                       "max_key_bytes": cfg.max_key_bytes, "session_ttl_s": cfg.session_ttl_s}}
+                       "max_key_bytes": cfg.max_key_bytes, "session_ttl_s": cfg.session_ttl_s,
+                       "verify_steps": True}}
 
 
 class AuditFallbackRecorder:

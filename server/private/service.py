@@ -58,6 +58,9 @@ from server.private.sessions import Session, SessionState, SessionTable, StepRec
 from server.private.workers import TaskError, WorkerError
 
 log = logging.getLogger("cipherlm.private")
+
+#: Envelope kinds that carry ciphertexts to compute on (``rollback`` carries none: :meth:`_rollback`).
+STEP_KINDS = ("prefill", "decode", "packed", "verify")
 SOURCE = "server.private"
 Owner = tuple[str, str, int]  # (tenant, key id, version): one registration of a key
 Slot = tuple[int, str]        # (worker, fingerprint): one key set loaded in one worker
@@ -358,6 +361,8 @@ class PrivateService:
         env = self._parse(body)
         if env.part != envelope.ATTENTION:
             return await self._mlp_step(s, env, body, request_id or new_request_id())
+        if env.kind == "rollback":
+            return await self._rollback(s, env, hashlib.sha256(body).hexdigest(), request_id or new_request_id())
         self._check_step(s, env)
         digest = hashlib.sha256(body).hexdigest()
         prev = s.last_step.get(env.layer)
@@ -370,7 +375,7 @@ class PrivateService:
             return prev.answer if isinstance(prev.answer, bytes) else await asyncio.shield(prev.answer)
         self._check_next(s, env)
         task = asyncio.ensure_future(self._advance(s, env, request_id or new_request_id()))
-        s.last_step[env.layer] = StepRecord(env.positions, digest, task)
+        s.last_step[env.layer] = StepRecord(env.positions, digest, task, env.kind)
         task.add_done_callback(lambda t, rec=s.last_step[env.layer]: self._step_done(s, env.layer, rec, prev, t))
         return await asyncio.shield(task)
 
@@ -447,7 +452,7 @@ class PrivateService:
             else:
                 s.last_step[layer] = prev
             return
-        s.last_step[layer] = StepRecord(rec.positions, rec.digest, task.result())
+        s.last_step[layer] = StepRecord(rec.positions, rec.digest, task.result(), rec.kind)
 
     def _parse(self, body: bytes) -> envelope.Envelope:
         try:
@@ -459,6 +464,19 @@ class PrivateService:
 
     def _check_step(self, s: Session, env: envelope.Envelope) -> None:
         start, count = env.positions
+        self._check_route(s, env)
+        if env.kind not in STEP_KINDS or not 1 <= count <= self.cfg.max_step_tokens:
+            raise InvalidRequestError(f"a step carries 1..{self.cfg.max_step_tokens} tokens", code="bad_step")
+        if env.kind == "packed":
+            self._check_packed(start, count, len(env.blobs))
+        elif len(env.blobs) != count:
+            raise InvalidRequestError(f"{count} positions but {len(env.blobs)} ciphertexts", code="bad_step")
+        if start + count > self.cfg.max_session_tokens:
+            raise RequestTooLargeError(f"session limit of {self.cfg.max_session_tokens} positions",
+                                       code="session_full")
+
+    def _check_route(self, s: Session, env: envelope.Envelope) -> None:
+        """The envelope names this session, its key, the server's backend and an encrypted layer."""
         if env.session != s.id:
             raise InvalidRequestError("envelope names another session", code="session_mismatch")
         if env.key_fingerprint != s.fingerprint:
@@ -471,15 +489,6 @@ class PrivateService:
         if env.layer not in self.layers:
             raise InvalidRequestError(f"layer {env.layer} is not encrypted in this plan {self.layers}",
                                       code="bad_layer")
-        if env.kind not in ("prefill", "decode", "packed") or not 1 <= count <= self.cfg.max_step_tokens:
-            raise InvalidRequestError(f"a step carries 1..{self.cfg.max_step_tokens} tokens", code="bad_step")
-        if env.kind == "packed":
-            self._check_packed(start, count, len(env.blobs))
-        elif len(env.blobs) != count:
-            raise InvalidRequestError(f"{count} positions but {len(env.blobs)} ciphertexts", code="bad_step")
-        if start + count > self.cfg.max_session_tokens:
-            raise RequestTooLargeError(f"session limit of {self.cfg.max_session_tokens} positions",
-                                       code="session_full")
 
     def _check_packed(self, start: int, count: int, blobs: int) -> None:
         """A packed prefill step: ceil(count / chunk) ciphertexts of ``packed_chunk`` tokens, starting
@@ -496,6 +505,9 @@ class PrivateService:
     async def _run_step(self, s: Session, env: envelope.Envelope, request_id: str):
         start, count = env.positions
         try:
+            if env.kind == "verify":
+                return await self.pool.submit(s.worker, s.tenant, "step_verify", s.id, s.fingerprint, env.layer,
+                                              start, list(env.blobs))
             if env.kind == "packed":
                 return await self.pool.submit(s.worker, s.tenant, "step_packed", s.id, s.fingerprint,
                                               env.layer, start, count, list(env.blobs))
@@ -508,6 +520,55 @@ class PrivateService:
         except WorkerError as exc:
             raise _lost_worker("the worker holding this session was lost; open a new session and replay",
                                "session_lost") from exc
+
+    # --- speculative decoding: rollback after a verify step --------------------------------------
+    async def _rollback(self, s: Session, env: envelope.Envelope, digest: str, request_id: str) -> bytes:
+        """``rollback`` (positions ``[keep, dropped]``, no blobs): the layer's cache back to ``keep``.
+
+        Only inside the layer's last step, and only if that was a ``verify`` step; ``keep + dropped`` must
+        be where the layer stands. Retry-safe: the same request again gets the same answer."""
+        self._check_route(s, env)
+        prev = s.last_step.get(env.layer)
+        if prev is not None and prev.kind == "rollback" and prev.same_request(env.positions, digest):
+            return prev.answer
+        if prev is not None and prev.kind == "verify" and not isinstance(prev.answer, bytes):
+            await asyncio.shield(prev.answer)    # the verify step still runs: the rollback comes after it
+            prev = s.last_step.get(env.layer)
+        keep, dropped = env.positions
+        self._check_rollback(s, env.layer, keep, dropped, prev)
+        try:
+            s.lease.check()
+        except KeyCancelledError as exc:
+            raise PermissionDeniedError(f"key no longer usable: {exc}", code="key_not_active") from exc
+        try:
+            _, s.nbytes = await asyncio.shield(self.pool.submit(s.worker, s.tenant, "rollback", s.id,
+                                                                s.fingerprint, env.layer, keep))
+        except TaskError as exc:
+            if exc.code in (WorkerCode.SESSION_UNKNOWN, WorkerCode.SESSION_DESYNC):
+                s.state, s.reason = SessionState.LOST, "worker_lost"
+            raise task_error(exc, request_id) from exc
+        except WorkerError as exc:
+            raise _lost_worker("the worker holding this session was lost; open a new session and replay",
+                               "session_lost") from exc
+        s.next_position[env.layer] = keep
+        self.sessions.touch(s)
+        answer = envelope.Envelope(s.id, s.fingerprint, env.layer, "result", (keep, dropped), (),
+                                   env.backend, env.params).to_bytes()
+        s.last_step[env.layer] = StepRecord(env.positions, digest, answer, "rollback")
+        return answer
+
+    def _check_rollback(self, s: Session, layer: int, keep: int, dropped: int, prev: StepRecord | None) -> None:
+        """400 ``bad_rollback`` for a rollback that does not describe the layer's cache (beyond it, or not
+        ending where the layer stands); 409 ``rollback_refused`` for one into committed positions."""
+        at = s.expected(layer)
+        if keep + dropped != at:
+            raise InvalidRequestError(f"rollback of layer {layer} to {keep} dropping {dropped}: the layer holds "
+                                      f"{at} positions (keep + dropped must equal it)", code="bad_rollback")
+        if prev is None or prev.kind != "verify" or keep < prev.positions[0]:
+            first = prev.positions[0] if prev is not None and prev.kind == "verify" else at
+            raise ConflictError(f"rollback of layer {layer} to {keep}: positions before {first} are committed "
+                                "(a rollback may only drop positions of the layer's last verify step)",
+                                code="rollback_refused")
 
     async def close_session(self, tenant: str, sid: str, *, actor: str, reason: str = "client",
                             request_id: str | None = None) -> None:

@@ -5,6 +5,7 @@ State machine per session (``docs/protocol.md``)::
     OPEN --step(layer, [start, count])--> OPEN        positions must continue each layer's cache
       |  (a step repeated with the same layer, positions and body bytes gets the stored answer, or waits
       |   for the running one: retry-safe; the same positions with another body are refused, 409)
+      |  (after a ``verify`` step, ``rollback(layer, keep)`` moves the layer back to any position inside it)
       +--close / TTL / key revoked--> CLOSED
       +--worker lost--> LOST (410: open a new session and replay)
 """
@@ -33,6 +34,8 @@ class StepRecord:
     positions: tuple[int, int]
     digest: str
     answer: asyncio.Future | bytes
+    #: the envelope kind (a rollback may follow only a ``verify`` step)
+    kind: str = ""
 
     def same_request(self, positions: tuple[int, int], digest: str) -> bool | None:
         """None: another step; True: the same request again; False: these positions with another body."""

@@ -1,0 +1,115 @@
+"""Speculative decoding under encryption, end to end on real parts: the SDK's private runtime against the
+real app (tiny model, the one-layer 2Quad plan at N = 16384, real SEAL keys, a real worker process).
+
+* greedy output with speculation is the same as without (the random tiny model repeats itself, so n-gram
+  drafts are proposed, some accepted and some rejected: both the rollback and the no-rollback path run);
+* the ``rollback`` message: retry-safe, and a typed refusal for a rollback beyond the layer's cache
+  (400 ``bad_rollback``) or into committed positions (409 ``rollback_refused``), the session still usable.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from client_sdk import APIStatusError, BadRequestError, Client
+from client_sdk._private import runtime_of
+from client_sdk._runtime import StepStats
+from client_sdk._speculate import Speculation
+from tests.server.app_helpers import tiny_model_dir  # noqa: F401 (fixture)
+from tests.server.private_helpers import private_settings, tiny_plan
+
+pytestmark = pytest.mark.slow   # ~2 min of CKKS on 2 busy cores (key generation, ~40 encrypted positions)
+
+KEY = "clm-speculative-enc-000000000"
+PROMPT = "one two three four one two three four one two"
+
+
+@pytest.fixture(scope="module")
+def enc(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    """An encrypted-mode Client on the app (its lifespan and worker run for the module)."""
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.settings import Settings, TenantSettings
+    from server.tenants import hash_api_key
+
+    plan = tiny_plan(tiny_model_dir, tmp_path_factory.mktemp("plan") / "tiny.plan.json")
+    tenants = [TenantSettings(id="enc", api_key_hashes=[hash_api_key(KEY)], privacy_mode="encrypted")]
+    private = private_settings(plan, tmp_path_factory.mktemp("state"), max_session_tokens=64, max_step_tokens=4,
+                               max_step_bytes=32 << 20)   # real ciphertexts (the helper's cap is for probes)
+    settings = Settings(model=str(tiny_model_dir), served_model_name="tiny", server_secret="s", tenants=tenants,
+                        private=private, engine={"device": "cpu", "num_kv_blocks": 16})
+    with TestClient(create_app(settings), base_url="http://testserver") as http:
+        client = Client(api_key=KEY, base_url="http://testserver", http_client=http, privacy="encrypted",
+                        max_retries=0)
+        runtime_of(client).cache_dir = tmp_path_factory.mktemp("client-cache")
+        yield client
+        client._private.close_session()
+
+
+def _greedy(client: Client, k: int) -> str:
+    out = client.completions.create(prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"num_speculative_tokens": k, "ignore_eos": True})
+    return out.choices[0].text
+
+
+def test_speculative_greedy_output_is_the_non_speculative_output(enc, monkeypatch):
+    from engine.spec_decode import NgramProposer
+
+    plain = _greedy(enc, 0)
+    assert runtime_of(enc).last_speculation is None           # k = 0: no speculation, no verify step
+    spec = _greedy(enc, 3)
+    s = runtime_of(enc).last_speculation.decoder
+    assert spec == plain
+    assert s.num_drafts > 0 and s.num_draft_tokens > 0        # drafts were proposed and verified
+    # drafts that are wrong (the random model repeats tokens, so not the last one: its successor id):
+    # every verify step ends in a rejection and a rollback of the server's caches
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, ids, k: [ids[-1] + 1] * k)
+    assert _greedy(enc, 3) == plain
+    s = runtime_of(enc).last_speculation.decoder
+    assert s.num_drafts >= 3 and s.num_accepted_tokens < s.num_draft_tokens
+
+
+def test_the_client_default_switches_it_on(enc):
+    rt = runtime_of(enc)
+    rt.num_speculative_tokens = 3
+    try:
+        enc.completions.create(prompt=PROMPT, max_tokens=3, temperature=0.8, seed=5)   # sampled: it runs
+        assert rt.last_speculation is not None and rt.last_speculation.k == 3
+    finally:
+        rt.num_speculative_tokens = 0
+
+
+def test_rollback_messages_are_checked_and_retry_safe(enc):
+    from client_sdk._runtime import EncryptedBackend
+    from engine.model import DenseKVCache
+
+    rt = runtime_of(enc)
+    ids = rt.tokenizer.encode(PROMPT)
+    rt.open_session()
+    backend = EncryptedBackend(rt, DenseKVCache(rt.model.config, rt.max_len()), StepStats())
+    rt.forward(backend, ids, 0)
+    n = len(ids)
+    spec = Speculation(rt, 3)
+    layer, session = rt.layers[0], rt.session
+    with pytest.raises(APIStatusError) as refused:            # no verify step yet: all committed
+        rt.exchange(session.rollback_call(layer, n - 1, 1))
+    assert (refused.value.status_code, refused.value.code) == (409, "rollback_refused")
+    rows = spec.verify_forward(backend, ids[:3], n)          # positions n .. n+2
+    assert rows.shape[0] == 3
+    with pytest.raises(BadRequestError) as bad:              # keep + dropped is not where the layer stands
+        rt.exchange(session.rollback_call(layer, n + 1, 5))
+    assert bad.value.code == "bad_rollback"
+    with pytest.raises(APIStatusError) as refused:            # before the verify step's first position
+        rt.exchange(session.rollback_call(layer, n - 1, 4))
+    assert (refused.value.status_code, refused.value.code) == (409, "rollback_refused")
+    call = session.rollback_call(layer, n + 1, 2)
+    first, again = rt.exchange(call), rt.exchange(call)      # a retry gets the same answer
+    assert first.content == again.content
+    session.rollback_done(first, layer, n + 1, 2)
+    backend.cache.truncate(n + 1)
+    logits = rt.forward(backend, ids[3:4], n + 1)            # decoding goes on at the kept length
+    assert logits.shape[-1] == rt.model.config.vocab_size
+    with pytest.raises(APIStatusError):                       # the decode step made everything final
+        rt.exchange(session.rollback_call(layer, n + 1, 1))
+    rt.close_session()

@@ -504,15 +504,18 @@ class PrivateService:
 
     async def _run_step(self, s: Session, env: envelope.Envelope, request_id: str):
         start, count = env.positions
+        blobs = list(env.blobs)
+        if env.kind == "verify":
+            return await self._session_task(s, request_id, "step_verify", env.layer, start, blobs)
+        if env.kind == "packed":
+            return await self._session_task(s, request_id, "step_packed", env.layer, start, count, blobs)
+        return await self._session_task(s, request_id, "step", env.layer, start, blobs)
+
+    async def _session_task(self, s: Session, request_id: str, method: str, *args):
+        """``method(s.id, s.fingerprint, *args)`` on the worker holding ``s``: a session the worker no
+        longer knows is marked lost; a lost worker is 503 ``session_lost``."""
         try:
-            if env.kind == "verify":
-                return await self.pool.submit(s.worker, s.tenant, "step_verify", s.id, s.fingerprint, env.layer,
-                                              start, list(env.blobs))
-            if env.kind == "packed":
-                return await self.pool.submit(s.worker, s.tenant, "step_packed", s.id, s.fingerprint,
-                                              env.layer, start, count, list(env.blobs))
-            return await self.pool.submit(s.worker, s.tenant, "step", s.id, s.fingerprint, env.layer, start,
-                                          list(env.blobs))
+            return await self.pool.submit(s.worker, s.tenant, method, s.id, s.fingerprint, *args)
         except TaskError as exc:
             if exc.code in (WorkerCode.SESSION_UNKNOWN, WorkerCode.SESSION_DESYNC):
                 s.state, s.reason = SessionState.LOST, "worker_lost"
@@ -540,16 +543,7 @@ class PrivateService:
             s.lease.check()
         except KeyCancelledError as exc:
             raise PermissionDeniedError(f"key no longer usable: {exc}", code="key_not_active") from exc
-        try:
-            _, s.nbytes = await asyncio.shield(self.pool.submit(s.worker, s.tenant, "rollback", s.id,
-                                                                s.fingerprint, env.layer, keep))
-        except TaskError as exc:
-            if exc.code in (WorkerCode.SESSION_UNKNOWN, WorkerCode.SESSION_DESYNC):
-                s.state, s.reason = SessionState.LOST, "worker_lost"
-            raise task_error(exc, request_id) from exc
-        except WorkerError as exc:
-            raise _lost_worker("the worker holding this session was lost; open a new session and replay",
-                               "session_lost") from exc
+        _, s.nbytes = await asyncio.shield(self._session_task(s, request_id, "rollback", env.layer, keep))
         s.next_position[env.layer] = keep
         self.sessions.touch(s)
         answer = envelope.Envelope(s.id, s.fingerprint, env.layer, "result", (keep, dropped), (),

@@ -366,7 +366,8 @@ class PrivateService:
         self._check_step(s, env)
         digest = hashlib.sha256(body).hexdigest()
         prev = s.last_step.get(env.layer)
-        same = None if prev is None else prev.same_request(env.positions, digest)
+        # a rollback's positions are [keep, dropped], not a step's [start, count]: never "the same request"
+        same = None if prev is None or prev.kind == "rollback" else prev.same_request(env.positions, digest)
         if same is False:
             raise ConflictError(f"layer {env.layer} positions {env.positions[0]}..{sum(env.positions) - 1} were "
                                 "already sent with other ciphertexts; repeat the same request, or continue at "

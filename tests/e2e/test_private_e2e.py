@@ -59,8 +59,10 @@ def server(tmp_path_factory, one_layer_plan, default_model_dir):
     port = free_port()
     tenants = "".join(f'[[tenants]]\nid = "{t}"\napi_key_hashes = ["{hash_api_key(k)}"]\n'
                       f'privacy_mode = "encrypted"\n' for t, k in KEYS.items())
+    # engine_process = false: test_worker_killed_mid_step kills every multiprocessing child of the server, and
+    # the engine core must not be one of them (tests/server/test_app_serve.py runs the process engine)
     (root / "settings.toml").write_text(
-        f'server_secret = "e2e-secret-0123456789abcdef"\nport = {port}\n{tenants}'
+        f'server_secret = "e2e-secret-0123456789abcdef"\nport = {port}\nengine_process = false\n{tenants}'
         f'[private]\nenabled = true\nworkers = 2\nstate_dir = "{root / "state"}"\nplan = "{one_layer_plan}"\n'
         f"max_session_tokens = 48\nmax_step_tokens = 8\nmax_step_bytes = 50000000\nmax_keys_per_worker = 1\n")
     log = open(root / "server.log", "wb")

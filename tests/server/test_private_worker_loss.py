@@ -4,7 +4,10 @@
 * a worker killed while idle loses its sessions as ``session_lost`` (which the SDK replays), never as the
   client's ``bad_ciphertext``; the pool replaces it;
 * a step body with no Content-Length is cut at ``max_step_bytes`` for a real session;
-* a worker stopped for idleness is started again, and the key reloaded, by the next session.
+* a worker stopped for idleness is started again, and the key reloaded, by the next session;
+* ``max_keys_per_worker`` bounds the keys a worker holds: a key beyond every worker's bound waits (429
+  ``worker_keys_full``) while the loaded keys have open sessions, and gets a worker — the idle key dropped
+  there — once one of them closes.
 """
 
 from __future__ import annotations
@@ -42,10 +45,12 @@ def upload(tiny_model_dir):  # noqa: F811
 
 
 @pytest.fixture()
-async def http(engine, tiny_model_dir, plan, tmp_path):  # noqa: F811
+async def http(request, engine, tiny_model_dir, plan, tmp_path):  # noqa: F811
+    """The app with one worker, or with the ``[private]`` overrides a test passes as the indirect param."""
+    overrides = {"worker_idle_s": 1.0, **getattr(request, "param", {})}
     tenants = [TenantSettings(id="enc", api_key_hashes=[hash_api_key(KEY)], privacy_mode="encrypted")]
     settings = Settings(model=str(tiny_model_dir), served_model_name="tiny", server_secret="s", tenants=tenants,
-                        private=private_settings(plan, tmp_path / "state", worker_idle_s=1.0))
+                        private=private_settings(plan, tmp_path / "state", **overrides))
     app = create_app(settings, engine)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
@@ -54,11 +59,15 @@ async def http(engine, tiny_model_dir, plan, tmp_path):  # noqa: F811
             yield client
 
 
-async def open_session(http: httpx.AsyncClient) -> dict:
-    plan_hash = (await http.get("/v1/private/manifest")).json()["plan_hash"]
-    r = await http.post("/v1/private/sessions", json={"key_id": "k1", "plan_hash": plan_hash})
+async def open_session(http: httpx.AsyncClient, key_id: str = "k1") -> dict:
+    r = await try_open(http, key_id)
     assert r.status_code == 201, r.text
     return r.json()
+
+
+async def try_open(http: httpx.AsyncClient, key_id: str) -> httpx.Response:
+    plan_hash = (await http.get("/v1/private/manifest")).json()["plan_hash"]
+    return await http.post("/v1/private/sessions", json={"key_id": key_id, "plan_hash": plan_hash})
 
 
 def step_body(session: dict, layer: int = 1) -> bytes:
@@ -95,3 +104,21 @@ async def test_idle_worker_stops_and_the_next_session_starts_it_with_the_key(htt
     await until(lambda: http.svc.pool.running() == [], 10)
     again = await open_session(http)             # a new process, the key loaded into it again
     assert again["key_fingerprint"] == session["key_fingerprint"] and len(http.svc.pool.pids()) == 1
+
+
+@pytest.mark.parametrize("http", [{"workers": 2, "max_keys_per_worker": 1, "worker_idle_s": 60.0}], indirect=True)
+async def test_a_key_beyond_every_workers_bound_waits_until_one_is_idle(http, upload, tiny_model_dir):  # noqa: F811
+    second, third = tiny_key_upload(tiny_model_dir), tiny_key_upload(tiny_model_dir)   # three distinct keys
+    for key_id, body in (("k1", upload), ("k2", second), ("k3", third)):
+        assert (await http.post(f"/v1/private/keys/{key_id}", content=body)).status_code == 201
+    first, other = await open_session(http, "k1"), await open_session(http, "k2")
+    assert len(http.svc.pool.pids()) == 2                    # one key per worker
+    r = await try_open(http, "k3")
+    assert r.status_code == 429 and r.json()["error"]["code"] == "worker_keys_full", r.text
+    assert r.headers["retry-after"] == "5"
+    assert (await http.delete(f"/v1/private/sessions/{first['session_id']}")).status_code == 204
+    await open_session(http, "k3")                           # k1 was idle: dropped from its worker
+    r = await try_open(http, "k1")
+    assert r.status_code == 429, r.text                      # both workers' keys are in use again
+    assert (await http.delete(f"/v1/private/sessions/{other['session_id']}")).status_code == 204
+    await open_session(http, "k1")

@@ -14,6 +14,7 @@ from .gemv_int4_w32 import (
     gemv_int4_w32,
     gemv_int4_w32_reference,
     repack_int4_w32,
+    set_tuning_int4_w32,
     tuning_int4_w32,
 )
 from .paged_decode import paged_decode_attention, paged_decode_attention_reference
@@ -38,6 +39,7 @@ __all__ = [
     "gemv_int4_w32",
     "gemv_int4_w32_reference",
     "repack_int4_w32",
+    "set_tuning_int4_w32",
     "tuning_int4_w32",
     "add_rms_norm",
     "add_rms_norm_reference",

@@ -41,7 +41,7 @@ from ._common import (
 from .errors import KernelInputError
 
 __all__ = ["GemvInt4W32Tuning", "dequantize_int4_w32", "gemv_int4_w32", "gemv_int4_w32_reference",
-           "repack_int4_w32", "tuning_int4_w32"]
+           "repack_int4_w32", "set_tuning_int4_w32", "tuning_int4_w32"]
 
 GROUP_SIZES = (16, 32, 64, 128)  # power-of-two words per group (tl.arange) and at least 2 of them
 SCALE_DTYPES = (torch.float16, torch.bfloat16)
@@ -57,12 +57,26 @@ class GemvInt4W32Tuning:
     num_stages: int = 2
 
 
-def tuning_int4_w32(n: int, k: int, group: int) -> GemvInt4W32Tuning:
-    """The default launch for an [N, K] weight: enough programs to fill 132 SMs several times over.
+# (N, K, group) -> a launch measured best on this machine (bench/gemv_int4_gpu.py records its sweep here)
+_TUNED: dict[tuple[int, int, int], GemvInt4W32Tuning] = {}
 
-    Few rows (o, qkv of a 1B model: N <= 4096): 4 rows a program so N / 4 programs run; the head and the
-    wide MLP GEMMs: 16 rows a program (4 per thread at 4 warps), so each x value feeds 4 rows.
+
+def set_tuning_int4_w32(n: int, k: int, group: int, tuning: GemvInt4W32Tuning | None) -> None:
+    """Use ``tuning`` for every later launch on an [N, K] weight of this group size (None: the default)."""
+    if tuning is None:
+        _TUNED.pop((n, k, group), None)
+    else:
+        _TUNED[(n, k, group)] = tuning
+
+
+def tuning_int4_w32(n: int, k: int, group: int) -> GemvInt4W32Tuning:
+    """The launch for an [N, K] weight: a recorded one (:func:`set_tuning_int4_w32`), else the default.
+
+    The default: few rows (o, qkv of a 1B model: N <= 4096): 4 rows a program so N / 4 programs run; the
+    head and the wide MLP GEMMs: 16 rows a program (4 per thread at 4 warps), so each x value feeds 4 rows.
     """
+    if (n, k, group) in _TUNED:
+        return _TUNED[(n, k, group)]
     groups = min(triton_next_pow2(k // group), max(1, 2048 // group))  # a K step of up to 2048 columns
     return GemvInt4W32Tuning(block_n=4 if n <= 4096 else 16, groups=groups)
 
@@ -145,6 +159,7 @@ if HAS_TRITON:
     def _gemv_int4_w32_kernel(
         x_ptr, q_ptr, so_ptr, b_ptr, y_ptr, N, K, s_xm, s_qn, s_sn, s_ym,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+        EVEN: tl.constexpr,
     ):
         W: tl.constexpr = GROUP // 8                      # words per group
         m = tl.program_id(1).to(tl.int64)
@@ -160,20 +175,30 @@ if HAS_TRITON:
             gi = g0 + g_off                                               # [G]
             g_ok = gi < n_groups
             widx = gi[:, None] * W + w_off[None, :]                       # [G, W] word index in the row
-            mask3 = row_ok[:, None, None] & g_ok[None, :, None]
-            words = tl.load(q_ptr + rows64[:, None, None] * s_qn + widx[None, :, :], mask=mask3, other=0,
-                            eviction_policy="evict_first")                # [BN, G, W]: each read once
+            w_ptrs = q_ptr + rows64[:, None, None] * s_qn + widx[None, :, :]
+            if EVEN:  # no mask: a mask stops the 16-byte vector loads (one LDG.128 per 32 weights)
+                words = tl.load(w_ptrs, eviction_policy="evict_first")    # [BN, G, W]: each read once
+            else:
+                words = tl.load(w_ptrs, mask=row_ok[:, None, None] & g_ok[None, :, None], other=0,
+                                eviction_policy="evict_first")
             dot = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
             xs = tl.zeros([GROUPS, W], dtype=tl.float32)
             col0 = gi[:, None] * GROUP + w_off[None, :]                   # [G, W] column of nibble 0
             for i in tl.static_range(8):
-                xi = tl.load(x_row + col0 + i * W, mask=g_ok[:, None], other=0.0).to(tl.float32)
+                if EVEN:
+                    xi = tl.load(x_row + col0 + i * W).to(tl.float32)
+                else:
+                    xi = tl.load(x_row + col0 + i * W, mask=g_ok[:, None], other=0.0).to(tl.float32)
                 dot += _nibble_as_float(words, i) * xi[None, :, :]
                 xs += xi
             sc_off = so_ptr + rows64[:, None] * s_sn + gi[None, :] * 2
             g_mask = row_ok[:, None] & g_ok[None, :]
-            sc = tl.load(sc_off, mask=g_mask, other=0.0).to(tl.float32)   # [BN, G]
-            of = tl.load(sc_off + 1, mask=g_mask, other=0.0).to(tl.float32)
+            if EVEN:
+                sc = tl.load(sc_off).to(tl.float32)                       # [BN, G]
+                of = tl.load(sc_off + 1).to(tl.float32)
+            else:
+                sc = tl.load(sc_off, mask=g_mask, other=0.0).to(tl.float32)
+                of = tl.load(sc_off + 1, mask=g_mask, other=0.0).to(tl.float32)
             sc16 = 16.0 * sc
             acc += sc16 * tl.sum(dot, axis=2) + (of - sc16) * tl.sum(xs, axis=1)[None, :]
         y = tl.sum(acc, axis=1)
@@ -248,6 +273,7 @@ def gemv_int4_w32(
         x, qweight, scale_offset, bias if bias is not None else scale_offset, out, n, k,
         x.stride(0), qweight.stride(0), scale_offset.stride(0), out.stride(0),
         GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, GROUPS=tune.groups,
+        EVEN=n % tune.block_n == 0 and (k // group) % tune.groups == 0,
         num_warps=tune.num_warps, num_stages=tune.num_stages,
     )
     return out

@@ -18,6 +18,7 @@ from kernels.gemv_int4_w32 import (
     gemv_int4_w32,
     gemv_int4_w32_reference,
     repack_int4_w32,
+    set_tuning_int4_w32,
     tuning_int4_w32,
 )
 
@@ -81,6 +82,13 @@ def test_default_tuning_fills_the_chip():
     assert tuning_int4_w32(2048, 2048, 32).block_n == 4       # o of a 1B model: 512 programs
     assert tuning_int4_w32(128256, 2048, 32).block_n == 16    # the head: 4 rows per thread
     assert tuning_int4_w32(64, 576, 32).groups == 32          # 18 groups -> one masked step of 32
+    mine = GemvInt4W32Tuning(2, 8, 2, 3)
+    set_tuning_int4_w32(64, 576, 32, mine)                    # a measured launch wins over the default
+    try:
+        assert tuning_int4_w32(64, 576, 32) == mine and tuning_int4_w32(64, 576, 16) != mine
+    finally:
+        set_tuning_int4_w32(64, 576, 32, None)
+    assert tuning_int4_w32(64, 576, 32).groups == 32
 
 
 @pytest.mark.skipif(not CAN_TRITON, reason="needs CUDA (or TRITON_INTERPRET=1)")

@@ -11,8 +11,8 @@ el "start $(cat $C/COMMIT)"
 # the server's wheels install on the CPU while the GPU part runs
 (python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $C/whl/*.whl > $OUT/pip.log 2>&1; echo rc=$? >> $OUT/pip.log) &
 PIP=$!
-timeout 60 python3 -m pytest -q -c /dev/null -p no:cacheprovider tests/kernels/test_gemv_int4_w32.py 2>&1 | tail -2
-timeout $(cap 150) python3 -m bench.gemv_int4_gpu --json $OUT/gemv_int4.json 2>&1 | grep -v Warn | tee $OUT/gemv.log
+[ -z "$SKIP_INT4" ] && timeout 60 python3 -m pytest -q -c /dev/null -p no:cacheprovider tests/kernels/test_gemv_int4_w32.py 2>&1 | tail -2
+[ -z "$SKIP_INT4" ] && timeout $(cap 150) python3 -m bench.gemv_int4_gpu --json $OUT/gemv_int4.json 2>&1 | grep -v Warn | tee $OUT/gemv.log
 el "int4 done"
 [ -n "$NO_SERVE" ] && exit 0
 wait $PIP; tail -2 $OUT/pip.log
@@ -23,6 +23,7 @@ el "serve start"
 timeout $(cap 200) python3 bench/serve_bench.py --model /tmp/smol --device cuda --users 1 32 256 --duration 12 \
   --output-len 128 --input-len 100 --request-rate inf --engine-process on --offline --json $OUT/serve.json 2>&1 \
   | grep -v Warn | tail -25
+[ -n "$SKIP_ENGINE" ] && exit 0
 el "engine_gpu start"
 timeout $(cap 90) python3 bench/engine_gpu.py --shapes llama3.2-1b,qwen2.5-0.5b --concurrency 256 --no-hf \
   --json $OUT/engine_gpu.json 2>&1 | grep -E "ours|decode" | tail -8

@@ -55,6 +55,10 @@ class GemvInt4W32Tuning:
     groups: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    # load x in the weight tile's own [BN, G, W] shape (one copy per row, from L1) instead of [G, W]
+    # broadcast over the rows: the broadcast costs a shared-memory layout conversion with two barriers per
+    # nibble (seen in the SASS of the default); not yet timed on the GPU, hence off by default
+    x_per_row: bool = False
 
 
 # (N, K, group) -> a launch measured best on this machine (bench/gemv_int4_gpu.py records its sweep here)
@@ -159,7 +163,7 @@ if HAS_TRITON:
     def _gemv_int4_w32_kernel(
         x_ptr, q_ptr, so_ptr, b_ptr, y_ptr, N, K, s_xm, s_qn, s_sn, s_ym,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-        EVEN: tl.constexpr,
+        EVEN: tl.constexpr, X_PER_ROW: tl.constexpr,
     ):
         W: tl.constexpr = GROUP // 8                      # words per group
         m = tl.program_id(1).to(tl.int64)
@@ -182,15 +186,28 @@ if HAS_TRITON:
                 words = tl.load(w_ptrs, mask=row_ok[:, None, None] & g_ok[None, :, None], other=0,
                                 eviction_policy="evict_first")
             dot = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
-            xs = tl.zeros([GROUPS, W], dtype=tl.float32)
             col0 = gi[:, None] * GROUP + w_off[None, :]                   # [G, W] column of nibble 0
-            for i in tl.static_range(8):
-                if EVEN:
-                    xi = tl.load(x_row + col0 + i * W).to(tl.float32)
-                else:
-                    xi = tl.load(x_row + col0 + i * W, mask=g_ok[:, None], other=0.0).to(tl.float32)
-                dot += _nibble_as_float(words, i) * xi[None, :, :]
-                xs += xi
+            if X_PER_ROW:  # x in the words' [BN, G, W] layout: no layout conversion, no barrier
+                xs3 = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
+                for i in tl.static_range(8):
+                    x_ptrs = x_row + (col0 + i * W)[None, :, :] + 0 * rows[:, None, None]
+                    if EVEN:
+                        xi3 = tl.load(x_ptrs).to(tl.float32)
+                    else:
+                        xi3 = tl.load(x_ptrs, mask=g_ok[None, :, None], other=0.0).to(tl.float32)
+                    dot += _nibble_as_float(words, i) * xi3
+                    xs3 += xi3
+                xsum = tl.sum(xs3, axis=2)                                # [BN, G]
+            else:
+                xs = tl.zeros([GROUPS, W], dtype=tl.float32)
+                for i in tl.static_range(8):
+                    if EVEN:
+                        xi = tl.load(x_row + col0 + i * W).to(tl.float32)
+                    else:
+                        xi = tl.load(x_row + col0 + i * W, mask=g_ok[:, None], other=0.0).to(tl.float32)
+                    dot += _nibble_as_float(words, i) * xi[None, :, :]
+                    xs += xi
+                xsum = tl.sum(xs, axis=1)[None, :]                        # [1, G]
             sc_off = so_ptr + rows64[:, None] * s_sn + gi[None, :] * 2
             g_mask = row_ok[:, None] & g_ok[None, :]
             if EVEN:
@@ -200,7 +217,7 @@ if HAS_TRITON:
                 sc = tl.load(sc_off, mask=g_mask, other=0.0).to(tl.float32)
                 of = tl.load(sc_off + 1, mask=g_mask, other=0.0).to(tl.float32)
             sc16 = 16.0 * sc
-            acc += sc16 * tl.sum(dot, axis=2) + (of - sc16) * tl.sum(xs, axis=1)[None, :]
+            acc += sc16 * tl.sum(dot, axis=2) + (of - sc16) * xsum
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -273,7 +290,7 @@ def gemv_int4_w32(
         x, qweight, scale_offset, bias if bias is not None else scale_offset, out, n, k,
         x.stride(0), qweight.stride(0), scale_offset.stride(0), out.stride(0),
         GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, GROUPS=tune.groups,
-        EVEN=n % tune.block_n == 0 and (k // group) % tune.groups == 0,
+        EVEN=n % tune.block_n == 0 and (k // group) % tune.groups == 0, X_PER_ROW=tune.x_per_row,
         num_warps=tune.num_warps, num_stages=tune.num_stages,
     )
     return out

@@ -5,7 +5,7 @@ Per shape and weight format (``EngineConfig.cuda_weight_format``): the engine's 
 tokens per second, the replay time of the batch-1 CUDA graph (GPU only), and the step's bytes over
 the bandwidth floor (weights read once per step — the layer GEMMs, the head, one embedding row — plus
 the K/V at the mean context), at the nominal 4.8 TB/s and at the measured device copy bandwidth.
-Then each layer GEMM alone: ``kernels.gemv`` (bf16) vs ``kernels.gemv_int4`` (best of a few tunings).
+Each layer GEMM alone, in CUDA graphs: ``bench/gemv_int4_gpu.py`` (which also runs these engine rows).
 
     python bench/int4_gpu.py --shapes llama3.2-1b --json bench/results/int4_gpu.json
 """
@@ -22,7 +22,7 @@ import kernels
 from bench.engine_gpu import SHAPES, copy_bandwidth, decode_step_time, graph_replay_ms, kv_bytes, random_model
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine.fused import Int4Weight, quantize_int4_rtn
+from engine.fused import Int4Weight
 from engine.llm import LLM
 
 NOMINAL_BW = 4.8e12
@@ -60,28 +60,6 @@ def engine_row(name: str, fmt: str, bw: float) -> dict:
     return row
 
 
-def gemm_rows(name: str) -> list[dict]:
-    """Each distinct layer GEMM of the shape at one row: bf16 gemv vs int4 gemv (best tuning)."""
-    from triton.testing import do_bench
-
-    c = SHAPES[name]
-    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
-    shapes = {"qkv": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d, h), "o": (h, h),
-              "gate_up": (2 * i, h), "down": (h, i), "head": (c["vocab_size"], h)}
-    rows = []
-    for part, (n, k) in shapes.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        q = quantize_int4_rtn(w, 32)
-        t_bf16 = do_bench(lambda: kernels.gemv(x, w), warmup=20, rep=100)  # noqa: B023
-        best = min((do_bench(lambda t=t: kernels.gemv_int4(x, q.qweight, q.scale, q.offset, tuning=t),  # noqa: B023
-                             warmup=10, rep=50), t) for t in TUNINGS)
-        rows.append({"shape": name, "gemm": part, "n": n, "k": k, "bf16_us": t_bf16 * 1e3, "int4_us": best[0] * 1e3,
-                     "int4_tuning": str(best[1]), "bf16_tb_s": n * k * 2 / t_bf16 / 1e9,
-                     "int4_tb_s": q.nbytes() / best[0] / 1e9})
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="llama3.2-1b")
@@ -89,15 +67,12 @@ def main() -> None:
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    res = {"copy_bw": bw, "engine": [], "gemm": []}
+    res = {"copy_bw": bw, "engine": []}
     for name in args.shapes.split(","):
         for fmt in ("bf16", "int4"):
             row = engine_row(name, fmt, bw)
             print(json.dumps(row), flush=True)
             res["engine"].append(row)
-        for row in gemm_rows(name):
-            print(json.dumps(row), flush=True)
-            res["gemm"].append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -81,6 +81,8 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str, prompt: str
                     continue
                 event = json.loads(line[5:])
                 now = time.perf_counter()
+                if event.get("error"):  # an in-band error after the headers (the stream then ends)
+                    res.error = f"in-band: {json.dumps(event['error'])[:200]}"
                 if event.get("usage"):
                     res.output_tokens = event["usage"]["completion_tokens"]
                 if event.get("choices") and event["choices"][0].get("text"):
@@ -90,7 +92,9 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str, prompt: str
                         res.itl.append(now - last)
                     last = now
         res.e2e = time.perf_counter() - start
-        res.ok = last is not None
+        res.ok = last is not None and not res.error
+        if last is None and not res.error:
+            res.error = "stream ended without a text chunk"
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         res.error = repr(exc)
     return res

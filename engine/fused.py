@@ -30,17 +30,17 @@ INT4_GEMV_MAX_ROWS = 4
 
 @dataclasses.dataclass
 class Int4Weight:
-    """A linear's weight in ``kernels.gemv_int4``'s layout: ``w = scale * u + offset`` per column group."""
+    """A linear's weight in ``kernels.gemv_int4_w32``'s layout (made once, at load): ``w = scale * u +
+    offset`` per column group, nibbles interleaved in int32 words, a group's scale and offset side by side."""
 
-    qweight: torch.Tensor  # [N, K/2] uint8
-    scale: torch.Tensor    # [N, K/group] fp16
-    offset: torch.Tensor   # [N, K/group] fp16
+    qweight: torch.Tensor       # [N, K/8] int32
+    scale_offset: torch.Tensor  # [N, K/group, 2] fp16
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return kernels.dequantize_int4_rows(self.qweight, self.scale, self.offset).to(dtype)
+        return kernels.dequantize_int4_w32(self.qweight, self.scale_offset).to(dtype)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.offset))
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale_offset))
 
 
 @torch.no_grad()
@@ -53,7 +53,7 @@ def quantize_int4_rtn(w: torch.Tensor, group: int) -> Int4Weight:
     scale = ((g.amax(-1) - lo) / 15).half().float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     u = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).reshape(n, k)
-    return Int4Weight(kernels.pack_int4_rows(u), scale.half(), lo.half())
+    return Int4Weight(*kernels.repack_int4_w32(kernels.pack_int4_rows(u), scale.half(), lo.half()))
 
 
 @dataclasses.dataclass
@@ -114,7 +114,7 @@ class FusedLlama(nn.Module):
         self.use_gemv = use_gemv  # single-row GEMMs through kernels.gemv (batch-1 decode) instead of cuBLAS
         self.config = model.config
         self.fused = fuse_layer_weights(model)
-        # int4 weights: decode rows through kernels.gemv_int4; the head too (the embedding keeps its copy)
+        # int4 weights: decode rows through kernels.gemv_int4_w32; the head too (the embedding keeps its copy)
         self.head_int4: Int4Weight | None = None
         if int4_group is not None:
             quantize_layer_weights(model, self.fused, int4_group)
@@ -164,7 +164,7 @@ class FusedLlama(nn.Module):
         """x [T, K] @ weight[N, K]^T (+ bias): one row goes through the GEMV kernel, more through cuBLAS."""
         if isinstance(weight, Int4Weight):
             if x.shape[0] <= INT4_GEMV_MAX_ROWS:
-                return kernels.gemv_int4(x, weight.qweight, weight.scale, weight.offset, bias)
+                return kernels.gemv_int4_w32(x, weight.qweight, weight.scale_offset, bias)
             return F.linear(x, weight.dequantize(x.dtype), bias)  # prefill: a transient bf16 copy
         if self.use_gemv and x.shape[0] == 1 and x.is_cuda:
             return kernels.gemv(x, weight, bias)

@@ -8,6 +8,15 @@ a ValueError) and runs the Triton kernel on CUDA tensors when Triton imports, th
 from .errors import BackendUnavailableError, KernelError, KernelInputError
 from .gemv import GemvTuning, gemv, gemv_reference
 from .gemv_int4 import GemvInt4Tuning, dequantize_int4_rows, gemv_int4, gemv_int4_reference, pack_int4_rows
+from .gemv_int4_w32 import (
+    GemvInt4W32Tuning,
+    dequantize_int4_w32,
+    gemv_int4_w32,
+    gemv_int4_w32_reference,
+    repack_int4_w32,
+    set_tuning_int4_w32,
+    tuning_int4_w32,
+)
 from .paged_decode import paged_decode_attention, paged_decode_attention_reference
 from .paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
@@ -25,6 +34,13 @@ __all__ = [
     "gemv_int4",
     "gemv_int4_reference",
     "pack_int4_rows",
+    "GemvInt4W32Tuning",
+    "dequantize_int4_w32",
+    "gemv_int4_w32",
+    "gemv_int4_w32_reference",
+    "repack_int4_w32",
+    "set_tuning_int4_w32",
+    "tuning_int4_w32",
     "add_rms_norm",
     "add_rms_norm_reference",
     "KernelError",

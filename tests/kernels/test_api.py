@@ -24,6 +24,8 @@ def test_exported_members():
         "rms_norm", "rms_norm_reference", "add_rms_norm", "add_rms_norm_reference", "rope", "rope_reference",
         "silu_mul", "silu_mul_reference", "GemvTuning", "gemv", "gemv_reference",
         "GemvInt4Tuning", "dequantize_int4_rows", "gemv_int4", "gemv_int4_reference", "pack_int4_rows",
+        "GemvInt4W32Tuning", "dequantize_int4_w32", "gemv_int4_w32", "gemv_int4_w32_reference",
+        "repack_int4_w32", "set_tuning_int4_w32", "tuning_int4_w32",
     ])
     for name in kernels.__all__:
         assert getattr(kernels, name).__module__.startswith("kernels.")

@@ -1,0 +1,142 @@
+"""The layer GEMMs of a shape at one row, timed in CUDA graphs: bf16 gemv vs int4 (byte layout) vs int4 w32.
+
+Per GEMM (qkv, o, gate_up, down, head of the shape): a graph of ``LAUNCHES`` launches over ``COPIES``
+weight copies in turn (more bytes than the 60 MB L2, so every launch reads its weight from HBM), replayed
+``REPLAYS`` times; the median replay over ``LAUNCHES`` is one launch in a decode graph. Each w32 tuning is
+checked against the torch reference on fresh random inputs (poisoned output) before it is timed. Then
+the engine rows of ``bench/int4_gpu.py`` (batch-1 decode step, bf16 and int4, one run).
+
+    python -m bench.gemv_int4_gpu --shapes llama3.2-1b --json $OUT/gemv_int4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import kernels
+from bench.engine_gpu import SHAPES, copy_bandwidth
+from engine.fused import quantize_int4_rtn
+
+LAUNCHES, REPLAYS = 64, 20
+# run 1 (one K step of 2048 columns a program, no pipelining): best 0.7-1.8 TB/s; so: shorter K steps,
+# more stages (the next step's words in flight while this one computes), fewer registers, more programs
+TUNINGS = [kernels.GemvInt4W32Tuning(bn, g, w, st) for bn, g, w, st in (
+    (4, 64, 4, 2), (8, 32, 4, 2), (16, 64, 4, 2), (4, 16, 4, 3), (8, 16, 4, 3), (8, 16, 4, 4), (16, 16, 4, 3),
+    (16, 16, 4, 4), (16, 8, 4, 4), (32, 8, 4, 4), (32, 16, 8, 3), (16, 32, 4, 3), (8, 8, 2, 4), (4, 32, 2, 3))]
+# run 2: every tuning within 10 % on gate_up (1.36 TB/s) -> a shared cost: the SASS shows x's [G, W] tile
+# converted through shared memory (2 barriers) for each nibble; x_per_row loads x in the words' layout
+TUNINGS += [kernels.GemvInt4W32Tuning(bn, g, w, st, x_per_row=True) for bn, g, w, st in (
+    (4, 64, 4, 2), (8, 32, 4, 2), (16, 64, 4, 2), (4, 32, 2, 3), (16, 32, 4, 2), (32, 32, 8, 2))]
+
+
+def gemm_shapes(name: str) -> dict[str, tuple[int, int]]:
+    c = SHAPES[name]
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    return {"qkv": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d, h), "o": (h, h),
+            "gate_up": (2 * i, h), "down": (h, i), "head": (c["vocab_size"], h)}
+
+
+def graph_us(fns: list) -> float:
+    """Median µs of one launch: a graph of LAUNCHES calls cycling through `fns`, replayed REPLAYS times."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for j in range(LAUNCHES):
+            fns[j % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(REPLAYS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / LAUNCHES)
+    return sorted(ts)[len(ts) // 2]
+
+
+def check(x, q32, so, tune) -> float:
+    """Relative error of the kernel vs the fp64 reference on this x; NaN if an output was left unwritten."""
+    out = torch.full((x.shape[0], q32.shape[0]), float("nan"), device="cuda", dtype=x.dtype)
+    got = kernels.gemv_int4_w32(x, q32, so, out=out, tuning=tune, backend="triton").double()
+    ref = x.double() @ kernels.dequantize_int4_w32(q32, so).double().T
+    return float(((got - ref).norm() / ref.norm()).item())
+
+
+def gemm_row(shape: str, part: str, n: int, k: int, copies: int) -> dict:
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    qs = [quantize_int4_rtn(w, 32) for w in ws]
+    bytes_q = qs[0].nbytes()
+    row = {"shape": shape, "gemm": part, "n": n, "k": k, "int4_bytes": bytes_q, "bf16_bytes": n * k * 2}
+    row["bf16_us"] = graph_us([lambda w=w: kernels.gemv(x, w) for w in ws])
+    errs, times = {}, {}
+    for t in TUNINGS:
+        fresh = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        errs[str(t)] = check(fresh, qs[0].qweight, qs[0].scale_offset, t)
+        times[str(t)] = graph_us([lambda q=q, t=t: kernels.gemv_int4_w32(x, q.qweight, q.scale_offset, tuning=t)
+                                  for q in qs])
+    kernels.set_tuning_int4_w32(n, k, 32, None)
+    row["w32_default_us"] = graph_us([lambda q=q: kernels.gemv_int4_w32(x, q.qweight, q.scale_offset) for q in qs])
+    best = min(times, key=times.get)
+    kernels.set_tuning_int4_w32(n, k, 32, next(t for t in TUNINGS if str(t) == best))  # the engine rows use it
+    row.update(w32_best_us=times[best], w32_best=best, w32_max_rel_err=max(errs.values()), w32_times=times)
+    row["bf16_tb_s"] = row["bf16_bytes"] / row["bf16_us"] / 1e6
+    row["w32_best_tb_s"] = bytes_q / row["w32_best_us"] / 1e6
+    row["w32_default_tb_s"] = bytes_q / row["w32_default_us"] / 1e6
+    return row
+
+
+def byte_layout_us(n: int, k: int, copies: int) -> float:
+    """The previous kernel (kernels.gemv_int4, byte layout, its default tuning) on the same shape."""
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    qs = []
+    for _ in range(copies):
+        u = torch.randint(0, 16, (n, k), device="cuda")
+        s = torch.rand(n, k // 32, device="cuda").half() * 1e-3
+        qs.append((kernels.pack_int4_rows(u), s, s.clone()))
+    return graph_us([lambda q=q: kernels.gemv_int4(x, *q) for q in qs])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="llama3.2-1b")
+    ap.add_argument("--no-engine", action="store_true", help="only the GEMMs")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    res = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "gemm": [], "engine": []}
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    for name in args.shapes.split(","):
+        for part, (n, k) in gemm_shapes(name).items():
+            copies = max(2, min(LAUNCHES, int(160e6 // (n * k * 0.625)) + 1))  # int4 copies > 60 MB L2
+            row = gemm_row(name, part, n, k, copies)
+            row["byte_layout_us"] = byte_layout_us(n, k, copies)
+            res["gemm"].append(row)
+            print(f"{name} {part:>7} {n}x{k}: bf16 {row['bf16_us']:.1f} us ({row['bf16_tb_s']:.2f} TB/s), int4 byte "
+                  f"{row['byte_layout_us']:.1f} us, w32 default {row['w32_default_us']:.1f} us "
+                  f"({row['w32_default_tb_s']:.2f} TB/s), best {row['w32_best_us']:.1f} us {row['w32_best']} "
+                  f"({row['w32_best_tb_s']:.2f} TB/s), max rel err {row['w32_max_rel_err']:.1e}", flush=True)
+            torch.cuda.empty_cache()
+        if not args.no_engine:
+            from bench.int4_gpu import engine_row
+
+            for fmt in ("bf16", "int4"):
+                row = engine_row(name, fmt, bw)
+                res["engine"].append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Weight-only int4 GEMV for decode in a GPU layout made once at load: y = x @ W^T (+ bias).
+
+Same arithmetic as :mod:`kernels.gemv_int4` (``w[n, k] = scale[n, g] * u[n, k] + offset[n, g]``, ``u`` in
+0..15, ``g = k // group``), another layout, built by :func:`repack_int4_w32` from the byte layout:
+
+* ``qweight [N, K/8]`` int32: word ``g * W + w`` of row ``n`` (``W = group / 8`` words per group) holds
+  column ``g * group + i * W + w`` in nibble ``i`` (bits ``4i .. 4i + 3``). The nibbles are interleaved so
+  that, for one nibble index, a thread's ``W`` contiguous words meet ``W`` contiguous columns of x: one
+  16-byte load feeds 32 weights and x is read in vector loads, not one strided scalar per weight.
+* ``scale_offset [N, K/group, 2]`` fp16 or bf16: a group's scale and offset side by side (one load).
+
+Why the byte kernel was slow (docs/benchmarks.md, int4 on the GPU): per weight it ran a one-byte load, an
+int-to-float conversion (a 16-per-clock-per-SM instruction on Hopper, 1/8 of the FMA rate: at 1.2 G weights
+a step that alone is ~0.35 ms, twice the step's byte floor) and two strided x loads. Here a nibble becomes
+a float without a conversion: shifted to the top of an fp32 mantissa and OR-ed with the bits of 1.0 it
+reads ``f = 1 + u / 16``, so ``sum_k w x = 16 s sum f x + (o - 16 s) sum x`` per group: per weight one
+shift, one AND/OR (a single LOP3) and one FMA. A program owns ``BLOCK_N`` rows and walks K in steps of
+``GROUPS`` groups; with ``BLOCK_N`` above the warp count a thread holds several rows and reuses each x value
+for all of them. Accumulation is fp32; the output is rounded once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from ._common import (
+    FLOAT_DTYPES,
+    HAS_TRITON,
+    Backend,
+    cdiv,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    tl,
+    triton,
+    use_triton,
+)
+from .errors import KernelInputError
+
+__all__ = ["GemvInt4W32Tuning", "dequantize_int4_w32", "gemv_int4_w32", "gemv_int4_w32_reference",
+           "repack_int4_w32", "set_tuning_int4_w32", "tuning_int4_w32"]
+
+GROUP_SIZES = (16, 32, 64, 128)  # power-of-two words per group (tl.arange) and at least 2 of them
+SCALE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvInt4W32Tuning:
+    """Launch parameters: rows per program, groups per K step, warps, pipeline stages."""
+
+    block_n: int = 8
+    groups: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    # load x in the weight tile's own [BN, G, W] shape (one copy per row, from L1) instead of [G, W]
+    # broadcast over the rows: the broadcast costs a shared-memory layout conversion with two barriers per
+    # nibble (seen in the SASS of the default); not yet timed on the GPU, hence off by default
+    x_per_row: bool = False
+
+
+# (N, K, group) -> a launch measured best on this machine (bench/gemv_int4_gpu.py records its sweep here)
+_TUNED: dict[tuple[int, int, int], GemvInt4W32Tuning] = {}
+
+
+def set_tuning_int4_w32(n: int, k: int, group: int, tuning: GemvInt4W32Tuning | None) -> None:
+    """Use ``tuning`` for every later launch on an [N, K] weight of this group size (None: the default)."""
+    if tuning is None:
+        _TUNED.pop((n, k, group), None)
+    else:
+        _TUNED[(n, k, group)] = tuning
+
+
+def tuning_int4_w32(n: int, k: int, group: int) -> GemvInt4W32Tuning:
+    """The launch for an [N, K] weight: a recorded one (:func:`set_tuning_int4_w32`), else the default.
+
+    The default: few rows (o, qkv of a 1B model: N <= 4096): 4 rows a program so N / 4 programs run; the
+    head and the wide MLP GEMMs: 16 rows a program (4 per thread at 4 warps), so each x value feeds 4 rows.
+    """
+    if (n, k, group) in _TUNED:
+        return _TUNED[(n, k, group)]
+    groups = min(triton_next_pow2(k // group), max(1, 2048 // group))  # a K step of up to 2048 columns
+    return GemvInt4W32Tuning(block_n=4 if n <= 4096 else 16, groups=groups)
+
+
+def triton_next_pow2(n: int) -> int:
+    """The smallest power of two >= n (tl.arange sizes)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check_group(k: int, group: int) -> None:
+    if group not in GROUP_SIZES or k % group:
+        raise KernelInputError(f"the w32 layout needs a group size in {GROUP_SIZES} dividing K={k}, got {group}")
+
+
+def repack_int4_w32(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+    """The byte layout of :func:`kernels.pack_int4_rows` -> (qweight [N, K/8] int32, scale_offset [N, G, 2]).
+
+    Args:
+        qweight: [N, K/2] uint8, column 2j in the low nibble of byte j, 2j + 1 in the high one.
+        scale, offset: [N, K/group] fp16 or bf16 (same dtype).
+
+    Returns:
+        The interleaved words and the side-by-side scales (module docstring), on qweight's device.
+    """
+    check_tensor("qweight", qweight, 2, (torch.uint8,))
+    check_tensor("scale", scale, 2, SCALE_DTYPES)
+    check_tensor("offset", offset, 2, SCALE_DTYPES)
+    n, half = qweight.shape
+    k, n_groups = 2 * half, scale.shape[1]
+    if n_groups == 0 or k % n_groups:
+        raise KernelInputError(f"K={k} is not a multiple of the {n_groups} groups of scale")
+    group = k // n_groups
+    _check_group(k, group)
+    check_shape("scale", scale, (n, n_groups))
+    check_shape("offset", offset, (n, n_groups))
+    if offset.dtype != scale.dtype:
+        raise KernelInputError(f"offset dtype {offset.dtype} differs from scale dtype {scale.dtype}")
+    words = group // 8
+    u = torch.stack([qweight & 15, qweight >> 4], dim=-1).reshape(n, n_groups, 8, words).to(torch.int32)
+    # column g * group + i * W + w -> nibble i of word g * W + w
+    shifts = (4 * torch.arange(8, device=qweight.device, dtype=torch.int32)).view(1, 1, 8, 1)
+    packed = (u << shifts).sum(dim=2, dtype=torch.int64)          # [N, G, W], each < 2^32
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # the same 32 bits as a signed int32
+    q32 = packed.to(torch.int32).reshape(n, k // 8).contiguous()
+    return q32, torch.stack([scale, offset], dim=-1).contiguous()
+
+
+def dequantize_int4_w32(qweight: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] of the w32 layout (exactly ``scale * u + offset``)."""
+    n, kw = qweight.shape
+    n_groups = scale_offset.shape[1]
+    words = kw // n_groups
+    shifts = (4 * torch.arange(8, device=qweight.device, dtype=torch.int32)).view(1, 1, 8, 1)
+    u = (qweight.view(n, n_groups, 1, words) >> shifts) & 15        # [N, G, 8, W]: column i * W + w
+    u = u.reshape(n, n_groups, 8 * words).float()
+    s, o = scale_offset.float().unbind(-1)
+    return torch.addcmul(o[..., None], s[..., None], u).reshape(n, kw * 8)
+
+
+def gemv_int4_w32_reference(x: torch.Tensor, qweight: torch.Tensor, scale_offset: torch.Tensor,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of :func:`gemv_int4_w32` (dequantize to fp32, fp32 product, one rounding)."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), dequantize_int4_w32(qweight, scale_offset), b).to(x.dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _nibble_as_float(words, i: tl.constexpr):
+        """Nibble i of each word as 1 + u / 16 (fp32 bits 0x3F800000 | u << 19): no int-to-float convert."""
+        if 4 * i <= 19:
+            bits = (words << (19 - 4 * i)) & 0x780000
+        else:
+            bits = (words >> (4 * i - 19)) & 0x780000
+        return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _gemv_int4_w32_kernel(
+        x_ptr, q_ptr, so_ptr, b_ptr, y_ptr, N, K, s_xm, s_qn, s_sn, s_ym,
+        GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+        EVEN: tl.constexpr, X_PER_ROW: tl.constexpr,
+    ):
+        W: tl.constexpr = GROUP // 8                      # words per group
+        m = tl.program_id(1).to(tl.int64)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        g_off = tl.arange(0, GROUPS)
+        w_off = tl.arange(0, W)
+        n_groups = K // GROUP
+        x_row = x_ptr + m * s_xm
+        acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+        for g0 in range(0, n_groups, GROUPS):
+            gi = g0 + g_off                                               # [G]
+            g_ok = gi < n_groups
+            widx = gi[:, None] * W + w_off[None, :]                       # [G, W] word index in the row
+            w_ptrs = q_ptr + rows64[:, None, None] * s_qn + widx[None, :, :]
+            if EVEN:  # no mask: a mask stops the 16-byte vector loads (one LDG.128 per 32 weights)
+                words = tl.load(w_ptrs, eviction_policy="evict_first")    # [BN, G, W]: each read once
+            else:
+                words = tl.load(w_ptrs, mask=row_ok[:, None, None] & g_ok[None, :, None], other=0,
+                                eviction_policy="evict_first")
+            dot = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
+            col0 = gi[:, None] * GROUP + w_off[None, :]                   # [G, W] column of nibble 0
+            if X_PER_ROW:  # x in the words' [BN, G, W] layout: no layout conversion, no barrier
+                xs3 = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
+                for i in tl.static_range(8):
+                    x_ptrs = x_row + (col0 + i * W)[None, :, :] + 0 * rows[:, None, None]
+                    if EVEN:
+                        xi3 = tl.load(x_ptrs).to(tl.float32)
+                    else:
+                        xi3 = tl.load(x_ptrs, mask=g_ok[None, :, None], other=0.0).to(tl.float32)
+                    dot += _nibble_as_float(words, i) * xi3
+                    xs3 += xi3
+                xsum = tl.sum(xs3, axis=2)                                # [BN, G]
+            else:
+                xs = tl.zeros([GROUPS, W], dtype=tl.float32)
+                for i in tl.static_range(8):
+                    if EVEN:
+                        xi = tl.load(x_row + col0 + i * W).to(tl.float32)
+                    else:
+                        xi = tl.load(x_row + col0 + i * W, mask=g_ok[:, None], other=0.0).to(tl.float32)
+                    dot += _nibble_as_float(words, i) * xi[None, :, :]
+                    xs += xi
+                xsum = tl.sum(xs, axis=1)[None, :]                        # [1, G]
+            sc_off = so_ptr + rows64[:, None] * s_sn + gi[None, :] * 2
+            g_mask = row_ok[:, None] & g_ok[None, :]
+            if EVEN:
+                sc = tl.load(sc_off).to(tl.float32)                       # [BN, G]
+                of = tl.load(sc_off + 1).to(tl.float32)
+            else:
+                sc = tl.load(sc_off, mask=g_mask, other=0.0).to(tl.float32)
+                of = tl.load(sc_off + 1, mask=g_mask, other=0.0).to(tl.float32)
+            sc16 = 16.0 * sc
+            acc += sc16 * tl.sum(dot, axis=2) + (of - sc16) * xsum
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * s_ym + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+def _check(x, qweight, scale_offset, bias) -> tuple[int, int, int, int]:
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    check_tensor("qweight", qweight, 2, (torch.int32,))
+    check_tensor("scale_offset", scale_offset, 3, SCALE_DTYPES)
+    m, k = x.shape
+    n = qweight.shape[0]
+    check_shape("qweight", qweight, (n, k // 8))
+    n_groups = scale_offset.shape[1]
+    if k % 8 or n_groups == 0 or k % n_groups:
+        raise KernelInputError(f"K={k} must be a multiple of 8 and of the group size "
+                               f"(scale_offset has {n_groups} groups)")
+    _check_group(k, k // n_groups)
+    check_shape("scale_offset", scale_offset, (n, n_groups, 2))
+    if not scale_offset.is_contiguous():
+        raise KernelInputError("scale_offset must be contiguous")
+    tensors = dict(x=x, qweight=qweight, scale_offset=scale_offset)
+    if bias is not None:
+        check_tensor("bias", bias, 1, FLOAT_DTYPES)
+        check_shape("bias", bias, (n,))
+        tensors["bias"] = bias
+    check_same_device(**tensors)
+    return m, n, k, k // n_groups
+
+
+def gemv_int4_w32(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale_offset: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    tuning: GemvInt4W32Tuning | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """x @ W^T + bias for a few rows of x, W in the w32 int4 layout (:func:`repack_int4_w32`).
+
+    Args:
+        x: [M, K] activations (fp16, bf16 or fp32), unit stride in K.
+        qweight: [N, K/8] int32 interleaved nibbles.
+        scale_offset: [N, K/group, 2] fp16 or bf16, contiguous.
+        bias: optional [N].
+        out: optional [M, N] result buffer in x's dtype.
+        tuning: launch parameters (Triton only; default :func:`tuning_int4_w32`).
+        backend: "auto" (Triton on CUDA tensors when it imports), "triton" or "torch".
+
+    Returns:
+        [M, N] in x's dtype.
+    """
+    m, n, k, group = _check(x, qweight, scale_offset, bias)
+    if out is None:
+        out = x.new_empty((m, n))
+    else:
+        check_tensor("out", out, 2, (x.dtype,))
+        check_shape("out", out, (m, n))
+    tune = tuning or tuning_int4_w32(n, k, group)
+    if tune.groups & (tune.groups - 1) or tune.block_n & (tune.block_n - 1):
+        raise KernelInputError(f"tuning block_n and groups must be powers of two, got {tune}")
+    tensors = [x, qweight, scale_offset] + ([bias] if bias is not None else [])
+    if not (m and use_triton(backend, *tensors)):
+        return out.copy_(gemv_int4_w32_reference(x, qweight, scale_offset, bias))
+    # shape: x [M, K], qweight [N, K/8], scale_offset [N, K/group, 2] -> out [M, N]
+    assert qweight.shape == (n, k // 8) and scale_offset.shape == (n, k // group, 2)
+    _gemv_int4_w32_kernel[(cdiv(n, tune.block_n), m)](
+        x, qweight, scale_offset, bias if bias is not None else scale_offset, out, n, k,
+        x.stride(0), qweight.stride(0), scale_offset.stride(0), out.stride(0),
+        GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, GROUPS=tune.groups,
+        EVEN=n % tune.block_n == 0 and (k // group) % tune.groups == 0, X_PER_ROW=tune.x_per_row,
+        num_warps=tune.num_warps, num_stages=tune.num_stages,
+    )
+    return out

@@ -12,6 +12,12 @@ encoded at the scale that lands exactly there, so every addition meets equal sca
 correction step. Constants are added on ``mask`` only (the block's valid rows): where ``t`` is 0 (rows
 past the cache's end) P's value is then exactly 0 up to noise, as masking needs.
 
+``P(t) * v`` for a ciphertext v costs no level more (:meth:`PolyEvaluator.with_values`): degree 2^R - 1
+times one more factor is degree 2^R, still depth R. The top chain ``t^(2^(R-1)) ... t^2 (c_top t + c) v``
+carries v instead of its scalar (``c_top`` rides on v, one level above t), and each lo half of the
+chain, computed one level higher than P needs it, is multiplied by v there. This is how the block
+spends no level on ``p * V`` (docs/fhe.md §3, the depth-9 plan at N = 16384).
+
 Only :class:`fhe.evaluator.Evaluator` calls; the plaintext reference is :func:`fhe.approx.poly_eval`.
 """
 
@@ -63,6 +69,85 @@ class PolyEvaluator:
             k = 2 ** j
             powers[k] = relin_rescale(ev, ev.square(powers[k // 2]), keys)
         return self._node(powers, 0, len(self.coeffs), ev.level(t) - self.depth, self.out_scale, keys)
+
+    def with_values(self, t: Ciphertext, v: Ciphertext, pv_scale: float,
+                    keys: EvalKeys) -> tuple[Ciphertext, Ciphertext]:
+        """(P(t), P(t) * v) at the same depth R as P(t) alone.
+
+        Args:
+            t: at level L (>= R + 1).
+            v: at level >= L + 1, any scale (its slots multiply P's slot-wise).
+            pv_scale: the scale ``P(t) * v`` has after its last rescale.
+
+        Returns:
+            P(t) at (L - R, ``out_scale``), and ``P(t) * v`` at level L - R + 1 *before* its last
+            relinearization and rescale (size 3, scale exactly ``pv_scale * prime(L - R + 1)``), so that
+            a caller sums many of them before one relinearization (cost: 9 more products at R = 5).
+        """
+        ev = self.ev
+        lvl = ev.level(t)
+        if lvl <= self.depth or ev.level(v) <= lvl:
+            raise LevelError(f"t at level {lvl}, v at {ev.level(v)}: need t above {self.depth}, v above t")
+        powers = {1: t}
+        for j in range(1, self.depth):
+            powers[2 ** j] = relin_rescale(ev, ev.square(powers[2 ** (j - 1)]), keys)
+        los: dict[int, Ciphertext] = {}
+        n = len(self.coeffs)
+        p = self._chain(powers, 0, n, lvl - self.depth, self.out_scale, keys, los)
+        return p, self._chain_v(powers, v, 0, n, lvl - self.depth, pv_scale, keys, los, last=True)
+
+    def _chain(self, powers, lo: int, n: int, level: int, scale: float, keys: EvalKeys,
+               los: dict) -> Ciphertext:
+        """:meth:`_node` on the top chain, each lo half made one level higher (kept in ``los`` for v)."""
+        ev = self.ev
+        if n == 2:
+            return self._linear(powers[1], lo, level, scale)
+        half = n // 2
+        tk = ev.mod_switch(powers[half], level + 1)
+        hi = self._chain(powers, lo + half, half, level + 1, scale * ev.prime(level + 1) / ev.scale_of(tk),
+                         keys, los)
+        prod = relin_rescale(ev, ev.mul(tk, hi), keys)
+        ev.set_scale(prod, scale)
+        los[lo] = self._node(powers, lo, half, level + 1, scale, keys)  # its tight level: v multiplies it there
+        return ev.add(prod, ev.mod_switch(los[lo], level))
+
+    def _chain_v(self, powers, v: Ciphertext, lo: int, n: int, level: int, scale: float, keys: EvalKeys,
+                 los: dict, last: bool = False) -> Ciphertext:
+        """sum_{k<n} coeffs[lo + k] t^k v at (level, scale), or (``last``) its size-3 form one level up."""
+        ev = self.ev
+        target = scale * ev.prime(level + 1)
+        if n == 2:      # c1 (t + c0/c1) v: the scalar rides on v, t only gets a constant added
+            t = powers[1]
+            c0, c1 = self.coeffs[lo], self.coeffs[lo + 1]
+            if c0:
+                t = ev.add_plain(t, self._const(("r", lo, level, ev.scale_of(t)), self.mask * (c0 / c1), level + 1, ev.scale_of(t)))
+            prod = ev.mul(t, self._scaled_v(v, c1, level + 1, target / ev.scale_of(t)))
+        else:
+            half = n // 2
+            tk = ev.mod_switch(powers[half], level + 1)
+            hi = self._chain_v(powers, v, lo + half, half, level + 1, target / ev.scale_of(tk), keys, los)
+            hi_prod = ev.mul(tk, hi)
+            low = los[lo]
+            lo_prod = ev.mul(low, self._scaled_v(v, 1.0, level + 1, target / ev.scale_of(low)))
+            ev.set_scale(hi_prod, target)                # equal up to float rounding: make it exact
+            ev.set_scale(lo_prod, target)
+            prod = ev.add(hi_prod, lo_prod)
+        ev.set_scale(prod, target)
+        if last:
+            return prod
+        out = relin_rescale(ev, prod, keys)
+        ev.set_scale(out, scale)
+        return out
+
+    def _scaled_v(self, v: Ciphertext, c: float, level: int, scale: float) -> Ciphertext:
+        """c * v at (level, scale): one constant product one level up (v has the level to spare)."""
+        ev = self.ev
+        v1 = ev.mod_switch(v, level + 1)
+        pt_scale = scale * ev.prime(level + 1) / ev.scale_of(v1)
+        out = ev.mul_plain(v1, self._const(("v", c, level, pt_scale), np.full(ev.slots, c), level + 1, pt_scale))
+        ev.rescale_inplace(out)
+        ev.set_scale(out, scale)
+        return out
 
     def _node(self, powers, lo: int, n: int, level: int, scale: float, keys: EvalKeys) -> Ciphertext:
         """sum_{k<n} coeffs[lo + k] t^k at (level, scale)."""

@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--window", type=float, default=None,
                      help="polyexp: P approximates exp on [-window, 0.5] (default 40)")
     cal.add_argument("--no-fit", action="store_true", help="uncalibrated: measure the range only")
+    cal.add_argument("--fold-v", action="store_true",
+                     help="polyexp: record the CKKS parameters of the block with p*V folded into P (one level "
+                          "less: R = 5 at depth 9, N = 16384; docs/fhe.md §3)")
     cal.add_argument("--distill-weights", action="store_true", help="2quad: also distill Wq/Wk/Wv/Wo")
     cal.add_argument("--steps", type=int, default=150, help="Adam steps per layer")
     cal.add_argument("--prompts", type=int, default=32, help="calibration prompts to use")
@@ -78,6 +81,7 @@ def _load_model_and_tokenizer(spec: str):
 def _calibrate(args: argparse.Namespace) -> int:
     from fhe.approx import POLY_WINDOW
     from fhe.calibrate import CalibrationConfig, calibrate
+    from fhe.params import ckks_params_for
     from fhe.plan import PlanError
 
     squarings = args.squarings if args.squarings is not None else 5 if args.approx == "polyexp" else 6
@@ -95,10 +99,15 @@ def _calibrate(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.fold_v and args.approx != "polyexp":
+        print("cipherlm: error: --fold-v needs --approx polyexp", file=sys.stderr)
+        return 2
+    ckks = ckks_params_for(args.approx, squarings, fold_v=True).to_dict() if args.fold_v else None
     path, model, tok = _load_model_and_tokenizer(args.model)
     start = time.perf_counter()
     try:
-        plan = calibrate(model, tok, cfg, args.model_id or path.stem, log=lambda m: print(m, flush=True))
+        plan = calibrate(model, tok, cfg, args.model_id or path.stem, ckks=ckks,
+                         log=lambda m: print(m, flush=True))
         out = plan.save(args.out)
     except PlanError as exc:
         print(f"cipherlm: error: {exc}", file=sys.stderr)

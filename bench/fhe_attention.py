@@ -137,7 +137,8 @@ def precision(model, plan, layer: int, tokens: int, params=None, prompt: int = 1
     ys, zs, _ = simulate_block(model.layers[layer], model.rotary, x, torch.arange(len(ids)), None, lp)
     err = (finish(*bc.decrypt_output(outs)) - finish(ys, zs)).abs()
     return {"params": params.to_dict(), "plan": plan.content_hash, "layer": layer, "tokens": len(ids),
-            "max_error": err.max().item(), "mean_error": err.mean().item(), "seconds_per_token": seconds}
+            "max_error": err.max().item(), "mean_error": err.mean().item(), "seconds_per_token": seconds,
+            "max_error_per_position": [float(f"{e:.3g}") for e in err.amax(dim=-1).tolist()]}
 
 
 class _EncryptedRun:

@@ -120,7 +120,8 @@ class PolyEvaluator:
             t = powers[1]
             c0, c1 = self.coeffs[lo], self.coeffs[lo + 1]
             if c0:
-                t = ev.add_plain(t, self._const(("r", lo, level, ev.scale_of(t)), self.mask * (c0 / c1), level + 1, ev.scale_of(t)))
+                key = ("r", lo, level, ev.scale_of(t))
+                t = ev.add_plain(t, self._const(key, self.mask * (c0 / c1), level + 1, ev.scale_of(t)))
             prod = ev.mul(t, self._scaled_v(v, c1, level + 1, target / ev.scale_of(t)))
         else:
             half = n // 2

@@ -330,7 +330,10 @@ class EncryptedAttentionLayer:
             if len(self._beta_cache) > 64:
                 self._beta_cache.clear()
             coeffs = self._poly * (self._p_gain * self._size_gain(tokens))
-            self._beta_cache[key] = PolyEvaluator(self.ev, coeffs, self.scale_p, mask())
+            # the depth-9 block runs at a 2^36 scale: the Chebyshev tree keeps P's absolute noise small
+            # where P itself is (rows far below the calibrated maximum), docs/fhe.md §3c
+            basis = "chebyshev" if self.geo.fold_v else "power"
+            self._beta_cache[key] = PolyEvaluator(self.ev, coeffs, self.scale_p, mask(), basis=basis)
         return self._beta_cache[key]
 
     def _beta(self, rows: int, tokens: int):

@@ -224,3 +224,17 @@ def test_keys_of_the_former_plan_are_refused_by_name():
     upload = wire.dump_public_keys(CKKSClient(old, []))
     with pytest.raises(KeyMismatchError, match=r"other CKKS parameters than this plan's \(N = 32768, 12 primes"):
         wire.load_server_keys(upload, new, [])
+
+
+def test_keys_across_the_ring_change_are_refused_by_name():
+    """N = 32768 keys (either former plan) at the depth-9 N = 16384 plan, and back: typed refusals that name
+    the plan's ring and chain, never a crash in the loader."""
+    from fhe.backends.seal import wire
+    from fhe.backends.seal.keys import CKKSClient
+    from fhe.errors import KeyMismatchError
+
+    small, large = ckks_params_for("polyexp", 5, fold_v=True), ckks_params_for("polyexp", 5)
+    with pytest.raises(KeyMismatchError, match=r"other CKKS parameters than this plan's \(N = 16384, 11 primes"):
+        wire.load_server_keys(wire.dump_public_keys(CKKSClient(large, [])), small, [])
+    with pytest.raises(KeyMismatchError, match=r"\(N = 32768, 12 primes"):
+        wire.load_server_keys(wire.dump_public_keys(CKKSClient(small, [])), large, [])

@@ -44,7 +44,7 @@ def fill_cache(layer: EncryptedAttentionLayer, client: CKKSClient, cache, tokens
     full, rest = divmod(tokens, lay.block_tokens)
     for rows in [lay.block_tokens] * full + ([rest] if rest else []):
         k = ev.mod_switch(client.encrypt(lay.valid(rows) * rng.standard_normal(lay.slots) * 0.1), geo.level_qk)
-        v = ev.mod_switch(client.encrypt(lay.valid(rows) * rng.standard_normal(lay.slots)), geo.level_p)
+        v = ev.mod_switch(client.encrypt(lay.valid(rows) * rng.standard_normal(lay.slots)), geo.level_v)
         ev.set_scale(k, ev.scale)
         ev.set_scale(v, ev.scale)
         cache.k_blocks.append(k)

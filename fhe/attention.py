@@ -10,7 +10,9 @@ Server side (:class:`EncryptedAttentionLayer`, public keys only), per token at p
    rolled down by one row first, so the newest token is always row 0).
 4. per cache block: ``s = q * K_b`` (relin, rescale), summed over the 64 bands (every band then
    holds s_hj), ``+ beta_h`` on valid rows, the squarings (sqexp: R; 2quad: 1) or the degree 2^R - 1
-   polynomial (polyexp, :mod:`fhe.poly`, depth R), then ``p * V_b``.
+   polynomial (polyexp, :mod:`fhe.poly`, depth R), then ``p * V_b``. polyexp at one level less
+   (``Geometry.fold_v``: depth 4 + R, N = 16384 for R = 5) computes ``P(s) * V_b`` inside the polynomial
+   at P's own depth (:meth:`fhe.poly.PolyEvaluator.with_values`, Chebyshev basis), V cached at q.k's level.
 5. sum over blocks (one relinearization), over token rows -> ``u_h = sum_j p_hj v_j`` in row 0,
    and the same row sum of p -> ``z_h``; the output map applies Wo_h per head and places ``y_h``
    and ``z_h`` in the output layout (last level).

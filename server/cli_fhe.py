@@ -61,8 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     off.set_defaults(func=_offload_plan)
     info = fsub.add_parser("plan-info", help="verify a plan (hash, version) and summarize it")
     info.add_argument("plan", help="plan folder or .json file, or a shipped plan by name: 'default' (the SmolLM2 "
-                                   "sqexp plan), 'polyexp' (its polyexp option) or 'offload' (the SmolLM2 offload "
-                                   "plan); offload plans are recognized")
+                                   "sqexp plan), 'polyexp' (its polyexp option), 'n16384' (that fit at depth 9, "
+                                   "N = 16384) or 'offload' (the SmolLM2 offload plan); offload plans are recognized")
     info.add_argument("--json", action="store_true", help="print the full metadata as JSON")
     info.add_argument("--context", type=int, default=64, help="keys per decoded token, for the work split")
     info.set_defaults(func=_plan_info)

@@ -238,3 +238,13 @@ def test_keys_across_the_ring_change_are_refused_by_name():
         wire.load_server_keys(wire.dump_public_keys(CKKSClient(large, [])), small, [])
     with pytest.raises(KeyMismatchError, match=r"\(N = 32768, 12 primes"):
         wire.load_server_keys(wire.dump_public_keys(CKKSClient(small, [])), large, [])
+
+
+def test_calibrate_fold_v_needs_polyexp(tmp_path, capsys):
+    """``cipherlm fhe calibrate --fold-v`` records the depth-9 parameters for polyexp only: a typed refusal
+    (exit 2, a message) for another kind, before any model loads."""
+    from server.cli import main
+
+    assert main(["fhe", "calibrate", "--approx", "sqexp", "--fold-v", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--fold-v needs --approx polyexp" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

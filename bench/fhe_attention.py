@@ -44,7 +44,7 @@ def fill_cache(layer: EncryptedAttentionLayer, client: CKKSClient, cache, tokens
     full, rest = divmod(tokens, lay.block_tokens)
     for rows in [lay.block_tokens] * full + ([rest] if rest else []):
         k = ev.mod_switch(client.encrypt(lay.valid(rows) * rng.standard_normal(lay.slots) * 0.1), geo.level_qk)
-        v = ev.mod_switch(client.encrypt(lay.valid(rows) * rng.standard_normal(lay.slots)), geo.level_p)
+        v = ev.mod_switch(client.encrypt(lay.valid(rows) * rng.standard_normal(lay.slots)), geo.level_v)
         ev.set_scale(k, ev.scale)
         ev.set_scale(v, ev.scale)
         cache.k_blocks.append(k)
@@ -137,7 +137,8 @@ def precision(model, plan, layer: int, tokens: int, params=None, prompt: int = 1
     ys, zs, _ = simulate_block(model.layers[layer], model.rotary, x, torch.arange(len(ids)), None, lp)
     err = (finish(*bc.decrypt_output(outs)) - finish(ys, zs)).abs()
     return {"params": params.to_dict(), "plan": plan.content_hash, "layer": layer, "tokens": len(ids),
-            "max_error": err.max().item(), "mean_error": err.mean().item(), "seconds_per_token": seconds}
+            "max_error": err.max().item(), "mean_error": err.mean().item(), "seconds_per_token": seconds,
+            "max_error_per_position": [float(f"{e:.3g}") for e in err.amax(dim=-1).tolist()]}
 
 
 class _EncryptedRun:

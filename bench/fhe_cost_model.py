@@ -7,7 +7,11 @@ tallied by (stage, op, level) and priced with a per-level cost model fitted to `
 measured SEAL costs (N = 32768, 2 cores, load ~1.5, 2026-12-02), so the printout says which stage and
 which operation a prompt's time is in, and what an improvement to one of them can give::
 
-    python bench/fhe_cost_model.py --prompt 32 --decode-context 128
+    python -m bench.fhe_cost_model --prompt 32 --decode-context 128
+    python -m bench.fhe_cost_model --plan polyexp --params 16384:54,36,36,36,36,36,36,36,36,36,60:36
+
+At N = 16384 every price is halved (SEAL's operations are linear in N at a given number of primes;
+measured rotate at the top level: 56 ms at N = 16384 / 10 primes vs 136-162 ms at 32768 / 12 primes).
 
 The model is an estimate (key switches ~ L(L+1), the rest ~ L at level L); measured wall times are in
 docs/benchmarks.md beside it.
@@ -29,6 +33,8 @@ COST_MS = {
     "mul": lambda lv: 1.1 * lv,
     "rescale": lambda lv: 1.05 * lv,
 }
+
+_N_FACTOR = 1.0     # prices scale with N (set from the parameters in main)
 
 STAGES = {   # method -> stage name (packed chunk and decode step)
     ("fhe.packed", "PackedPrefill", "_project_q"): "packed: q map",
@@ -117,7 +123,7 @@ def _print(title: str, tally: Counter) -> float:
     by_stage: dict[str, Counter] = {}
     for (stage, op, lv), n in tally.items():
         by_stage.setdefault(stage, Counter())[op] += n
-        by_stage[stage]["ms"] += n * COST_MS[op](lv)
+        by_stage[stage]["ms"] += n * COST_MS[op](lv) * _N_FACTOR
     total = sum(c["ms"] for c in by_stage.values()) / 1e3
     print(f"\n{title}: {total:.1f} s estimated")
     print("| stage | key switches | encodes | plaintext products | est. s | share |")
@@ -133,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--layer", type=int, default=3)
     p.add_argument("--decode-context", type=int, default=128)
+    p.add_argument("--plan", default="default", help="a shipped plan's name or a plan file")
+    p.add_argument("--params", default=None, metavar="N:BITS:SCALE",
+                   help="override the plan's CKKS parameters, e.g. 16384:54,36,...,60:36")
     args = p.parse_args(argv)
 
     import torch
@@ -145,10 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     from fhe.backends.symbolic import SymbolicClient
     from fhe.calibrate import load_prompts
     from fhe.params import CKKSParams
-    from fhe.plan import load_default_plan
+    from fhe.plan import SHIPPED_PLANS, Plan, shipped_plan_path
 
     mdir = default_model_dir()
-    model, plan = load_model(mdir), load_default_plan()
+    model = load_model(mdir)
+    plan = Plan.load(shipped_plan_path(args.plan) if args.plan in SHIPPED_PLANS else args.plan)
     need = max(args.prompt, args.decode_context)
     text = " ".join(load_prompts("evaluation"))
     ids = torch.tensor(Tokenizer.from_folder(mdir).apply_chat_template([{"role": "user", "content": text}]))
@@ -158,11 +168,16 @@ def main(argv: list[str] | None = None) -> int:
                              0, args.layer)
         x = model.layers[args.layer].input_layernorm.normalize(h)
     lp, params = plan.layer(args.layer), CKKSParams.from_dict(plan.ckks)
+    if args.params:
+        n, bits, scale = args.params.split(":")
+        params = CKKSParams(int(n), tuple(int(b) for b in bits.split(",")), int(scale))
+    global _N_FACTOR
+    _N_FACTOR = params.poly_modulus_degree / 32768
     ev = _tally_evaluator(params)
     block = EncryptedAttentionLayer(model.layers[args.layer], model.rotary, lp, model.config, params,
                                     max_tokens=max(args.prompt, args.decode_context) + 8, evaluator=ev)
     client = SymbolicClient(params, sorted(block.rotation_steps))
-    keys, bc = client.server_keys(), BlockClient.for_model(client, model.config)
+    keys, bc = client.server_keys(), BlockClient.for_model(client, model.config, lp.approx.kind, lp.approx.squarings)
     _staged(ev)
     b, totals = block.packed_chunk, {}
     packed = (args.prompt // b) * b if args.prompt - (args.prompt // b) * b < b // 2 else -(-args.prompt // b) * b
@@ -178,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         with _section(ev, totals, "decode"):
             block.forward(cache, bc.encrypt_input(x[args.decode_context - 1:args.decode_context])[0],
                           args.decode_context - 1, keys)
+    print(f"plan {plan.content_hash[:12]} ({lp.approx.kind} R = {lp.approx.squarings}), depth {params.depth}, "
+          f"fold_v {block.geo.fold_v}")
     print(f"layer {args.layer}, N = {params.poly_modulus_degree}, chunk {b}: prompt {args.prompt} = "
           f"{packed} packed + {args.prompt - packed} token by token")
     t = _print(f"prefill of {args.prompt} tokens, one layer", totals["prefill"])

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", default="1", help="comma-separated process counts to time the packed path with")
     p.add_argument("--decode-context", type=int, default=0, help="also time decode steps at this context")
     p.add_argument("--decode-repeats", type=int, default=1, help="decode steps per process count (alternated)")
+    p.add_argument("--plan", default="default", help="a shipped plan's name or a plan file")
     args = p.parse_args(argv)
 
     import os
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from fhe.backends.seal.keys import CKKSClient
     from fhe.calibrate import load_prompts
     from fhe.params import CKKSParams
-    from fhe.plan import load_default_plan
+    from fhe.plan import SHIPPED_PLANS, Plan, shipped_plan_path
     from fhe.simulator import finish, simulate_block
 
     split: dict[str, float] = {}
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("_project", "_attend", "_outputs"):
         timed(name)
     mdir = default_model_dir()
-    model, plan = load_model(mdir), load_default_plan()
+    model = load_model(mdir)
+    plan = Plan.load(shipped_plan_path(args.plan) if args.plan in SHIPPED_PLANS else args.plan)
     ids = torch.tensor(Tokenizer.from_folder(mdir).apply_chat_template(
         [{"role": "user", "content": load_prompts("evaluation")[1]}])[:args.tokens])
     with torch.no_grad():
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     block = EncryptedAttentionLayer(model.layers[args.layer], model.rotary, lp, model.config, params,
                                     max_tokens=128)
     client = CKKSClient(params, sorted(block.rotation_steps))
-    keys, bc = client.server_keys(), BlockClient.for_model(client, model.config)
+    keys, bc = client.server_keys(), BlockClient.for_model(client, model.config, lp.approx.kind, lp.approx.squarings)
     ys, zs, _ = simulate_block(model.layers[args.layer], model.rotary, x, torch.arange(len(ids)), None, lp)
     ref = finish(ys, zs)
     print(f"layer {args.layer}, {len(ids)} tokens, N = {params.poly_modulus_degree}, chunk {block.packed_chunk}")

@@ -24,11 +24,11 @@ def main() -> None:
     cfg = load_model(default_model_dir()).config
     x = torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     x = x / x.pow(2).mean().sqrt()
-    for kind, r in (("sqexp", 6), ("polyexp", 5), ("polyexp", 4)):
-        params = ckks_params_for(kind, r)
+    for kind, r, fold in (("sqexp", 6, False), ("polyexp", 5, False), ("polyexp", 5, True)):
+        params = ckks_params_for(kind, r, fold_v=fold)   # fold: plan n16384 (depth 9, p * V inside P)
         client = CKKSClient(params, [])
         bc = BlockClient.for_model(client, cfg, kind, r)
-        print(json.dumps({"kind": kind, "R": r, "N": params.poly_modulus_degree,
+        print(json.dumps({"kind": kind, "R": r, "fold_v": fold, "N": params.poly_modulus_degree,
                           "primes": len(params.coeff_mod_bit_sizes),
                           "upload_bytes": len(wire.encrypt_to_wire(client, bc.layout_input(x)))}))
 

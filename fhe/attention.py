@@ -10,7 +10,9 @@ Server side (:class:`EncryptedAttentionLayer`, public keys only), per token at p
    rolled down by one row first, so the newest token is always row 0).
 4. per cache block: ``s = q * K_b`` (relin, rescale), summed over the 64 bands (every band then
    holds s_hj), ``+ beta_h`` on valid rows, the squarings (sqexp: R; 2quad: 1) or the degree 2^R - 1
-   polynomial (polyexp, :mod:`fhe.poly`, depth R), then ``p * V_b``.
+   polynomial (polyexp, :mod:`fhe.poly`, depth R), then ``p * V_b``. polyexp at one level less
+   (``Geometry.fold_v``: depth 4 + R, N = 16384 for R = 5) computes ``P(s) * V_b`` inside the polynomial
+   at P's own depth (:meth:`fhe.poly.PolyEvaluator.with_values`, Chebyshev basis), V cached at q.k's level.
 5. sum over blocks (one relinearization), over token rows -> ``u_h = sum_j p_hj v_j`` in row 0,
    and the same row sum of p -> ``z_h``; the output map applies Wo_h per head and places ``y_h``
    and ``z_h`` in the output layout (last level).
@@ -138,16 +140,17 @@ class EncryptedAttentionLayer:
             s = s * s / ev.prime(lvl)
             lvl -= 1
         self.scale_p = s
-        self.scale_u = s * delta / ev.prime(geo.level_p)
+        # fold_v: P(s) * V lands on scale_p itself (the polynomial steers its scale), so z needs no factor
+        self.scale_u = s if geo.fold_v else s * delta / ev.prime(geo.level_p)
 
     def _encode_static(self) -> None:
         ev, geo, m = self.ev, self.geo, self.maps
         self._scale_chain()
         self.enc_qk = m.qk.encode(ev, geo.top)
-        self.enc_v = m.v.encode(ev, geo.level_p + 2)
-        self.enc_v_repack = m.v_repack.encode(ev, geo.level_p + 1)
-        self.enc_out = m.out.encode(ev, geo.level_p - 1)
-        self.enc_z = m.z.encode(ev, geo.level_p - 1, extra_scale=self.scale_u / self.scale_p)
+        self.enc_v = m.v.encode(ev, geo.level_v + 2)
+        self.enc_v_repack = m.v_repack.encode(ev, geo.level_v + 1)
+        self.enc_out = m.out.encode(ev, geo.level_u)
+        self.enc_z = m.z.encode(ev, geo.level_u, extra_scale=self.scale_u / self.scale_p)
         self._beta_cache: dict[int, object] = {}
 
     @property
@@ -283,9 +286,9 @@ class EncryptedAttentionLayer:
         return q, k0
 
     def _project_v(self, ct: Ciphertext, keys: EvalKeys) -> Ciphertext:
-        """v0 in row 0 of the band layout, expanded to the G heads of its group (level_p)."""
+        """v0 in row 0 of the band layout, expanded to the G heads of its group (level_v)."""
         ev, geo, lay = self.ev, self.geo, self.geo.layout
-        xv = ev.mod_switch(ct, geo.level_p + 2)
+        xv = ev.mod_switch(ct, geo.level_v + 2)
         v = self.enc_v(ev, xv, keys)
         ev.set_scale(v, ev.scale)
         if self._v_bias is not None:
@@ -329,7 +332,10 @@ class EncryptedAttentionLayer:
             if len(self._beta_cache) > 64:
                 self._beta_cache.clear()
             coeffs = self._poly * (self._p_gain * self._size_gain(tokens))
-            self._beta_cache[key] = PolyEvaluator(self.ev, coeffs, self.scale_p, mask())
+            # the depth-9 block runs at a 2^36 scale: the Chebyshev tree keeps P's absolute noise small
+            # where P itself is (rows far below the calibrated maximum), docs/fhe.md §3c
+            basis = "chebyshev" if self.geo.fold_v else "power"
+            self._beta_cache[key] = PolyEvaluator(self.ev, coeffs, self.scale_p, mask(), basis=basis)
         return self._beta_cache[key]
 
     def _beta(self, rows: int, tokens: int):
@@ -345,11 +351,8 @@ class EncryptedAttentionLayer:
     def _block_p(self, q: Ciphertext, k_b: Ciphertext, rows: int, tokens: int,
                  keys: EvalKeys) -> Ciphertext:
         """Unnormalized weights p of one cache block, broadcast over all bands (level_p)."""
-        ev, lay = self.ev, self.geo.layout
-        s = relin_rescale(ev, ev.mul(q, k_b), keys)
-        s = rotate_sum(ev, s, lay.band, lay.head_dim, keys)
-        ev.set_scale(s, self.scale_s)
-        ev.add_plain_inplace(s, self._beta(rows, tokens))
+        ev = self.ev
+        s = self._scores(q, k_b, rows, tokens, keys)
         if self._poly is not None:
             return self._poly_eval(rows, tokens)(s, keys)
         for _ in range(self.geo.squarings):
@@ -362,11 +365,31 @@ class EncryptedAttentionLayer:
         """p ⊙ V_b (size 3) and p of the cache blocks ``blocks`` at a context of ``tokens``."""
         pv, ps = [], []
         for b in blocks:
-            p = self._block_p(q, cache.k_blocks[b], min(cache.block_tokens, tokens - b * cache.block_tokens),
-                              tokens, keys)
-            pv.append(self.ev.mul(p, cache.v_blocks[b]))
+            rows = min(cache.block_tokens, tokens - b * cache.block_tokens)
+            if self.geo.fold_v:
+                p, p_v = self._block_p_v(q, cache.k_blocks[b], cache.v_blocks[b], rows, tokens, keys)
+            else:
+                p = self._block_p(q, cache.k_blocks[b], rows, tokens, keys)
+                p_v = self.ev.mul(p, cache.v_blocks[b])
+            pv.append(p_v)
             ps.append(p)
         return pv, ps
+
+    def _scores(self, q: Ciphertext, k_b: Ciphertext, rows: int, tokens: int, keys: EvalKeys) -> Ciphertext:
+        """a s + b of one cache block, broadcast over all bands (level_qk - 1)."""
+        ev, lay = self.ev, self.geo.layout
+        s = relin_rescale(ev, ev.mul(q, k_b), keys)
+        s = rotate_sum(ev, s, lay.band, lay.head_dim, keys)
+        ev.set_scale(s, self.scale_s)
+        ev.add_plain_inplace(s, self._beta(rows, tokens))
+        return s
+
+    def _block_p_v(self, q: Ciphertext, k_b: Ciphertext, v_b: Ciphertext, rows: int, tokens: int,
+                   keys: EvalKeys) -> tuple[Ciphertext, Ciphertext]:
+        """fold_v: (p, p ⊙ V_b) of one cache block at the depth of p alone (p at level_p; p ⊙ V_b size 3
+        one level up, summed over blocks before one relinearization and rescale to level_u)."""
+        s = self._scores(q, k_b, rows, tokens, keys)
+        return self._poly_eval(rows, tokens).with_values(s, v_b, self.scale_u, keys)
 
     def _attend(self, cache: EncryptedKVCache, q: Ciphertext, keys: EvalKeys) -> Ciphertext:
         if cache.length == 1:
@@ -380,7 +403,7 @@ class EncryptedAttentionLayer:
         u = rotate_sum(ev, u, lay.num_heads, lay.block_tokens, keys, horner=True)
         ev.set_scale(u, self.scale_u)
         # z's row sum runs one level lower (where the z map reads it): same values, cheaper rotations
-        z = ev.mod_switch(ev.add_many(ps), self.geo.level_p - 1)
+        z = ev.mod_switch(ev.add_many(ps), self.geo.level_u)
         z = rotate_sum(ev, z, lay.num_heads, lay.block_tokens, keys, horner=True)
         y = self.enc_out(ev, u, keys)
         zo = self.enc_z(ev, z, keys)
@@ -392,8 +415,8 @@ class EncryptedAttentionLayer:
         so the block returns y_h = v_0 Wo_h, z_h = 1 (the same quotient as the simulator's) without
         the score path — which would otherwise drown a tiny p_00 in CKKS noise."""
         ev, lay = self.ev, self.geo.layout
-        v = cache.v_blocks[0]
-        lvl = self.geo.level_p
+        lvl = self.geo.level_u + 1
+        v = ev.mod_switch(cache.v_blocks[0], lvl)
         mask = ev.encode(lay.valid(1), lvl, self.scale_u * ev.prime(lvl) / ev.scale_of(v))
         u = ev.mul_plain(v, mask)
         ev.rescale_inplace(u)

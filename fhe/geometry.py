@@ -13,7 +13,7 @@ import numpy as np
 from engine.config import ModelConfig
 from fhe.errors import ParameterError, ShapeError
 from fhe.packing import BandLayout
-from fhe.params import CKKSParams, block_depth, score_depth
+from fhe.params import CKKSParams, block_depth, min_block_depth, score_depth
 
 
 def packed_chunk_of(lay: BandLayout) -> int:
@@ -44,17 +44,21 @@ class Geometry:
     layout: BandLayout
     period: int
     squarings: int
+    #: polyexp at one level less than :func:`fhe.params.block_depth`: ``p * V`` folded into P (the V cache
+    #: then sits at level_qk beside K, and u comes out at level_p)
+    fold_v: bool = False
 
     @classmethod
     def build(cls, cfg: ModelConfig, params: CKKSParams, kind: str, squarings: int) -> Geometry:
         lay = BandLayout(params.slots, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                          cfg.head_dim)
-        if params.depth < block_depth(kind, squarings):
-            raise ParameterError(f"{params} has depth {params.depth} < {block_depth(kind, squarings)}")
+        if params.depth < min_block_depth(kind, squarings):
+            raise ParameterError(f"{params} has depth {params.depth} < {min_block_depth(kind, squarings)}")
         period = lay.band
         while period < lay.hidden:
             period *= 2
-        geo = cls(params, lay, period, score_depth(kind, squarings))
+        fold_v = params.depth < block_depth(kind, squarings)
+        geo = cls(params, lay, period, score_depth(kind, squarings), fold_v)
         if params.slots % period or geo.k_pos(lay.num_kv_heads - 1, geo.bands_per_period - 1) >= lay.band:
             raise ShapeError(f"model shape {lay} does not fit the band layout at "
                              f"N = {params.poly_modulus_degree}")
@@ -129,5 +133,16 @@ class Geometry:
 
     @property
     def level_p(self) -> int:
-        """Level of p (after q.k and the squarings) = level of the V cache."""
+        """Level of p (after q.k and the squarings)."""
         return self.level_qk - 1 - self.squarings
+
+    @property
+    def level_v(self) -> int:
+        """Level of the V cache: level_p (p * V one level below), or level_qk with ``fold_v`` (P(s) * V
+        takes v one level above s)."""
+        return self.level_qk if self.fold_v else self.level_p
+
+    @property
+    def level_u(self) -> int:
+        """Level of u = sum_j p_j v_j and of z's row sum (the output maps' input; the output is one lower)."""
+        return self.level_p if self.fold_v else self.level_p - 1

@@ -206,7 +206,7 @@ class PackedPrefill:
         return q
 
     def _project_kv(self, ct: Ciphertext, start: int, n: int, keys: EvalKeys, rope):
-        """k (GQA-expanded, RoPE folded, level_qk) and v (level_p), each from x switched down to one level
+        """k (GQA-expanded, RoPE folded, level_qk) and v (level_v), each from x switched down to one level
         above its own: k needs no mask level (q does), so its 1088 diagonals are encoded and multiplied at
         11 primes instead of 12 (measured: 9.9 vs 14.8 ms each, docs/benchmarks.md)."""
         layer, ev, geo, lay = self.layer, self.ev, self.geo, self.geo.layout
@@ -220,7 +220,7 @@ class PackedPrefill:
         ev.set_scale(k, ev.scale)
         if bk is not None:
             k = add_plain_values(ev, k, self._bias_vec(_rope_rows(bk.reshape(-1, D)[heads], cos, sin)))
-        xv = ev.mod_switch(ct, geo.level_p + 1)
+        xv = ev.mod_switch(ct, geo.level_v + 1)
         wv_rows = wv.reshape(-1, D, wv.shape[1])[heads].reshape(1, Hq * D, -1)
         dev = _values_device(ev)
         vmap = PackedMap(geo, wv_rows if dev is None else _on(wv_rows, dev))
@@ -287,11 +287,8 @@ class PackedPrefill:
         last position, ``tokens``: the smallest, so no row's p overflows): the same factor on a query
         row's every p keeps y/z exact.
         """
-        layer, ev, lay = self.layer, self.ev, self.geo.layout
-        s = relin_rescale(ev, ev.mul(q, k_b), keys)
-        s = rotate_sum(ev, s, lay.band, lay.head_dim, keys)
-        ev.set_scale(s, layer.scale_s)
-        ev.add_plain_inplace(s, beta)
+        layer, ev = self.layer, self.ev
+        s = self._scores(q, k_b, beta, keys)
         if layer._poly is not None:  # constants only where a score sits: masked rows get p = 0
             return layer.poly_evaluator(("packed", rows.tobytes()), lambda: self._rows_mask(rows), tokens)(s, keys)
         for _ in range(self.geo.squarings):
@@ -299,13 +296,34 @@ class PackedPrefill:
         ev.set_scale(s, layer.scale_p)
         return s
 
+    def _scores(self, q: Ciphertext, k_b: Ciphertext, beta, keys: EvalKeys) -> Ciphertext:
+        """q.K summed over the bands, + beta (level_qk - 1)."""
+        layer, ev, lay = self.layer, self.ev, self.geo.layout
+        s = relin_rescale(ev, ev.mul(q, k_b), keys)
+        s = rotate_sum(ev, s, lay.band, lay.head_dim, keys)
+        ev.set_scale(s, layer.scale_s)
+        ev.add_plain_inplace(s, beta)
+        return s
+
+    def _p_v(self, q: Ciphertext, k_b: Ciphertext, v_b: Ciphertext, beta, rows: np.ndarray, tokens: int,
+             keys: EvalKeys) -> tuple[Ciphertext, Ciphertext]:
+        """(p at level_p, p ⊙ V_b of size 3 one level above level_u): with ``fold_v`` the product rides in
+        polyexp's P (:meth:`fhe.poly.PolyEvaluator.with_values`), else it is one more product."""
+        layer = self.layer
+        if self.geo.fold_v:
+            s = self._scores(q, k_b, beta, keys)
+            poly = layer.poly_evaluator(("packed", rows.tobytes()), lambda: self._rows_mask(rows), tokens)
+            return poly.with_values(s, v_b, layer.scale_u, keys)
+        p = self._p(q, k_b, beta, rows, tokens, keys)
+        return p, self.ev.mul(p, v_b)
+
     def _deltas(self, older: bool, n: int) -> int:
         """Row shifts of q the chunk's scores need: n within the chunk, B with earlier full blocks."""
         return self.geo.layout.block_tokens if older else n
 
     def _down(self, cache: EncryptedKVCache, q: Ciphertext, k: Ciphertext, v: Ciphertext, start: int, n: int,
               deltas: range, keys: EvalKeys) -> list[tuple[Ciphertext, Ciphertext]]:
-        """Per δ in ``deltas``: (Σ p ⊙ V relinearized and rescaled, Σ p at level_p - 1) of the pairs whose key
+        """Per δ in ``deltas``: (Σ p ⊙ V relinearized and rescaled, Σ p at level_u) of the pairs whose key
         sits δ rows below its query."""
         ev, geo, lay = self.ev, self.geo, self.geo.layout
         B, Hq = lay.block_tokens, lay.num_heads
@@ -323,13 +341,13 @@ class PackedPrefill:
                 rows = np.arange(delta, min(n + delta, rows_b))   # key rows whose query is delta rows up
                 if rows.size == 0:
                     continue
-                p = self._p(self._masked(shifted, rows), k_b, self._beta(rows, pos[rows - delta]), rows,
-                            int(pos.max()) + 1, keys)
-                pv.append(ev.mul(p, v_b))
+                p, p_v = self._p_v(self._masked(shifted, rows), k_b, v_b, self._beta(rows, pos[rows - delta]),
+                                   rows, int(pos.max()) + 1, keys)
+                pv.append(p_v)
                 ps.append(p)
             w = relin_rescale(ev, ev.add_many(pv), keys)
             ev.set_scale(w, self.layer.scale_u)
-            out.append((w, ev.mod_switch(ev.add_many(ps), geo.level_p - 1)))
+            out.append((w, ev.mod_switch(ev.add_many(ps), geo.level_u)))
         return out
 
     def _horner(self, terms: list[tuple[Ciphertext, Ciphertext]], keys: EvalKeys, u=None, z=None):
@@ -350,11 +368,11 @@ class PackedPrefill:
             return None
         w = relin_rescale(ev, ev.add_many(up_pv), keys)
         ev.set_scale(w, self.layer.scale_u)
-        return w, ev.mod_switch(ev.add_many(up_p), geo.level_p - 1)
+        return w, ev.mod_switch(ev.add_many(up_p), geo.level_u)
 
     def _attend(self, cache: EncryptedKVCache, q: Ciphertext, k: Ciphertext, v: Ciphertext, start: int,
                 n: int, keys: EvalKeys) -> tuple[Ciphertext, Ciphertext]:
-        """U, Z (level_p - 1): query row r's Σ_j p_rj v_j and Σ_j p_rj on row r."""
+        """U, Z (level_u): query row r's Σ_j p_rj v_j and Σ_j p_rj on row r."""
         deltas = range(self._deltas(bool(cache.k_blocks), n))
         u, z = self._horner(self._down(cache, q, k, v, start, n, deltas, keys), keys)
         below = self._below(cache, q, start, n, keys)
@@ -371,8 +389,9 @@ class PackedPrefill:
             for delta in range(1, n):
                 k_s, v_s = ev.rotate(k_s, -Hq, keys), ev.rotate(v_s, -Hq, keys)
                 rows = np.arange(delta, n)
-                p = self._p(self._masked(q, rows), k_s, self._beta(rows, pos[rows]), rows, int(pos.max()) + 1, keys)
-                pv.append(ev.mul(p, v_s))
+                p, p_v = self._p_v(self._masked(q, rows), k_s, v_s, self._beta(rows, pos[rows]), rows,
+                                   int(pos.max()) + 1, keys)
+                pv.append(p_v)
                 ps.append(p)
         return pv, ps
 
@@ -400,7 +419,8 @@ class PackedPrefill:
     def _first_token(self, v: Ciphertext, n: int, keys: EvalKeys) -> Ciphertext:
         """Position 0 attends only to itself: y_h = v_0 Wo_h, z_h = 1 (see ``_attend_single``)."""
         layer, ev, lay = self.layer, self.ev, self.geo.layout
-        lvl = self.geo.level_p
+        lvl = self.geo.level_u + 1
+        v = ev.mod_switch(v, lvl)
         mask = ev.encode(self._rows_mask(np.array([n - 1])), lvl, layer.scale_u * ev.prime(lvl) / ev.scale_of(v))
         u = ev.mul_plain(v, mask)
         ev.rescale_inplace(u)

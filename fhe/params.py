@@ -7,7 +7,8 @@ table (``CoeffModulus.MaxBitCount(N, tc128)``), and :class:`CKKSParams` checks i
 
 Depth of the block (see ``docs/fhe.md``): projection (1) + RoPE/repack (1) + q.k (1) + the
 approximation's levels (sqexp: R squarings, polyexp: R for its degree 2^R - 1 polynomial, 2quad: 1)
-+ weighted sum with V (1) + output projection (1).
++ weighted sum with V (1) + output projection (1). polyexp can fold the weighted sum with V into its
+polynomial (``fhe.poly.PolyEvaluator.with_values``): one level less, :func:`min_block_depth`.
 """
 
 from __future__ import annotations
@@ -95,6 +96,12 @@ def block_depth(kind: str, squarings: int) -> int:
     return BASE_DEPTH + score_depth(kind, squarings)
 
 
+def min_block_depth(kind: str, squarings: int) -> int:
+    """The least depth the block runs at: polyexp folds ``p * V`` into P (degree 2^R - 1 times v is degree
+    2^R, still depth R), so it needs one level less than :func:`block_depth`; the others need that."""
+    return block_depth(kind, squarings) - (1 if kind == "polyexp" else 0)
+
+
 def score_depth(kind: str, squarings: int) -> int:
     """Levels the approximation spends after q.k: R squarings (sqexp), a degree 2^R - 1 polynomial
     at depth R (polyexp, ``fhe.poly``), one squaring (2quad)."""
@@ -105,14 +112,17 @@ def score_depth(kind: str, squarings: int) -> int:
     raise ParameterError(f"approximation {kind!r} cannot run under CKKS (only sqexp, polyexp and 2quad)")
 
 
-def ckks_params_for(kind: str, squarings: int = 6) -> CKKSParams:
+def ckks_params_for(kind: str, squarings: int = 6, *, fold_v: bool = False) -> CKKSParams:
     """The smallest 128-bit-secure parameter set for the block with this approximation.
+
+    ``fold_v`` (polyexp only): for the block that folds ``p * V`` into the polynomial
+    (:func:`min_block_depth`: polyexp R = 5 at depth 9 fits N = 16384 with 36-bit primes).
 
     Picks the smallest ring (>= :data:`MIN_RING`) where the depth fits with a scale of at least
     :data:`MIN_SCALE_BITS`, then the largest scale (<= :data:`MAX_SCALE_BITS`) that fits with a first
     prime of ``scale + FIRST_PRIME_HEADROOM_BITS`` bits and a 60-bit special prime.
     """
-    depth = block_depth(kind, squarings)
+    depth = min_block_depth(kind, squarings) if fold_v else block_depth(kind, squarings)
     for n in sorted(k for k in HE_STANDARD_128 if k >= MIN_RING):
         for scale in range(MAX_SCALE_BITS, MIN_SCALE_BITS - 1, -1):
             first = min(60, scale + FIRST_PRIME_HEADROOM_BITS)

@@ -37,7 +37,10 @@ DEFAULT_PLAN_FILE = "smollm2-135m-instruct.plan.json"
 #: The shipped plans by name: the default (sqexp R=6, depth 11, N = 32768) and ``polyexp`` (a degree-31
 #: exp at depth 10, N = 32768: closer to the model, 17 % smaller keys, a 23 % slower decode step; see
 #: docs/benchmarks.md "polyexp"), an option (``[private] plan = ...``, ``plan-info polyexp``).
-SHIPPED_PLANS = {"default": DEFAULT_PLAN_FILE, "polyexp": "smollm2-135m-instruct-polyexp.plan.json"}
+#: ``n16384``: the same polyexp fit (identical layers and calibration record) at depth 9, N = 16384, with
+#: p * V folded into P (docs/fhe.md §3c): 3x smaller uploads and keys (docs/benchmarks.md "depth 9").
+SHIPPED_PLANS = {"default": DEFAULT_PLAN_FILE, "polyexp": "smollm2-135m-instruct-polyexp.plan.json",
+                 "n16384": "smollm2-135m-instruct-n16384.plan.json"}
 #: adjusted weights a plan may carry, relative to ``layers[i].self_attn``
 ADJUSTABLE = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
               "q_proj.bias", "k_proj.bias", "v_proj.bias")

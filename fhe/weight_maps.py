@@ -119,20 +119,20 @@ class BlockMaps:
         """Step (mod S) -> the highest level at which the block rotates by it: the level its Galois key is
         made at (:class:`fhe.params.KeyLevels`). Follows ``EncryptedAttentionLayer``: a slot map rotates at
         its input level and rescales after; a matvec folds after that rescale."""
-        lay, top, lqk, lp = geo.layout, geo.top, geo.level_qk, geo.level_p
+        lay, top, lqk, lv, lu = geo.layout, geo.top, geo.level_qk, geo.level_v, geo.level_u
         uses = [
             (self.qk.map.rotation_steps, top),                                   # projection diagonals
             (_rs_steps(self.qk.window, self.qk.fold), top - 1),                  # its folds
             (self.q_rope.map.rotation_steps | self.k_rope.map.rotation_steps, top - 1),
             (_rs_steps(-lay.num_heads, lay.block_tokens), lqk),                  # copy q to all rows
             ({-1, -lay.num_heads}, lqk),                                         # GQA-expand k, roll K
-            (self.v.map.rotation_steps, lp + 2),                                 # V from x at lp + 2
-            (_rs_steps(self.v.window, self.v.fold), lp + 1),
-            (self.v_repack.rotation_steps, lp + 1),
-            ({-1, -lay.num_heads}, lp),                                          # GQA-expand v, roll V
+            (self.v.map.rotation_steps, lv + 2),                                 # V from x at lv + 2
+            (_rs_steps(self.v.window, self.v.fold), lv + 1),
+            (self.v_repack.rotation_steps, lv + 1),
+            ({-1, -lay.num_heads}, lv),                                          # GQA-expand v, roll V
             (_rs_steps(lay.band, lay.head_dim), lqk - 1),                        # band sums of q * K_b
-            ({lay.num_heads}, lp - 1),                                           # row sums of u and z
-            (self.out.rotation_steps | self.z.rotation_steps, lp - 1),           # output maps
+            ({lay.num_heads}, lu),                                               # row sums of u and z
+            (self.out.rotation_steps | self.z.rotation_steps, lu),               # output maps
         ]
         if geo.packed_chunk:  # packed prefill (fhe.packed): babies by +1 from the fresh input, giants by W
             uses += [({1}, top), ({lay.band}, top - 1),                          # after one rescale,

@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--window", type=float, default=None,
                      help="polyexp: P approximates exp on [-window, 0.5] (default 40)")
     cal.add_argument("--no-fit", action="store_true", help="uncalibrated: measure the range only")
+    cal.add_argument("--fold-v", action="store_true",
+                     help="polyexp: record the CKKS parameters of the block with p*V folded into P (one level "
+                          "less: R = 5 at depth 9, N = 16384; docs/fhe.md §3)")
     cal.add_argument("--distill-weights", action="store_true", help="2quad: also distill Wq/Wk/Wv/Wo")
     cal.add_argument("--steps", type=int, default=150, help="Adam steps per layer")
     cal.add_argument("--prompts", type=int, default=32, help="calibration prompts to use")
@@ -58,8 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     off.set_defaults(func=_offload_plan)
     info = fsub.add_parser("plan-info", help="verify a plan (hash, version) and summarize it")
     info.add_argument("plan", help="plan folder or .json file, or a shipped plan by name: 'default' (the SmolLM2 "
-                                   "sqexp plan), 'polyexp' (its polyexp option) or 'offload' (the SmolLM2 offload "
-                                   "plan); offload plans are recognized")
+                                   "sqexp plan), 'polyexp' (its polyexp option), 'n16384' (that fit at depth 9, "
+                                   "N = 16384) or 'offload' (the SmolLM2 offload plan); offload plans are recognized")
     info.add_argument("--json", action="store_true", help="print the full metadata as JSON")
     info.add_argument("--context", type=int, default=64, help="keys per decoded token, for the work split")
     info.set_defaults(func=_plan_info)
@@ -78,6 +81,7 @@ def _load_model_and_tokenizer(spec: str):
 def _calibrate(args: argparse.Namespace) -> int:
     from fhe.approx import POLY_WINDOW
     from fhe.calibrate import CalibrationConfig, calibrate
+    from fhe.params import ckks_params_for
     from fhe.plan import PlanError
 
     squarings = args.squarings if args.squarings is not None else 5 if args.approx == "polyexp" else 6
@@ -95,10 +99,15 @@ def _calibrate(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.fold_v and args.approx != "polyexp":
+        print("cipherlm: error: --fold-v needs --approx polyexp", file=sys.stderr)
+        return 2
+    ckks = ckks_params_for(args.approx, squarings, fold_v=True).to_dict() if args.fold_v else None
     path, model, tok = _load_model_and_tokenizer(args.model)
     start = time.perf_counter()
     try:
-        plan = calibrate(model, tok, cfg, args.model_id or path.stem, log=lambda m: print(m, flush=True))
+        plan = calibrate(model, tok, cfg, args.model_id or path.stem, ckks=ckks,
+                         log=lambda m: print(m, flush=True))
         out = plan.save(args.out)
     except PlanError as exc:
         print(f"cipherlm: error: {exc}", file=sys.stderr)

@@ -23,13 +23,14 @@ def reference(model, plan, x):
     return finish(ys, zs)
 
 
-@pytest.mark.parametrize("kind,prompt", [("2quad", 30), ("sqexp", 45), ("polyexp", 45)])
-def test_packed_prefill_equals_the_token_path_and_the_simulator(kind, prompt):
+@pytest.mark.parametrize("kind,prompt,fold_v", [("2quad", 30, False), ("sqexp", 45, False), ("polyexp", 45, False),
+                                               ("polyexp", 25, True)])
+def test_packed_prefill_equals_the_token_path_and_the_simulator(kind, prompt, fold_v):
     """Chunks of B tokens (21 at N = 16384, 42 at 32768): a full one, then one that also attends to the
     earlier block, every operation level/scale-checked; then decode steps on the packed cache equal those
-    on the token cache."""
+    on the token cache (polyexp ``fold_v``: the depth-9 block, p * V inside P)."""
     total = prompt + 3
-    model, x, plan, block, bc, keys = symbolic_setup(kind, total)
+    model, x, plan, block, bc, keys = symbolic_setup(kind, total, fold_v=fold_v)
     b = block.packed_chunk
     assert prompt > b == block.geo.layout.block_tokens              # the prompt spans a block boundary
     packed, tokenwise = block.new_cache(), block.new_cache()

@@ -11,7 +11,7 @@ import torch
 from fhe.approx import POLY_HI, ScoreApprox, exp_poly_coefficients, poly_eval, sqexp, unnormalized_weights
 from fhe.calibrate import CalibrationConfig, collect, fit_layer
 from fhe.errors import LevelError
-from fhe.params import HE_STANDARD_128, block_depth, ckks_params_for
+from fhe.params import HE_STANDARD_128, block_depth, ckks_params_for, min_block_depth
 from fhe.poly import PolyEvaluator, poly_depth
 
 
@@ -64,6 +64,10 @@ def test_polyexp_fits_n16384_at_depth_9():
     assert p.poly_modulus_degree == 16384 and p.total_bits <= HE_STANDARD_128[16384]
     assert 36 <= p.scale_bits <= 40 and all(36 <= b <= 60 for b in p.coeff_mod_bit_sizes)
     assert ckks_params_for("polyexp", 5).poly_modulus_degree == 32768   # depth 10 does not fit 16384
+    folded = ckks_params_for("polyexp", 5, fold_v=True)                  # p * V inside P: depth 9
+    assert folded.depth == min_block_depth("polyexp", 5) == 9 and folded.poly_modulus_degree == 16384
+    assert folded.total_bits <= HE_STANDARD_128[16384]
+    assert min_block_depth("sqexp", 6) == block_depth("sqexp", 6)        # only polyexp folds V
 
 
 def test_poly_depth_needs_a_power_of_two():
@@ -100,6 +104,31 @@ def test_encrypted_polynomial_matches_reference_at_depth_r(seal16k):
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
     with pytest.raises(LevelError):
         PolyEvaluator(ev, coeffs, ev.scale, mask)(ev.mod_switch(ct, 4), keys)
+
+
+def test_encrypted_polynomial_times_v_costs_no_level(seal16k):
+    """P(t) and P(t) * v both at depth R (v one level above t): the block's p * V folded into P (fold_v)."""
+    from fhe.evaluator import relin_rescale
+
+    client, keys, ev = seal16k
+    rng = np.random.default_rng(1)
+    t, v = rng.uniform(-1, 1, ev.slots), rng.uniform(-2, 2, ev.slots)
+    mask = np.ones(ev.slots)
+    mask[::3] = 0.0
+    t[::3] = 0.0
+    coeffs = exp_poly_coefficients(32.0, 15) * 1000.0
+    ct_t, ct_v = ev.mod_switch(client.encrypt(t), 7), ev.mod_switch(client.encrypt(v), 8)
+    evaluator = PolyEvaluator(ev, coeffs, ev.scale, mask)
+    p, pv = evaluator.with_values(ct_t, ct_v, ev.scale, keys)
+    assert ev.level(p) == 3 and ev.scale_of(p) == ev.scale
+    assert ev.level(pv) == 4 and ev.size(pv) == 3              # summed by the caller before one relin
+    pv = relin_rescale(ev, pv, keys)
+    assert ev.level(pv) == 3 and ev.scale_of(pv) == pytest.approx(ev.scale, rel=1e-12)
+    ref = poly_eval(torch.tensor(t), coeffs).numpy() * mask
+    assert np.abs(client.decrypt(p) - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert np.abs(client.decrypt(pv) - ref * v).max() <= 1e-5 * np.abs(ref * v).max()
+    with pytest.raises(LevelError):
+        evaluator.with_values(ct_t, ev.mod_switch(ct_v, 7), ev.scale, keys)    # v must sit above t
 
 
 def test_calibration_fits_polyexp_inside_its_window():
@@ -195,3 +224,27 @@ def test_keys_of_the_former_plan_are_refused_by_name():
     upload = wire.dump_public_keys(CKKSClient(old, []))
     with pytest.raises(KeyMismatchError, match=r"other CKKS parameters than this plan's \(N = 32768, 12 primes"):
         wire.load_server_keys(upload, new, [])
+
+
+def test_keys_across_the_ring_change_are_refused_by_name():
+    """N = 32768 keys (either former plan) at the depth-9 N = 16384 plan, and back: typed refusals that name
+    the plan's ring and chain, never a crash in the loader."""
+    from fhe.backends.seal import wire
+    from fhe.backends.seal.keys import CKKSClient
+    from fhe.errors import KeyMismatchError
+
+    small, large = ckks_params_for("polyexp", 5, fold_v=True), ckks_params_for("polyexp", 5)
+    with pytest.raises(KeyMismatchError, match=r"other CKKS parameters than this plan's \(N = 16384, 11 primes"):
+        wire.load_server_keys(wire.dump_public_keys(CKKSClient(large, [])), small, [])
+    with pytest.raises(KeyMismatchError, match=r"\(N = 32768, 12 primes"):
+        wire.load_server_keys(wire.dump_public_keys(CKKSClient(small, [])), large, [])
+
+
+def test_calibrate_fold_v_needs_polyexp(tmp_path, capsys):
+    """``cipherlm fhe calibrate --fold-v`` records the depth-9 parameters for polyexp only: a typed refusal
+    (exit 2, a message) for another kind, before any model loads."""
+    from server.cli import main
+
+    assert main(["fhe", "calibrate", "--approx", "sqexp", "--fold-v", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--fold-v needs --approx polyexp" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

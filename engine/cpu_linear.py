@@ -22,7 +22,10 @@ from torch import nn
 
 # At one row the product streams the weight once; for a weight this large (the LM head) MKL's gemv over a
 # transposed ``[in, out]`` copy streams it faster than oneDNN's packed layout (4.9-5.2 vs 6.9-7.4 ms for
-# SmolLM2's 49152 x 576 head), so such a weight also keeps that copy.
+# SmolLM2's 49152 x 576 head), so such a weight always keeps that copy. On the Sapphire Rapids box the same
+# holds for every SmolLM2 projection at one thread (960x576: 51 vs 107 us; 576x1536: 131 vs 204 us; whole
+# batch-1 decode 16.8 vs 13.6 tokens per CPU-second, docs/benchmarks.md), so ``one_row_copy=True``
+# (``EngineConfig.cpu_one_row_weights``) keeps it for every weight, at one more copy of the weights.
 _ONE_ROW_MIN_NUMEL = 1 << 22
 
 
@@ -36,14 +39,15 @@ def onednn_available() -> bool:
 class PackedLinear(nn.Module):
     """``nn.Linear`` semantics over a oneDNN-packed copy of the weight (fp32, CPU, 2-D input)."""
 
-    def __init__(self, linear: nn.Linear, rows_hint: int = 32) -> None:
+    def __init__(self, linear: nn.Linear, rows_hint: int = 32, one_row_copy: bool | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         w = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
-        self.weight_t = w.t().contiguous() if w.numel() >= _ONE_ROW_MIN_NUMEL else None  # [in, out]
+        keep = w.numel() >= _ONE_ROW_MIN_NUMEL if one_row_copy is None else one_row_copy
+        self.weight_t = w.t().contiguous() if keep else None  # [in, out], for one-row products
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
@@ -58,14 +62,16 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`; return how many."""
+def pack_linears(model: nn.Module, one_row_copies: bool = False) -> int:
+    """Replace every fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`; return how many.
+    ``one_row_copies``: every weight (not only the large ones) keeps its transposed copy for one-row
+    products (faster batch-1 decode, one more copy of the weights)."""
     if not onednn_available():
         return 0
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear and child.weight.dtype == torch.float32 and not child.weight.is_cuda]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, one_row_copy=True if one_row_copies else None))
     return len(swaps)
 
 
@@ -86,14 +92,14 @@ def _fuse_packed(parts: list[PackedLinear]) -> PackedLinear:
     lin.weight = nn.Parameter(w, requires_grad=False)
     if b is not None:
         lin.bias = nn.Parameter(b, requires_grad=False)
-    fused = PackedLinear(lin)
+    fused = PackedLinear(lin, one_row_copy=any(p.weight_t is not None for p in parts) or None)
     row = 0
     for p in parts:
         n = p.out_features
         p.weight = nn.Parameter(w[row:row + n], requires_grad=False)
         if b is not None:
             p.bias = nn.Parameter(b[row:row + n], requires_grad=False)
-        p.packed = None
+        p.packed = p.weight_t = None
         row += n
     return fused
 

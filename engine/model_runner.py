@@ -59,7 +59,7 @@ class ModelRunner:
             int4 = config.weight_group_size if config.cuda_weight_format == "int4" else None
             self.model = fuse_for_cuda(self.model, int4_group=int4)
         elif config.cpu_packed_weights:  # oneDNN-packed linears: no per-call weight re-pack (engine.cpu_linear)
-            pack_linears(self.model)
+            pack_linears(self.model, one_row_copies=config.cpu_one_row_weights)
         if not self.is_cuda and config.cpu_fused_projections:  # one q/k/v and one gate/up product per layer
             fuse_projections(self.model)
         self.block_size = config.block_size

@@ -46,6 +46,15 @@ def test_large_packed_linear_one_row_path_matches(rows):
     torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_row_copy_of_a_small_weight_matches(rows):
+    lin = torch.nn.Linear(64, 128, bias=True)
+    packed = PackedLinear(lin, one_row_copy=True)
+    assert packed.weight_t is not None and PackedLinear(lin).weight_t is None
+    x = torch.randn(rows, 64)
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
 def _decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """Prefill all but the last token, then one-row steps (the decode shape) for the last 3."""
     n = ids.shape[0]
@@ -63,7 +72,7 @@ def _decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def test_fused_projections_match_the_separate_ones(variant):
     plain, fused = tiny_model(variant), tiny_model(variant)
-    pack_linears(plain), pack_linears(fused)
+    pack_linears(plain), pack_linears(fused, one_row_copies=True)
     keys = set(fused.state_dict())
     assert fuse_projections(fused) == 2 * len(fused.layers)
     assert set(fused.state_dict()) == keys                     # the fused products are not submodules
@@ -71,7 +80,7 @@ def test_fused_projections_match_the_separate_ones(variant):
     assert attn.fused_qkv.out_features == attn.q_proj.out_features + 2 * attn.k_proj.out_features
     # the parts' weights are row views of the fused weight: nothing stored twice
     assert attn.k_proj.weight.data_ptr() == attn.fused_qkv.weight[attn.q_proj.out_features].data_ptr()
-    assert attn.q_proj.packed is None
+    assert attn.q_proj.packed is None and attn.q_proj.weight_t is None and attn.fused_qkv.weight_t is not None
     ids = torch.randint(0, fused.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
     for run in (lambda m: m.logits(m(ids, torch.arange(24), DenseKVCache(m.config, 24))),
                 lambda m: _decode_logits(m, ids)):

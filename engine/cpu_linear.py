@@ -23,8 +23,8 @@ from torch import nn
 # At one row the product streams the weight once; for a weight this large (the LM head) MKL's gemv over a
 # transposed ``[in, out]`` copy streams it faster than oneDNN's packed layout (4.9-5.2 vs 6.9-7.4 ms for
 # SmolLM2's 49152 x 576 head), so such a weight always keeps that copy. On the Sapphire Rapids box the same
-# holds for every SmolLM2 projection at one thread (960x576: 51 vs 107 us; 576x1536: 131 vs 204 us; whole
-# batch-1 decode 16.8 vs 13.6 tokens per CPU-second, docs/benchmarks.md), so ``one_row_copy=True``
+# holds for every SmolLM2 projection at one thread (bench/gemv_cpu.py; with the fused products, batch-1
+# decode went 11.9 -> 15.7 tokens per CPU-second, docs/benchmarks.md), so ``one_row_copy=True``
 # (``EngineConfig.cpu_one_row_weights``) keeps it for every weight, at one more copy of the weights.
 _ONE_ROW_MIN_NUMEL = 1 << 22
 

@@ -45,20 +45,23 @@ def load_formats(names: list[str]):
 
 def resident_bytes(model) -> int:
     """Bytes of every distinct tensor holding weights (see the module docstring)."""
-    from engine.cpu_linear import PackedLinear
+    from engine.cpu_linear import PackedLinear, fused_modules
     from engine.quant import QuantLinear
 
     tensors = list(model.parameters()) + list(model.buffers())
-    for m in model.modules():
+    for m in list(model.modules()) + fused_modules(model):  # the fused products are not submodules
         if isinstance(m, PackedLinear):
-            tensors += [m.packed] + ([m.weight_t] if m.weight_t is not None else [])
+            tensors += [t for t in (m.weight, m.packed, m.weight_t) if t is not None]
         if isinstance(m, QuantLinear):
             tensors += m.quant_tensors()
     seen = {}
     for t in tensors:
-        if t.device.type != "meta":  # oneDNN's packed tensors have no data_ptr: keyed by identity
-            key = ("id", id(t)) if t.is_mkldnn else (t.data_ptr(), t.numel())
-            seen[key] = t.numel() * t.element_size()
+        if t.device.type != "meta":  # oneDNN's packed tensors have no storage: keyed by identity
+            if t.is_mkldnn:
+                seen[("id", id(t))] = t.numel() * t.element_size()
+            else:  # by storage: the fused products' parts are row views of the fused weights
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 
 

@@ -133,6 +133,11 @@ class EngineConfig:
         num_threads: torch threads on CPU (None = leave torch's setting).
         cpu_packed_weights: on CPU, run the linears on oneDNN-packed weight copies (engine.cpu_linear;
             faster few-row products, one extra copy of the weights in memory).
+        cpu_one_row_weights: with ``cpu_packed_weights``, every linear also keeps a transposed copy for
+            one-row products (batch-1 decode: MKL's gemv streams it faster than the packed layout;
+            one more copy of the fp32 weights, ~0.54 GB for SmolLM2-135M).
+        cpu_fused_projections: on CPU, run each layer's q/k/v and gate/up as one product each
+            (engine.cpu_linear.fuse_projections; fp32 packed or 4-bit weights; no weight stored twice).
         weight_format: what the linears hold when a model is loaded from a path (engine.quant, CPU
             only): "fp32" (default: everything dequantized), "native" (a GGUF's Q4_1/Q8_0/Q4_K blocks or
             a ``cipherlm model quantize`` folder run as stored), "int8" (group-wise RTN at load),
@@ -171,6 +176,8 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256
     num_threads: int | None = None
     cpu_packed_weights: bool = True
+    cpu_one_row_weights: bool = True
+    cpu_fused_projections: bool = True
     weight_format: str = "fp32"
     weight_group_size: int = 32
     cuda_weight_format: str = "bf16"

@@ -111,6 +111,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """GQA self-attention; storage and the softmax itself are delegated to an AttentionBackend."""
 
+    # x -> cat(q, k, v) in one product (engine.cpu_linear.fuse_projections); a plain attribute, not a
+    # submodule, so the state_dict keeps HF's names
+    fused_qkv: nn.Module | None = None
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -125,10 +129,19 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
         """x [T, hidden] -> q [T, Hq, D], k/v [T, Hkv, D], with RoPE applied to q and k."""
         t = x.shape[0]
+        if self.fused_qkv is not None:
+            return self._fused_qkv(x, positions, rope)
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         return rope(q, positions), rope(k, positions), v
+
+    def _fused_qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
+        """One product for q/k/v and one RoPE over q and k together (same positions); views, not copies."""
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.fused_qkv(x)
+        qk = rope(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), positions)
+        return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d:].view(t, hkv, d)
 
     def forward(self, x, positions, rope, backend: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv(x, positions, rope)
@@ -139,6 +152,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
+    fused_gate_up: nn.Module | None = None  # x -> cat(gate, up) in one product (see Attention.fused_qkv)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -146,6 +161,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up is not None:
+            gate, up = self.fused_gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

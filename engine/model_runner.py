@@ -17,7 +17,7 @@ import logging
 import torch
 
 from engine.config import ModelConfig
-from engine.cpu_linear import pack_linears
+from engine.cpu_linear import fuse_projections, pack_linears
 from engine.engine_config import EngineConfig
 from engine.fused import fuse_for_cuda
 from engine.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache, blocks_for_budget, blocks_for_gpu
@@ -59,7 +59,9 @@ class ModelRunner:
             int4 = config.weight_group_size if config.cuda_weight_format == "int4" else None
             self.model = fuse_for_cuda(self.model, int4_group=int4)
         elif config.cpu_packed_weights:  # oneDNN-packed linears: no per-call weight re-pack (engine.cpu_linear)
-            pack_linears(self.model)
+            pack_linears(self.model, one_row_copies=config.cpu_one_row_weights)
+        if not self.is_cuda and config.cpu_fused_projections:  # one q/k/v and one gate/up product per layer
+            fuse_projections(self.model)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)

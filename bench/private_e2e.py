@@ -161,16 +161,17 @@ def _device_name(device: str | None) -> str:
     return f"{device} ({torch.cuda.get_device_name(torch.device(device))}, the gpu backend)"
 
 
-def offload_plans(layers: str, root: Path) -> tuple[Path, Path]:
-    """(attention plan, offload plan) files for server layers ``layers`` ("2,3"): the shipped plan's score
-    maps of those layers, and an offload plan running their attention and MLP on the server."""
+def offload_plans(layers: str, root: Path, base: Path | None = None) -> tuple[Path, Path]:
+    """(attention plan, offload plan) files for server layers ``layers`` ("2,3"): the score maps of those
+    layers in ``base`` (default: the shipped plan; ``--plan``: e.g. bench/gpu_e2e_home.py's re-stamped copy
+    for random weights), and an offload plan running their attention and MLP on the server."""
     from engine.config import ModelConfig
     from engine.default_model import default_model_dir
     from fhe.offload import SERVER, LayerPlacement, OffloadPlan
     from fhe.plan import Plan
     from server.private.feature import default_plan_path
 
-    full, want = Plan.load(default_plan_path()), {int(x) for x in layers.split(",")}
+    full, want = Plan.load(base or default_plan_path()), {int(x) for x in layers.split(",")}
     if not want <= set(full.layer_indices):
         raise SystemExit(f"--offload: the shipped attention plan calibrates layers {list(full.layer_indices)}")
     att = Plan(full.model_id, full.weights_sha256, tuple(lp for lp in full.layers if lp.index in want), full.ckks,
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = args.plan if args.plan and args.layers == "all" else plan_with_layers(args.layers, root)
         offload = None
         if args.offload:
-            plan, offload = offload_plans(args.offload, root)
+            plan, offload = offload_plans(args.offload, root, args.plan)
         with running_server(root, None, plan, args.workers,
                             max_session_tokens=args.prompt_tokens + args.max_tokens + 8, offload=offload) as server:
             plain = bench_plaintext(server, prompt, args.max_tokens)

@@ -60,9 +60,41 @@ def _token(ev, block, x, a, keys):
     return [ev.mod_switch(e(ev, x, keys), 1) for e in block._enc_up], ev.mod_switch(block._enc_down(ev, a, keys), 1)
 
 
+def _sessions_row(ev, bev, block, sess: list, repeat: int) -> dict:
+    """One session count: one after another vs one batched step, rows checked equal, device bytes."""
+    from fhe.backends.gpu.batched import BatchKeys, run_linear
+    from fhe.backends.seal import hazmat as seal
+
+    n = len(sess)
+    keys = [ev.keys_from_server(c.server_keys()) for c, _, _ in sess]
+    xs = [ev.deserialize(seal.to_bytes(s[1])) for s in sess]
+    acts = [ev.deserialize(seal.to_bytes(s[2])) for s in sess]
+
+    def one_by_one():
+        return [_token(ev, block, xi, ai, ki) for xi, ai, ki in zip(xs, acts, keys, strict=True)]
+
+    def batched():
+        bk = BatchKeys.of(keys)                                       # stacked per step: part of its cost
+        up = [run_linear(bev, e, bev.stack(xs), bk) for e in block._enc_up]
+        return up, run_linear(bev, block._enc_down, bev.stack(acts), bk)
+
+    ref = one_by_one()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    up, down = batched()
+    _sync()
+    peak = torch.cuda.max_memory_allocated() - base
+    same = (all(ev.serialize(r[1]) == ev.serialize(c) for r, c in zip(ref, bev.unstack(down), strict=True))
+            and all(ev.serialize(r[0][0]) == ev.serialize(c) for r, c in zip(ref, bev.unstack(up[0]), strict=True)))
+    t_seq, t_bat = _median(one_by_one, repeat), _median(batched, repeat)
+    return {"sessions": n, "one_by_one_s": t_seq, "batched_s": t_bat, "tok_s_layer_one_by_one": n / t_seq,
+            "tok_s_layer_batched": n / t_bat, "batched_rows_equal": same,
+            "batch_working_bytes_per_session": peak / n, "key_set_bytes_per_session": keys[0].nbytes()}
+
+
 def main(argv: list[str] | None = None) -> int:
     from fhe.backends.gpu import GpuEvaluator
-    from fhe.backends.gpu.batched import BatchedEvaluator, BatchKeys, run_linear
+    from fhe.backends.gpu.batched import BatchedEvaluator
     from fhe.backends.seal import hazmat as seal
     from fhe.backends.seal.keys import CKKSClient
     from fhe.mlp import MLP_PARAMS, EncryptedMLP, MLPClient
@@ -114,34 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     bev = BatchedEvaluator(ev)
     rows = []
     for n in [int(s) for s in args.sessions.split(",")]:
-        sess = [session() for _ in range(n)]
-        keys = [ev.keys_from_server(c.server_keys()) for c, _, _ in sess]
-        xs = [ev.deserialize(seal.to_bytes(s[1])) for s in sess]
-        as_ = [ev.deserialize(seal.to_bytes(s[2])) for s in sess]
-
-        def one_by_one():
-            return [_token(ev, block, xi, ai, ki) for xi, ai, ki in zip(xs, as_, keys, strict=True)]
-
-        def batched():
-            bk = BatchKeys.of(keys)                                   # stacked per step: part of its cost
-            up = [run_linear(bev, e, bev.stack(xs), bk) for e in block._enc_up]
-            return up, run_linear(bev, block._enc_down, bev.stack(as_), bk)
-
-        ref = one_by_one()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        up, down = batched()
-        _sync()
-        peak = torch.cuda.max_memory_allocated() - base
-        same = all(ev.serialize(r[1]) == ev.serialize(c) for r, c in zip(ref, bev.unstack(down), strict=True)) and \
-            all(ev.serialize(r[0][0]) == ev.serialize(c) for r, c in zip(ref, bev.unstack(up[0]), strict=True))
-        t_seq, t_bat = _median(one_by_one, args.repeat), _median(batched, args.repeat)
-        row = {"sessions": n, "one_by_one_s": t_seq, "batched_s": t_bat, "tok_s_layer_one_by_one": n / t_seq,
-               "tok_s_layer_batched": n / t_bat, "batched_rows_equal": same,
-               "batch_working_bytes_per_session": peak / n, "key_set_bytes_per_session": keys[0].nbytes()}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del sess, keys, xs, as_, up, down
+        rows.append(_sessions_row(ev, bev, block, [session() for _ in range(n)], args.repeat))
+        print(json.dumps(rows[-1]), flush=True)
     out["sessions"] = rows
     print(json.dumps(out, indent=1))
     if args.out:

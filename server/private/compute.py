@@ -169,13 +169,14 @@ class PrivateCompute:
         return out, sum(c.nbytes() for c in caches.values())
 
     def mlp_step(self, fingerprint: str, layer: int, part: str, blobs: list[bytes]) -> list[bytes]:
-        """One MLP half of an offload plan over one ciphertext per position (stateless: no session state,
-        so any worker holding the MLP key set runs it); ``mlp_up`` answers ``outputs_per_position``
-        ciphertexts per position, position by position, ``mlp_down`` one."""
+        """One linear step of an offload plan (an MLP half, or ``attn_qkv`` / ``attn_o`` of an attention run
+        as linear steps) over one ciphertext per position (stateless: no session state, so any worker
+        holding the offload key set runs it); ``mlp_up`` answers ``outputs_per_position`` ciphertexts per
+        position, position by position, every other part one."""
         if self.mlp is None or fingerprint not in self.mlp.keys:
-            raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "MLP key set not loaded in this worker")
-        keys, block = self.mlp.keys[fingerprint], self.mlp.blocks[layer]
-        run = block.gate_up if part == "mlp_up" else (lambda ct, k: [block.down(ct, k)])
+            raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "offload key set not loaded in this worker")
+        keys = self.mlp.keys[fingerprint]
+        block, run = self.mlp.part(layer, part)
         out = []
         for ct in self._inputs(blobs, keys, block.ev.top):
             out += [wire.dump_ciphertext(c, self.mlp.params, keys.fingerprint) for c in run(ct, keys)]
@@ -197,7 +198,8 @@ class PrivateCompute:
 
 
 class _OffloadMLP:
-    """The server MLP blocks of an offload plan (``[private] offload_plan``) and their key sets.
+    """The linear blocks of an offload plan (``[private] offload_plan``) and their key sets: the server MLPs
+    and the attention blocks it runs as linear steps (``softmax = client``), under one key set.
 
     They run on SEAL at :data:`fhe.mlp.MLP_PARAMS` whatever ``[private] device`` says (the gpu backend runs
     the attention blocks; the MLP's N = 8192 products are 0.2-1 s each on one core).
@@ -206,15 +208,26 @@ class _OffloadMLP:
     def __init__(self, model, offload_path: str) -> None:
         from fhe.mlp import MLP_PARAMS, EncryptedMLP
         from fhe.offload import OffloadPlan
+        from fhe.offload_attention import EncryptedAttentionLinear
 
         plan = OffloadPlan.load(offload_path)
         self.params = MLP_PARAMS
         self.blocks = {i: EncryptedMLP(model.model.layers[i], self.params) for i in plan.server_mlp}
+        self.attention = {p.index: EncryptedAttentionLinear(model.model.layers[p.index], model.config, self.params)
+                          for p in plan.layers if p.attention == "server" and p.softmax == "client"}
         steps: set[int] = set()
-        for block in self.blocks.values():
+        for block in (*self.blocks.values(), *self.attention.values()):
             steps |= block.rotation_steps
         self.steps = tuple(sorted(steps))
         self.keys: dict[str, ServerKeys] = {}
+
+    def part(self, layer: int, part: str):
+        """(block, run) of one checked step: ``run(ct, keys)`` -> the part's result ciphertexts."""
+        if part in ("attn_qkv", "attn_o"):
+            block = self.attention[layer]
+            return block, (lambda ct, k: [block.qkv(ct, k)]) if part == "attn_qkv" else (lambda ct, k: [block.o(ct, k)])
+        block = self.blocks[layer]
+        return block, block.gate_up if part == "mlp_up" else (lambda ct, k: [block.down(ct, k)])
 
     def owns_upload(self, data: bytes, max_bytes: int) -> bool:
         """Whether an untrusted upload claims the MLP's parameters (its framing and the public key's wire

@@ -40,7 +40,7 @@ def _layer(seed: int = 0):
 
 
 def _sync():
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 
@@ -79,11 +79,13 @@ def _sessions_row(ev, bev, block, sess: list, repeat: int) -> dict:
         return up, run_linear(bev, block._enc_down, bev.stack(acts), bk)
 
     ref = one_by_one()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    cuda = ev.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
     up, down = batched()
     _sync()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = torch.cuda.max_memory_allocated() - base if cuda else 0
     same = (all(ev.serialize(r[1]) == ev.serialize(c) for r, c in zip(ref, bev.unstack(down), strict=True))
             and all(ev.serialize(r[0][0]) == ev.serialize(c) for r, c in zip(ref, bev.unstack(up[0]), strict=True)))
     t_seq, t_bat = _median(one_by_one, repeat), _median(batched, repeat)
@@ -103,20 +105,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", default="1,8,32")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seal-repeat", type=int, default=2)
+    ap.add_argument("--device", default="cuda", help="'cpu': the torch-CPU reference (a smoke run, slow)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     layer = _layer()
     out: dict = {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M}Z",
-                 "device": torch.cuda.get_device_name(0), "params": MLP_PARAMS.to_dict()}
+                 "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
+                 "params": MLP_PARAMS.to_dict()}
     cpu = EncryptedMLP(layer, MLP_PARAMS)
-    ev = GpuEvaluator(MLP_PARAMS, "cuda")
-    before = torch.cuda.memory_allocated()
+    ev = GpuEvaluator(MLP_PARAMS, args.device)
+    mem = torch.cuda.memory_allocated if args.device == "cuda" else (lambda: 0)
+    before = mem()
     t0 = time.perf_counter()
     block = EncryptedMLP(layer, MLP_PARAMS, evaluator=ev)
     out["encode_layer_s"] = time.perf_counter() - t0
     _sync()
-    out["weights_bytes_per_layer"] = torch.cuda.memory_allocated() - before
+    out["weights_bytes_per_layer"] = mem() - before
     steps = tuple(block.rotation_steps)
     rng = np.random.default_rng(0)
 
@@ -129,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
 
     client, x, a = session()
     skeys = client.server_keys()
-    before = torch.cuda.memory_allocated()
+    before = mem()
     gkeys = ev.keys_from_server(skeys)
-    out["key_set_bytes"] = torch.cuda.memory_allocated() - before
+    out["key_set_bytes"] = mem() - before
     gx, ga = (ev.deserialize(seal.to_bytes(c)) for c in (x, a))
     # bit for bit: every output of both halves
     want_up, want_down = cpu.gate_up(x, skeys), cpu.down(a, skeys)

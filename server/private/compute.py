@@ -169,13 +169,15 @@ class PrivateCompute:
         return out, sum(c.nbytes() for c in caches.values())
 
     def mlp_step(self, fingerprint: str, layer: int, part: str, blobs: list[bytes]) -> list[bytes]:
-        """One MLP half of an offload plan over one ciphertext per position (stateless: no session state,
-        so any worker holding the MLP key set runs it); ``mlp_up`` answers ``outputs_per_position``
-        ciphertexts per position, position by position, ``mlp_down`` one."""
+        """One linear step of an offload plan (an MLP half, or ``attn_qkv`` / ``attn_o`` of an attention run
+        as linear steps) over one ciphertext per position (stateless: no session state, so any worker
+        holding the offload key set runs it); ``mlp_up`` answers ``outputs_per_position`` ciphertexts per
+        position, position by position, every other part one."""
         if self.mlp is None or fingerprint not in self.mlp.keys:
-            raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "MLP key set not loaded in this worker")
+            raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "offload key set not loaded in this worker")
         keys = self.mlp.keys[fingerprint]
-        cts = self._inputs(blobs, keys, self.mlp.blocks[layer].ev.top)
+        block, _ = self.mlp.part(layer, part)
+        cts = self._inputs(blobs, keys, block.ev.top)
         return [wire.dump_ciphertext(c, self.mlp.params, keys.fingerprint)
                 for c in self.mlp.run(fingerprint, layer, part, cts)]
 
@@ -195,7 +197,8 @@ class PrivateCompute:
 
 
 class _OffloadMLP:
-    """The server MLP blocks of an offload plan (``[private] offload_plan``) and their key sets.
+    """The linear blocks of an offload plan (``[private] offload_plan``) and their key sets: the server MLPs
+    and the attention blocks it runs as linear steps (``softmax = client``), under one key set.
 
     They run at :data:`fhe.mlp.MLP_PARAMS` on the backend ``[private] device`` names: SEAL on 'cpu', else
     the gpu backend with SEAL's encoder — the plan's diagonals are encoded once per layer here (SEAL's
@@ -206,14 +209,18 @@ class _OffloadMLP:
     def __init__(self, model, offload_path: str, device: str = "cpu") -> None:
         from fhe.mlp import MLP_PARAMS, EncryptedMLP
         from fhe.offload import OffloadPlan
+        from fhe.offload_attention import EncryptedAttentionLinear
 
         plan = OffloadPlan.load(offload_path)
         self.params = MLP_PARAMS
         self.gpu = _gpu_evaluator(self.params, device, encoder="seal")
         self.blocks = {i: EncryptedMLP(model.model.layers[i], self.params, evaluator=self.gpu)
                        for i in plan.server_mlp}
+        self.attention = {p.index: EncryptedAttentionLinear(model.model.layers[p.index], model.config, self.params,
+                                                            evaluator=self.gpu)
+                          for p in plan.layers if p.attention == "server" and p.softmax == "client"}
         steps: set[int] = set()
-        for block in self.blocks.values():
+        for block in (*self.blocks.values(), *self.attention.values()):
             steps |= block.rotation_steps
         self.steps = tuple(sorted(steps))
         self.keys: dict[str, ServerKeys] = {}
@@ -231,8 +238,8 @@ class _OffloadMLP:
 
     def run(self, fingerprint: str, layer: int, part: str, cts: list) -> list:
         """``part`` of ``layer`` on SEAL ciphertexts already checked by the wire; SEAL ciphertexts back."""
-        block, keys = self.blocks[layer], self.keys[fingerprint]
-        step = block.gate_up if part == "mlp_up" else (lambda ct, k: [block.down(ct, k)])
+        keys = self.keys[fingerprint]
+        _, step = self.part(layer, part)
         if self.gpu is None:
             return [c for ct in cts for c in step(ct, keys)]
         dev = self.device_keys[fingerprint]   # SEAL parsed and checked the client's bytes; the device copy is ours
@@ -240,12 +247,22 @@ class _OffloadMLP:
         return [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c)) for c in outs]
 
     def device_nbytes(self) -> dict[str, int]:
-        """Device bytes of the encoded weights (all server MLP layers) and of one loaded key set (0 on SEAL)."""
+        """Device bytes of the encoded weights (every linear block: MLPs, attention as linear steps; per
+        server layer) and of one loaded key set (0 on SEAL)."""
         if self.gpu is None:
             return {"weights": 0, "per_layer": 0, "key_set": 0}
-        weights = sum(_plaintext_nbytes(b) for b in self.blocks.values())
+        weights = sum(_plaintext_nbytes(b) for b in (*self.blocks.values(), *self.attention.values()))
         key_set = next(iter(self.device_keys.values())).nbytes() if self.device_keys else 0
-        return {"weights": weights, "per_layer": weights // max(len(self.blocks), 1), "key_set": key_set}
+        layers = len(set(self.blocks) | set(self.attention))
+        return {"weights": weights, "per_layer": weights // max(layers, 1), "key_set": key_set}
+
+    def part(self, layer: int, part: str):
+        """(block, run) of one checked step: ``run(ct, keys)`` -> the part's result ciphertexts."""
+        if part in ("attn_qkv", "attn_o"):
+            block = self.attention[layer]
+            return block, (lambda ct, k: [block.qkv(ct, k)]) if part == "attn_qkv" else (lambda ct, k: [block.o(ct, k)])
+        block = self.blocks[layer]
+        return block, block.gate_up if part == "mlp_up" else (lambda ct, k: [block.down(ct, k)])
 
     def owns_upload(self, data: bytes, max_bytes: int) -> bool:
         """Whether an untrusted upload claims the MLP's parameters (its framing and the public key's wire
@@ -267,8 +284,9 @@ class _OffloadMLP:
 
 
 def _plaintext_nbytes(block) -> int:
-    """Device bytes of an encoded MLP block's diagonals (every EncodedMatvec's plaintexts)."""
-    encoded = [*block._enc_up, block._enc_down]
+    """Device bytes of an encoded linear block's diagonals (every EncodedMatvec's plaintexts)."""
+    encoded = [v for name, v in vars(block).items() if name.startswith("_enc_")]
+    encoded = [e for v in encoded for e in (v if isinstance(v, list) else [v])]
     return sum(pt.data.numel() * 8 for e in encoded for grp in e.encoded.plaintexts.values() for _, pt in grp)
 
 

@@ -53,8 +53,9 @@ def test_batch_refuses_mismatched_rows_and_keys():
         bev.stack([cts[0], ev.mod_switch(cts[1], 1)])
     with pytest.raises(ShapeError):                                 # 2 rows, 1 key set
         bev.rotate(bev.stack(cts), 1, BatchKeys.of(keys[:1]))
+    missing = next(s for s in range(1, ev.slots) if s not in block.rotation_steps)
     with pytest.raises(KeyMismatchError):
-        bev.rotate(bev.stack(cts), 3, BatchKeys.of(keys))          # no key for that step
+        bev.rotate(bev.stack(cts), missing, BatchKeys.of(keys))    # no key for that step
     with pytest.raises(ShapeError):
         BatchKeys.of([])
 

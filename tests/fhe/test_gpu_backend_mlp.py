@@ -54,6 +54,23 @@ def test_worker_mlp_steps_on_the_gpu_reference_are_seals_bytes(tmp_path):
     assert "fp" not in ours.device_keys and ours.device_nbytes()["key_set"] == 0
 
 
+def test_worker_attention_linear_steps_on_the_gpu_reference_are_seals_bytes(tmp_path):
+    """attn_qkv (with the projections' bias: an add_plain on the device) and attn_o, same bytes as SEAL's."""
+    from fhe.linalg import replicate_input
+
+    model = tiny_model(bias=True)
+    seal_side, ours = _workers(model, tmp_path, "cpu-reference")
+    lay = seal_side.attention[1].layout
+    client = CKKSClient(MLP_PARAMS, seal_side.steps)
+    for w in (seal_side, ours):
+        w.load_key("fp", client.server_keys())
+    rng = np.random.default_rng(2)
+    for part, n, period in (("attn_qkv", lay.hidden, lay.qkv_period), ("attn_o", lay.q_dim, lay.o_period)):
+        ct = client.encrypt(replicate_input(rng.normal(size=n), lay.slots, period))
+        theirs, got = (w.run("fp", 1, part, [ct]) for w in (seal_side, ours))
+        assert [seal.to_bytes(c) for c in got] == [seal.to_bytes(c) for c in theirs], part
+
+
 @pytest.mark.gpu
 def test_smollm2_shaped_mlp_steps_on_cuda_are_seals_bytes():
     if not torch.cuda.is_available():

@@ -161,16 +161,17 @@ def _device_name(device: str | None) -> str:
     return f"{device} ({torch.cuda.get_device_name(torch.device(device))}, the gpu backend)"
 
 
-def offload_plans(layers: str, root: Path) -> tuple[Path, Path]:
-    """(attention plan, offload plan) files for server layers ``layers`` ("2,3"): the shipped plan's score
-    maps of those layers, and an offload plan running their attention and MLP on the server."""
+def offload_plans(layers: str, root: Path, base: Path | None = None) -> tuple[Path, Path]:
+    """(attention plan, offload plan) files for server layers ``layers`` ("2,3"): the score maps of those
+    layers in ``base`` (default: the shipped plan; ``--plan``: e.g. bench/gpu_e2e_home.py's re-stamped copy
+    for random weights), and an offload plan running their attention and MLP on the server."""
     from engine.config import ModelConfig
     from engine.default_model import default_model_dir
     from fhe.offload import SERVER, LayerPlacement, OffloadPlan
     from fhe.plan import Plan
     from server.private.feature import default_plan_path
 
-    full, want = Plan.load(default_plan_path()), {int(x) for x in layers.split(",")}
+    full, want = Plan.load(base or default_plan_path()), {int(x) for x in layers.split(",")}
     if not want <= set(full.layer_indices):
         raise SystemExit(f"--offload: the shipped attention plan calibrates layers {list(full.layer_indices)}")
     att = Plan(full.model_id, full.weights_sha256, tuple(lp for lp in full.layers if lp.index in want), full.ckks,
@@ -182,14 +183,26 @@ def offload_plans(layers: str, root: Path) -> tuple[Path, Path]:
     return att.save(root / "offload-attention.plan.json"), off.save(root / "offload.json")
 
 
+def _server_layers(args, setup) -> int:
+    """Server layers of the run's offload plan (attention steps, linear steps or both)."""
+    if args.offload_plan:
+        from fhe.offload import OffloadPlan
+
+        plan = OffloadPlan.load(args.offload_plan)
+        return len(set(plan.server_mlp) | set(plan.server_attention))
+    return len(setup.encrypted_layers)
+
+
 def part_table(toks: list, n_layers: int, server_layers: int = 28) -> str:
     """Per server layer and decode token, each part's mean cost; and x ``server_layers``."""
     rest = [t.stats for t in toks[1:]] or [toks[0].stats]
     rows = {}
-    for part in ("mlp_up", "mlp_down"):
+    linear = ("attn_qkv", "attn_o", "mlp_up", "mlp_down")
+    for part in linear:
         rows[part] = [statistics.mean(st.parts.get(part, [0, 0, 0, 0])[k] for st in rest) for k in range(4)]
     tot = [statistics.mean(getattr(st, f) for st in rest) for f in ("seconds", "bytes_up", "bytes_down", "steps")]
-    rows = {"attention": [tot[k] - rows["mlp_up"][k] - rows["mlp_down"][k] for k in range(4)], **rows}
+    blocks = [tot[k] - sum(rows[p][k] for p in linear) for k in range(4)]
+    rows = {"attention (encrypted block)": blocks, **{p: r for p, r in rows.items() if r[3] or p.startswith("mlp")}}
     out = ["| part (per layer, per decode token) | seconds | up | down | round trips |", "|---|---:|---:|---:|---:|"]
     for part, (sec, up, down, n) in rows.items():
         out.append(f"| {part} | {_s(sec / n_layers)} | {_b(up / n_layers)} | {_b(down / n_layers)} | "
@@ -226,6 +239,7 @@ def table(rows: list[Row]) -> str:
 def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Row, command: str) -> str:
     """The lines printed under the table."""
     decode_server = _mean(server_s[1:])
+    n_srv = _server_layers(args, setup) or 1
     lines = [
         f"- {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `{command}`; "
         f"{platform.machine()} CPU, server and client on the same machine over loopback; server workers on "
@@ -239,9 +253,9 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
         f"- Encrypted time in server steps (HTTP round trips, worker evaluation): prefill {_s(server_s[0])}, "
         f"decode {_s(decode_server)} per token; the rest is client-side encryption, decryption and the clear "
         "layers.",
-        f"- Per encrypted layer per decode token: TPOT/{len(setup.encrypted_layers)} = "
-        f"{_s(enc.tpot_s / len(setup.encrypted_layers) if enc.tpot_s else None)}, "
-        f"{_b(enc.decode_up / len(setup.encrypted_layers) if enc.decode_up else None)} up.",
+        f"- Per server layer per decode token: TPOT/{n_srv} = "
+        f"{_s(enc.tpot_s / n_srv if enc.tpot_s else None)}, "
+        f"{_b(enc.decode_up / n_srv if enc.decode_up else None)} up.",
         "- Plaintext: bytes are the JSON request and the SSE stream (the request is sent once, so nothing "
         "goes up per decode token).",
         f"- Texts: plaintext {plain.text!r}; encrypted {enc.text!r}.",
@@ -253,6 +267,8 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
 def _plan_words(args) -> str:
     if getattr(args, "offload", None):
         return f"an offload plan: attention and MLP of layers {args.offload} on the server, the rest on the client"
+    if getattr(args, "offload_plan", None):
+        return f"the offload plan {args.offload_plan.name}"
     return "the shipped default plan" if args.layers == "all" else f"the first {args.layers} of the default plan"
 
 
@@ -271,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the server workers' [private] device ('cuda', 'cuda:N': the gpu backend; default: "
                         "the settings' 'cpu', SEAL); the SDK always runs on the CPU")
     p.add_argument("--offload", help="server layers of an offload plan, e.g. '2,3' (of the shipped plan's 2-5)")
+    p.add_argument("--offload-plan", type=Path,
+                   help="this offload plan file as is (e.g. fhe/data/smollm2-135m-instruct.offload.json: layers "
+                        "2-29 on the server, attention as linear steps); attention plan: --plan, else the shipped one")
     p.add_argument("--token-prefill", action="store_true",
                    help="also run the encrypted tenant with one ciphertext per prompt token (the prefill "
                         "before packed chunks), same server, same keys")
@@ -286,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         plan = args.plan if args.plan and args.layers == "all" else plan_with_layers(args.layers, root)
         offload = None
         if args.offload:
-            plan, offload = offload_plans(args.offload, root)
+            plan, offload = offload_plans(args.offload, root, args.plan)
+        elif args.offload_plan:
+            from server.private.feature import default_plan_path
+
+            plan, offload = args.plan or default_plan_path(), args.offload_plan
         with running_server(root, None, plan, args.workers,
                             max_session_tokens=args.prompt_tokens + args.max_tokens + 8, offload=offload) as server:
             plain = bench_plaintext(server, prompt, args.max_tokens)
@@ -299,9 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table([plain, enc, *extra]))
     print()
     print(notes(args, setup, server_s, n_prompt, enc, plain, command))
-    if args.offload:
+    if args.offload or args.offload_plan:
         print()
-        print(part_table(bench_encrypted.tokens, len(setup.encrypted_layers)))
+        print(part_table(bench_encrypted.tokens, _server_layers(args, setup)))
     if args.json:
         args.json.write_text(json.dumps({"rows": [dataclasses.asdict(plain), dataclasses.asdict(enc)],
                                          "setup": dataclasses.asdict(setup), "server_s": server_s}, indent=1))

@@ -1,4 +1,4 @@
-"""The client half of an offload plan's MLP steps (docs/protocol.md, "Offload steps").
+"""The client half of an offload plan's linear steps (docs/protocol.md, "Offload steps").
 
 When the manifest carries an ``offload`` section, the server runs, besides its attention blocks, the MLP
 of every layer the plan places there, under a second, small key set (N = 8192, ``offload.mlp.ckks``).
@@ -10,8 +10,17 @@ Per such layer and token the client, which holds the residual stream ``h``:
    and sends an ``mlp_down`` step;
 3. decrypts ``W_down a`` and adds it to ``h``.
 
-The layout comes from the model's shapes (:func:`fhe.offload_steps.mlp_geometry`); the bundle holds no
-MLP weight of a server layer. Nothing here does I/O: calls go through the runtime's ``exchange``.
+Every layer whose attention the plan runs as linear steps (``softmax = client``, manifest
+``offload.server_attention_linear``) has a seam for attention beside the MLP's, under the same key set:
+
+1. normalizes ``x̂ = h / rms(h)`` (float64, no gain), encrypts it replicated and sends an ``attn_qkv`` step;
+2. decrypts ``[q; k; v]``, applies RoPE, appends k, v to its own clear K/V cache (the runtime's dense
+   cache: the client's own data) and computes the exact causal softmax attention ``u`` as the model does;
+3. encrypts ``u`` replicated, sends an ``attn_o`` step, decrypts ``Wo u`` and adds it to ``h``.
+
+The layouts come from the model's shapes (:func:`fhe.offload_steps.mlp_geometry`,
+:func:`fhe.offload_attention.attention_geometry`); the bundle holds no weight of a server part. Nothing
+here does I/O: calls go through the runtime's ``exchange``.
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ class OffloadInfo:
     mlp_ckks: dict[str, Any]
     rotation_steps: tuple[int, ...]
     max_blob_bytes: int
+    #: layers whose attention runs as linear steps (absent in an older manifest: none)
+    server_attention_linear: tuple[int, ...] = ()
 
     @classmethod
     def from_manifest(cls, d: Any) -> OffloadInfo | None:
@@ -50,7 +61,8 @@ class OffloadInfo:
         try:
             mlp = section["mlp"]
             return cls(str(section["plan_hash"]), tuple(int(i) for i in section["server_mlp"]), dict(mlp["ckks"]),
-                       tuple(int(s) for s in mlp["rotation_steps"]), int(mlp["max_blob_bytes"]))
+                       tuple(int(s) for s in mlp["rotation_steps"]), int(mlp["max_blob_bytes"]),
+                       tuple(int(i) for i in section.get("server_attention_linear", ())))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PrivateModeError(f"the server's offload manifest is malformed ({exc!r})") from exc
 
@@ -105,8 +117,21 @@ class EncryptedMLPSeam(nn.Module):
         return self.half.mlp(self.layer_idx, h).to(h.dtype)
 
 
+class LinearAttentionSeam(nn.Module):
+    """The attention of a layer the plan runs as linear steps: hands the residual to the runtime's offload
+    half (the layer's ``input_layernorm`` is replaced by the identity: the client normalizes in float64 and
+    the gain is the server's); the softmax attention runs on the runtime's own cache (``backend.attend``)."""
+
+    def __init__(self, layer_idx: int, half: OffloadClient) -> None:
+        super().__init__()
+        self.layer_idx, self.half = layer_idx, half
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: Any, backend: Any) -> torch.Tensor:
+        return self.half.attention(self.layer_idx, h, positions, rope, backend).to(h.dtype)
+
+
 class OffloadClient:
-    """The MLP key set and the MLP steps of one runtime.
+    """The offload key set and the linear steps (MLP and attention) of one runtime.
 
     Args:
         runtime: the :class:`client_sdk._runtime.PrivateRuntime` (its exchange, session, stats).
@@ -114,14 +139,19 @@ class OffloadClient:
     """
 
     def __init__(self, runtime: Any, info: OffloadInfo) -> None:
-        from fhe.offload_steps import mlp_geometry
+        from fhe.offload_attention import attention_geometry
+        from fhe.offload_steps import mlp_geometry, offload_rotation_steps
         from fhe.params import CKKSParams
 
         self.rt, self.info = runtime, info
         self.params = CKKSParams.from_dict(info.mlp_ckks)
-        self.layout, steps = mlp_geometry(runtime.model.config, self.params)
+        cfg = runtime.model.config
+        self.layout, _ = mlp_geometry(cfg, self.params)
+        self.att_layout, _ = attention_geometry(cfg, self.params)
+        steps = offload_rotation_steps(cfg, self.params, attention=bool(info.server_attention_linear),
+                                       mlp=bool(info.server_mlp))
         if steps != info.rotation_steps:
-            raise PrivateModeError("the server's MLP rotations do not match this model's shapes")
+            raise PrivateModeError("the server's offload rotations do not match this model's shapes")
         self.start = 0          # first position of the chunk the runtime's forward is running
         self.ckks: Any = None
         self.fingerprint = ""
@@ -132,11 +162,15 @@ class OffloadClient:
         return self.rt.key_id + MLP_KEY_SUFFIX
 
     def install(self, model: nn.Module) -> nn.Module:
-        """Replace each server MLP of the bundle's model by the seam."""
+        """Replace each server MLP, and each attention run as linear steps, of the bundle's model by its seam."""
         for i in self.info.server_mlp:
             layer = model.model.layers[i]
             layer.mlp = EncryptedMLPSeam(i, self)
             layer.post_attention_layernorm = nn.Identity()
+        for i in self.info.server_attention_linear:
+            layer = model.model.layers[i]
+            layer.self_attn = LinearAttentionSeam(i, self)
+            layer.input_layernorm = nn.Identity()
         return model
 
     def make_keys(self, man: proto.Manifest) -> None:
@@ -145,11 +179,13 @@ class OffloadClient:
         from fhe.ckks import CKKSClient
         from fhe.envelope import pack_key_upload
         from fhe.mlp import MLPClient
+        from fhe.offload_attention import AttentionLinearClient
 
         self.ckks = CKKSClient(self.params, self.info.rotation_steps)
         upload = pack_key_upload(wire.dump_public_keys(self.ckks))
         self.fingerprint = hashlib.sha256(upload).hexdigest()
         self.half = MLPClient(self.ckks, self.layout, self.rt.model.config.rms_norm_eps)
+        self.att_half = AttentionLinearClient(self.ckks, self.att_layout, self.rt.model.config.rms_norm_eps)
         reply = self.rt.exchange(proto.key_upload_call(man, self.key_id, upload, self.rt.read_floor))
         proto.check_registered(reply.json(), self.fingerprint)
         self.upload_bytes = len(upload)
@@ -174,6 +210,19 @@ class OffloadClient:
                            1)
         return torch.stack([self.half.output(cts[0]) for cts in downs])
 
+    # -- one attention block as linear steps over the chunk's positions ------------------------------------
+    def attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, rope: Any, backend: Any
+                  ) -> torch.Tensor:
+        """h [T, hidden] (the residual before the layer) -> the attention output [T, hidden]."""
+        half = self.att_half
+        qkv = self._send(layer, "attn_qkv", half.input_rows(h), 1)
+        q, k, v = half.split_qkv(half.decrypt([cts[0] for cts in qkv]))
+        dtype = h.dtype if h.dtype.is_floating_point else torch.float32
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        u = backend.attend(layer, rope(q, positions), rope(k, positions), v)   # the client's own clear cache
+        outs = self._send(layer, "attn_o", half.mixture_rows(u.reshape(h.shape[0], -1)), 1)
+        return half.output(half.decrypt([cts[0] for cts in outs]))
+
     def _send(self, layer: int, part: str, rows: list, per_position: int) -> list[list]:
         """Encrypt ``rows`` (one per position), run the step, return the decryptable answers per position."""
         from fhe import wire
@@ -194,4 +243,4 @@ class OffloadClient:
         return [cts[i:i + per_position] for i in range(0, len(cts), per_position)]
 
 
-__all__ = ["EncryptedMLPSeam", "OffloadClient", "OffloadInfo", "OffloadSession"]
+__all__ = ["EncryptedMLPSeam", "LinearAttentionSeam", "OffloadClient", "OffloadInfo", "OffloadSession"]

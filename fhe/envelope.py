@@ -39,7 +39,7 @@ KINDS = ("prefill", "decode", "packed", "result", "verify", "rollback")
 #: Which part of a layer a step runs (docs/protocol.md, "Offload steps"); ``attention`` is the default and
 #: is left out of the header, so an attention step's bytes are what they were before parts existed.
 ATTENTION = "attention"
-PARTS = (ATTENTION, "mlp_up", "mlp_down")
+PARTS = (ATTENTION, "attn_qkv", "attn_o", "mlp_up", "mlp_down")   # the last four: offload linear steps
 
 
 class EnvelopeError(ValueError):

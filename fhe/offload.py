@@ -5,9 +5,11 @@ An :class:`OffloadPlan` places, per decoder layer, the attention block and the M
 its non-linearity is handled:
 
 * attention ``softmax``: ``approx`` — the calibrated score map of the attention plan (:class:`fhe.plan.Plan`,
-  named by its content hash: sqexp today) with exact normalization on the client; or ``client`` —
-  client-aided: the server returns the encrypted scores, the client applies the exact softmax and sends
-  the weights back (one more round trip per layer, no approximation);
+  named by its content hash: sqexp today) with exact normalization on the client, the server holding an
+  encrypted KV cache; or ``client`` — client-aided attention as linear steps (:mod:`fhe.offload_attention`):
+  the server computes ``[q; k; v]`` and, later, ``Wo u`` on ciphertexts; the client applies RoPE, keeps the
+  layer's K/V cache in the clear and computes the exact softmax attention ``u`` in between (one more round
+  trip per layer, no approximation; q·k and p·v run on the client);
 * MLP ``silu``: ``client`` — client-aided (:mod:`fhe.mlp`: the server returns the encrypted gate and up
   projections, the client computes ``silu(g) * u`` exactly and re-encrypts it for the down projection);
   or ``poly`` — a calibrated polynomial SiLU on the server (:mod:`fhe.silu`, coefficients in the plan).
@@ -248,11 +250,22 @@ def _mlp_params(cfg: ModelConfig) -> int:
     return 3 * cfg.hidden_size * cfg.intermediate_size + cfg.hidden_size   # + post-attention norm gain
 
 
-def _attention_macs(cfg: ModelConfig, context: int) -> int:
-    """Per token: projections, plus q.k and p.v over ``context`` keys."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    proj = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    return proj + 2 * cfg.num_attention_heads * d * context
+def _projection_macs(cfg: ModelConfig) -> int:
+    """Per token: the q/k/v and output projections."""
+    return cfg.hidden_size * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+
+
+def _score_macs(cfg: ModelConfig, context: int) -> int:
+    """Per token: q.k and p.v over ``context`` keys."""
+    return 2 * cfg.num_attention_heads * cfg.head_dim * context
+
+
+def _server_attention_macs(cfg: ModelConfig, p: LayerPlacement, context: int) -> int:
+    """What the server computes of a layer's attention: nothing on the client, the projections only when
+    the softmax is client-aided (linear steps: q.k and p.v run on the client), everything with ``approx``."""
+    if p.attention != SERVER:
+        return 0
+    return _projection_macs(cfg) + (_score_macs(cfg, context) if p.softmax == "approx" else 0)
 
 
 @dataclass(frozen=True)
@@ -289,10 +302,10 @@ def cost_report(plan: OffloadPlan, context: int = 64) -> CostReport:
         raise OffloadPlanError(f"context must be >= 1, got {context}")
     cfg = plan.model_config
     att_p, mlp_p = _attention_params(cfg), _mlp_params(cfg)
-    att_m, mlp_m = _attention_macs(cfg, context), 3 * cfg.hidden_size * cfg.intermediate_size
+    att_m, mlp_m = _projection_macs(cfg) + _score_macs(cfg, context), 3 * cfg.hidden_size * cfg.intermediate_size
     s_macs = s_params = 0
     for p in plan.layers:
-        s_macs += (att_m if p.attention == SERVER else 0) + (mlp_m if p.mlp == SERVER else 0)
+        s_macs += _server_attention_macs(cfg, p, context) + (mlp_m if p.mlp == SERVER else 0)
         s_params += (att_p if p.attention == SERVER else 0) + (mlp_p if p.mlp == SERVER else 0)
     total_params = (cfg.num_hidden_layers * (att_p + mlp_p) + cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
                     + (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size))

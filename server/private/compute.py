@@ -54,7 +54,7 @@ class PrivateCompute:
         self.keys: dict[str, ServerKeys] = {}
         self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
-        self.mlp = _OffloadMLP(model, offload_path) if offload_path else None
+        self.mlp = _OffloadMLP(model, offload_path, device) if offload_path else None
 
     # -- keys --------------------------------------------------------------------------------------
     def inspect_key(self, data: bytes) -> Inspection:
@@ -72,8 +72,8 @@ class PrivateCompute:
         so the key-set fingerprint the client's ciphertexts name is ``key_set`` (None: from ``data``)."""
         blobs = parse_key_upload(data, len(data))  # the server's own bytes: unseeded, larger than the upload
         if self.mlp is not None and self.mlp.owns(blobs):
-            self.mlp.keys[fingerprint] = wire.load_server_keys(blobs, self.mlp.params, self.mlp.steps,
-                                                               fingerprint=key_set)
+            self.mlp.load_key(fingerprint, wire.load_server_keys(blobs, self.mlp.params, self.mlp.steps,
+                                                                 fingerprint=key_set))
             return
         self.keys[fingerprint] = wire.load_server_keys(blobs, self.params, self.key_levels, fingerprint=key_set)
         if self.gpu is not None:   # expanded once onto the device (the service caps how many a worker holds)
@@ -84,7 +84,7 @@ class PrivateCompute:
         self.keys.pop(fingerprint, None)
         self.device_keys.pop(fingerprint, None)
         if self.mlp is not None:
-            self.mlp.keys.pop(fingerprint, None)
+            self.mlp.drop_key(fingerprint)
         doomed = [sid for sid, (fp, _) in self.sessions.items() if fp == fingerprint]
         for sid in doomed:
             del self.sessions[sid]
@@ -169,17 +169,17 @@ class PrivateCompute:
         return out, sum(c.nbytes() for c in caches.values())
 
     def mlp_step(self, fingerprint: str, layer: int, part: str, blobs: list[bytes]) -> list[bytes]:
-        """One MLP half of an offload plan over one ciphertext per position (stateless: no session state,
-        so any worker holding the MLP key set runs it); ``mlp_up`` answers ``outputs_per_position``
-        ciphertexts per position, position by position, ``mlp_down`` one."""
+        """One linear step of an offload plan (an MLP half, or ``attn_qkv`` / ``attn_o`` of an attention run
+        as linear steps) over one ciphertext per position (stateless: no session state, so any worker
+        holding the offload key set runs it); ``mlp_up`` answers ``outputs_per_position`` ciphertexts per
+        position, position by position, every other part one."""
         if self.mlp is None or fingerprint not in self.mlp.keys:
-            raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "MLP key set not loaded in this worker")
-        keys, block = self.mlp.keys[fingerprint], self.mlp.blocks[layer]
-        run = block.gate_up if part == "mlp_up" else (lambda ct, k: [block.down(ct, k)])
-        out = []
-        for ct in self._inputs(blobs, keys, block.ev.top):
-            out += [wire.dump_ciphertext(c, self.mlp.params, keys.fingerprint) for c in run(ct, keys)]
-        return out
+            raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "offload key set not loaded in this worker")
+        keys = self.mlp.keys[fingerprint]
+        block, _ = self.mlp.part(layer, part)
+        cts = self._inputs(blobs, keys, block.ev.top)
+        return [wire.dump_ciphertext(c, self.mlp.params, keys.fingerprint)
+                for c in self.mlp.run(fingerprint, layer, part, cts)]
 
     @staticmethod
     def _inputs(blobs: list[bytes], keys: ServerKeys, top: int) -> list:
@@ -197,24 +197,72 @@ class PrivateCompute:
 
 
 class _OffloadMLP:
-    """The server MLP blocks of an offload plan (``[private] offload_plan``) and their key sets.
+    """The linear blocks of an offload plan (``[private] offload_plan``) and their key sets: the server MLPs
+    and the attention blocks it runs as linear steps (``softmax = client``), under one key set.
 
-    They run on SEAL at :data:`fhe.mlp.MLP_PARAMS` whatever ``[private] device`` says (the gpu backend runs
-    the attention blocks; the MLP's N = 8192 products are 0.2-1 s each on one core).
+    They run at :data:`fhe.mlp.MLP_PARAMS` on the backend ``[private] device`` names: SEAL on 'cpu', else
+    the gpu backend with SEAL's encoder — the plan's diagonals are encoded once per layer here (SEAL's
+    encoder costs that once, and keeps every result SEAL's bit for bit) and stay on the device, and each
+    key set is expanded onto the device once, when it is loaded.
     """
 
-    def __init__(self, model, offload_path: str) -> None:
+    def __init__(self, model, offload_path: str, device: str = "cpu") -> None:
         from fhe.mlp import MLP_PARAMS, EncryptedMLP
         from fhe.offload import OffloadPlan
+        from fhe.offload_attention import EncryptedAttentionLinear
 
         plan = OffloadPlan.load(offload_path)
         self.params = MLP_PARAMS
-        self.blocks = {i: EncryptedMLP(model.model.layers[i], self.params) for i in plan.server_mlp}
+        self.gpu = _gpu_evaluator(self.params, device, encoder="seal")
+        self.blocks = {i: EncryptedMLP(model.model.layers[i], self.params, evaluator=self.gpu)
+                       for i in plan.server_mlp}
+        self.attention = {p.index: EncryptedAttentionLinear(model.model.layers[p.index], model.config, self.params,
+                                                            evaluator=self.gpu)
+                          for p in plan.layers if p.attention == "server" and p.softmax == "client"}
         steps: set[int] = set()
-        for block in self.blocks.values():
+        for block in (*self.blocks.values(), *self.attention.values()):
             steps |= block.rotation_steps
         self.steps = tuple(sorted(steps))
         self.keys: dict[str, ServerKeys] = {}
+        self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
+
+    def load_key(self, fingerprint: str, keys: ServerKeys) -> None:
+        """Keep a parsed MLP key set (and, on the gpu backend, its device copy: expanded once, here)."""
+        self.keys[fingerprint] = keys
+        if self.gpu is not None:
+            self.device_keys[fingerprint] = self.gpu.keys_from_server(keys)
+
+    def drop_key(self, fingerprint: str) -> None:
+        self.keys.pop(fingerprint, None)
+        self.device_keys.pop(fingerprint, None)
+
+    def run(self, fingerprint: str, layer: int, part: str, cts: list) -> list:
+        """``part`` of ``layer`` on SEAL ciphertexts already checked by the wire; SEAL ciphertexts back."""
+        keys = self.keys[fingerprint]
+        _, step = self.part(layer, part)
+        if self.gpu is None:
+            return [c for ct in cts for c in step(ct, keys)]
+        dev = self.device_keys[fingerprint]   # SEAL parsed and checked the client's bytes; the device copy is ours
+        outs = [c for ct in cts for c in step(self.gpu.deserialize(seal.to_bytes(ct)), dev)]
+        return [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c)) for c in outs]
+
+    def device_nbytes(self) -> dict[str, int]:
+        """Device bytes of the encoded weights (every linear block: MLPs, attention as linear steps; per
+        server layer) and of one loaded key set (0 on SEAL)."""
+        if self.gpu is None:
+            return {"weights": 0, "per_layer": 0, "key_set": 0}
+        weights = sum(_plaintext_nbytes(b) for b in (*self.blocks.values(), *self.attention.values()))
+        key_set = next(iter(self.device_keys.values())).nbytes() if self.device_keys else 0
+        layers = len(set(self.blocks) | set(self.attention))
+        return {"weights": weights, "per_layer": weights // max(layers, 1), "key_set": key_set}
+
+    def part(self, layer: int, part: str):
+        """(block, run) of one checked step: ``run(ct, keys)`` -> the part's result ciphertexts."""
+        if part in ("attn_qkv", "attn_o"):
+            block = self.attention[layer]
+            return block, (lambda ct, k: [block.qkv(ct, k)]) if part == "attn_qkv" else (lambda ct, k: [block.o(ct, k)])
+        block = self.blocks[layer]
+        return block, block.gate_up if part == "mlp_up" else (lambda ct, k: [block.down(ct, k)])
 
     def owns_upload(self, data: bytes, max_bytes: int) -> bool:
         """Whether an untrusted upload claims the MLP's parameters (its framing and the public key's wire
@@ -235,18 +283,25 @@ class _OffloadMLP:
         return True
 
 
-def _gpu_evaluator(params: CKKSParams, device: str):
+def _plaintext_nbytes(block) -> int:
+    """Device bytes of an encoded linear block's diagonals (every EncodedMatvec's plaintexts)."""
+    encoded = [v for name, v in vars(block).items() if name.startswith("_enc_")]
+    encoded = [e for v in encoded for e in (v if isinstance(v, list) else [v])]
+    return sum(pt.data.numel() * 8 for e in encoded for grp in e.encoded.plaintexts.values() for _, pt in grp)
+
+
+def _gpu_evaluator(params: CKKSParams, device: str, encoder: str = "fft"):
     """The gpu backend for ``[private] device`` (None for 'cpu': the blocks default to SEAL).
 
-    The on-device encoder (``encoder="fft"``) encodes the per-step RoPE weights; its results decrypt to
-    SEAL's within CKKS noise (docs/fhe.md §9), and without it a decode step spends most of its time in
-    SEAL's CPU encoder.
+    The on-device encoder (``encoder="fft"``, the attention blocks') encodes the per-step RoPE weights; its
+    results decrypt to SEAL's within CKKS noise (docs/fhe.md §9), and without it a decode step spends most
+    of its time in SEAL's CPU encoder. Blocks whose plaintexts are all made once (the MLP) take ``"seal"``.
     """
     if device == "cpu":
         return None
     from fhe.backends.gpu import GpuEvaluator
 
-    return GpuEvaluator(params, "cpu" if device == "cpu-reference" else device, encoder="fft")
+    return GpuEvaluator(params, "cpu" if device == "cpu-reference" else device, encoder=encoder)
 
 
 def make_state(model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu",

@@ -191,7 +191,9 @@ async def start(app: Any) -> None:
                        state_path=root / "keys" / "registry.json"),
         audit, EvalKeyStorage(root / "keys" / "material", keys["storage_key"]))
     await pool.start()
-    svc = PrivateService(cfg, plan.content_hash, plan.layer_indices, pool, registry, audit)
+    # with an offload plan, attention steps run only its calibrated (softmax = approx) layers
+    attention_layers = offload.plan.approx_layers if offload is not None else plan.layer_indices
+    svc = PrivateService(cfg, plan.content_hash, attention_layers, pool, registry, audit)
     pool.in_use = lambda worker: bool(svc.sessions.on_worker(worker))  # never idle-stop a session's worker
     svc.backend_name, svc.backend_params = DEFAULT_BACKEND, CKKSParams.from_dict(plan.ckks)
     svc.packed_chunk = packed_chunk_for(ModelConfig.from_hf_dict(cfg_json), svc.backend_params)
@@ -219,6 +221,8 @@ async def _offload(app: Any, cfg: PrivateSettings, model_dir: Path, plan: Any, r
     path, desc = await asyncio.to_thread(build_offload_bundle, model_dir, offload, root)
     man = app.state.private_manifest
     man["offload"] = steps.manifest(mcfg)
+    # the SDK sends attention steps for these layers only; the others of the offload plan run as linear steps
+    man["layers"]["encrypted_attention"] = list(offload.approx_layers)
     man["bundle"].update({"sha256": desc["sha256"], "size": desc["size"], "withheld": desc["withheld"]})
     app.state.private_bundle_path = path
     return steps

@@ -42,6 +42,21 @@ def test_default_offload_plan_meets_the_issue_goals():
     assert plan.round_trips == 28 * 3                 # attention + two client-aided MLP halves per layer
 
 
+def test_client_aided_attention_moves_scores_to_the_client():
+    """softmax = client runs attention as linear steps: the server does the projections, the client q.k
+    and p.v over the context (so the server's share falls with the context); >= 70 % up to 192 keys."""
+    plan = offload_plan(SMOLLM2, "SmolLM2-135M-Instruct", softmax="client")
+    proj = 2 * 576 * 576 + 2 * 576 * 192
+    mlp = 3 * 576 * 1536
+    for context in (1, 64, 192):
+        r = cost_report(plan, context)
+        assert r.server_macs == 28 * (proj + mlp)                         # independent of the context
+        assert r.client_macs == 2 * (proj + mlp) + 30 * 2 * 9 * 64 * context + 49152 * 576
+        assert r.server_mac_share >= 0.70, context
+    assert cost_report(plan, 1024).server_mac_share < 0.70                 # long contexts: the client's work
+    assert plan.round_trips == 28 * 4                                      # qkv, o, mlp up, mlp down
+
+
 def test_the_old_partial_plan_is_still_a_choice():
     attn = load_default_plan()
     plan = partial_plan(SMOLLM2, attn)

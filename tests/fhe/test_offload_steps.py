@@ -20,8 +20,8 @@ def _env(**kw) -> Envelope:
     return Envelope(**{**fields, **kw})
 
 
-@pytest.mark.parametrize("part", ["mlp_up", "mlp_down"])
-def test_an_mlp_part_round_trips(part):
+@pytest.mark.parametrize("part", ["mlp_up", "mlp_down", "attn_qkv", "attn_o"])
+def test_an_offload_part_round_trips(part):
     env = _env(part=part)
     got = parse(env.to_bytes(), 1 << 20, 1 << 20)
     assert got == env and got.part == part
@@ -80,3 +80,17 @@ def test_the_blob_limit_holds_a_fresh_ciphertext():
     full = wire.dump_ciphertext(client.encrypt([0.5] * 16), MLP_PARAMS, client.fingerprint)
     seeded = wire.encrypt_to_wire(client, [0.5] * 16)
     assert len(seeded) < len(full) <= fresh_blob_limit(MLP_PARAMS) < 2 * len(full)
+
+
+def test_one_key_set_covers_attention_and_mlp_steps():
+    """The offload key set's Galois steps are the union of both blocks' (servers build them from weights)."""
+    from fhe.offload_attention import EncryptedAttentionLinear
+    from fhe.offload_steps import offload_rotation_steps
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    layer = DecoderLayer(cfg, 0)
+    att, mlp = EncryptedAttentionLinear(layer, cfg, MLP_PARAMS), EncryptedMLP(layer, MLP_PARAMS)
+    assert offload_rotation_steps(cfg, MLP_PARAMS) == tuple(sorted(att.rotation_steps | mlp.rotation_steps))
+    assert offload_rotation_steps(cfg, MLP_PARAMS, attention=False) == mlp_geometry(cfg, MLP_PARAMS)[1]

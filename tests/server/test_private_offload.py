@@ -1,11 +1,14 @@
 """An offload plan end to end at the smallest real configuration: the real app and worker process, the
 real SDK, real ciphertexts.
 
-The tiny random model (2 layers, hidden 64) with an offload plan that keeps layer 0 on the client and
-runs layer 1's attention (2Quad, N = 16384, the tiny attention plan of ``tests/server/private_app.py``)
-and its MLP (N = 8192, client-aided SiLU, its own key set) on the server. The SDK's greedy tokens must be
-the plan's simulator's; the MLP steps' checks answer 4xx with OpenAI-style bodies; the bundle holds no
-server tensor; no secret key byte and no prompt reaches the server's files or logs.
+The tiny random model (2 layers, hidden 64) with an offload plan that runs every part but layer 0's MLP
+on the server, one of each kind: layer 0's attention as linear steps (``softmax = client``: attn_qkv,
+the client's exact softmax on its clear cache, attn_o; N = 8192), layer 1's attention calibrated (2Quad,
+N = 16384, the tiny attention plan of ``tests/server/private_app.py``) and layer 1's MLP (N = 8192,
+client-aided SiLU, the same small key set as layer 0's linear steps). The SDK's greedy tokens must be
+the plan's simulator's; the linear steps' checks answer 4xx with OpenAI-style bodies; the bundle holds no
+server tensor; no secret key byte, no decrypted intermediate and no prompt reaches the server's files or
+logs.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def setup(tiny_model_dir, tmp_path_factory):  # noqa: F811
     from fastapi.testclient import TestClient
 
     from engine.loader import load_model
-    from fhe.offload import offload_plan
+    from fhe.offload import CLIENT, SERVER, LayerPlacement, OffloadPlan
     from fhe.plan import Plan
     from server.app import create_app
 
@@ -37,8 +40,9 @@ def setup(tiny_model_dir, tmp_path_factory):  # noqa: F811
     folder = tmp_path_factory.mktemp("plans")
     att_path = tiny_plan(model, folder)
     att = Plan.load(att_path)
-    off = offload_plan(model.config, "tiny", client_layers=1, softmax="approx", silu="client",
-                       attention_plan_hash=att.content_hash)
+    assert att.layer_indices == (1,)
+    layers = (LayerPlacement(0, SERVER, CLIENT, "client"), LayerPlacement(1, SERVER, SERVER, "approx", "client"))
+    off = OffloadPlan("tiny", model.config.to_hf_dict(), layers, att.content_hash)
     off_path = off.save(folder / "tiny.offload.json")
     state = tmp_path_factory.mktemp("state")
     settings = private_settings(tiny_model_dir, att_path, state, offload_plan=str(off_path), max_step_tokens=8)
@@ -56,18 +60,30 @@ def setup(tiny_model_dir, tmp_path_factory):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def generated(setup):
-    """The SDK's greedy tokens for PROMPT (with the server's log records of that run)."""
-    handler = _Records()
-    root = logging.getLogger()
+    """The SDK's greedy tokens for PROMPT (with the server's log records of that run, and the k vectors
+    the client decrypted from layer 0's attn_qkv steps: intermediates only the client may see)."""
+    from fhe.offload_attention import AttentionLinearClient
+
+    handler, seen = _Records(), []
+    root, split = logging.getLogger(), AttentionLinearClient.split_qkv
     root.addHandler(handler)
     old = root.level
     root.setLevel(logging.DEBUG)
+
+    def spy(self, values):
+        q, k, v = split(self, values)
+        seen.append(k)
+        return q, k, v
+
+    AttentionLinearClient.split_qkv = spy
     try:
         out = setup["client"].completions.create(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                                  extra_body={"logprobs": 1, "ignore_eos": True})
     finally:
+        AttentionLinearClient.split_qkv = split
         root.removeHandler(handler)
         root.setLevel(old)
+    setup["decrypted_k"] = seen
     return out, handler.messages
 
 
@@ -107,15 +123,20 @@ def test_the_sdk_runs_the_offload_plan_and_matches_its_simulator(setup, generate
     assert rt.tokenizer.decode(want) == out.choices[0].text, (want, got)
 
 
-def test_each_token_runs_attention_then_both_mlp_halves(setup, generated):
+def test_each_token_runs_every_part_once(setup, generated):
+    from fhe.offload_steps import offload_rotation_steps
+
     man = setup["http"].get("/v1/private/manifest", headers=_auth()).json()
-    assert man["offload"]["server_mlp"] == [1] and man["offload"]["server_attention"] == [1]
+    assert man["offload"]["server_mlp"] == [1] and man["offload"]["server_attention"] == [0, 1]
+    assert man["offload"]["server_attention_linear"] == [0] and man["layers"]["encrypted_attention"] == [1]
     assert man["offload"]["plan_hash"] == setup["off"].content_hash
     assert man["offload"]["mlp"]["ckks"]["poly_modulus_degree"] == 8192
+    # one small key set for both kinds of linear step: the union of their Galois steps
+    assert man["offload"]["mlp"]["rotation_steps"] == list(offload_rotation_steps(setup["model"].config))
     rt = setup["client"]._private
     stats = rt.current_stats        # the last token's: one decode step of each part
-    assert stats.parts["mlp_up"][3] == 1 and stats.parts["mlp_down"][3] == 1
-    assert stats.steps == 3         # attention(1) -> mlp_up(1) -> mlp_down(1)
+    assert all(stats.parts[p][3] == 1 for p in ("attn_qkv", "attn_o", "mlp_up", "mlp_down"))
+    assert stats.steps == 5         # attn_qkv(0) -> attn_o(0) -> attention(1) -> mlp_up(1) -> mlp_down(1)
 
 
 def test_the_bundle_holds_no_server_tensor(setup, generated):
@@ -129,16 +150,22 @@ def test_the_bundle_holds_no_server_tensor(setup, generated):
         names = set(fh.keys())
     withheld = set(offload_withheld_names(setup["model"].config, setup["off"]))
     assert withheld and not names & withheld
-    assert not [n for n in names if n.startswith(("model.layers.1.self_attn", "model.layers.1.mlp"))]
+    assert not [n for n in names if n.startswith(("model.layers.0.self_attn", "model.layers.1.self_attn",
+                                                  "model.layers.1.mlp"))]
+    assert "model.layers.0.mlp.down_proj.weight" in names       # the client's own part is there
 
 
 def test_no_secret_and_no_prompt_reaches_the_server(setup, generated):
-    """The server holds only public keys and ciphertexts; neither secret key, nor the prompt or the
-    generated text, is in any file it wrote (registry, key material, audit log, bundles) or its logs."""
+    """The server holds only public keys and ciphertexts; neither secret key, nor an intermediate the client
+    decrypted (layer 0's k vectors: its clear cache), nor the prompt or the generated text, is in any file
+    it wrote (registry, key material, audit log, bundles) or its logs."""
     out, messages = generated
     rt = setup["client"]._private
     secrets = [rt.ckks.unsafe_export_secret(), rt.offload.ckks.unsafe_export_secret()]
     needles = [s[len(s) // 2:len(s) // 2 + 64] for s in secrets]
+    ks = setup["decrypted_k"]
+    assert ks, "no attn_qkv step was decrypted: the check would be empty"
+    needles += [k.flatten()[:4].to(dt).numpy().tobytes() for k in ks for dt in (torch.float32, torch.float64)]
     texts = [PROMPT.encode(), out.choices[0].text.encode()]
     files = [p for p in setup["state"].rglob("*") if p.is_file()]
     assert files
@@ -149,6 +176,7 @@ def test_no_secret_and_no_prompt_reaches_the_server(setup, generated):
             assert not any(t in data for t in texts if len(t) > 8), p
     assert messages, "the run logged nothing: the check would be empty"
     shown = [PROMPT] + ([out.choices[0].text] if len(out.choices[0].text) >= 8 else [])
+    shown += [f"{float(ks[0].flatten()[0]):.6f}"]               # nor a decrypted value, printed
     assert not [m for m in messages if any(t in m for t in shown)]
 
 
@@ -243,6 +271,32 @@ def test_an_unknown_part_is_bad_envelope(setup, session):
     raw = rfc8785.dumps(head)
     bad = envelope._PREFIX.pack(envelope.MAGIC, envelope.ENVELOPE_VERSION, len(raw)) + raw + body[prefix + head_len:]
     _error(_post(setup, sid, bad), 400, "bad_envelope")
+
+
+def test_attention_linear_steps_are_checked_like_mlp_steps(setup, session):
+    """attn_qkv / attn_o: only on a layer whose attention runs as linear steps, under the offload key set,
+    one fresh ciphertext per position of at most the blob limit (all 4xx before or in the worker)."""
+    from fhe.offload_steps import fresh_blob_limit
+
+    rt, sid = session
+    lay = rt.offload.att_layout
+
+    def body(**kw):
+        from fhe.backends.seal import wire
+        from fhe.linalg import replicate_input
+
+        vec = replicate_input(torch.randn(lay.hidden).double().numpy(), lay.slots, lay.qkv_period)
+        return _mlp_body(rt, sid, **{"layer": 0, "part": "attn_qkv",
+                                     "blobs": (wire.encrypt_to_wire(rt.offload.ckks, vec),), **kw})
+
+    _error(_post(setup, sid, body(layer=1)), 400, "bad_layer")           # layer 1's attention is calibrated
+    _error(_post(setup, sid, body(part="attn_o", layer=1)), 400, "bad_layer")
+    _error(_post(setup, sid, body(fingerprint=rt.fingerprint)), 400, "wrong_key_set")
+    _error(_post(setup, sid, body(part="attn_o", blobs=(b"\1" * 1000,))), 400, "bad_ciphertext")
+    _error(_post(setup, sid, body(blobs=(b"\0" * (fresh_blob_limit(rt.offload.params) + 1),))), 413,
+           "step_too_large")
+    ok = _post(setup, sid, body(start=1))
+    assert ok.status_code == 200, ok.text
 
 
 def test_a_session_needs_an_mlp_key_of_the_mlp_parameters(setup, generated):

@@ -174,6 +174,30 @@ def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N,
 
 
 @triton.jit
+def _inner_product_batched(d_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N, D_STRIDE, KEY_STRIDE,
+                           BLOCK: tl.constexpr):
+    """:func:`_inner_product` for row b of a batch (program axis 2 = b * 2 + c): row b's digits with row b's
+    key; the same products and reductions in the same order, so each row's result is the one-row kernel's."""
+    r = tl.program_id(1)
+    b = tl.program_id(2) // 2
+    c = tl.program_id(2) % 2
+    q = tl.load(q_ptr + r)
+    qinv = 1.0 / q.to(tl.float64)
+    krow = tl.where(r == L, K1 - 1, r)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    d_base = d_ptr + b.to(tl.int64) * D_STRIDE
+    k_base = key_ptr + b.to(tl.int64) * KEY_STRIDE
+    acc = tl.zeros((BLOCK,), tl.int64)
+    for j in range(L):
+        d = tl.load(d_base + (j * R + r).to(tl.int64) * N + offs, mask=mask)
+        k = tl.load(k_base + ((j * 2 + c) * K1 + krow).to(tl.int64) * N + offs, mask=mask)
+        acc += _mulmod(d, k, q, qinv)
+        acc = tl.where(acc >= q, acc - q, acc)
+    tl.store(out_ptr + ((b * 2 + c) * R + r).to(tl.int64) * N + offs, acc, mask=mask)
+
+
+@triton.jit
 def _dot_rows(c_ptr, p_ptr, q_ptr, out_ptr, K, R, L, N, MUL: tl.constexpr, BLOCK: tl.constexpr):
     """out[r] = sum_j c[j, r] (* p[j, r % L] if MUL) mod q_(r % L): a dot product (or sum) of K operands
     in one pass, instead of K products and K-1 additions each a launch of its own."""
@@ -261,4 +285,17 @@ def inner_product(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor,
     return out
 
 
-__all__ = ["dot_rows", "inner_product", "mulmod_rows", "ntt_"]
+def inner_product_batched(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:
+    """``D [B, L, L+1, N]``, ``key [B, K, 2, K+1, N]`` (row b's key for row b's digits) -> ``[B, 2, L+1, N]``."""
+    _check(D, "digits")
+    _check(key, "key")
+    b, lev, r, n = D.shape
+    assert r == lev + 1 and key.shape[0] == b and key.shape[1] >= lev and key.shape[2] == 2, (D.shape, key.shape)
+    assert key.shape[4] == n and primes.numel() == r, (D.shape, key.shape, primes.shape)
+    out = torch.empty((b, 2, r, n), dtype=torch.int64, device=D.device)
+    _inner_product_batched[(triton.cdiv(n, BLOCK), r, 2 * b)](D, key, primes, out, lev, r, key.shape[3], n,
+                                                              lev * r * n, key[0].numel(), BLOCK=BLOCK)
+    return out
+
+
+__all__ = ["dot_rows", "inner_product", "inner_product_batched", "mulmod_rows", "ntt_"]

@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             plan, offload = offload_plans(args.offload, root)
         if args.offload_plan:
             plan, offload, n_server = whole_offload_plan(args.offload_plan, root)
+            # 28 layers of encoded weights (~10 s each on one core) outlast the default 120 s worker start
+            os.environ.setdefault("CIPHERLM_PRIVATE__WORKER_START_TIMEOUT_S", "1800")
         with running_server(root, None, plan, args.workers,
                             max_session_tokens=args.prompt_tokens + args.max_tokens + 8, offload=offload) as server:
             plain = bench_plaintext(server, prompt, args.max_tokens)

@@ -221,8 +221,12 @@ def part_table(toks: list, n_layers: int, server_layers: int = 28) -> str:
                    f"{n / n_layers:.0f} |")
     sec, up, down, n = (sum(r[k] for r in rows.values()) / n_layers for k in range(4))
     out.append(f"| one server layer | {_s(sec)} | {_b(up)} | {_b(down)} | {n:.0f} |")
-    out.append(f"| x {server_layers} layers (extrapolated) | {_s(sec * server_layers)} | {_b(up * server_layers)} | "
-               f"{_b(down * server_layers)} | {n * server_layers:.0f} |")
+    if n_layers != server_layers:   # a short plan: scale its per-layer cost to the 28-layer plan
+        out.append(f"| x {server_layers} layers (extrapolated) | {_s(sec * server_layers)} | "
+                   f"{_b(up * server_layers)} | {_b(down * server_layers)} | {n * server_layers:.0f} |")
+    else:
+        out.append(f"| all {n_layers} server layers (measured) | {_s(sec * n_layers)} | {_b(up * n_layers)} | "
+                   f"{_b(down * n_layers)} | {n * n_layers:.0f} |")
     return "\n".join(out)
 
 

@@ -19,12 +19,16 @@ It prints a markdown table and notes (Concrete ML's published hybrid GPT-2 figur
     python bench/private_e2e.py --layers 1 --max-tokens 4  # one encrypted layer, quick
     python bench/private_e2e.py --layers 1 --token-prefill  # packed vs per-token prefill, same run
     python bench/private_e2e.py --offload 2,3 --max-tokens 4   # an offload plan: layers 2-3, attention + MLP
+    python bench/private_e2e.py --offload-plan default --prompt-tokens 4 --max-tokens 3   # layers 2-29
 
 With ``--offload`` the server runs an offload plan (``[private] offload_plan``): the listed layers' attention
 (the shipped sqexp score maps) and MLP (N = 8192, client-aided SiLU) on the server, every other layer on the
 client; a second table gives each server part's cost per decode token (seconds in the step's HTTP round
 trip, bytes up and down, round trips) per layer, and its extrapolation to the 28 server layers of the
-default offload plan.
+default offload plan. ``--offload-plan FILE`` (``default``: the shipped one, layers 2-29 with attention as
+linear steps) runs a whole offload plan file instead; its calibrated (``softmax = approx``) layers, if any,
+come from the shipped attention plan at the CI ring N = 16384, which the service also needs for the
+session's attention key even when no layer uses it.
 
 Run it with ``PYTHONPATH`` set to the checkout (a script's imports otherwise come from the editable
 install, which may be another checkout).
@@ -52,7 +56,7 @@ TEXT = ("The old lighthouse keeper climbed the narrow stairs every evening, carr
 
 CONCRETE_ML_NOTE = ("For scale, Concrete ML's published hybrid GPT-2 figures (one attention head of GPT-2 "
                     "under TFHE, the rest in the clear): about 300 s/token on CPU, about 11 s/token on GPU, "
-                    "about 2.2 MB/token on the wire.")
+                    "about 2.2 MB/token on the wire; Llama-3.2-1B hybrid about 18 MB/token.")
 
 
 @dataclasses.dataclass
@@ -183,34 +187,49 @@ def offload_plans(layers: str, root: Path, base: Path | None = None) -> tuple[Pa
     return att.save(root / "offload-attention.plan.json"), off.save(root / "offload.json")
 
 
-def _server_layers(args, setup) -> int:
-    """Server layers of the run's offload plan (attention steps, linear steps or both)."""
-    if args.offload_plan:
-        from fhe.offload import OffloadPlan
+def whole_offload_plan(spec: str, root: Path, base: Path | None = None) -> tuple[Path, Path, int]:
+    """(attention plan, offload plan, server layers) for ``--offload-plan`` (a file, or ``default``); the
+    attention plan is cut from ``base`` (default: the shipped plan; the GPU machine's random-weight home has
+    its own)."""
+    from fhe.offload import OffloadPlan, default_offload_path
+    from fhe.params import CKKSParams
+    from fhe.plan import Plan
+    from server.private.feature import default_plan_path
 
-        plan = OffloadPlan.load(args.offload_plan)
-        return len(set(plan.server_mlp) | set(plan.server_attention))
-    return len(setup.encrypted_layers)
+    off_path = default_offload_path() if spec == "default" else Path(spec)
+    off, full = OffloadPlan.load(off_path), Plan.load(base or default_plan_path())
+    keep = set(off.approx_layers) or {full.layer_indices[0]}     # the session's attention key needs a plan
+    ckks = CKKSParams(16384, (48,) + (30,) * 11 + (60,), 30).to_dict()   # the CI ring: smaller keys
+    att = Plan(full.model_id, full.weights_sha256, tuple(lp for lp in full.layers if lp.index in keep), ckks,
+               "bench: base of a whole offload plan", full.calibration)
+    if off.approx_layers:
+        raise SystemExit("--offload-plan: a plan with calibrated attention layers names its own attention plan")
+    server = len(set(off.server_attention) | set(off.server_mlp))
+    return att.save(root / "offload-attention.plan.json"), off_path, server
 
 
 def part_table(toks: list, n_layers: int, server_layers: int = 28) -> str:
     """Per server layer and decode token, each part's mean cost; and x ``server_layers``."""
     rest = [t.stats for t in toks[1:]] or [toks[0].stats]
     rows = {}
-    linear = ("attn_qkv", "attn_o", "mlp_up", "mlp_down")
-    for part in linear:
+    for part in ("attn_qkv", "attn_o", "mlp_up", "mlp_down"):
         rows[part] = [statistics.mean(st.parts.get(part, [0, 0, 0, 0])[k] for st in rest) for k in range(4)]
     tot = [statistics.mean(getattr(st, f) for st in rest) for f in ("seconds", "bytes_up", "bytes_down", "steps")]
-    blocks = [tot[k] - sum(rows[p][k] for p in linear) for k in range(4)]
-    rows = {"attention (encrypted block)": blocks, **{p: r for p, r in rows.items() if r[3] or p.startswith("mlp")}}
+    approx = [tot[k] - sum(r[k] for r in rows.values()) for k in range(4)]
+    rows = {**({"attention (calibrated block)": approx} if approx[3] > 0.5 else {}),
+            **{k: v for k, v in rows.items() if v[3] > 0}}
     out = ["| part (per layer, per decode token) | seconds | up | down | round trips |", "|---|---:|---:|---:|---:|"]
     for part, (sec, up, down, n) in rows.items():
         out.append(f"| {part} | {_s(sec / n_layers)} | {_b(up / n_layers)} | {_b(down / n_layers)} | "
                    f"{n / n_layers:.0f} |")
     sec, up, down, n = (sum(r[k] for r in rows.values()) / n_layers for k in range(4))
     out.append(f"| one server layer | {_s(sec)} | {_b(up)} | {_b(down)} | {n:.0f} |")
-    out.append(f"| x {server_layers} layers (extrapolated) | {_s(sec * server_layers)} | {_b(up * server_layers)} | "
-               f"{_b(down * server_layers)} | {n * server_layers:.0f} |")
+    if n_layers != server_layers:   # a short plan: scale its per-layer cost to the 28-layer plan
+        out.append(f"| x {server_layers} layers (extrapolated) | {_s(sec * server_layers)} | "
+                   f"{_b(up * server_layers)} | {_b(down * server_layers)} | {n * server_layers:.0f} |")
+    else:
+        out.append(f"| all {n_layers} server layers (measured) | {_s(sec * n_layers)} | {_b(up * n_layers)} | "
+                   f"{_b(down * n_layers)} | {n * n_layers:.0f} |")
     return "\n".join(out)
 
 
@@ -236,10 +255,12 @@ def table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Row, command: str) -> str:
-    """The lines printed under the table."""
+def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Row, command: str,
+          n_server: int | None = None) -> str:
+    """The lines printed under the table (``n_server``: layers with a server part, default the encrypted
+    attention layers)."""
     decode_server = _mean(server_s[1:])
-    n_srv = _server_layers(args, setup) or 1
+    n = n_server or len(setup.encrypted_layers)
     lines = [
         f"- {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `{command}`; "
         f"{platform.machine()} CPU, server and client on the same machine over loopback; server workers on "
@@ -253,9 +274,10 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
         f"- Encrypted time in server steps (HTTP round trips, worker evaluation): prefill {_s(server_s[0])}, "
         f"decode {_s(decode_server)} per token; the rest is client-side encryption, decryption and the clear "
         "layers.",
-        f"- Per server layer per decode token: TPOT/{n_srv} = "
-        f"{_s(enc.tpot_s / n_srv if enc.tpot_s else None)}, "
-        f"{_b(enc.decode_up / n_srv if enc.decode_up else None)} up.",
+        f"- Per server layer per decode token: TPOT/{n} = "
+        f"{_s(enc.tpot_s / n if enc.tpot_s else None)}, "
+        f"{_b(enc.decode_up / n if enc.decode_up else None)} up, "
+        f"{_b(enc.decode_down / n if enc.decode_down else None)} down.",
         "- Plaintext: bytes are the JSON request and the SSE stream (the request is sent once, so nothing "
         "goes up per decode token).",
         f"- Texts: plaintext {plain.text!r}; encrypted {enc.text!r}.",
@@ -265,10 +287,10 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
 
 
 def _plan_words(args) -> str:
+    if getattr(args, "offload_plan", None):
+        return f"the whole offload plan {args.offload_plan!r} (attention as linear steps, client-aided MLP)"
     if getattr(args, "offload", None):
         return f"an offload plan: attention and MLP of layers {args.offload} on the server, the rest on the client"
-    if getattr(args, "offload_plan", None):
-        return f"the offload plan {args.offload_plan.name}"
     return "the shipped default plan" if args.layers == "all" else f"the first {args.layers} of the default plan"
 
 
@@ -287,9 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the server workers' [private] device ('cuda', 'cuda:N': the gpu backend; default: "
                         "the settings' 'cpu', SEAL); the SDK always runs on the CPU")
     p.add_argument("--offload", help="server layers of an offload plan, e.g. '2,3' (of the shipped plan's 2-5)")
-    p.add_argument("--offload-plan", type=Path,
-                   help="this offload plan file as is (e.g. fhe/data/smollm2-135m-instruct.offload.json: layers "
-                        "2-29 on the server, attention as linear steps); attention plan: --plan, else the shipped one")
+    p.add_argument("--offload-plan", help="a whole offload plan file ('default': the shipped one, layers 2-29)")
     p.add_argument("--token-prefill", action="store_true",
                    help="also run the encrypted tenant with one ciphertext per prompt token (the prefill "
                         "before packed chunks), same server, same keys")
@@ -303,13 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cipherlm-bench-") as tmp:
         root = Path(tmp)
         plan = args.plan if args.plan and args.layers == "all" else plan_with_layers(args.layers, root)
-        offload = None
+        offload, n_server = None, None
         if args.offload:
             plan, offload = offload_plans(args.offload, root, args.plan)
-        elif args.offload_plan:
-            from server.private.feature import default_plan_path
-
-            plan, offload = args.plan or default_plan_path(), args.offload_plan
+        if args.offload_plan:
+            plan, offload, n_server = whole_offload_plan(args.offload_plan, root, args.plan)
+            # 28 layers of encoded weights (~10 s each on one core) outlast the default 120 s worker start
+            os.environ.setdefault("CIPHERLM_PRIVATE__WORKER_START_TIMEOUT_S", "1800")
         with running_server(root, None, plan, args.workers,
                             max_session_tokens=args.prompt_tokens + args.max_tokens + 8, offload=offload) as server:
             plain = bench_plaintext(server, prompt, args.max_tokens)
@@ -321,10 +341,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  token prefill: server prefill {_s(tok_s[0])}", file=sys.stderr, flush=True)
     print(table([plain, enc, *extra]))
     print()
-    print(notes(args, setup, server_s, n_prompt, enc, plain, command))
+    print(notes(args, setup, server_s, n_prompt, enc, plain, command, n_server))
     if args.offload or args.offload_plan:
         print()
-        print(part_table(bench_encrypted.tokens, _server_layers(args, setup)))
+        print(part_table(bench_encrypted.tokens, n_server or len(setup.encrypted_layers)))
     if args.json:
         args.json.write_text(json.dumps({"rows": [dataclasses.asdict(plain), dataclasses.asdict(enc)],
                                          "setup": dataclasses.asdict(setup), "server_s": server_s}, indent=1))

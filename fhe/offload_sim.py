@@ -2,11 +2,13 @@
 
 It runs the model as the offload protocol computes it, in the clear: the client's layers exactly; each
 server attention block with its plan's treatment of the softmax (the attention plan's calibrated score map
-with exact normalization, or exact when client-aided); each server MLP with the exact SiLU (client-aided)
-or the plan's polynomial. RMSNorms, the residual stream, the final norm and the head are the client's and
-exact. ``noise`` adds Gaussian noise of that standard deviation to every value the server returns (the
-attention output, the gate/up pre-activations, the down projection): a stand-in for CKKS error at a
-measured magnitude, so the simulator can also show how much noise the plan tolerates.
+with exact normalization, or exact when client-aided: attention as linear steps, q·k, softmax and p·v on
+the client); each server MLP with the exact SiLU (client-aided) or the plan's polynomial. RMSNorms, the
+residual stream, the final norm and the head are the client's and exact. ``noise`` adds Gaussian noise of
+that standard deviation to every value the server returns (the attention output; for attention as linear
+steps also q, k and v, which the client decrypts before its softmax; the gate/up pre-activations, the down
+projection): a stand-in for CKKS error at a measured magnitude, so the simulator can also show how much
+noise the plan tolerates.
 
 :func:`collect_gates` records each layer's gate pre-activations on calibration text (to fit
 :func:`fhe.silu.fit_silu`); :func:`fidelity` compares teacher-forced logits against the plaintext model.
@@ -76,9 +78,27 @@ class OffloadSimulator:
         act = self.plan.silu[i](g) if place.silu == "poly" else F.silu(g)
         return self.noise(mlp.down_proj(act * u))
 
+    def _qkv_noise(self) -> list:
+        """Forward hooks adding the server's noise to q, k, v of every layer whose attention runs as linear
+        steps (the ``attn_qkv`` answer); removed after each pass (the model may be the caller's)."""
+        if not self.noise.std:
+            return []
+        linear = [p.index for p in self.plan.layers if p.attention == SERVER and p.softmax == "client"]
+        return [getattr(self.model.layers[i].self_attn, name).register_forward_hook(
+                    lambda _m, _inp, y: self.noise(y))
+                for i in linear for name in ("q_proj", "k_proj", "v_proj")]
+
     @torch.inference_mode()
     def logits(self, ids: list[int]) -> torch.Tensor:
         """ids -> logits [T, vocab] (fp32)."""
+        hooks = self._qkv_noise()
+        try:
+            return self._logits(ids)
+        finally:
+            for hk in hooks:
+                hk.remove()
+
+    def _logits(self, ids: list[int]) -> torch.Tensor:
         m, n = self.model, len(ids)
         pos = torch.arange(n)
         backend = SimulatedBackend(m, self.attention, n) if self.attention.layers else DenseKVCache(m.config, n)

@@ -44,7 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--model", default="default", help="'default', a model folder or a .gguf file")
     off.add_argument("--client-layers", type=int, default=2, help="k: layers the client runs in the clear")
     off.add_argument("--softmax", choices=("approx", "client"), default="approx",
-                     help="server attention: the attention plan's calibrated map, or client-aided exact softmax")
+                     help="server attention: the attention plan's calibrated map, or client-aided: linear "
+                          "steps (q/k/v and output projections) on the server, RoPE and the exact softmax on "
+                          "the client")
     off.add_argument("--attention-plan", default=None,
                      help="plan (from 'fhe calibrate') with a score map for every server layer (softmax approx)")
     off.add_argument("--silu", choices=("client", "poly"), default="client",
@@ -165,6 +167,8 @@ def _placement_runs(plan) -> list[tuple[int, int, str]]:
         if p.attention == p.mlp == "client":
             return "client (clear)"
         att = "client" if p.attention == "client" else f"server (softmax: {p.softmax})"
+        if p.softmax == "client":   # what "client-aided" means for attention: say it where it is printed
+            att = "server linear steps (softmax: client)"
         mlp = "client" if p.mlp == "client" else f"server (silu: {p.silu})"
         return f"attention {att}, mlp {mlp}"
 
@@ -185,6 +189,9 @@ def _print_costs(plan, context: int) -> None:
     total_macs, total_params = r.server_macs + r.client_macs, r.server_params + r.client_params
     print(f"per token at context {context}: server runs {100 * r.server_mac_share:.1f} % of "
           f"{total_macs / 1e6:.1f} M multiply-adds ({r.round_trips} round trips)")
+    if any(p.softmax == "client" for p in plan.layers):
+        print("  (q.k and p.v of softmax = client layers run on the client, over its clear K/V cache: the "
+              "server's share falls as the context grows)")
     print(f"parameters: client {100 * r.client_param_share:.1f} % of {total_params / 1e6:.1f} M "
           f"({r.client_params / 1e6:.1f} M), server {r.server_params / 1e6:.1f} M")
     print(f"client bundle: {r.bundle_tensor_bytes() / 1e6:.1f} MB of fp32 tensors (+ tokenizer files)")

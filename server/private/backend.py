@@ -50,7 +50,8 @@ class WorkerBackend(Protocol):
 
 def make_pool(cfg: PrivateSettings, factory: str, factory_args: tuple) -> WorkerBackend:
     """The worker pool ``cfg.backend`` names, with the bounds of ``cfg``."""
-    common = dict(task_timeout=cfg.task_timeout_s, keep_running=cfg.min_workers, idle_stop_s=cfg.worker_idle_s)
+    common = dict(task_timeout=cfg.task_timeout_s, keep_running=cfg.min_workers, idle_stop_s=cfg.worker_idle_s,
+                  start_timeout=cfg.worker_start_timeout_s)
     if cfg.backend == "ray":
         from server.private.ray_backend import RayWorkerPool
 

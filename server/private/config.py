@@ -63,6 +63,9 @@ class PrivateSettings(BaseModel):
                                        "past which a new session of that key goes to a worker with room "
                                        "(loading another copy) rather than queueing behind them; None: never")
     task_timeout_s: float = Field(600.0, gt=0, description="a worker task running longer is killed")
+    worker_start_timeout_s: float = Field(120.0, gt=0, description="seconds a new worker may take to build its "
+                                          "state (an offload plan of 28 server layers encodes ~10 s of "
+                                          "weights per layer on one core)")
     key_lifetime_s: float | None = Field(30 * 86400.0, gt=0, description="expiry of a registered key")
     audit_checkpoint_every: int = Field(64, ge=1, description="records between signed checkpoints")
     backend: Literal["local", "ray"] = Field("local", description="where workers run: \"local\" "

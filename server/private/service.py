@@ -385,7 +385,7 @@ class PrivateService:
         on a worker holding the MLP key set, retry-safe like an attention step (the answer is stored per
         (layer, part), and the same positions with another body are a 409)."""
         if self.offload is None:
-            raise InvalidRequestError("this server's plan runs no MLP on the server", code="bad_part")
+            raise InvalidRequestError("this server's plan runs no linear offload step", code="bad_part")
         self.offload.check_step(s, env, self.cfg)
         digest, slot = hashlib.sha256(body).hexdigest(), (env.layer, env.part)
         prev = s.last_step.get(slot)

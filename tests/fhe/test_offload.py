@@ -170,8 +170,9 @@ def test_cli_plan_info_prints_the_work_split(tmp_path, capsys):
     assert main(["fhe", "plan-info", str(path), "--context", "64"]) == 0
     out = capsys.readouterr().out
     assert "layers 0-1: client (clear)" in out
-    assert "layers 2-29: attention server (softmax: client), mlp server (silu: client)" in out
-    assert "server runs 74.0 % of" in out and "(112 round trips)" in out
+    assert "layers 2-29: attention server linear steps (softmax: client), mlp server (silu: client)" in out
+    assert "server runs 72.5 % of" in out and "(112 round trips)" in out     # q.k, p.v on the client
+    assert "q.k and p.v of softmax = client layers run on the client" in out
     assert "client 26.3 % of 134.5 M" in out and "141.6 MB of fp32 tensors" in out
     doc = json.loads(path.read_text())
     doc["layers"][5]["attention"] = "client"

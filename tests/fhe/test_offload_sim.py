@@ -61,3 +61,29 @@ def test_polynomial_silu_and_noise_change_the_output_where_placed(model):
     f_noise = fidelity(OffloadSimulator(model, noisy, noise=1e-2), seqs, [1, 1], exact)
     assert f_noise["kl"] > 0
     assert fidelity(OffloadSimulator(model, noisy), seqs, [1, 1], exact)["kl"] < 1e-9
+
+
+def test_linear_attention_noise_reaches_q_k_v_and_leaves_the_model_clean(model):
+    """softmax = client: the attn_qkv answer carries the server's noise too (hooks only during a pass)."""
+    from fhe.offload import CLIENT, SERVER, LayerPlacement, OffloadPlan
+
+    layers = (LayerPlacement(0, SERVER, CLIENT, "client"), LayerPlacement(1))
+    plan = OffloadPlan("tiny", model.config.to_hf_dict(), layers)
+    sim = OffloadSimulator(model, plan, noise=1e-2, seed=1)
+    noise, shapes = sim.noise, []
+
+    def counting(x):
+        shapes.append(tuple(x.shape))
+        return noise(x)
+
+    counting.std = noise.std
+    sim.noise = counting
+    cfg = model.config
+    got = sim.logits(IDS)
+    t = len(IDS)
+    assert shapes == [(t, cfg.num_attention_heads * cfg.head_dim), (t, cfg.num_key_value_heads * cfg.head_dim),
+                      (t, cfg.num_key_value_heads * cfg.head_dim), (t, cfg.hidden_size)]   # q, k, v, then Wo u
+    assert not model.layers[0].self_attn.q_proj._forward_hooks           # nothing left installed
+    exact = sequence_logits(model, IDS, None)
+    assert not torch.allclose(got, exact, atol=1e-5)
+    assert torch.allclose(OffloadSimulator(model, plan).logits(IDS), exact, atol=1e-5)

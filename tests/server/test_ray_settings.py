@@ -18,6 +18,9 @@ def test_local_is_the_default_backend_and_builds_the_process_pool():
     cfg = PrivateSettings()
     assert cfg.backend == "local" and cfg.ray.address is None
     assert isinstance(make_pool(cfg, "m:f", ()), WorkerPool)
+    assert make_pool(cfg, "m:f", ()).start_timeout == 120.0
+    # a worker of the 28-layer offload plan builds for minutes: the setting reaches the pool
+    assert make_pool(PrivateSettings(worker_start_timeout_s=900), "m:f", ()).start_timeout == 900
 
 
 def test_bad_backend_values_are_validation_errors():

@@ -1,7 +1,9 @@
 """The whole encrypted attention block on the gpu backend (its torch-CPU reference here; the same code on
 CUDA) against the SEAL backend, on the same client ciphertexts and keys: every output ciphertext is
 residue-for-residue SEAL's, so both decrypt to the same values (tiny GQA model with biases, 2Quad,
-N = 16384). Slow: minutes on the CPU reference."""
+N = 16384). Heavy (~2 min on the CPU reference): the default run checks every operation the block uses
+bit for bit (tests/fhe/test_gpu_backend.py) and whole offload steps on this backend
+(tests/fhe/test_gpu_backend_mlp.py); this composes them over a whole block."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from fhe.params import ckks_params_for
 from tests.fhe.test_attention import calibrated_plan, layer_input, tiny_model
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_block_on_the_gpu_backend_is_seals_bit_for_bit():
     model = tiny_model(bias=True)
     cfg = model.config

@@ -102,11 +102,7 @@ class EncryptedMLP:
 
     def __init__(self, layer: DecoderLayer, params: CKKSParams = MLP_PARAMS, *,
                  evaluator: Evaluator | None = None) -> None:
-        if params.depth < 1:
-            raise ParameterError("the MLP block needs one rescale per half (depth >= 1)")
-        self.ev = evaluator if evaluator is not None else _default_evaluator(params)
-        if self.ev.params != params:
-            raise ParameterError(f"evaluator {self.ev.name!r} runs {self.ev.params}, the block needs {params}")
+        self.ev = linear_step_evaluator(params, evaluator, "the MLP block")
         w = MLPWeights.of(layer)
         self.matvecs_up = _up_matvecs(self.ev.slots, w)
         self.matvec_down = _matvec(self.ev.slots, w.down)
@@ -190,6 +186,17 @@ def run_client_aided(server: EncryptedMLP, client: MLPClient, h: torch.Tensor, k
     """One token's whole block in process (tests, benchmarks): h [hidden] -> mlp output [hidden]."""
     a = client.activation(server.gate_up(client.encrypt_input(h), keys))
     return client.output(server.down(client.encrypt_activation(a), keys))
+
+
+def linear_step_evaluator(params: CKKSParams, evaluator: Evaluator | None, what: str) -> Evaluator:
+    """The evaluator of a depth-1 linear step (``evaluator``, or the default backend for ``params``), checked
+    to run ``params``: each half of a client-aided block is one plaintext product and one rescale."""
+    if params.depth < 1:
+        raise ParameterError(f"{what} needs one rescale per step (depth >= 1)")
+    ev = evaluator if evaluator is not None else _default_evaluator(params)
+    if ev.params != params:
+        raise ParameterError(f"evaluator {ev.name!r} runs {ev.params}, {what} needs {params}")
+    return ev
 
 
 def _default_evaluator(params: CKKSParams) -> Evaluator:

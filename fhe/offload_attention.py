@@ -31,10 +31,10 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model import DecoderLayer, causal_attention
-from fhe.errors import ParameterError, ShapeError
+from fhe.errors import ShapeError
 from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, KeyHolder, check_fresh
 from fhe.linalg import EncodedMatvec, HybridMatvec, replicate_input
-from fhe.mlp import MLP_PARAMS, _default_evaluator, _matvec
+from fhe.mlp import MLP_PARAMS, _matvec, linear_step_evaluator
 from fhe.params import CKKSParams
 
 ATTENTION_PARTS = ("attn_qkv", "attn_o")
@@ -111,11 +111,7 @@ class EncryptedAttentionLinear:
 
     def __init__(self, layer: DecoderLayer, cfg: ModelConfig, params: CKKSParams = MLP_PARAMS, *,
                  evaluator: Evaluator | None = None) -> None:
-        if params.depth < 1:
-            raise ParameterError("an attention linear step needs one rescale (depth >= 1)")
-        self.ev = evaluator if evaluator is not None else _default_evaluator(params)
-        if self.ev.params != params:
-            raise ParameterError(f"evaluator {self.ev.name!r} runs {self.ev.params}, the block needs {params}")
+        self.ev = linear_step_evaluator(params, evaluator, "an attention linear step")
         w = AttentionLinearWeights.of(layer)
         self.matvec_qkv, self.matvec_o = _matvec(self.ev.slots, w.qkv), _matvec(self.ev.slots, w.o)
         self.layout = _layout(self.ev.slots, _heads(cfg), self.matvec_qkv, self.matvec_o)

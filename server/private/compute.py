@@ -54,7 +54,7 @@ class PrivateCompute:
         self.keys: dict[str, ServerKeys] = {}
         self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
-        self.mlp = _OffloadMLP(model, offload_path, device) if offload_path else None
+        self.linear = _OffloadLinear(model, offload_path, device) if offload_path else None
 
     # -- keys --------------------------------------------------------------------------------------
     def inspect_key(self, data: bytes) -> Inspection:
@@ -62,8 +62,8 @@ class PrivateCompute:
 
         With an offload plan, an upload whose public key names the MLP's parameters is screened at those
         (N differs, so no upload fits both): the verdict's ``params_hash`` says which key set it is."""
-        if self.mlp is not None and self.mlp.owns_upload(data, self.max_key_bytes):
-            return inspect_upload(data, self.mlp.params, self.mlp.steps, max_bytes=self.max_key_bytes)
+        if self.linear is not None and self.linear.owns_upload(data, self.max_key_bytes):
+            return inspect_upload(data, self.linear.params, self.linear.steps, max_bytes=self.max_key_bytes)
         return inspect_upload(data, self.params, self.key_levels, max_bytes=self.max_key_bytes)
 
     def load_key(self, fingerprint: str, data: bytes, key_set: str | None = None) -> None:
@@ -71,8 +71,8 @@ class PrivateCompute:
         and keep it under its registry fingerprint. ``data`` is the registry's canonical re-serialization,
         so the key-set fingerprint the client's ciphertexts name is ``key_set`` (None: from ``data``)."""
         blobs = parse_key_upload(data, len(data))  # the server's own bytes: unseeded, larger than the upload
-        if self.mlp is not None and self.mlp.owns(blobs):
-            self.mlp.load_key(fingerprint, wire.load_server_keys(blobs, self.mlp.params, self.mlp.steps,
+        if self.linear is not None and self.linear.owns(blobs):
+            self.linear.load_key(fingerprint, wire.load_server_keys(blobs, self.linear.params, self.linear.steps,
                                                                  fingerprint=key_set))
             return
         self.keys[fingerprint] = wire.load_server_keys(blobs, self.params, self.key_levels, fingerprint=key_set)
@@ -83,8 +83,8 @@ class PrivateCompute:
         """Forget a key and every session that used it; returns the sessions dropped."""
         self.keys.pop(fingerprint, None)
         self.device_keys.pop(fingerprint, None)
-        if self.mlp is not None:
-            self.mlp.drop_key(fingerprint)
+        if self.linear is not None:
+            self.linear.drop_key(fingerprint)
         doomed = [sid for sid, (fp, _) in self.sessions.items() if fp == fingerprint]
         for sid in doomed:
             del self.sessions[sid]
@@ -173,13 +173,13 @@ class PrivateCompute:
         as linear steps) over one ciphertext per position (stateless: no session state, so any worker
         holding the offload key set runs it); ``mlp_up`` answers ``outputs_per_position`` ciphertexts per
         position, position by position, every other part one."""
-        if self.mlp is None or fingerprint not in self.mlp.keys:
+        if self.linear is None or fingerprint not in self.linear.keys:
             raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "offload key set not loaded in this worker")
-        keys = self.mlp.keys[fingerprint]
-        block, _ = self.mlp.part(layer, part)
+        keys = self.linear.keys[fingerprint]
+        block, _ = self.linear.part(layer, part)
         cts = self._inputs(blobs, keys, block.ev.top)
-        return [wire.dump_ciphertext(c, self.mlp.params, keys.fingerprint)
-                for c in self.mlp.run(fingerprint, layer, part, cts)]
+        return [wire.dump_ciphertext(c, self.linear.params, keys.fingerprint)
+                for c in self.linear.run(fingerprint, layer, part, cts)]
 
     @staticmethod
     def _inputs(blobs: list[bytes], keys: ServerKeys, top: int) -> list:
@@ -196,7 +196,7 @@ class PrivateCompute:
         return cts
 
 
-class _OffloadMLP:
+class _OffloadLinear:
     """The linear blocks of an offload plan (``[private] offload_plan``) and their key sets: the server MLPs
     and the attention blocks it runs as linear steps (``softmax = client``), under one key set.
 

@@ -14,17 +14,17 @@ from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal.keys import CKKSClient
 from fhe.mlp import MLP_PARAMS, MLPClient
 from fhe.offload import offload_plan
-from server.private.compute import _OffloadMLP
+from server.private.compute import _OffloadLinear
 from tests.fhe.test_attention import tiny_model
 from tests.fhe.test_mlp import _layer
 
 
 def _workers(model, tmp_path, device: str):
     path = offload_plan(model.config, "tiny", client_layers=1, softmax="client").save(tmp_path / "tiny.offload.json")
-    return _OffloadMLP(model, str(path), "cpu"), _OffloadMLP(model, str(path), device)
+    return _OffloadLinear(model, str(path), "cpu"), _OffloadLinear(model, str(path), device)
 
 
-def _both_halves(seal_side: _OffloadMLP, ours: _OffloadMLP, layer: int, rng: np.random.Generator):
+def _both_halves(seal_side: _OffloadLinear, ours: _OffloadLinear, layer: int, rng: np.random.Generator):
     """One token through both workers' mlp_up, then (the client's exact SiLU in between) mlp_down; the
     SEAL ciphertexts each answered, as bytes, and the client that decrypts them."""
     block = seal_side.blocks[layer]

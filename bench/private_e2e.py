@@ -197,13 +197,14 @@ def whole_offload_plan(spec: str, root: Path, base: Path | None = None) -> tuple
     from server.private.feature import default_plan_path
 
     off_path = default_offload_path() if spec == "default" else Path(spec)
-    off, full = OffloadPlan.load(off_path), Plan.load(base or default_plan_path())
-    keep = set(off.approx_layers) or {full.layer_indices[0]}     # the session's attention key needs a plan
-    ckks = CKKSParams(16384, (48,) + (30,) * 11 + (60,), 30).to_dict()   # the CI ring: smaller keys
-    att = Plan(full.model_id, full.weights_sha256, tuple(lp for lp in full.layers if lp.index in keep), ckks,
-               "bench: base of a whole offload plan", full.calibration)
+    off = OffloadPlan.load(off_path)
     if off.approx_layers:
         raise SystemExit("--offload-plan: a plan with calibrated attention layers names its own attention plan")
+    # no layer uses it, but a session needs an attention plan (and key): its first layer, on the CI ring
+    full = Plan.load(base or default_plan_path())
+    ckks = CKKSParams(16384, (48,) + (30,) * 11 + (60,), 30).to_dict()
+    att = Plan(full.model_id, full.weights_sha256, full.layers[:1], ckks, "bench: base of a whole offload plan",
+               full.calibration)
     server = len(set(off.server_attention) | set(off.server_mlp))
     return att.save(root / "offload-attention.plan.json"), off_path, server
 

@@ -53,6 +53,11 @@ class PrivateCompute:
         self.max_key_bytes = 1 << 30
         self.keys: dict[str, ServerKeys] = {}
         self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
+        self.graphs = None                          # whole steps as CUDA graphs, per (layer, part, batch size)
+        if self.gpu is not None:
+            from fhe.backends.gpu.step import StepGraphs
+
+            self.graphs = StepGraphs(self.gpu)
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
         self.linear = _OffloadLinear(model, offload_path, device) if offload_path else None
 
@@ -225,6 +230,11 @@ class _OffloadLinear:
         self.steps = tuple(sorted(steps))
         self.keys: dict[str, ServerKeys] = {}
         self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
+        self.graphs = None                          # whole steps as CUDA graphs, per (layer, part, batch size)
+        if self.gpu is not None:
+            from fhe.backends.gpu.step import StepGraphs
+
+            self.graphs = StepGraphs(self.gpu)
 
     def load_key(self, fingerprint: str, keys: ServerKeys) -> None:
         """Keep a parsed MLP key set (and, on the gpu backend, its device copy: expanded once, here)."""
@@ -239,12 +249,19 @@ class _OffloadLinear:
     def run(self, fingerprint: str, layer: int, part: str, cts: list) -> list:
         """``part`` of ``layer`` on SEAL ciphertexts already checked by the wire; SEAL ciphertexts back."""
         keys = self.keys[fingerprint]
-        _, step = self.part(layer, part)
+        block, step = self.part(layer, part)
         if self.gpu is None:
             return [c for ct in cts for c in step(ct, keys)]
         dev = self.device_keys[fingerprint]   # SEAL parsed and checked the client's bytes; the device copy is ours
-        outs = [c for ct in cts for c in step(self.gpu.deserialize(seal.to_bytes(ct)), dev)]
-        return [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c)) for c in outs]
+        xs = [self.gpu.deserialize(seal.to_bytes(ct)) for ct in cts]
+        fn = _batched(block, step)
+        if len({(x.data.shape, x.scale) for x in xs}) == 1:   # the step's ciphertexts in one batch, one replay
+            rows = self.graphs.run((layer, part), fn, xs, dev)
+        else:
+            rows = [r for x in xs for r in self.graphs.run((layer, part), fn, [x], dev)]
+        # uncompressed: SEAL loads it at once here (random residues barely compress; zstd cost both ways)
+        return [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c, compress=False))
+                for row in rows for c in row]
 
     def device_nbytes(self) -> dict[str, int]:
         """Device bytes of the encoded weights (every linear block: MLPs, attention as linear steps; per
@@ -281,6 +298,20 @@ class _OffloadLinear:
         except (FHEError, KeyError, ValueError):
             return False
         return True
+
+
+def _batched(block, step):
+    """``step`` (a block's method for one ciphertext, on ``block.ev``) as a step of a batch: the same operations
+    through the batched evaluator :class:`fhe.backends.gpu.step.StepGraphs` hands it (sharing block.ev's
+    plaintexts), for the call only (a worker runs one step at a time)."""
+    def fn(ev, x, keys):
+        own, block.ev = block.ev, ev
+        try:
+            return step(x, keys)
+        finally:
+            block.ev = own
+
+    return fn
 
 
 def _plaintext_nbytes(block) -> int:

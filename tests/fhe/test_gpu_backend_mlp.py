@@ -66,9 +66,9 @@ def test_worker_attention_linear_steps_on_the_gpu_reference_are_seals_bytes(tmp_
         w.load_key("fp", client.server_keys())
     rng = np.random.default_rng(2)
     for part, n, period in (("attn_qkv", lay.hidden, lay.qkv_period), ("attn_o", lay.q_dim, lay.o_period)):
-        ct = client.encrypt(replicate_input(rng.normal(size=n), lay.slots, period))
-        theirs, got = (w.run("fp", 1, part, [ct]) for w in (seal_side, ours))
-        assert [seal.to_bytes(c) for c in got] == [seal.to_bytes(c) for c in theirs], part
+        cts = [client.encrypt(replicate_input(rng.normal(size=n), lay.slots, period)) for _ in range(2)]
+        theirs, got = (w.run("fp", 1, part, cts) for w in (seal_side, ours))   # a step of two positions: a batch
+        assert len(got) == 2 and [seal.to_bytes(c) for c in got] == [seal.to_bytes(c) for c in theirs], part
 
 
 @pytest.mark.gpu

@@ -10,8 +10,8 @@ keys per Galois element into ``[B, Lk, 2, Lk+1, N]`` once per batch.
 
 Every row's result is the one-session evaluator's, residue for residue (the same modular arithmetic on
 canonical residues; tests/fhe/test_gpu_backend_batched.py checks it against the one-by-one path). Not
-here: relinearization and hoisted rotations (the linear steps use neither), CUDA graphs (one batch's
-launches are already B sessions' work).
+here: relinearization and hoisted rotations (the linear steps use neither). CUDA graphs of whole steps
+per batch size: :mod:`fhe.backends.gpu.step`.
 """
 
 from __future__ import annotations
@@ -67,6 +67,11 @@ class BatchKeys:
         galois = {e: torch.stack([k.galois[e] for k in keys]) for e in first.galois}
         return cls(first.params, galois, len(keys))
 
+    @classmethod
+    def shared(cls, keys: GpuKeys, batch: int) -> BatchKeys:
+        """One key set for every row (a step's several positions): stride-0 views, no copy."""
+        return cls(keys.params, {e: t.expand(batch, *t.shape) for e, t in keys.galois.items()}, batch)
+
     def galois_key(self, step: int, level: int) -> tuple[int, torch.Tensor]:
         elt = galois_elt(step, self.params.slots)
         if elt not in self.galois:
@@ -117,6 +122,14 @@ class BatchedEvaluator(GpuEvaluator):
         for c in cts[1:]:
             out = self.add(out, c)
         return out
+
+    def add_plain(self, ct: GpuBatch, pt: GpuPlaintext) -> GpuBatch:
+        self._same_level(ct, pt)
+        if not _are_close(ct.scale, pt.scale):
+            raise LevelError(f"scales {ct.scale} and {pt.scale} differ")
+        out = ct.data.clone()
+        out[:, 0] = addmod(ct.data[:, 0], pt.data, self._q(ct.level))
+        return GpuBatch(out, ct.scale)
 
     def mul_plain(self, ct: GpuBatch, pt: GpuPlaintext) -> GpuBatch:
         self._same_level(ct, pt)
@@ -190,7 +203,7 @@ def inner_product(D: torch.Tensor, key: torch.Tensor, lt: LevelTables) -> torch.
     if D.is_cuda:
         from fhe.backends.gpu import triton_ops
 
-        return triton_ops.inner_product_batched(D.contiguous(), key.contiguous(), q.view(-1).contiguous())
+        return triton_ops.inner_product(D.contiguous(), key, q.view(-1).contiguous())
     data = mulmod(D[:, :, None, :lev], key[:, :lev, :, :lev], q[:lev], None)        # [B, L, 2, L, N]
     spec = mulmod(D[:, :, None, lev:], key[:, :lev, :, -1:], q[lev:], None)          # [B, L, 2, 1, N]
     return torch.cat((summod(data, q[:lev], dim=1), summod(spec, q[lev:], dim=1)), dim=2)

@@ -112,8 +112,8 @@ def intt(x: torch.Tensor, tab: NTTTables) -> torch.Tensor:
     if x.is_cuda:
         from fhe.backends.gpu import triton_ops
 
-        y = triton_ops.ntt_(x.contiguous().clone(), tab.inv_roots, tab.primes.view(-1), inverse=True)
-        return triton_ops.mulmod_rows(y, tab.n_inv.view(-1).contiguous(), tab.primes.view(-1))
+        return triton_ops.ntt_(x.contiguous().clone(), tab.inv_roots, tab.primes.view(-1), inverse=True,
+                               n_inv=tab.n_inv.view(-1).contiguous())
     q = tab.primes.view(p, 1, 1)
     qf = q.to(torch.float64)
     m, gap = n // 2, 1

@@ -18,6 +18,11 @@ import triton.language as tl
 BLOCK = 1024
 #: Two NTT stages per launch (:func:`_ntt_stage2`); False: one per launch (the first version).
 RADIX4 = False
+#: All stages of a row's (I)NTT in one launch (:func:`_ntt_row`) for N <= FUSED_MAX_N (issue 17: at the
+#: offload plan's N = 8192 a key switch was ~85 launches of a few microseconds, 52 of them NTT stages).
+FUSED = True
+FUSED_MAX_N = 8192
+FUSED_WARPS = 8
 
 
 @triton.jit
@@ -134,6 +139,46 @@ def _ntt_stage2(x_ptr, w_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, BLOCK:
 
 
 @triton.jit
+def _ntt_row(x_ptr, w_ptr, q_ptr, ninv_ptr, P, LOGN: tl.constexpr, INVERSE: tl.constexpr,
+             SCALE: tl.constexpr, HALF: tl.constexpr):
+    """Every stage of one row's transform in one program (N = 2 HALF <= :data:`FUSED_MAX_N`): the stages of
+    :func:`_ntt_stage` in order, the row staying in the cache between them, a CTA barrier after each
+    (each stage's butterflies touch disjoint pairs, so one barrier orders it before the next). The
+    inverse with SCALE multiplies by N^-1 at the end (what :func:`mulmod_rows` does after the staged one)."""
+    row = tl.program_id(0)
+    p = row % P
+    q = tl.load(q_ptr + p)
+    qinv = 1.0 / q.to(tl.float64)
+    offs = tl.arange(0, HALF)                                        # butterfly index in [0, N/2)
+    base = x_ptr + row.to(tl.int64) * (2 * HALF)
+    wrow = w_ptr + p.to(tl.int64) * (2 * HALF)
+    for t in range(LOGN):
+        if INVERSE:                                                  # stages (m, gap) from m = N/2 down
+            s = LOGN - 1 - t
+        else:
+            s = t
+        sh = LOGN - 1 - s                                            # gap = N >> (s + 1) = 2^sh
+        i = offs >> sh
+        idx = (i << (sh + 1)) + (offs & ((1 << sh) - 1))
+        u = tl.load(base + idx)
+        v = tl.load(base + idx + (1 << sh))
+        w = tl.load(wrow + (1 << s) + i)
+        if INVERSE:
+            a, b = _gs(u, v, w, q, qinv)
+        else:
+            a, b = _ct(u, v, w, q, qinv)
+        tl.store(base + idx, a)
+        tl.store(base + idx + (1 << sh), b)
+        tl.debug_barrier()
+    if SCALE:
+        ninv = tl.load(ninv_ptr + p)
+        lo = tl.load(base + offs)
+        hi = tl.load(base + HALF + offs)
+        tl.store(base + offs, _mulmod(lo, tl.full(lo.shape, 0, tl.int64) + ninv, q, qinv))
+        tl.store(base + HALF + offs, _mulmod(hi, tl.full(hi.shape, 0, tl.int64) + ninv, q, qinv))
+
+
+@triton.jit
 def _mulmod_rows(a_ptr, b_ptr, out_ptr, q_ptr, P, N, B_SCALAR: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(1)
     p = row % P
@@ -150,11 +195,15 @@ def _mulmod_rows(a_ptr, b_ptr, out_ptr, q_ptr, P, N, B_SCALAR: tl.constexpr, BLO
 
 
 @triton.jit
-def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N,
+def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N, D_STRIDE, KEY_STRIDE,
                    PERMUTE: tl.constexpr, BLOCK: tl.constexpr):
-    """out[c, r] = sum_J D[J, r, perm] * key[J, c, krow(r)] mod q_r; krow = r, or K (special) for r = L."""
+    """out[b, c, r] = sum_J D[b, J, r, perm] * key[b, J, c, krow(r)] mod q_r; krow = r, or K (special) for
+    r = L. Program axis 2 = b * 2 + c: row b of a batch (its digits at ``D_STRIDE``, its key at
+    ``KEY_STRIDE``, 0 when the rows share one key); one row is the batch of one. The same products and
+    reductions in the same order for every row, so a row's result does not depend on the batch."""
     r = tl.program_id(1)
-    c = tl.program_id(2)
+    b = tl.program_id(2) // 2
+    c = tl.program_id(2) % 2
     q = tl.load(q_ptr + r)
     qinv = 1.0 / q.to(tl.float64)
     krow = tl.where(r == L, K1 - 1, r)
@@ -164,33 +213,11 @@ def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N,
         src = tl.load(perm_ptr + offs, mask=mask)
     else:
         src = offs
-    acc = tl.zeros((BLOCK,), tl.int64)
-    for j in range(L):
-        d = tl.load(d_ptr + (j * R + r).to(tl.int64) * N + src, mask=mask)
-        k = tl.load(key_ptr + ((j * 2 + c) * K1 + krow).to(tl.int64) * N + offs, mask=mask)
-        acc += _mulmod(d, k, q, qinv)
-        acc = tl.where(acc >= q, acc - q, acc)
-    tl.store(out_ptr + (c * R + r).to(tl.int64) * N + offs, acc, mask=mask)
-
-
-@triton.jit
-def _inner_product_batched(d_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N, D_STRIDE, KEY_STRIDE,
-                           BLOCK: tl.constexpr):
-    """:func:`_inner_product` for row b of a batch (program axis 2 = b * 2 + c): row b's digits with row b's
-    key; the same products and reductions in the same order, so each row's result is the one-row kernel's."""
-    r = tl.program_id(1)
-    b = tl.program_id(2) // 2
-    c = tl.program_id(2) % 2
-    q = tl.load(q_ptr + r)
-    qinv = 1.0 / q.to(tl.float64)
-    krow = tl.where(r == L, K1 - 1, r)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
     d_base = d_ptr + b.to(tl.int64) * D_STRIDE
     k_base = key_ptr + b.to(tl.int64) * KEY_STRIDE
     acc = tl.zeros((BLOCK,), tl.int64)
     for j in range(L):
-        d = tl.load(d_base + (j * R + r).to(tl.int64) * N + offs, mask=mask)
+        d = tl.load(d_base + (j * R + r).to(tl.int64) * N + src, mask=mask)
         k = tl.load(k_base + ((j * 2 + c) * K1 + krow).to(tl.int64) * N + offs, mask=mask)
         acc += _mulmod(d, k, q, qinv)
         acc = tl.where(acc >= q, acc - q, acc)
@@ -235,15 +262,28 @@ def _check(x: torch.Tensor, what: str) -> None:
     assert x.is_cuda and x.dtype == torch.int64 and x.is_contiguous(), f"{what}: need contiguous CUDA int64"
 
 
-def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bool) -> torch.Tensor:
+def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bool,
+         n_inv: torch.Tensor | None = None) -> torch.Tensor:
     """In-place (I)NTT butterflies of ``x [..., P, N]``; ``roots [P, N]`` (inverse roots if ``inverse``).
 
-    The N^-1 factor of the inverse is left to the caller (:func:`mulmod_rows` with a scalar).
+    ``n_inv [P]`` (inverse only): also multiply by N^-1 (else the caller does, :func:`mulmod_rows`). Rows of
+    N <= :data:`FUSED_MAX_N` take one launch for all stages (:func:`_ntt_row`) when :data:`FUSED`.
     """
     _check(x, "ntt")
     p, n = roots.shape
     assert x.shape[-2:] == (p, n) and primes.numel() == p, (x.shape, roots.shape)
+    assert n_inv is None or (inverse and n_inv.numel() == p and n_inv.is_contiguous()), "n_inv"
     rows = x.numel() // n
+    if FUSED and n <= FUSED_MAX_N:
+        scale = n_inv is not None
+        _ntt_row[(rows,)](x, roots, primes, n_inv if scale else primes, p, LOGN=n.bit_length() - 1,
+                          INVERSE=inverse, SCALE=scale, HALF=n // 2, num_warps=FUSED_WARPS)
+        return x
+    _ntt_staged(x, roots, primes, inverse, p, n, rows)
+    return x if n_inv is None else mulmod_rows(x, n_inv, primes)
+
+
+def _ntt_staged(x, roots, primes, inverse, p, n, rows) -> None:
     grid = (triton.cdiv(n // 2, BLOCK), rows)
     stages = [(1 << s, n >> (s + 1)) for s in range(n.bit_length() - 1)]
     order = list(reversed(stages)) if inverse else stages
@@ -255,7 +295,6 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
             order = order[2:]
     for m, gap in order:
         _ntt_stage[grid](x, roots, primes, p, n, m, gap, INVERSE=inverse, BLOCK=BLOCK)
-    return x
 
 
 def mulmod_rows(a: torch.Tensor, b: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:
@@ -272,30 +311,23 @@ def mulmod_rows(a: torch.Tensor, b: torch.Tensor, primes: torch.Tensor) -> torch
 
 def inner_product(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor,
                   perm: torch.Tensor | None = None) -> torch.Tensor:
-    """``D [L, L+1, N]`` (digits in every ext prime), ``key [K, 2, K+1, N]`` -> ``[2, L+1, N]``."""
-    _check(D, "digits")
-    _check(key, "key")
-    lev, r, n = D.shape
-    assert r == lev + 1 and key.shape[0] >= lev and key.shape[1] == 2, (D.shape, key.shape)
-    assert key.shape[3] == n and primes.numel() == r, (D.shape, key.shape, primes.shape)
-    out = torch.empty((2, r, n), dtype=torch.int64, device=D.device)
-    src = perm if perm is not None else D
-    _inner_product[(triton.cdiv(n, BLOCK), r, 2)](D, src, key, primes, out, lev, r, key.shape[2], n,
-                                                   PERMUTE=perm is not None, BLOCK=BLOCK)
-    return out
-
-
-def inner_product_batched(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:
-    """``D [B, L, L+1, N]``, ``key [B, K, 2, K+1, N]`` (row b's key for row b's digits) -> ``[B, 2, L+1, N]``."""
-    _check(D, "digits")
-    _check(key, "key")
-    b, lev, r, n = D.shape
-    assert r == lev + 1 and key.shape[0] == b and key.shape[1] >= lev and key.shape[2] == 2, (D.shape, key.shape)
-    assert key.shape[4] == n and primes.numel() == r, (D.shape, key.shape, primes.shape)
+    """``D [L, L+1, N]`` (digits in every ext prime), ``key [K, 2, K+1, N]`` -> ``[2, L+1, N]``; or a batch:
+    ``D [B, L, L+1, N]``, ``key [B, K, 2, K+1, N]`` (row b's key for row b's digits; a batch axis of stride
+    0, ``key.expand(B, ...)``, shares one key) -> ``[B, 2, L+1, N]``. ``perm [N]``: read the digits
+    through this slot permutation (a hoisted rotation)."""
+    batched = D.dim() == 4
+    Db, kb = (D, key) if batched else (D[None], key[None])
+    _check(Db, "digits")
+    assert key.dtype == torch.int64 and key.is_cuda and key[(0,) * (key.dim() - 4)].is_contiguous(), "key"
+    b, lev, r, n = Db.shape
+    assert r == lev + 1 and kb.shape[0] == b and kb.shape[1] >= lev and kb.shape[2] == 2, (D.shape, key.shape)
+    assert kb.shape[4] == n and primes.numel() == r, (D.shape, key.shape, primes.shape)
     out = torch.empty((b, 2, r, n), dtype=torch.int64, device=D.device)
-    _inner_product_batched[(triton.cdiv(n, BLOCK), r, 2 * b)](D, key, primes, out, lev, r, key.shape[3], n,
-                                                              lev * r * n, key[0].numel(), BLOCK=BLOCK)
-    return out
+    src = perm if perm is not None else Db
+    _inner_product[(triton.cdiv(n, BLOCK), r, 2 * b)](Db, src, kb, primes, out, lev, r, kb.shape[3], n,
+                                                      lev * r * n, kb.stride(0), PERMUTE=perm is not None,
+                                                      BLOCK=BLOCK)
+    return out if batched else out[0]
 
 
-__all__ = ["dot_rows", "inner_product", "inner_product_batched", "mulmod_rows", "ntt_"]
+__all__ = ["dot_rows", "inner_product", "mulmod_rows", "ntt_"]

@@ -47,6 +47,14 @@ def _median(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def _uptime() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
 def _kernels(fn) -> dict:
     """Kernels launched by ``fn()`` and their summed device time (torch's profiler; {} if unavailable)."""
     try:
@@ -81,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     out: dict = {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M}Z",
-                 "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device, "params": MLP_PARAMS.to_dict()}
+                 "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
+                 "params": MLP_PARAMS.to_dict(), "uptime": _uptime()}
     layer = _layer()
     cpu = EncryptedMLP(layer, MLP_PARAMS)
     ev = GpuEvaluator(MLP_PARAMS, args.device)

@@ -81,7 +81,8 @@ def test_mismatched_key_sets_are_refused_on_cuda():
 
 @cuda
 @pytest.mark.parametrize("fused", [False, True])
-def test_one_launch_ntt_matches_the_torch_reference(fused, monkeypatch):
+def test_fused_kernels_match_the_torch_reference(fused, monkeypatch):
+    """The NTT's local stages in one launch, rescale's rounding in two, modular add/sub in one."""
     from fhe.backends.gpu import triton_ops
     from fhe.backends.gpu.ntt import intt, ntt
 
@@ -92,6 +93,16 @@ def test_one_launch_ntt_matches_the_torch_reference(fused, monkeypatch):
     want = ntt(x, cpu.ctx.tables)
     assert torch.equal(ntt(x.cuda(), gpu.ctx.tables).cpu(), want)
     assert torch.equal(intt(want.cuda(), gpu.ctx.tables).cpu(), x)
+    from fhe.backends.gpu.modarith import addmod, submod
+    from fhe.backends.gpu.rns import drop_last_rounded
+
+    lc, lg = cpu.ctx.level(2), gpu.ctx.level(2)                      # rescale's / key switching's rounding
+    y = torch.remainder(torch.randint(0, 1 << 62, (4, 2, 3, x.shape[-1])), lc.ext.primes)
+    args = lambda lt: (lt.data, lt.special, lt.inv_p, lt.q_ext_ints[-1])  # noqa: E731
+    assert torch.equal(drop_last_rounded(y.cuda(), *args(lg)).cpu(), drop_last_rounded(y, *args(lc)))
+    a, b = y[:, :, :2], y.flip(0)[:, :, :2].contiguous()
+    for op in (addmod, submod):                                      # a strided view and a contiguous one
+        assert torch.equal(op(a.cuda(), b.cuda(), lg.data.primes).cpu(), op(a, b, lc.data.primes))
 
 
 @cuda

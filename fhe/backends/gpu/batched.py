@@ -180,11 +180,20 @@ class BatchedEvaluator(GpuEvaluator):
         perm, lt, q = self._perm(elt), self.ctx.level(ct.level), self._q(ct.level)
         rotated = ct.data[..., perm]                                  # sigma on every row's c0 and c1
         delta = switch_key(rotated[:, 1], key, lt)                    # [B, 2, L, N]
+        if delta.is_cuda and triton_ops_addsub(delta[:, 0], rotated[:, 0], q):
+            return GpuBatch(delta, ct.scale)
         delta[:, 0] = addmod(delta[:, 0], rotated[:, 0], q)
         return GpuBatch(delta, ct.scale)
 
     def rotate_many(self, ct: GpuBatch, steps, keys: BatchKeys) -> dict[int, GpuBatch]:
         return {int(s): self.rotate(ct, int(s), keys) for s in steps}   # not hoisted: the linear steps need none
+
+
+def triton_ops_addsub(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> bool:
+    """a += b mod q in place with one launch where the layout allows (False: nothing done)."""
+    from fhe.backends.gpu import triton_ops
+
+    return triton_ops.FUSED and triton_ops.addsub_rows(a, b, q.view(-1).contiguous(), out=a) is not None
 
 
 def switch_key(t: torch.Tensor, key: torch.Tensor, lt: LevelTables) -> torch.Tensor:

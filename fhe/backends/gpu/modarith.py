@@ -55,14 +55,29 @@ def _mulmod_cuda(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Ten
     return triton_ops.mulmod_rows(a, b.expand(shape).contiguous(), q.reshape(-1).contiguous())
 
 
+def _addsub_cuda(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor, sub: bool) -> torch.Tensor | None:
+    """One Triton launch for same-shape operands ``[..., P, N]`` and ``q [P, 1]`` (None: use torch)."""
+    if not (a.is_cuda and q.dim() == 2 and q.shape[1] == 1 and a.dim() >= 2 and q.shape[0] == a.shape[-2]):
+        return None
+    from fhe.backends.gpu import triton_ops
+
+    return triton_ops.addsub_rows(a, b, q.view(-1), sub) if triton_ops.FUSED else None
+
+
 def addmod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """a + b mod q for residues in [0, q) (q < 2^62, so the sum cannot overflow)."""
+    fast = _addsub_cuda(a, b, q, False)
+    if fast is not None:
+        return fast
     s = a + b
     return torch.where(s >= q, s - q, s)
 
 
 def submod(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """a - b mod q for residues in [0, q)."""
+    fast = _addsub_cuda(a, b, q, True)
+    if fast is not None:
+        return fast
     d = a - b
     return torch.where(d < 0, d + q, d)
 

@@ -92,7 +92,8 @@ def ntt(x: torch.Tensor, tab: NTTTables) -> torch.Tensor:
     if x.is_cuda:
         from fhe.backends.gpu import triton_ops
 
-        return triton_ops.ntt_(x.contiguous().clone(), tab.roots, tab.primes.view(-1), inverse=False)
+        return triton_ops.ntt_(x.clone(memory_format=torch.contiguous_format), tab.roots, tab.primes.view(-1),
+                               inverse=False)
     q = tab.primes.view(p, 1, 1)
     qf = q.to(torch.float64)
     m, gap = 1, n // 2
@@ -112,7 +113,8 @@ def intt(x: torch.Tensor, tab: NTTTables) -> torch.Tensor:
     if x.is_cuda:
         from fhe.backends.gpu import triton_ops
 
-        return triton_ops.ntt_(x.contiguous().clone(), tab.inv_roots, tab.primes.view(-1), inverse=True,
+        return triton_ops.ntt_(x.clone(memory_format=torch.contiguous_format), tab.inv_roots, tab.primes.view(-1),
+                               inverse=True,
                                n_inv=tab.n_inv.view(-1).contiguous())
     q = tab.primes.view(p, 1, 1)
     qf = q.to(torch.float64)

@@ -84,6 +84,13 @@ def drop_last_rounded(x: torch.Tensor, keep: NTTTables, last: NTTTables, inv_las
     ql = int(last.primes[0, 0]) if q_last is None else q_last
     half = ql >> 1
     tail = intt(x[..., -1:, :], last)                                   # [..., 1, N]
+    if x.is_cuda:
+        from fhe.backends.gpu import triton_ops
+
+        if triton_ops.FUSED:                                            # the same steps, 2 kernels + the NTT
+            primes = keep.primes.view(-1).contiguous()
+            temp = ntt(triton_ops.round_tail(tail.contiguous(), primes, ql), keep)
+            return triton_ops.sub_scale(x.contiguous(), temp, inv_last.view(-1).contiguous(), primes)
     tail = addmod(tail, torch.full_like(tail, half), last.primes)
     q = keep.primes                                                     # [R, 1]
     temp = reduce(tail, q)                                              # [..., R, N]

@@ -18,11 +18,12 @@ import triton.language as tl
 BLOCK = 1024
 #: Two NTT stages per launch (:func:`_ntt_stage2`); False: one per launch (the first version).
 RADIX4 = False
-#: All stages of a row's (I)NTT in one launch (:func:`_ntt_row`) for N <= FUSED_MAX_N (issue 17: at the
-#: offload plan's N = 8192 a key switch was ~85 launches of a few microseconds, 52 of them NTT stages).
+#: The stages of a transform local to blocks of LOCAL values in one launch (:func:`_ntt_local`), the
+#: others staged (issue 17: at the offload plan's N = 8192 a key switch was ~85 launches of a few
+#: microseconds, 52 of them NTT stages; now 3 + 1 per transform). False: every stage its own launch.
 FUSED = True
-FUSED_MAX_N = 8192
-FUSED_WARPS = 8
+LOCAL = 1024
+LOCAL_WARPS = 4
 
 
 @triton.jit
@@ -139,27 +140,26 @@ def _ntt_stage2(x_ptr, w_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _ntt_row(x_ptr, w_ptr, q_ptr, ninv_ptr, P, LOGN: tl.constexpr, INVERSE: tl.constexpr,
-             SCALE: tl.constexpr, HALF: tl.constexpr):
-    """Every stage of one row's transform in one program (N = 2 HALF <= :data:`FUSED_MAX_N`): the stages of
-    :func:`_ntt_stage` in order, the row staying in the cache between them, a CTA barrier after each
-    (each stage's butterflies touch disjoint pairs, so one barrier orders it before the next). The
-    inverse with SCALE multiplies by N^-1 at the end (what :func:`mulmod_rows` does after the staged one)."""
+def _ntt_local(x_ptr, w_ptr, q_ptr, P, N, S0, LOGN: tl.constexpr, INVERSE: tl.constexpr, HALF: tl.constexpr):
+    """The stages of :func:`_ntt_stage` whose butterflies stay inside blocks of 2 HALF values (gap <= HALF:
+    stages S0..LOGN-1), all in one program per block: the block stays in the cache between stages, a CTA
+    barrier after each (a stage's butterflies touch disjoint pairs, so one barrier orders it before the
+    next). Forward they are the last stages, inverse the first; the rest stay staged launches."""
     row = tl.program_id(0)
     p = row % P
     q = tl.load(q_ptr + p)
     qinv = 1.0 / q.to(tl.float64)
-    offs = tl.arange(0, HALF)                                        # butterfly index in [0, N/2)
-    base = x_ptr + row.to(tl.int64) * (2 * HALF)
-    wrow = w_ptr + p.to(tl.int64) * (2 * HALF)
-    for t in range(LOGN):
-        if INVERSE:                                                  # stages (m, gap) from m = N/2 down
+    g = tl.program_id(1) * HALF + tl.arange(0, HALF)                 # global butterfly index in [0, N/2)
+    base = x_ptr + row.to(tl.int64) * N
+    wrow = w_ptr + p.to(tl.int64) * N
+    for t in range(LOGN - S0):
+        if INVERSE:                                                  # stages (m, gap) from gap = 1 up
             s = LOGN - 1 - t
         else:
-            s = t
+            s = S0 + t
         sh = LOGN - 1 - s                                            # gap = N >> (s + 1) = 2^sh
-        i = offs >> sh
-        idx = (i << (sh + 1)) + (offs & ((1 << sh) - 1))
+        i = g >> sh
+        idx = (i << (sh + 1)) + (g & ((1 << sh) - 1))
         u = tl.load(base + idx)
         v = tl.load(base + idx + (1 << sh))
         w = tl.load(wrow + (1 << s) + i)
@@ -170,12 +170,105 @@ def _ntt_row(x_ptr, w_ptr, q_ptr, ninv_ptr, P, LOGN: tl.constexpr, INVERSE: tl.c
         tl.store(base + idx, a)
         tl.store(base + idx + (1 << sh), b)
         tl.debug_barrier()
-    if SCALE:
-        ninv = tl.load(ninv_ptr + p)
-        lo = tl.load(base + offs)
-        hi = tl.load(base + HALF + offs)
-        tl.store(base + offs, _mulmod(lo, tl.full(lo.shape, 0, tl.int64) + ninv, q, qinv))
-        tl.store(base + HALF + offs, _mulmod(hi, tl.full(hi.shape, 0, tl.int64) + ninv, q, qinv))
+
+
+@triton.jit
+def _addsub_rows(a_ptr, b_ptr, out_ptr, q_ptr, P, N, A_B, B_B, O_B, SUB: tl.constexpr, BLOCK: tl.constexpr):
+    """out = a +- b mod q_row over ``[B, P, N]`` views (rows contiguous, batch strides A_B/B_B/O_B)."""
+    row = tl.program_id(1)
+    bb = row // P
+    p = row % P
+    q = tl.load(q_ptr + p)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    a = tl.load(a_ptr + bb.to(tl.int64) * A_B + p * N + offs, mask=mask)
+    b = tl.load(b_ptr + bb.to(tl.int64) * B_B + p * N + offs, mask=mask)
+    if SUB:
+        r = a - b
+        r = tl.where(r < 0, r + q, r)
+    else:
+        r = a + b
+        r = tl.where(r >= q, r - q, r)
+    tl.store(out_ptr + bb.to(tl.int64) * O_B + p * N + offs, r, mask=mask)
+
+
+@triton.jit
+def _round_tail(t_ptr, out_ptr, q_ptr, ql, R, N, BLOCK: tl.constexpr):
+    """``drop_last_rounded``'s middle: out[m, r] = ((t[m] + ql//2 mod ql) mod q_r - ql//2 mod q_r) mod q_r."""
+    row = tl.program_id(1)
+    m = row // R
+    r = row % R
+    q = tl.load(q_ptr + r)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    half = ql >> 1
+    t = tl.load(t_ptr + m.to(tl.int64) * N + offs, mask=mask) + half
+    t = tl.where(t >= ql, t - ql, t) % q
+    d = t - half % q
+    tl.store(out_ptr + row.to(tl.int64) * N + offs, tl.where(d < 0, d + q, d), mask=mask)
+
+
+@triton.jit
+def _sub_scale(x_ptr, t_ptr, s_ptr, q_ptr, out_ptr, R, N, BLOCK: tl.constexpr):
+    """``drop_last_rounded``'s end: out[m, r] = (x[m, r] - t[m, r]) * s_r mod q_r (x has R + 1 rows per m)."""
+    row = tl.program_id(1)
+    m = row // R
+    r = row % R
+    q = tl.load(q_ptr + r)
+    qinv = 1.0 / q.to(tl.float64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + (m * (R + 1) + r).to(tl.int64) * N + offs, mask=mask)
+    t = tl.load(t_ptr + row.to(tl.int64) * N + offs, mask=mask)
+    d = x - t
+    d = tl.where(d < 0, d + q, d)
+    sc = tl.load(s_ptr + r) + tl.zeros((BLOCK,), tl.int64)
+    tl.store(out_ptr + row.to(tl.int64) * N + offs, _mulmod(d, sc, q, qinv), mask=mask)
+
+
+def _rows3(x: torch.Tensor) -> torch.Tensor | None:
+    """``x [..., P, N]`` as a ``[B, P, N]`` view whose rows are contiguous (one batch stride), or None."""
+    if x.is_contiguous():
+        return x.view(-1, *x.shape[-2:])
+    if x.dim() == 3 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        return x
+    return None
+
+
+def addsub_rows(a: torch.Tensor, b: torch.Tensor, primes: torch.Tensor, sub: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """a +- b mod q_row for ``a``, ``b`` of one shape ``[..., P, N]`` (``primes [P]``); ``out`` may be ``a``.
+    None when a layout does not fit one launch (the caller falls back to torch)."""
+    if a.shape != b.shape or a.dtype != torch.int64 or b.dtype != torch.int64 or primes.numel() != a.shape[-2]:
+        return None
+    out = torch.empty_like(a, memory_format=torch.contiguous_format) if out is None else out
+    a3, b3, o3 = _rows3(a), _rows3(b), _rows3(out)
+    if a3 is None or b3 is None or o3 is None or not primes.is_contiguous():
+        return None
+    bsz, p, n = a3.shape
+    _addsub_rows[(triton.cdiv(n, BLOCK), bsz * p)](a3, b3, o3, primes, p, n, a3.stride(0), b3.stride(0),
+                                                   o3.stride(0), SUB=sub, BLOCK=BLOCK)
+    return out
+
+
+def round_tail(tail: torch.Tensor, primes: torch.Tensor, q_last: int) -> torch.Tensor:
+    """``tail [..., 1, N]`` (the last prime's coefficients) -> ``[..., R, N]`` (see :func:`_round_tail`)."""
+    _check(tail, "tail")
+    r, n = primes.numel(), tail.shape[-1]
+    out = torch.empty((*tail.shape[:-2], r, n), dtype=torch.int64, device=tail.device)
+    _round_tail[(triton.cdiv(n, BLOCK), out.numel() // n)](tail, out, primes, q_last, r, n, BLOCK=BLOCK)
+    return out
+
+
+def sub_scale(x: torch.Tensor, t: torch.Tensor, scale: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:
+    """``x [..., R+1, N]``, ``t [..., R, N]`` -> ``(x[..., :R, :] - t) * scale_r mod q_r``."""
+    _check(x, "x")
+    _check(t, "t")
+    r, n = primes.numel(), x.shape[-1]
+    assert t.shape[-2] == r and x.shape[-2] == r + 1 and scale.numel() == r, (x.shape, t.shape)
+    out = torch.empty_like(t)
+    _sub_scale[(triton.cdiv(n, BLOCK), t.numel() // n)](x, t, scale, primes, out, r, n, BLOCK=BLOCK)
+    return out
 
 
 @triton.jit
@@ -266,26 +359,31 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
          n_inv: torch.Tensor | None = None) -> torch.Tensor:
     """In-place (I)NTT butterflies of ``x [..., P, N]``; ``roots [P, N]`` (inverse roots if ``inverse``).
 
-    ``n_inv [P]`` (inverse only): also multiply by N^-1 (else the caller does, :func:`mulmod_rows`). Rows of
-    N <= :data:`FUSED_MAX_N` take one launch for all stages (:func:`_ntt_row`) when :data:`FUSED`.
+    ``n_inv [P]`` (inverse only): also multiply by N^-1 (else the caller does, :func:`mulmod_rows`). With
+    :data:`FUSED` the stages within blocks of :data:`LOCAL` values take one launch (:func:`_ntt_local`).
     """
     _check(x, "ntt")
     p, n = roots.shape
     assert x.shape[-2:] == (p, n) and primes.numel() == p, (x.shape, roots.shape)
     assert n_inv is None or (inverse and n_inv.numel() == p and n_inv.is_contiguous()), "n_inv"
     rows = x.numel() // n
-    if FUSED and n <= FUSED_MAX_N:
-        scale = n_inv is not None
-        _ntt_row[(rows,)](x, roots, primes, n_inv if scale else primes, p, LOGN=n.bit_length() - 1,
-                          INVERSE=inverse, SCALE=scale, HALF=n // 2, num_warps=FUSED_WARPS)
-        return x
-    _ntt_staged(x, roots, primes, inverse, p, n, rows)
+    logn = n.bit_length() - 1
+    local = min(n, LOCAL) if FUSED else 1                          # values per block of the local kernel
+    s0 = logn - (local.bit_length() - 1)                             # first stage local to such a block
+    if inverse and local > 1:
+        _ntt_local[(rows, n // local)](x, roots, primes, p, n, s0, LOGN=logn, INVERSE=True, HALF=local // 2,
+                                       num_warps=LOCAL_WARPS)
+    _ntt_staged(x, roots, primes, inverse, p, n, rows, s0 if local > 1 else logn)
+    if not inverse and local > 1:
+        _ntt_local[(rows, n // local)](x, roots, primes, p, n, s0, LOGN=logn, INVERSE=False, HALF=local // 2,
+                                       num_warps=LOCAL_WARPS)
     return x if n_inv is None else mulmod_rows(x, n_inv, primes)
 
 
-def _ntt_staged(x, roots, primes, inverse, p, n, rows) -> None:
+def _ntt_staged(x, roots, primes, inverse, p, n, rows, upto) -> None:
+    """Stages 0..upto-1 one launch each (two with :data:`RADIX4`), in the transform's order."""
     grid = (triton.cdiv(n // 2, BLOCK), rows)
-    stages = [(1 << s, n >> (s + 1)) for s in range(n.bit_length() - 1)]
+    stages = [(1 << s, n >> (s + 1)) for s in range(upto)]
     order = list(reversed(stages)) if inverse else stages
     if RADIX4:
         grid4 = (triton.cdiv(n // 4, BLOCK), rows)
@@ -330,4 +428,4 @@ def inner_product(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor,
     return out if batched else out[0]
 
 
-__all__ = ["dot_rows", "inner_product", "mulmod_rows", "ntt_"]
+__all__ = ["addsub_rows", "dot_rows", "inner_product", "mulmod_rows", "ntt_", "round_tail", "sub_scale"]

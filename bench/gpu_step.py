@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--seal-rows", type=int, default=2, help="rows checked against SEAL itself")
+    ap.add_argument("--sweep", default="", help="local NTT configs 'LOCALxWARPS,...' (e.g. 1024x4,2048x8)")
     ap.add_argument("--device", default="cuda", help="'cpu': the torch-CPU reference (a smoke run, slow)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -180,6 +181,31 @@ def main(argv: list[str] | None = None) -> int:
         one[name] = row
         print(name, json.dumps(row), flush=True)
     out["one_step"] = one
+    out["capture_s_one_step_both"] = fused.capture_s
+
+    # --- the local NTT kernel's block size and warps (each config: fresh graphs, checked against SEAL) -----
+    if args.sweep:
+        xs1 = {n: [ev.deserialize(seal.to_bytes(c))] for n, c in cts.items()}
+        wants = {n: ser(old_step(n, xs1[n][0], gkeys)) for n in fns}
+        default = (triton_ops.LOCAL, triton_ops.LOCAL_WARPS)
+        sweep = []
+        for cfg in args.sweep.split(","):
+            local, warps = (int(v) for v in cfg.split("x"))
+            triton_ops.LOCAL, triton_ops.LOCAL_WARPS = local, warps
+            sg = StepGraphs(ev)
+            try:
+                same = all(ser(graph_step(sg, n, xs1[n], gkeys, True)[0]) == wants[n] for n in fns)
+                t1 = sum(_median(lambda: graph_step(sg, n, xs1[n], gkeys, True), args.repeat) for n in fns)
+                x32 = {n: xs1[n] * 32 for n in fns}
+                same = same and all(ser(graph_step(sg, n, x32[n], gkeys, True)[5]) == wants[n] for n in fns)
+                t32 = sum(_median(lambda: graph_step(sg, n, x32[n], gkeys, True), args.repeat) for n in fns)
+                sweep.append({"local": local, "warps": warps, "token_ms_b1": t1 * 1e3, "token_ms_b32": t32 * 1e3,
+                              "equal_to_old": same})
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
+                sweep.append({"local": local, "warps": warps, "error": repr(exc)[:300]})
+            print(json.dumps(sweep[-1]), flush=True)
+        triton_ops.LOCAL, triton_ops.LOCAL_WARPS = default
+        out["local_ntt_sweep"] = sweep
 
     # --- batches: one key set (positions) and one per row (sessions) ------------------------------------
     sess = [(client, cts)]
@@ -220,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
     out["batches"] = rows
     out["graphs_captured"] = {"staged": len(staged), "fused": len(fused)}
+    out["capture_s_total_fused"] = fused.capture_s
     out["device_bytes_allocated"] = mem()
     out["device_bytes_reserved"] = torch.cuda.memory_reserved() if cuda else 0
     print(json.dumps(out, indent=1))

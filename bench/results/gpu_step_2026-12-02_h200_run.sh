@@ -5,7 +5,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/src && tar -xf $G/src.tar -C /tmp/src && cd /tmp/src || exit 1
 export PYTHONPATH=/tmp/src:/tmp/site PYTHONUNBUFFERED=1
 el "src $(cat $G/COMMIT)"; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; nproc; uptime
-timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider tests/fhe/test_gpu_backend_step.py \
+timeout ${TEST_S:-150} python3 -m pytest -q -c /dev/null -p no:cacheprovider tests/fhe/test_gpu_backend_step.py \
   tests/fhe/test_gpu_backend_mlp.py tests/fhe/test_gpu_backend_batched.py \
   tests/fhe/test_gpu_backend_cuda.py ${TEST_K:+-k "$TEST_K"} > $OUT/tests.log 2>&1
 el "tests rc=$?"; tail -15 $OUT/tests.log

@@ -22,6 +22,7 @@ Off CUDA (the CPU reference, CI) :meth:`StepGraphs.run` is the eager batched pat
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,7 @@ class StepGraphs:
         #: graph replays and captures so far (what the benchmark and the tests read)
         self.replays = 0
         self.captures = 0
+        self.capture_s = 0.0                    # wall seconds spent in warm-ups and captures
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -127,6 +129,13 @@ class StepGraphs:
         return slot
 
     def _capture(self, fn: StepFn, size: int, batch: GpuBatch, keys: BatchKeys) -> _Captured:
+        t0 = time.perf_counter()
+        try:
+            return self._capture_now(fn, size, batch, keys)
+        finally:
+            self.capture_s += time.perf_counter() - t0
+
+    def _capture_now(self, fn: StepFn, size: int, batch: GpuBatch, keys: BatchKeys) -> _Captured:
         inp = torch.zeros((size, *batch.data.shape[1:]), dtype=batch.data.dtype, device=batch.data.device)
         inp[: batch.batch].copy_(batch.data)
         static = GpuBatch(inp, batch.scale)

@@ -5,9 +5,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/src && tar -xf $G/src.tar -C /tmp/src && cd /tmp/src || exit 1
 export PYTHONPATH=/tmp/src:/tmp/site PYTHONUNBUFFERED=1
 el "src $(cat $G/COMMIT)"; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; nproc; uptime
-timeout ${TEST_S:-150} python3 -m pytest -q -c /dev/null -p no:cacheprovider tests/fhe/test_gpu_backend_step.py \
+timeout ${TEST_S:-150} python3 -m pytest -q -c /dev/null -p no:cacheprovider ${TESTS:-tests/fhe/test_gpu_backend_step.py \
   tests/fhe/test_gpu_backend_mlp.py tests/fhe/test_gpu_backend_batched.py \
-  tests/fhe/test_gpu_backend_cuda.py ${TEST_K:+-k "$TEST_K"} > $OUT/tests.log 2>&1
+  tests/fhe/test_gpu_backend_cuda.py} ${TEST_K:+-k "$TEST_K"} > $OUT/tests.log 2>&1
 el "tests rc=$?"; tail -15 $OUT/tests.log
-timeout ${BENCH_S:-300} python3 bench/gpu_step.py --batches ${BATCHES:-1,8,32} --out $OUT/gpu_step.json > $OUT/gpu_step.log 2>&1
+timeout ${BENCH_S:-300} python3 bench/gpu_step.py --batches ${BATCHES:-1,8,32} ${SWEEP:+--sweep $SWEEP} --out $OUT/gpu_step.json > $OUT/gpu_step.log 2>&1
 el "bench rc=$?"; tail -c 6000 $OUT/gpu_step.log

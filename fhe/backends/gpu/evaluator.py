@@ -80,9 +80,6 @@ class GpuEvaluator(ParamsQueries):
 
             self.graphs = GraphCache()
         self._perms: dict[int, torch.Tensor] = {}
-        #: while a whole step is captured (step.py): rotate_many's zero-digit checks, as device flags
-        #: (a capture cannot read the device; the caller reads them after the replay and redoes the step)
-        self.deferred: list[torch.Tensor] | None = None
         self._bits = {lev: sum(math.log2(q) for q in self.ctx.primes[:lev]) for lev in range(1, self.ctx.K + 1)}
 
     # --- parameters and queries ---------------------------------------------------------------
@@ -369,9 +366,7 @@ class GpuEvaluator(ParamsQueries):
         lt = self.ctx.level(ct.level)
         found = {s: keys.galois_key(s, ct.level) for s in todo}       # every key checked before any work
         digits, D = self._decompose(ct.data[1], lt)
-        if self.deferred is not None:                                 # in a capture: the caller checks after
-            self.deferred.append((digits == 0).any())
-        elif bool((digits == 0).any()):                               # -0 = 0 needs no fix: plain path
+        if bool((digits == 0).any()):                                 # -0 = 0 needs no fix: plain path
             return out | {s: self.rotate(ct, s, keys) for s in todo}
         q = self._q(ct.level)
         for s, (elt, key) in found.items():
@@ -411,7 +406,7 @@ class GpuEvaluator(ParamsQueries):
         return sealio.RawCiphertext(self.ctx.parms_ids[ct.level], ct.scale, ct.data.cpu().numpy().astype(np.uint64))
 
     def serialize(self, ct: GpuCiphertext, compress: bool = True) -> bytes:
-        """SEAL's bytes of ``ct``; ``compress=False``: without zstd (residues barely compress: ~6 %), for
+        """SEAL's bytes of ``ct``; ``compress=False``: without zstd (residues barely compress: 6–10 %), for
         bytes SEAL loads at once in the same process (the worker's step results)."""
         return sealio.write_ciphertext(self.to_raw(ct), compress)
 

@@ -32,13 +32,24 @@ from server.private.codes import TaskFailure, WorkerCode
 class PrivateCompute:
     """Server half of the plan's encrypted attention blocks (no secret key ever reaches it)."""
 
-    def __init__(self, model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu",
+    def __init__(self, model_dir: str, plan_path: str | None, max_tokens: int, device: str = "cpu",
                  step_processes: int = 1, offload_path: str | None = None) -> None:
         from engine.loader import load_model
 
         torch.set_num_threads(1)  # one core per worker: parallelism comes from the pool
         model = load_model(model_dir)
-        plan = Plan.load(plan_path)
+        self.layers: dict[int, EncryptedAttentionLayer] = {}
+        self.params = self.gpu = self.key_levels = None   # plan_path None: linear steps only, no attention
+        if plan_path is not None:
+            self._attention_blocks(model, Plan.load(plan_path), max_tokens, device, step_processes)
+        self.steps = list(self.key_levels.steps) if self.key_levels is not None else []
+        self.max_key_bytes = 1 << 30
+        self.keys: dict[str, ServerKeys] = {}
+        self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
+        self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
+        self.linear = _OffloadLinear(model, offload_path, device) if offload_path else None
+
+    def _attention_blocks(self, model, plan: Plan, max_tokens: int, device: str, step_processes: int) -> None:
         plan.check_model(model)
         self.params = CKKSParams.from_dict(plan.ckks)
         self.gpu = _gpu_evaluator(self.params, device)
@@ -49,12 +60,6 @@ class PrivateCompute:
             layer.processes = step_processes if self.gpu is None else 1
         # level-aware keys (docs/protocol.md): uploads must carry each key at the level the blocks use it
         self.key_levels = functools.reduce(KeyLevels.merge, (layer.key_levels for layer in self.layers.values()))
-        self.steps = list(self.key_levels.steps)
-        self.max_key_bytes = 1 << 30
-        self.keys: dict[str, ServerKeys] = {}
-        self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
-        self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
-        self.linear = _OffloadLinear(model, offload_path, device) if offload_path else None
 
     # -- keys --------------------------------------------------------------------------------------
     def inspect_key(self, data: bytes) -> Inspection:
@@ -62,7 +67,7 @@ class PrivateCompute:
 
         With an offload plan, an upload whose public key names the MLP's parameters is screened at those
         (N differs, so no upload fits both): the verdict's ``params_hash`` says which key set it is."""
-        if self.linear is not None and self.linear.owns_upload(data, self.max_key_bytes):
+        if self.linear is not None and (self.params is None or self.linear.owns_upload(data, self.max_key_bytes)):
             return inspect_upload(data, self.linear.params, self.linear.steps, max_bytes=self.max_key_bytes)
         return inspect_upload(data, self.params, self.key_levels, max_bytes=self.max_key_bytes)
 
@@ -71,7 +76,7 @@ class PrivateCompute:
         and keep it under its registry fingerprint. ``data`` is the registry's canonical re-serialization,
         so the key-set fingerprint the client's ciphertexts name is ``key_set`` (None: from ``data``)."""
         blobs = parse_key_upload(data, len(data))  # the server's own bytes: unseeded, larger than the upload
-        if self.linear is not None and self.linear.owns(blobs):
+        if self.linear is not None and (self.params is None or self.linear.owns(blobs)):
             self.linear.load_key(fingerprint, wire.load_server_keys(blobs, self.linear.params, self.linear.steps,
                                                                  fingerprint=key_set))
             return
@@ -304,9 +309,10 @@ def _gpu_evaluator(params: CKKSParams, device: str, encoder: str = "fft"):
     return GpuEvaluator(params, "cpu" if device == "cpu-reference" else device, encoder=encoder)
 
 
-def make_state(model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu",
+def make_state(model_dir: str, plan_path: str | None, max_tokens: int, device: str = "cpu",
                step_processes: int = 1, offload_path: str | None = None) -> PrivateCompute:
-    """Worker factory (``server.private.workers`` imports it by name)."""
+    """Worker factory (``server.private.workers`` imports it by name); ``plan_path`` None: an offload plan of
+    linear steps only (``offload_path``), no attention block."""
     return PrivateCompute(model_dir, plan_path, max_tokens, device, step_processes, offload_path)
 
 

@@ -122,6 +122,12 @@ class EncryptedMLP:
             steps |= m.rotation_steps
         return {s % self.ev.slots for s in steps} - {0}
 
+    def encoded(self, half: str) -> list[EncodedMatvec]:
+        """The encoded products of ``half`` ("mlp_up": one or two, "mlp_down": one): :meth:`gate_up` and
+        :meth:`down` are each of them then ``mod_switch(., 1)``, so a batched evaluator runs the same step
+        (:func:`fhe.backends.gpu.batched.run_linear`)."""
+        return list(self._enc_up) if half == "mlp_up" else [self._enc_down]
+
     def gate_up(self, ct: Ciphertext, keys: EvalKeys) -> list[Ciphertext]:
         """Fresh replicated x̂ -> [gate|up] (one ciphertext) or [gate, up], at level 1 (the smallest download)."""
         check_fresh(self.ev, keys, ct)

@@ -126,6 +126,13 @@ class EncryptedAttentionLinear:
         """Galois keys both steps need (the client generates exactly these)."""
         return _steps(self.ev.slots, self.matvec_qkv, self.matvec_o)
 
+    def encoded(self, step: str) -> list[EncodedMatvec] | None:
+        """The encoded product of ``step`` ("attn_qkv" or "attn_o"), which then only goes to level 1; None for
+        a ``qkv`` with bias (an addition after the product: not a bare linear step)."""
+        if step == "attn_qkv":
+            return None if self._bias is not None else [self._enc_qkv]
+        return [self._enc_o]
+
     def qkv(self, ct: Ciphertext, keys: EvalKeys) -> Ciphertext:
         """Fresh replicated x̂ -> ``[q; k; v]`` (+ bias) at level 1 (the smallest download)."""
         check_fresh(self.ev, keys, ct)

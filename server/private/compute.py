@@ -186,6 +186,30 @@ class PrivateCompute:
         return [wire.dump_ciphertext(c, self.linear.params, keys.fingerprint)
                 for c in self.linear.run(fingerprint, layer, part, cts)]
 
+    def mlp_step_batch(self, items: list[tuple]) -> list:
+        """Several sessions' :meth:`mlp_step` calls of one (layer, part), each ``(fingerprint, layer, part,
+        blobs)``: on the gpu backend every position of every item in one batched evaluation, each row under
+        its own session's key set (:meth:`_OffloadLinear.run_batch`); on SEAL one by one. Returns one entry
+        per item, its result or the exception it failed with (an item whose bytes fail fails alone)."""
+        if self.linear is None or self.linear.gpu is None or len({(i[1], i[2]) for i in items}) != 1:
+            return [_result_or_error(self.mlp_step, *item) for item in items]
+        layer, part = items[0][1], items[0][2]
+        out: list = [None] * len(items)
+        ready = []   # (item index, fingerprint, parsed ciphertexts)
+        for n, (fp, _, _, blobs) in enumerate(items):
+            try:
+                if fp not in self.linear.keys:
+                    raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "offload key set not loaded in this worker")
+                block, _ = self.linear.part(layer, part)
+                ready.append((n, fp, self._inputs(blobs, self.linear.keys[fp], block.ev.top)))
+            except TaskFailure as exc:
+                out[n] = exc
+        results = self.linear.run_batch([(fp, cts) for _, fp, cts in ready], layer, part) if ready else []
+        for (n, fp, _), outs in zip(ready, results, strict=True):
+            fingerprint = self.linear.keys[fp].fingerprint
+            out[n] = [wire.dump_ciphertext(c, self.linear.params, fingerprint) for c in outs]
+        return out
+
     @staticmethod
     def _inputs(blobs: list[bytes], keys: ServerKeys, top: int) -> list:
         """The client's ciphertexts, parsed and checked fresh (level, size, scale): any refusal here is
@@ -230,6 +254,7 @@ class _OffloadLinear:
         self.steps = tuple(sorted(steps))
         self.keys: dict[str, ServerKeys] = {}
         self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
+        self._batched = None   # the gpu backend's BatchedEvaluator, made on the first batch
 
     def load_key(self, fingerprint: str, keys: ServerKeys) -> None:
         """Keep a parsed MLP key set (and, on the gpu backend, its device copy: expanded once, here)."""
@@ -250,6 +275,39 @@ class _OffloadLinear:
         dev = self.device_keys[fingerprint]   # SEAL parsed and checked the client's bytes; the device copy is ours
         outs = [c for ct in cts for c in step(self.gpu.deserialize(seal.to_bytes(ct)), dev)]
         return [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c)) for c in outs]
+
+    def run_batch(self, items: list[tuple[str, list]], layer: int, part: str) -> list[list]:
+        """:meth:`run` for several sessions at once, ``items`` = (fingerprint, checked SEAL ciphertexts) each:
+        every position of every item is one row of one :class:`fhe.backends.gpu.batched.GpuBatch` under its
+        session's device key set; each product of the part runs once over all rows. Per item, its outputs in
+        :meth:`run`'s order (position by position, each position's products in order)."""
+        from fhe.backends.gpu.batched import BatchedEvaluator, BatchKeys, run_linear
+        from fhe.evaluator import check_fresh
+
+        block, _ = self.part(layer, part)
+        encoded = block.encoded(part)
+        if encoded is None:   # not a bare product (a bias after it): one session at a time
+            return [self.run(fp, layer, part, cts) for fp, cts in items]
+        rows, keys, kits = [], [], []
+        for fp, cts in items:   # SEAL parsed and checked the client's bytes; the device copies are ours
+            dev = self.device_keys[fp]
+            for ct in cts:
+                row = self.gpu.deserialize(seal.to_bytes(ct))
+                check_fresh(self.gpu, dev, row)
+                rows.append(row)
+                keys.append(dev)
+            kits.append((self.keys[fp].kit, len(cts)))
+        if self._batched is None:
+            self._batched = BatchedEvaluator(self.gpu)
+        bev = self._batched
+        batch, bkeys = bev.stack(rows), BatchKeys.of(keys)            # data [rows, 2, L, N]
+        products = [bev.unstack(run_linear(bev, enc, batch, bkeys)) for enc in encoded]   # [product][row]
+        out, r = [], 0
+        for kit, count in kits:
+            outs = [products[e][r + p] for p in range(count) for e in range(len(encoded))]
+            out.append([seal.from_bytes("ciphertext", kit, self.gpu.serialize(c)) for c in outs])
+            r += count
+        return out
 
     def device_nbytes(self) -> dict[str, int]:
         """Device bytes of the encoded weights (every linear block: MLPs, attention as linear steps; per
@@ -286,6 +344,14 @@ class _OffloadLinear:
         except (FHEError, KeyError, ValueError):
             return False
         return True
+
+
+def _result_or_error(fn, *args):
+    """``fn(*args)``, or the exception it raised (a batch item's outcome: :func:`server.private.workers.run_batch`)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - classified per item by the worker loop, as run_task does
+        return exc
 
 
 def _plaintext_nbytes(block) -> int:

@@ -260,6 +260,7 @@ async def _serve(app: Any, cfg: PrivateSettings, root: Path, plan_hash: str, att
         RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
                        state_path=root / "keys" / "registry.json"),
         audit, EvalKeyStorage(root / "keys" / "material", app.state.private_storage_key))
+    pool.batch_limit = cfg.batch_steps if cfg.gpu_backend else 1   # the local pool batches; Ray ignores it
     await pool.start()
     svc = PrivateService(cfg, plan_hash, attention_layers, pool, registry, audit)
     pool.in_use = lambda worker: bool(svc.sessions.on_worker(worker))  # never idle-stop a session's worker

@@ -1,0 +1,66 @@
+"""Several sessions' linear steps of one (layer, part) in one worker call (``PrivateCompute.mlp_step_batch``,
+the gpu backend's batched evaluator on its torch-CPU reference): each session's answer is the one it gets
+alone, byte for byte, under its own key set; an item with bad bytes fails alone.
+
+The tiny model (hidden 64) with an offload plan of linear steps only: layer 0's attention and MLP on the
+server, no attention plan (the worker builds no attention block).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from server.private.codes import TaskFailure, WorkerCode
+from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    from engine.loader import load_model
+    from fhe.offload import CLIENT, SERVER, LayerPlacement, OffloadPlan
+    from server.private.compute import PrivateCompute
+
+    model = load_model(tiny_model_dir)
+    layers = (LayerPlacement(0, SERVER, SERVER, "client", "client"), LayerPlacement(1, CLIENT, CLIENT))
+    path = OffloadPlan("tiny", model.config.to_hf_dict(), layers).save(tmp_path_factory.mktemp("p") / "o.json")
+    return PrivateCompute(str(tiny_model_dir), None, 16, "cpu-reference", 1, str(path))
+
+
+def _sessions(worker, count: int):
+    """``count`` clients with their own key sets loaded in ``worker``: (fingerprint, client) each."""
+    import hashlib
+
+    from fhe.backends.seal import wire
+    from fhe.backends.seal.keys import CKKSClient
+    from fhe.envelope import pack_key_upload
+
+    out = []
+    for _ in range(count):
+        client = CKKSClient(worker.linear.params, worker.linear.steps)
+        upload = pack_key_upload(wire.dump_public_keys(client))
+        fp = hashlib.sha256(upload).hexdigest()
+        worker.load_key(fp, upload)
+        out.append((fp, client))
+    return out
+
+
+def _blob(client, slots: int, rng) -> bytes:
+    from fhe.backends.seal import wire
+
+    return wire.encrypt_to_wire(client, np.resize(rng.normal(size=64), slots))
+
+
+@pytest.mark.parametrize("part", ["mlp_up", "attn_qkv"])
+def test_a_batch_answers_each_session_as_alone_and_a_bad_item_fails_alone(worker, part):
+    rng = np.random.default_rng(0)
+    sessions = _sessions(worker, 3)
+    slots = worker.linear.params.slots
+    items = [(fp, 0, part, [_blob(c, slots, rng) for _ in range(n)]) for (fp, c), n in zip(sessions, (1, 2, 1))]
+    items.append((sessions[0][0], 0, part, [b"\0" * 64]))          # garbage: this item alone fails
+    assert worker.linear.part(0, part)[0].encoded(part) is not None   # a bare product: the batched path runs
+    got = worker.mlp_step_batch(items)
+    assert worker.linear._batched is not None
+    assert got[:3] == [worker.mlp_step(*item) for item in items[:3]]
+    assert len({blob for out in got[:3] for blob in out}) == sum(len(out) for out in got[:3])   # rows differ
+    assert isinstance(got[3], TaskFailure) and got[3].code is WorkerCode.BAD_CIPHERTEXT

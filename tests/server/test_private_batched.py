@@ -56,7 +56,7 @@ def test_a_batch_answers_each_session_as_alone_and_a_bad_item_fails_alone(worker
     rng = np.random.default_rng(0)
     sessions = _sessions(worker, 3)
     slots = worker.linear.params.slots
-    items = [(fp, 0, part, [_blob(c, slots, rng) for _ in range(n)]) for (fp, c), n in zip(sessions, (1, 2, 1))]
+    items = [(fp, 0, part, [_blob(c, slots, rng) for _ in range(n)]) for (fp, c), n in zip(sessions, (1, 2, 1), strict=True)]
     items.append((sessions[0][0], 0, part, [b"\0" * 64]))          # garbage: this item alone fails
     assert worker.linear.part(0, part)[0].encoded(part) is not None   # a bare product: the batched path runs
     got = worker.mlp_step_batch(items)

@@ -81,3 +81,22 @@ def test_offload_key_sets_count_toward_the_key_limit(service):
     _hold(svc, 2, "d", 0)                          # two idle keys: evictable
     assert svc._pick_worker("new") == 1            # room for one key set
     assert svc._pick_worker("new", need=2) == 2    # an attention + offload session: make room where idle
+
+
+@pytest.mark.parametrize(("device", "batched"), [("cpu", False), ("cpu-reference", True)])
+def test_linear_steps_go_to_the_pool_with_a_batch_key_on_the_gpu_backend(service, device, batched):
+    import asyncio
+
+    from fhe import envelope
+
+    svc, calls = service(device=device), []
+
+    async def submit(worker, tenant, method, *args, batch=None, timeout=None):
+        calls.append((method, batch))
+        return [b"out"]
+
+    svc.pool.submit = submit
+    s = Session(svc.sessions.new_id(), "t", None, 1, None, 0, 0.0, 0.0, mlp_fingerprint="off")
+    env = envelope.Envelope(s.id, "off", 3, "decode", (5, 1), (b"x",), "seal", "p", "mlp_up")
+    asyncio.run(svc._run_mlp(s, env, "req"))
+    assert calls == [("mlp_step", ("mlp_step", 3, "mlp_up") if batched else None)]

@@ -205,9 +205,8 @@ class PrivateCompute:
             except TaskFailure as exc:
                 out[n] = exc
         results = self.linear.run_batch([(fp, cts) for _, fp, cts in ready], layer, part) if ready else []
-        for (n, fp, _), outs in zip(ready, results, strict=True):
-            fingerprint = self.linear.keys[fp].fingerprint
-            out[n] = [wire.dump_ciphertext(c, self.linear.params, fingerprint) for c in outs]
+        for (n, _, _), blobs in zip(ready, results, strict=True):
+            out[n] = blobs
         return out
 
     @staticmethod
@@ -279,16 +278,19 @@ class _OffloadLinear:
     def run_batch(self, items: list[tuple[str, list]], layer: int, part: str) -> list[list]:
         """:meth:`run` for several sessions at once, ``items`` = (fingerprint, checked SEAL ciphertexts) each:
         every position of every item is one row of one :class:`fhe.backends.gpu.batched.GpuBatch` under its
-        session's device key set; each product of the part runs once over all rows. Per item, its outputs in
-        :meth:`run`'s order (position by position, each position's products in order)."""
+        session's device key set; each product of the part runs once over all rows. Per item, its outputs as
+        wire blobs, in :meth:`run`'s order (position by position, each position's products in order): the
+        device serialization goes into the wire as is (:func:`fhe.backends.seal.wire.pack_ciphertext`: no
+        SEAL load and zstd pass per result, 0.5 ms of a step's host time; docs/benchmarks.md, serving17)."""
         from fhe.backends.gpu.batched import BatchedEvaluator, BatchKeys, run_linear
         from fhe.evaluator import check_fresh
 
         block, _ = self.part(layer, part)
         encoded = block.encoded(part)
         if encoded is None:   # not a bare product (a bias after it): one session at a time
-            return [self.run(fp, layer, part, cts) for fp, cts in items]
-        rows, keys, kits = [], [], []
+            return [[wire.dump_ciphertext(c, self.params, self.keys[fp].fingerprint)
+                     for c in self.run(fp, layer, part, cts)] for fp, cts in items]
+        rows, keys, kits = [], [], []   # kits: (key-set fingerprint, positions) per item
         for fp, cts in items:   # SEAL parsed and checked the client's bytes; the device copies are ours
             dev = self.device_keys[fp]
             for ct in cts:
@@ -296,16 +298,16 @@ class _OffloadLinear:
                 check_fresh(self.gpu, dev, row)
                 rows.append(row)
                 keys.append(dev)
-            kits.append((self.keys[fp].kit, len(cts)))
+            kits.append((self.keys[fp].fingerprint, len(cts)))
         if self._batched is None:
             self._batched = BatchedEvaluator(self.gpu)
         bev = self._batched
         batch, bkeys = bev.stack(rows), BatchKeys.of(keys)            # data [rows, 2, L, N]
         products = [bev.unstack(run_linear(bev, enc, batch, bkeys)) for enc in encoded]   # [product][row]
         out, r = [], 0
-        for kit, count in kits:
+        for fingerprint, count in kits:
             outs = [products[e][r + p] for p in range(count) for e in range(len(encoded))]
-            out.append([seal.from_bytes("ciphertext", kit, self.gpu.serialize(c)) for c in outs])
+            out.append([wire.pack_ciphertext(self.gpu.serialize(c), self.params, fingerprint) for c in outs])
             r += count
         return out
 

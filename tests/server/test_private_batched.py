@@ -45,6 +45,15 @@ def _sessions(worker, count: int):
     return out
 
 
+def _canonical(worker, fp: str, blob: bytes) -> bytes:
+    """A result blob parsed by SEAL (as the client does) and saved again: equal for equal ciphertexts."""
+    from fhe.backends.seal import hazmat as seal
+    from fhe.backends.seal import wire
+
+    keys = worker.linear.keys[fp]
+    return seal.to_bytes(wire.load_ciphertext(blob, keys.kit, keys.fingerprint))
+
+
 def _blob(client, slots: int, rng) -> bytes:
     from fhe.backends.seal import wire
 
@@ -56,11 +65,16 @@ def test_a_batch_answers_each_session_as_alone_and_a_bad_item_fails_alone(worker
     rng = np.random.default_rng(0)
     sessions = _sessions(worker, 3)
     slots = worker.linear.params.slots
-    items = [(fp, 0, part, [_blob(c, slots, rng) for _ in range(n)]) for (fp, c), n in zip(sessions, (1, 2, 1), strict=True)]
+    items = [(fp, 0, part, [_blob(c, slots, rng) for _ in range(n)])
+             for (fp, c), n in zip(sessions, (1, 2, 1), strict=True)]
     items.append((sessions[0][0], 0, part, [b"\0" * 64]))          # garbage: this item alone fails
     assert worker.linear.part(0, part)[0].encoded(part) is not None   # a bare product: the batched path runs
     got = worker.mlp_step_batch(items)
     assert worker.linear._batched is not None
-    assert got[:3] == [worker.mlp_step(*item) for item in items[:3]]
-    assert len({blob for out in got[:3] for blob in out}) == sum(len(out) for out in got[:3])   # rows differ
+    alone = [worker.mlp_step(*item) for item in items[:3]]
+    # the batch sends the device's uncompressed SEAL form, one by one SEAL's zstd form: the same ciphertexts
+    got_ct = [[_canonical(worker, fp, b) for b in out] for (fp, *_), out in zip(items, got[:3], strict=False)]
+    assert got_ct == [[_canonical(worker, fp, b) for b in out] for (fp, *_), out in zip(items, alone, strict=False)]
+    assert [len(o) for o in got[:3]] == [len(o) for o in alone] and all(len(o) for o in alone)
+    assert len({c for out in got_ct for c in out}) == sum(len(out) for out in got_ct)   # rows differ
     assert isinstance(got[3], TaskFailure) and got[3].code is WorkerCode.BAD_CIPHERTEXT

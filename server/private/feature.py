@@ -204,7 +204,8 @@ async def _start_attention(app: Any, cfg: PrivateSettings, model_dir: Path) -> N
         return
     if cfg.offload_plan and cfg.max_keys_per_worker < 2:
         raise ValueError("an offload plan with calibrated attention layers loads two key sets per session "
-                         "(attention and offload) into a worker: [private] max_keys_per_worker must be >= 2")
+                         "(attention and offload) into a worker: [private] max_keys_per_worker must be >= 2 "
+                         f"(it is {cfg.max_keys_per_worker}, after device_key_bytes)")
     root = state_dir(cfg)
     _open_state(app, cfg, root)
     bundle_path, bundle = await asyncio.to_thread(build_bundle, model_dir, plan, root)

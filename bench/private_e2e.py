@@ -26,9 +26,8 @@ With ``--offload`` the server runs an offload plan (``[private] offload_plan``):
 client; a second table gives each server part's cost per decode token (seconds in the step's HTTP round
 trip, bytes up and down, round trips) per layer, and its extrapolation to the 28 server layers of the
 default offload plan. ``--offload-plan FILE`` (``default``: the shipped one, layers 2-29 with attention as
-linear steps) runs a whole offload plan file instead; its calibrated (``softmax = approx``) layers, if any,
-come from the shipped attention plan at the CI ring N = 16384, which the service also needs for the
-session's attention key even when no layer uses it.
+linear steps) runs a whole offload plan file of linear steps only instead: no ``[private] plan``, and the
+session runs on the offload key set alone (no attention key).
 
 Run it with ``PYTHONPATH`` set to the checkout (a script's imports otherwise come from the editable
 install, which may be another checkout).
@@ -187,26 +186,18 @@ def offload_plans(layers: str, root: Path, base: Path | None = None) -> tuple[Pa
     return att.save(root / "offload-attention.plan.json"), off.save(root / "offload.json")
 
 
-def whole_offload_plan(spec: str, root: Path, base: Path | None = None) -> tuple[Path, Path, int]:
-    """(attention plan, offload plan, server layers) for ``--offload-plan`` (a file, or ``default``); the
-    attention plan is cut from ``base`` (default: the shipped plan; the GPU machine's random-weight home has
-    its own)."""
+def whole_offload_plan(spec: str, root: Path, base: Path | None = None) -> tuple[None, Path, int]:
+    """(no attention plan, offload plan, server layers) for ``--offload-plan`` (a file, or ``default``): a plan
+    of linear steps only needs no ``[private] plan`` and its sessions no attention key (``root`` and ``base``
+    are unused since then; kept for the callers)."""
     from fhe.offload import OffloadPlan, default_offload_path
-    from fhe.params import CKKSParams
-    from fhe.plan import Plan
-    from server.private.feature import default_plan_path
 
     off_path = default_offload_path() if spec == "default" else Path(spec)
     off = OffloadPlan.load(off_path)
     if off.approx_layers:
         raise SystemExit("--offload-plan: a plan with calibrated attention layers names its own attention plan")
-    # no layer uses it, but a session needs an attention plan (and key): its first layer, on the CI ring
-    full = Plan.load(base or default_plan_path())
-    ckks = CKKSParams(16384, (48,) + (30,) * 11 + (60,), 30).to_dict()
-    att = Plan(full.model_id, full.weights_sha256, full.layers[:1], ckks, "bench: base of a whole offload plan",
-               full.calibration)
     server = len(set(off.server_attention) | set(off.server_mlp))
-    return att.save(root / "offload-attention.plan.json"), off_path, server
+    return None, off_path, server
 
 
 def part_table(toks: list, n_layers: int, server_layers: int = 28) -> str:

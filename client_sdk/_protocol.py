@@ -117,19 +117,26 @@ class Manifest:
     #: The server takes ``verify`` steps and ``rollback`` messages (speculative decoding; absent: an
     #: older server, the SDK decodes one token per step).
     verify_steps: bool = False
+    #: A session runs on an attention key set (``ckks``) besides any offload key; False (manifest
+    #: ``offload.attention_key``) for an offload plan whose server layers are all linear steps: the SDK
+    #: makes and registers only the offload key set and opens sessions on it alone.
+    attention_key: bool = True
 
     @classmethod
     def from_json(cls, d: Any) -> Manifest:
         """Parse the manifest's JSON."""
         try:
-            approx = {int(lp["index"]): (str(lp["approx"]["kind"]), int(lp["approx"]["squarings"]))
-                      for lp in d["plan"]["layers"]}
+            offload = d.get("offload")
+            attention_key = not (isinstance(offload, Mapping) and offload.get("attention_key") is False)
+            approx = ({int(lp["index"]): (str(lp["approx"]["kind"]), int(lp["approx"]["squarings"]))
+                       for lp in d["plan"]["layers"]} if attention_key else {})
             limits = d["limits"]
             return cls(str(d["model"]), str(d["plan_hash"]), dict(d["ckks"]),
                        tuple(int(i) for i in d["layers"]["encrypted_attention"]), approx,
                        str(d["bundle"]["sha256"]), int(d["bundle"]["size"]), int(limits["max_session_tokens"]),
                        int(limits["max_step_tokens"]), int(limits.get("max_key_bytes") or 1 << 30),
-                       max(0, int(limits.get("packed_chunk") or 0)), limits.get("verify_steps") is True)
+                       max(0, int(limits.get("packed_chunk") or 0)), limits.get("verify_steps") is True,
+                       attention_key)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PrivateModeError(f"the server's private manifest is malformed ({exc!r})") from exc
 
@@ -194,7 +201,9 @@ class Session:
         self.id: str | None = None
 
     def open_call(self) -> Call:
-        body = {"key_id": self.key_id, "plan_hash": self.manifest.plan_hash}
+        body = {"plan_hash": self.manifest.plan_hash}
+        if self.manifest.attention_key:   # else the offload session names its one key set (mlp_key_id)
+            body["key_id"] = self.key_id
         return Call("POST", "/v1/private/sessions", json=body,
                     read_timeout=self.manifest.key_read_timeout(self.key_bytes, self.read_floor))
 

@@ -170,10 +170,21 @@ class PrivateRuntime:
             return
         man = self.fetch_manifest()
         self.load_bundle(man)
-        self.make_keys(man)
-        if self.offload is not None:
-            self.offload.make_keys(man)
+        self.register_keys(man)
         self.manifest = man
+
+    def register_keys(self, man: proto.Manifest) -> int:
+        """Every key set the manifest's sessions run on, made (or loaded) and registered; returns the bytes
+        uploaded. The attention key set only where some layer needs it: an offload plan whose server layers
+        are all linear steps runs on its offload key set (N = 8192) alone."""
+        if man.attention_key:
+            self.make_keys(man)
+        else:
+            self.ckks, self.blocks, self.fingerprint, self.key_bytes, self.upload_bytes = None, {}, None, 0, 0
+        if self.offload is None:
+            return self.upload_bytes
+        self.offload.make_keys(man)
+        return self.upload_bytes + self.offload.upload_bytes
 
     def fetch_manifest(self) -> proto.Manifest:
         """``GET /v1/private/manifest`` (``PrivacyModeError`` when the server offers no encrypted sessions)."""

@@ -155,11 +155,7 @@ def prepare_private(client, cache_dir: Path):
     t1 = time.perf_counter()
     runtime.load_bundle(man)
     t2 = time.perf_counter()
-    runtime.make_keys(man)
-    uploaded = runtime.upload_bytes
-    if runtime.offload is not None:   # an offload plan's MLP key set (N = 8192)
-        runtime.offload.make_keys(man)
-        uploaded += runtime.offload.upload_bytes
+    uploaded = runtime.register_keys(man)   # attention key set where needed, offload key set (N = 8192)
     t3 = time.perf_counter()
     runtime.manifest = man
     setup = Setup(t1 - t0, t2 - t1, man.bundle_size, t3 - t2, uploaded, runtime.layers)

@@ -32,13 +32,24 @@ from server.private.codes import TaskFailure, WorkerCode
 class PrivateCompute:
     """Server half of the plan's encrypted attention blocks (no secret key ever reaches it)."""
 
-    def __init__(self, model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu",
+    def __init__(self, model_dir: str, plan_path: str | None, max_tokens: int, device: str = "cpu",
                  step_processes: int = 1, offload_path: str | None = None) -> None:
         from engine.loader import load_model
 
         torch.set_num_threads(1)  # one core per worker: parallelism comes from the pool
         model = load_model(model_dir)
-        plan = Plan.load(plan_path)
+        self.layers: dict[int, EncryptedAttentionLayer] = {}
+        self.params = self.gpu = self.key_levels = None   # plan_path None: linear steps only, no attention
+        if plan_path is not None:
+            self._attention_blocks(model, Plan.load(plan_path), max_tokens, device, step_processes)
+        self.steps = list(self.key_levels.steps) if self.key_levels is not None else []
+        self.max_key_bytes = 1 << 30
+        self.keys: dict[str, ServerKeys] = {}
+        self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
+        self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
+        self.linear = _OffloadLinear(model, offload_path, device) if offload_path else None
+
+    def _attention_blocks(self, model, plan: Plan, max_tokens: int, device: str, step_processes: int) -> None:
         plan.check_model(model)
         self.params = CKKSParams.from_dict(plan.ckks)
         self.gpu = _gpu_evaluator(self.params, device)
@@ -49,17 +60,6 @@ class PrivateCompute:
             layer.processes = step_processes if self.gpu is None else 1
         # level-aware keys (docs/protocol.md): uploads must carry each key at the level the blocks use it
         self.key_levels = functools.reduce(KeyLevels.merge, (layer.key_levels for layer in self.layers.values()))
-        self.steps = list(self.key_levels.steps)
-        self.max_key_bytes = 1 << 30
-        self.keys: dict[str, ServerKeys] = {}
-        self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
-        self.graphs = None                          # whole steps as CUDA graphs, per (layer, part, batch size)
-        if self.gpu is not None:
-            from fhe.backends.gpu.step import StepGraphs
-
-            self.graphs = StepGraphs(self.gpu)
-        self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
-        self.linear = _OffloadLinear(model, offload_path, device) if offload_path else None
 
     # -- keys --------------------------------------------------------------------------------------
     def inspect_key(self, data: bytes) -> Inspection:
@@ -67,7 +67,7 @@ class PrivateCompute:
 
         With an offload plan, an upload whose public key names the MLP's parameters is screened at those
         (N differs, so no upload fits both): the verdict's ``params_hash`` says which key set it is."""
-        if self.linear is not None and self.linear.owns_upload(data, self.max_key_bytes):
+        if self.linear is not None and (self.params is None or self.linear.owns_upload(data, self.max_key_bytes)):
             return inspect_upload(data, self.linear.params, self.linear.steps, max_bytes=self.max_key_bytes)
         return inspect_upload(data, self.params, self.key_levels, max_bytes=self.max_key_bytes)
 
@@ -76,7 +76,7 @@ class PrivateCompute:
         and keep it under its registry fingerprint. ``data`` is the registry's canonical re-serialization,
         so the key-set fingerprint the client's ciphertexts name is ``key_set`` (None: from ``data``)."""
         blobs = parse_key_upload(data, len(data))  # the server's own bytes: unseeded, larger than the upload
-        if self.linear is not None and self.linear.owns(blobs):
+        if self.linear is not None and (self.params is None or self.linear.owns(blobs)):
             self.linear.load_key(fingerprint, wire.load_server_keys(blobs, self.linear.params, self.linear.steps,
                                                                  fingerprint=key_set))
             return
@@ -183,8 +183,33 @@ class PrivateCompute:
         keys = self.linear.keys[fingerprint]
         block, _ = self.linear.part(layer, part)
         cts = self._inputs(blobs, keys, block.ev.top)
+        if self.linear.gpu is not None:
+            return self.linear.run_batch([(fingerprint, cts)], layer, part)[0]
         return [wire.dump_ciphertext(c, self.linear.params, keys.fingerprint)
                 for c in self.linear.run(fingerprint, layer, part, cts)]
+
+    def mlp_step_batch(self, items: list[tuple]) -> list:
+        """Several sessions' :meth:`mlp_step` calls of one (layer, part), each ``(fingerprint, layer, part,
+        blobs)``: on the gpu backend every position of every item in one batched evaluation, each row under
+        its own session's key set (:meth:`_OffloadLinear.run_batch`); on SEAL one by one. Returns one entry
+        per item, its result or the exception it failed with (an item whose bytes fail fails alone)."""
+        if self.linear is None or self.linear.gpu is None or len({(i[1], i[2]) for i in items}) != 1:
+            return [_result_or_error(self.mlp_step, *item) for item in items]
+        layer, part = items[0][1], items[0][2]
+        out: list = [None] * len(items)
+        ready = []   # (item index, fingerprint, parsed ciphertexts)
+        for n, (fp, _, _, blobs) in enumerate(items):
+            try:
+                if fp not in self.linear.keys:
+                    raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "offload key set not loaded in this worker")
+                block, _ = self.linear.part(layer, part)
+                ready.append((n, fp, self._inputs(blobs, self.linear.keys[fp], block.ev.top)))
+            except TaskFailure as exc:
+                out[n] = exc
+        results = self.linear.run_batch([(fp, cts) for _, fp, cts in ready], layer, part) if ready else []
+        for (n, _, _), blobs in zip(ready, results, strict=True):
+            out[n] = blobs
+        return out
 
     @staticmethod
     def _inputs(blobs: list[bytes], keys: ServerKeys, top: int) -> list:
@@ -252,16 +277,34 @@ class _OffloadLinear:
         block, step = self.part(layer, part)
         if self.gpu is None:
             return [c for ct in cts for c in step(ct, keys)]
-        dev = self.device_keys[fingerprint]   # SEAL parsed and checked the client's bytes; the device copy is ours
-        xs = [self.gpu.deserialize(seal.to_bytes(ct)) for ct in cts]
-        fn = _batched(block, step)
-        if len({(x.data.shape, x.scale) for x in xs}) == 1:   # the step's ciphertexts in one batch, one replay
-            rows = self.graphs.run((layer, part), fn, xs, dev)
-        else:
-            rows = [r for x in xs for r in self.graphs.run((layer, part), fn, [x], dev)]
         # uncompressed: SEAL loads it at once here (random residues compress 6–10 %; zstd cost both ways)
         return [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c, compress=False))
-                for row in rows for c in row]
+                for row in self._on_device(layer, part, cts, self.device_keys[fingerprint]) for c in row]
+
+    def run_batch(self, items: list[tuple[str, list]], layer: int, part: str) -> list[list]:
+        """:meth:`run` for several sessions at once on the gpu backend, ``items`` = (fingerprint, checked SEAL
+        ciphertexts) each: every position of every item is one row of one batch (one graph replay of the
+        step, :class:`fhe.backends.gpu.step.StepGraphs`), each row under its session's device key set. Per
+        item, its outputs as wire blobs in :meth:`run`'s order (position by position, each position's products
+        in order): the device serialization goes into the wire as is (:func:`fhe.backends.seal.wire.pack_ciphertext`:
+        no SEAL load and zstd pass per result, 0.5 ms of a step's host time; docs/benchmarks.md, serving17)."""
+        cts = [ct for _, item in items for ct in item]
+        keys = [self.device_keys[fp] for fp, item in items for _ in item]
+        rows = iter(self._on_device(layer, part, cts, keys))
+        return [[wire.pack_ciphertext(self.gpu.serialize(c, compress=False), self.params, self.keys[fp].fingerprint)
+                 for _ in item for c in next(rows)] for fp, item in items]
+
+    def _on_device(self, layer: int, part: str, cts: list, keys) -> list[list]:
+        """The step on the device for SEAL ciphertexts ``cts`` (SEAL parsed and checked the client's bytes;
+        the device copies are ours) under ``keys`` (one device key set, or one per ciphertext): per input,
+        its outputs. Ciphertexts of one shape and scale run as one batch, one graph replay."""
+        block, step = self.part(layer, part)
+        xs = [self.gpu.deserialize(seal.to_bytes(ct)) for ct in cts]
+        fn = _batched(block, step)
+        if len({(x.data.shape, x.scale) for x in xs}) == 1:
+            return self.graphs.run((layer, part), fn, xs, keys)
+        per_row = keys if isinstance(keys, list) else [keys] * len(xs)
+        return [r for x, k in zip(xs, per_row, strict=True) for r in self.graphs.run((layer, part), fn, [x], k)]
 
     def device_nbytes(self) -> dict[str, int]:
         """Device bytes of the encoded weights (every linear block: MLPs, attention as linear steps; per
@@ -314,6 +357,14 @@ def _batched(block, step):
     return fn
 
 
+def _result_or_error(fn, *args):
+    """``fn(*args)``, or the exception it raised (a batch item's outcome: :func:`server.private.workers.run_batch`)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - classified per item by the worker loop, as run_task does
+        return exc
+
+
 def _plaintext_nbytes(block) -> int:
     """Device bytes of an encoded linear block's diagonals (every EncodedMatvec's plaintexts)."""
     encoded = [v for name, v in vars(block).items() if name.startswith("_enc_")]
@@ -335,9 +386,10 @@ def _gpu_evaluator(params: CKKSParams, device: str, encoder: str = "fft"):
     return GpuEvaluator(params, "cpu" if device == "cpu-reference" else device, encoder=encoder)
 
 
-def make_state(model_dir: str, plan_path: str, max_tokens: int, device: str = "cpu",
+def make_state(model_dir: str, plan_path: str | None, max_tokens: int, device: str = "cpu",
                step_processes: int = 1, offload_path: str | None = None) -> PrivateCompute:
-    """Worker factory (``server.private.workers`` imports it by name)."""
+    """Worker factory (``server.private.workers`` imports it by name); ``plan_path`` None: an offload plan of
+    linear steps only (``offload_path``), no attention block."""
     return PrivateCompute(model_dir, plan_path, max_tokens, device, step_processes, offload_path)
 
 

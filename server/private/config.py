@@ -31,7 +31,8 @@ class PrivateSettings(BaseModel):
     """Knobs of ``/v1/private``: plan, workers, session bounds, size limits, key lifetime."""
 
     enabled: bool | None = Field(None, description="None: on when some tenant is in encrypted mode")
-    plan: str | None = Field(None, description="plan file/folder; None: the plan shipped for the default model")
+    plan: str | None = Field(None, description="plan file/folder; None: the plan shipped for the default model. "
+                             "Not used (nor needed) with an offload_plan whose server layers are all linear steps")
     offload_plan: str | None = Field(None, description="an offload plan (fhe/offload.py) whose server attention "
                                      "layers are `plan`'s: the server also runs its MLP blocks (N = 8192, "
                                      "client-aided SiLU) and keeps their weights; None: attention blocks only")
@@ -56,6 +57,10 @@ class PrivateSettings(BaseModel):
     step_processes: int = Field(1, ge=1, le=2, description="processes one layer step runs on: 2 forks a "
                                 "copy-on-write child per step for part of it (fhe.fork; local SEAL workers only: "
                                 "ignored with device != 'cpu' or backend = 'ray'); give each worker two cores")
+    batch_steps: int = Field(16, ge=1, le=256, description="gpu backend: most linear steps of one (layer, part), "
+                             "of any sessions, queued on a worker when it takes its next task, that run as one "
+                             "batched call (fhe.backends.gpu.batched); 1: one step at a time. Nothing waits for "
+                             "a batch to fill. Ignored on SEAL (device = 'cpu') and with backend = 'ray'")
     device_key_bytes: int | None = Field(None, ge=1, description="device bytes of evaluation keys one GPU worker "
                                          "may hold (N=32768 plan: 1.32 GB a key set); caps max_keys_per_worker; "
                                          "None: no byte cap")

@@ -133,31 +133,59 @@ class AuditFallbackRecorder:
                           detail={"endpoint": event.endpoint, "reason": event.reason})
 
 
-def _worker_args(cfg: PrivateSettings, model_dir: Path, plan_path: Path) -> tuple:
+def _worker_args(cfg: PrivateSettings, model_dir: Path, plan_path: Path | None) -> tuple:
     """The worker factory's arguments. The optional trailing ones (step_processes, offload_plan) go only
     when set, so factories written for the first four keep working; step_processes only for local workers:
-    a Ray actor's process runs Ray's own threads, which a fork per step would copy mid-flight."""
-    args: tuple = (str(model_dir), str(plan_path), cfg.max_session_tokens, cfg.device)
+    a Ray actor's process runs Ray's own threads, which a fork per step would copy mid-flight. ``plan_path``
+    None: an offload plan of linear steps only (the workers build no attention block)."""
+    args: tuple = (str(model_dir), None if plan_path is None else str(plan_path), cfg.max_session_tokens,
+                   cfg.device)
     split = cfg.step_processes if cfg.backend == "local" else 1
     if cfg.offload_plan:
         return args + (split, cfg.offload_plan)
     return args + ((split,) if split != 1 else ())
 
 
+def _load_offload(cfg: PrivateSettings) -> Any:
+    """The ``[private] offload_plan`` (None when unset)."""
+    if not cfg.offload_plan:
+        return None
+    from fhe.offload import OffloadPlan
+
+    return OffloadPlan.load(cfg.offload_plan)
+
+
+def linear_only(offload: Any) -> bool:
+    """Whether an offload plan's server layers are all linear steps (no ``softmax = approx`` layer): its
+    sessions need no attention key, and the service no ``[private] plan``."""
+    return offload is not None and not offload.approx_layers
+
+
 async def start(app: Any) -> None:
     """Bring the private service up on ``app.state`` (called from the app's lifespan)."""
-    from engine.config import ModelConfig
+    settings = app.state.settings
+    cfg: PrivateSettings = settings.private
+    if not settings.private_enabled():
+        return
     from engine.default_model import default_model_dir
+
+    model_dir = Path(settings.model) if settings.model else default_model_dir()
+    offload_plan = _load_offload(cfg)
+    if linear_only(offload_plan):
+        await _start_linear(app, cfg, model_dir, offload_plan)
+    else:
+        await _start_attention(app, cfg, model_dir)
+
+
+async def _start_attention(app: Any, cfg: PrivateSettings, model_dir: Path) -> None:
+    """The attention plan's service (``[private] plan``), with its offload plan's linear steps if one is set."""
+    from engine.config import ModelConfig
     from fhe.backends import DEFAULT_BACKEND
     from fhe.geometry import packed_chunk_for
     from fhe.params import CKKSParams
     from fhe.plan import Plan, PlanError
 
     settings = app.state.settings
-    cfg: PrivateSettings = settings.private
-    if not settings.private_enabled():
-        return
-    model_dir = Path(settings.model) if settings.model else default_model_dir()
     plan_path = Path(cfg.plan) if cfg.plan else default_plan_path()
     try:
         plan = Plan.load(plan_path)
@@ -174,35 +202,74 @@ async def start(app: Any) -> None:
             raise
         log.error("encrypted sessions disabled: %s", exc)
         return
+    if cfg.offload_plan and cfg.max_keys_per_worker < 2:
+        raise ValueError("an offload plan with calibrated attention layers loads two key sets per session "
+                         "(attention and offload) into a worker: [private] max_keys_per_worker must be >= 2 "
+                         f"(it is {cfg.max_keys_per_worker}, after device_key_bytes)")
     root = state_dir(cfg)
-    keys = _secrets(root)
-    audit = open_audit(root, keys["pseudonym_key"], cfg.audit_checkpoint_every)
-    app.state.audit = audit
-    app.state.fallback_recorders.append(AuditFallbackRecorder(audit))
+    _open_state(app, cfg, root)
     bundle_path, bundle = await asyncio.to_thread(build_bundle, model_dir, plan, root)
     cfg_json = json.loads((model_dir / "config.json").read_text())
     app.state.private_manifest = build_manifest(app.state.metrics.model_name, plan, bundle, cfg,
                                                 cfg_json["num_hidden_layers"])
     app.state.private_bundle_path = bundle_path
     offload = await _offload(app, cfg, model_dir, plan, root)
-    pool = make_pool(cfg, WORKER_FACTORY, _worker_args(cfg, model_dir, plan_path))
-    registry = KeyRegistry(
-        RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
-                       state_path=root / "keys" / "registry.json"),
-        audit, EvalKeyStorage(root / "keys" / "material", keys["storage_key"]))
-    await pool.start()
     # with an offload plan, attention steps run only its calibrated (softmax = approx) layers
     attention_layers = offload.plan.approx_layers if offload is not None else plan.layer_indices
-    svc = PrivateService(cfg, plan.content_hash, attention_layers, pool, registry, audit)
-    pool.in_use = lambda worker: bool(svc.sessions.on_worker(worker))  # never idle-stop a session's worker
+    svc = await _serve(app, cfg, root, plan.content_hash, attention_layers, _worker_args(cfg, model_dir, plan_path))
     svc.backend_name, svc.backend_params = DEFAULT_BACKEND, CKKSParams.from_dict(plan.ckks)
     svc.packed_chunk = packed_chunk_for(ModelConfig.from_hf_dict(cfg_json), svc.backend_params)
     svc.offload = offload
     app.state.private_manifest["limits"]["packed_chunk"] = svc.packed_chunk
+
+
+async def _start_linear(app: Any, cfg: PrivateSettings, model_dir: Path, offload_plan: Any) -> None:
+    """An offload plan of linear steps only: no attention plan is loaded, no attention key is made or held
+    (``[private] plan``, if set, is not used), the workers build only the linear blocks."""
+    from engine.config import ModelConfig
+    from server.private.offload import OffloadSteps, check_fits
+
+    if cfg.plan:
+        log.info("[private] plan is not used: every server layer of the offload plan is a linear step")
+    mcfg = ModelConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
+    check_fits(offload_plan, None, mcfg)
+    root = state_dir(cfg)
+    _open_state(app, cfg, root)
+    steps = OffloadSteps.of(offload_plan)
+    path, desc = await asyncio.to_thread(build_offload_bundle, model_dir, offload_plan, root)
+    app.state.private_manifest = build_linear_manifest(app.state.metrics.model_name, steps, mcfg, desc, cfg)
+    app.state.private_bundle_path = path
+    svc = await _serve(app, cfg, root, offload_plan.content_hash, (), _worker_args(cfg, model_dir, None))
+    svc.offload = steps
+
+
+def _open_state(app: Any, cfg: PrivateSettings, root: Path) -> None:
+    """The audit log (and its fallback recorder) under the state folder."""
+    keys = _secrets(root)
+    audit = open_audit(root, keys["pseudonym_key"], cfg.audit_checkpoint_every)
+    app.state.audit = audit
+    app.state.private_storage_key = keys["storage_key"]
+    app.state.fallback_recorders.append(AuditFallbackRecorder(audit))
+
+
+async def _serve(app: Any, cfg: PrivateSettings, root: Path, plan_hash: str, attention_layers: tuple,
+                 worker_args: tuple) -> PrivateService:
+    """Workers, key registry and the service on ``app.state``, with its metrics and sweeper."""
+    audit = app.state.audit
+    pool = make_pool(cfg, WORKER_FACTORY, worker_args)
+    registry = KeyRegistry(
+        RegistryConfig(max_upload_bytes=cfg.max_key_bytes, default_lifetime_s=cfg.key_lifetime_s,
+                       state_path=root / "keys" / "registry.json"),
+        audit, EvalKeyStorage(root / "keys" / "material", app.state.private_storage_key))
+    pool.batch_limit = cfg.batch_steps if cfg.gpu_backend else 1   # the local pool batches; Ray ignores it
+    await pool.start()
+    svc = PrivateService(cfg, plan_hash, attention_layers, pool, registry, audit)
+    pool.in_use = lambda worker: bool(svc.sessions.on_worker(worker))  # never idle-stop a session's worker
     app.state.private = svc
     app.state.private_metrics = PoolCollector(pool, cfg.backend, lambda w: len(svc.sessions.on_worker(w)))
     app.state.metrics.registry.register(app.state.private_metrics)
     app.state.private_sweeper = asyncio.create_task(_sweep_forever(svc))
+    return svc
 
 
 async def _offload(app: Any, cfg: PrivateSettings, model_dir: Path, plan: Any, root: Path):
@@ -211,21 +278,40 @@ async def _offload(app: Any, cfg: PrivateSettings, model_dir: Path, plan: Any, r
     if not cfg.offload_plan:
         return None
     from engine.config import ModelConfig
-    from fhe.offload import OffloadPlan
     from server.private.offload import OffloadSteps, check_fits
 
-    offload = OffloadPlan.load(cfg.offload_plan)
+    offload = _load_offload(cfg)
     mcfg = ModelConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
     check_fits(offload, plan, mcfg)
     steps = OffloadSteps.of(offload)
     path, desc = await asyncio.to_thread(build_offload_bundle, model_dir, offload, root)
     man = app.state.private_manifest
-    man["offload"] = steps.manifest(mcfg)
+    man["offload"] = {**steps.manifest(mcfg), "attention_key": True}
     # the SDK sends attention steps for these layers only; the others of the offload plan run as linear steps
     man["layers"]["encrypted_attention"] = list(offload.approx_layers)
     man["bundle"].update({"sha256": desc["sha256"], "size": desc["size"], "withheld": desc["withheld"]})
     app.state.private_bundle_path = path
     return steps
+
+
+def build_linear_manifest(model_name: str, steps: Any, mcfg: Any, bundle: dict, cfg: PrivateSettings) -> dict:
+    """The manifest of an offload plan of linear steps only: ``offload.attention_key`` is false (a session
+    opens on the offload key set alone), ``plan_hash`` is the offload plan's, ``ckks`` the offload
+    parameters (the only key set), no layer takes attention steps, no packed prefill."""
+    offload = {**steps.manifest(mcfg), "attention_key": False}
+    mlp = offload["mlp"]
+    n = mcfg.num_hidden_layers
+    return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "model": model_name, "model_sha256": None,
+            "plan_hash": steps.plan.content_hash, "plan": steps.plan.metadata(), "ckks": dict(mlp["ckks"]),
+            "backend": mlp["backend"],
+            "layers": {"total": n, "encrypted_attention": [], "client": list(range(n))},
+            "bundle": {"sha256": bundle["sha256"], "size": bundle["size"], "withheld": bundle["withheld"],
+                       "path": "/v1/private/bundle"},
+            "limits": {"max_session_tokens": cfg.max_session_tokens, "max_step_tokens": cfg.max_step_tokens,
+                       "max_blob_bytes": cfg.max_blob_bytes, "max_step_bytes": cfg.max_step_bytes,
+                       "max_key_bytes": cfg.max_key_bytes, "session_ttl_s": cfg.session_ttl_s,
+                       "verify_steps": False, "packed_chunk": 0},
+            "offload": offload}
 
 
 def build_offload_bundle(model_dir: Path, offload: Any, root: Path) -> tuple[Path, dict]:

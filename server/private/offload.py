@@ -32,7 +32,8 @@ def check_fits(offload: OffloadPlan, attention_plan: Any, model_config: Any) -> 
     steps and need no score map), and no polynomial SiLU (not wired)."""
     if offload.model_config.to_hf_dict() != model_config.to_hf_dict():
         raise OffloadPlanError("the offload plan was made for another model shape")
-    missing = set(offload.approx_layers) - set(attention_plan.layer_indices)
+    calibrated = attention_plan.layer_indices if attention_plan is not None else ()   # None: linear steps only
+    missing = set(offload.approx_layers) - set(calibrated)
     if missing:
         raise OffloadPlanError(f"layers {sorted(missing)} approximate the softmax (softmax = approx) but the "
                                "attention plan has no score map for them; make them softmax = client")

@@ -149,7 +149,9 @@ async def revoke_key(key_id: Annotated[str, Field(pattern=KEY_ID_PATTERN)], body
 
 
 class OpenSession(BaseModel):
-    key_id: str = Field(pattern=KEY_ID_PATTERN)
+    #: the attention key set (the manifest's ``ckks``); None where no server layer needs one (an offload plan
+    #: of linear steps only: manifest ``offload.attention_key`` false)
+    key_id: str | None = Field(None, pattern=KEY_ID_PATTERN)
     plan_hash: str = Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")
     #: an offload plan's MLP key set (registered like any key, made for the manifest's offload.mlp.ckks)
     mlp_key_id: str | None = Field(None, pattern=KEY_ID_PATTERN)
@@ -165,7 +167,8 @@ async def open_session(body: OpenSession, request: Request, tenant: TenantDep, s
     finally:
         limiter.release()
     return {"session_id": s.id, "key_id": s.key_id, "key_version": s.key_version,
-            "key_fingerprint": s.fingerprint, "layers": list(svc.layers), "ttl_s": svc.cfg.session_ttl_s,
+            "key_fingerprint": s.fingerprint, "mlp_key_id": s.mlp_key_id, "mlp_key_fingerprint": s.mlp_fingerprint,
+            "layers": list(svc.layers), "ttl_s": svc.cfg.session_ttl_s,
             "max_tokens": svc.cfg.max_session_tokens, "max_step_tokens": svc.cfg.max_step_tokens}
 
 

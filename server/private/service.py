@@ -118,7 +118,6 @@ class PrivateService:
         self.sessions = SessionTable(cfg.session_ttl_s, clock or time.monotonic)
         self._loaded: dict[Slot, set[Owner]] = {}  # key sets in workers and the registrations owning them
         self._key_used: dict[Slot, float] = {}  # last session opened with it there
-        self._mlp_keys: set[str] = set()  # offload MLP key sets (2.6 MB): outside max_keys_per_worker
         pool.on_restart = self._worker_lost
         registry.add_cancel_hook(self._key_left_active)
 
@@ -184,61 +183,106 @@ class PrivateService:
             raise ConflictError(str(exc), code="key_state") from exc
 
     # -- sessions ----------------------------------------------------------------------------------
-    async def open_session(self, tenant: str, key_id: str, plan_hash: str, *, actor: str,
+    @property
+    def attention_key(self) -> bool:
+        """Whether a session needs an attention key set: some layer runs a calibrated attention block (an
+        offload plan whose server layers are all linear steps runs on its offload key set alone)."""
+        return bool(self.layers)
+
+    async def open_session(self, tenant: str, key_id: str | None, plan_hash: str, *, actor: str,
                            request_id: str | None = None, mlp_key_id: str | None = None) -> Session:
         """A new session on the tenant's ACTIVE key ``key_id`` for this server's plan (and, with an offload
-        plan, its MLP key set ``mlp_key_id``)."""
+        plan, its offload key set ``mlp_key_id``; with linear steps only, on that key set alone)."""
         if self.offload is not None:
             self.offload.check_open(mlp_key_id)
+        self._check_key_ids(key_id)
         if plan_hash != self.plan_hash:
             raise ConflictError(f"plan {plan_hash[:16]}... is not this server's plan {self.plan_hash[:16]}...; "
                                 "fetch /v1/private/manifest again", code="plan_mismatch")
         if self.sessions.count(tenant) >= self.cfg.max_sessions_per_tenant:
             raise RateLimitError("too many open sessions for this tenant; close one first",
                                  retry_after=5, code="too_many_sessions")
-        lease = self._lease(tenant, key_id, actor, request_id)
-        rec = lease.record
-        worker = self._pick_worker(rec.fingerprint)
-        s = Session(self.sessions.new_id(), tenant, key_id, rec.version, rec.fingerprint, worker,
-                    self.sessions.now(), self.sessions.now(), lease)
+        s = (self._attention_session(tenant, key_id, actor, request_id) if self.attention_key else
+             self._linear_session(tenant, mlp_key_id, actor, request_id))
         try:
-            await self._ensure_key(worker, tenant, lease)
-            if self.offload is not None:
-                await self._attach_mlp_key(s, worker, tenant, mlp_key_id, actor, request_id)
-            await self.pool.submit(worker, tenant, "open_session", s.id, rec.fingerprint)
+            await self._bring_up(s, mlp_key_id, actor, request_id)
         except (RateLimitError, InvalidRequestError, NotFoundError, PermissionDeniedError):
-            lease.release()
-            self._release_mlp(s)
+            self._release(s)
             raise
         except TaskError as exc:
-            lease.release()
-            self._release_mlp(s)
+            self._release(s)
             if exc.code is WorkerCode.KEY_NOT_LOADED:  # the worker lost it: load it again next time
-                self._unload((worker, rec.fingerprint))
+                self._unload((s.worker, s.fingerprint or s.mlp_fingerprint))
             raise task_error(exc, request_id or new_request_id()) from exc
         except WorkerError as exc:
-            lease.release()
-            self._release_mlp(s)
+            self._release(s)
             raise _lost_worker("encrypted worker unavailable", "worker_lost") from exc
         if s.mlp_lease is not None:
-            s.mlp_lease.on_cancel(lambda reason, sid=s.id: self._mark_closed(sid, f"MLP key {reason}"))
-        lease.on_cancel(lambda reason, sid=s.id: self._mark_closed(sid, f"key {reason}"))
+            s.mlp_lease.on_cancel(lambda reason, sid=s.id: self._mark_closed(sid, f"offload key {reason}"))
+        if s.lease is not None:
+            s.lease.on_cancel(lambda reason, sid=s.id: self._mark_closed(sid, f"key {reason}"))
         self.sessions.add(s)
         self._audit_session(Event.SESSION_OPENED, s, actor, request_id)
         return s
 
-    async def _attach_mlp_key(self, s: Session, worker: int, tenant: str, mlp_key_id: str, actor, request_id) -> None:
-        """Lease the session's MLP key set (it must be one made for the MLP's parameters) and load it
-        into the session's worker (other workers load it when they run the session's MLP steps)."""
+    def _check_key_ids(self, key_id: str | None) -> None:
+        """400 unless the request names an attention key exactly when this server's plan uses one."""
+        if self.attention_key and key_id is None:
+            raise InvalidRequestError("open the session with key_id, a key registered for the manifest's ckks",
+                                      code="key_required")
+        if not self.attention_key and key_id is not None:
+            raise InvalidRequestError("this server's plan runs every server layer as linear steps: open the "
+                                      "session with mlp_key_id alone (manifest: offload.attention_key is false)",
+                                      code="attention_key_unused")
+
+    def _attention_session(self, tenant: str, key_id: str, actor, request_id) -> Session:
+        """A session on an attention key (its MLP key, if any, is attached by :meth:`_bring_up`)."""
+        lease = self._lease(tenant, key_id, actor, request_id)
+        rec, now = lease.record, self.sessions.now()
+        worker = self._pick_worker(rec.fingerprint, need=2 if self.offload is not None else 1)
+        return Session(self.sessions.new_id(), tenant, key_id, rec.version, rec.fingerprint, worker, now, now, lease)
+
+    def _linear_session(self, tenant: str, mlp_key_id: str, actor, request_id) -> Session:
+        """A session of linear steps only: its one key set is the offload key (no attention key, no state in
+        a worker: linear steps are stateless, so the worker is only where its key set is loaded first)."""
+        lease = self._offload_lease(tenant, mlp_key_id, actor, request_id)
+        rec, now = lease.record, self.sessions.now()
+        worker = self._pick_worker(rec.fingerprint)
+        return Session(self.sessions.new_id(), tenant, None, rec.version, None, worker, now, now, None,
+                       mlp_fingerprint=rec.fingerprint, mlp_lease=lease, mlp_key_id=mlp_key_id)
+
+    async def _bring_up(self, s: Session, mlp_key_id: str | None, actor, request_id) -> None:
+        """Load the session's key sets into its worker and open its worker state (attention sessions only)."""
+        if s.lease is None:
+            await self._ensure_key(s.worker, s.tenant, s.mlp_lease)
+            return
+        await self._ensure_key(s.worker, s.tenant, s.lease)
+        if self.offload is not None:
+            await self._attach_mlp_key(s, mlp_key_id, actor, request_id)
+        await self.pool.submit(s.worker, s.tenant, "open_session", s.id, s.fingerprint)
+
+    def _offload_lease(self, tenant: str, mlp_key_id: str, actor, request_id) -> KeyLease:
+        """A lease on the key named as the offload key set (it must be one made for the offload parameters)."""
         lease = self._lease(tenant, mlp_key_id, actor, request_id)
         try:
             self.offload.check_mlp_key(lease.record)   # 400 wrong_key_set, before any worker sees it
         except InvalidRequestError:
             lease.release()
             raise
-        s.mlp_lease, s.mlp_fingerprint = lease, lease.record.fingerprint
-        self._mlp_keys.add(s.mlp_fingerprint)   # before loading: it must not make room by evicting
-        await self._ensure_key(worker, tenant, lease)
+        return lease
+
+    async def _attach_mlp_key(self, s: Session, mlp_key_id: str, actor, request_id) -> None:
+        """Lease the session's offload key set and load it into the session's worker beside its attention key
+        (other workers load it when they run the session's linear steps)."""
+        lease = self._offload_lease(s.tenant, mlp_key_id, actor, request_id)
+        s.mlp_lease, s.mlp_fingerprint, s.mlp_key_id = lease, lease.record.fingerprint, mlp_key_id
+        await self._ensure_key(s.worker, s.tenant, lease, keep=s.fingerprint)
+
+    def _release(self, s: Session) -> None:
+        """Give back the leases of a session that did not open."""
+        if s.lease is not None:
+            s.lease.release()
+        self._release_mlp(s)
 
     @staticmethod
     def _release_mlp(s: Session) -> None:
@@ -254,15 +298,15 @@ class PrivateService:
         except KeyNotUsableError as exc:
             raise PermissionDeniedError(f"key not usable: {exc}", code="key_not_active") from exc
 
-    async def _ensure_key(self, worker: int, tenant: str, lease: KeyLease) -> None:
-        """Load the lease's key set into ``worker`` unless it is there, and record the lease's
-        registration as one of its owners there."""
+    async def _ensure_key(self, worker: int, tenant: str, lease: KeyLease, keep: str | None = None) -> None:
+        """Load the lease's key set into ``worker`` unless it is there (making room under
+        ``max_keys_per_worker``, never by dropping ``keep``), and record the lease's registration as one of
+        its owners there."""
         rec = lease.record
         slot = (worker, rec.fingerprint)
         self._key_used[slot] = self.sessions.now()
         if slot not in self._loaded:
-            if rec.fingerprint not in self._mlp_keys:
-                await self._make_room(worker, tenant)
+            await self._make_room(worker, tenant, keep)
             material = self.registry.load_material(lease)
             await self.pool.submit(worker, tenant, "load_key", rec.fingerprint, material, rec.key_set)
             self._loaded.setdefault(slot, set())
@@ -271,16 +315,17 @@ class PrivateService:
             raise PermissionDeniedError(f"key not usable: {lease.reason}", code="key_not_active")
         self._loaded[slot].add(_owner(rec))
 
-    def _pick_worker(self, fp: str) -> int:
+    def _pick_worker(self, fp: str, need: int = 1) -> int:
         """A worker that already holds the key and has fewer than ``spill_sessions`` open sessions, else
         one with room for it (a second copy of a busy key: ``bench/placement_sim.py`` shows one holder
         per hot key queueing for minutes), else any holder, else one holding a key no open session uses
-        (it will be dropped), else the least loaded (which will answer 429)."""
+        (it will be dropped), else the least loaded (which will answer 429). ``need``: key sets the session
+        loads there (2: an attention key and an offload key)."""
         holders = [w for w, f in self._loaded if f == fp]
         spill = self.cfg.spill_sessions
         uncrowded = [w for w in holders if spill is None or len(self.sessions.on_worker(w)) < spill]
         workers = range(self.pool.size)
-        room = [w for w in workers if len(self._keys_in(w)) < self.cfg.max_keys_per_worker]
+        room = [w for w in workers if len(self._keys_in(w)) + need <= self.cfg.max_keys_per_worker]
         evictable = [w for w in workers if self._idle_keys(w)]
         return self._least_busy(uncrowded or room or holders or evictable)
 
@@ -294,7 +339,9 @@ class PrivateService:
         return self.pool.least_loaded([w for w in among if open_n[w] == fewest])
 
     def _keys_in(self, worker: int) -> list[str]:
-        return [fp for w, fp in self._loaded if w == worker and fp not in self._mlp_keys]
+        """Key sets loaded in ``worker``, attention and offload alike (each counts toward
+        ``max_keys_per_worker``: on a GPU worker an offload key set is expanded on the device too)."""
+        return [fp for w, fp in self._loaded if w == worker]
 
     def _idle_keys(self, worker: int) -> list[str]:
         """Keys loaded in ``worker`` that no open session there uses (the ones a new key may replace)."""
@@ -302,12 +349,13 @@ class PrivateService:
         busy = {s.fingerprint for s in sessions} | {s.mlp_fingerprint for s in sessions if s.mlp_fingerprint}
         return [fp for fp in self._keys_in(worker) if fp not in busy]
 
-    async def _make_room(self, worker: int, tenant: str) -> None:
+    async def _make_room(self, worker: int, tenant: str, keep: str | None = None) -> None:
         """Keep at most ``max_keys_per_worker`` keys in a worker: drop the least recently used key that
-        no open session there uses, or refuse with 429 when every loaded key is in use."""
+        no open session there uses (never ``keep``: the other key set of the session being opened), or
+        refuse with 429 when every loaded key is in use."""
         if len(self._keys_in(worker)) < self.cfg.max_keys_per_worker:
             return
-        idle = self._idle_keys(worker)
+        idle = [fp for fp in self._idle_keys(worker) if fp != keep]
         if not idle:
             raise RateLimitError("every encrypted worker holds its maximum of keys in use; retry later",
                                  retry_after=5, code="worker_keys_full")
@@ -361,6 +409,9 @@ class PrivateService:
         env = self._parse(body)
         if env.part != envelope.ATTENTION:
             return await self._mlp_step(s, env, body, request_id or new_request_id())
+        if s.lease is None:
+            raise InvalidRequestError("this server's plan runs no attention block on ciphertexts (every server "
+                                      "layer is a linear step)", code="bad_layer")
         if env.kind == "rollback":
             return await self._rollback(s, env, hashlib.sha256(body).hexdigest(), request_id or new_request_id())
         self._check_step(s, env)
@@ -405,12 +456,14 @@ class PrivateService:
         return await asyncio.shield(task)
 
     async def _run_mlp(self, s: Session, env: envelope.Envelope, request_id: str) -> bytes:
-        """Any worker holding the MLP key set (the session's always does) runs the step."""
+        """Any worker holding the MLP key set (the session's always does) runs the step; on the gpu backend,
+        batched with the other sessions' steps of the same (layer, part) queued there (``batch_steps``)."""
         holders = [w for w, fp in self._loaded if fp == s.mlp_fingerprint] or [s.worker]
         worker = self.pool.least_loaded(holders)
+        batch = ("mlp_step", env.layer, env.part) if self.cfg.gpu_backend and self.cfg.batch_steps > 1 else None
         try:
             blobs = await self.pool.submit(worker, s.tenant, "mlp_step", s.mlp_fingerprint, env.layer, env.part,
-                                           list(env.blobs))
+                                           list(env.blobs), batch=batch)
         except TaskError as exc:
             if exc.code is WorkerCode.KEY_NOT_LOADED:
                 self._unload((worker, s.mlp_fingerprint))
@@ -574,7 +627,7 @@ class PrivateService:
 
     async def _close(self, s: Session, reason: str, actor: str | None, request_id: str | None = None) -> None:
         self.sessions.remove(s.id)
-        if s.state is not SessionState.LOST:  # a closed session's cache may still sit in the worker
+        if s.state is not SessionState.LOST and s.lease is not None:  # its cache may still sit in the worker
             try:
                 await self.pool.submit(s.worker, s.tenant, "close_session", s.id)
             except WorkerError:
@@ -633,8 +686,10 @@ class PrivateService:
                 pass  # a lost worker lost the key with it
 
     def _audit_session(self, event: str, s: Session, actor, request_id, detail: dict | None = None) -> None:
+        """The session's attention key, or, for a session of linear steps only, its offload key."""
+        key_id, fp = (s.key_id, s.fingerprint) if s.lease is not None else (s.mlp_key_id, s.mlp_fingerprint)
         self.audit.append(event, source=SOURCE, outcome=Outcome.SUCCESS, tenant=s.tenant, actor=actor,
-                          key_id=s.key_id, key_version=s.key_version, key_fingerprint=s.fingerprint,
+                          key_id=key_id, key_version=s.key_version, key_fingerprint=fp,
                           request_id=request_id, detail={"session": s.id, **(detail or {})})
 
 

@@ -46,13 +46,17 @@ class StepRecord:
 
 @dataclasses.dataclass
 class Session:
-    """One tenant's encrypted session, pinned to one worker."""
+    """One tenant's encrypted session, pinned to one worker.
+
+    A session of an offload plan whose server layers are all linear steps has no attention key:
+    ``key_id``, ``fingerprint`` and ``lease`` are None, ``key_version`` is its offload key's, and the worker
+    is where its offload key set was loaded first (linear steps keep no state in a worker)."""
 
     id: str
     tenant: str
-    key_id: str
+    key_id: str | None
     key_version: int
-    fingerprint: str
+    fingerprint: str | None
     worker: int
     created: float
     last_used: float
@@ -62,9 +66,10 @@ class Session:
     last_step: dict[int, StepRecord] = dataclasses.field(default_factory=dict)
     nbytes: int = 0
     reason: str = ""
-    #: an offload plan's session: the MLP key set (fingerprint, lease) its MLP steps run on
+    #: an offload plan's session: the offload key set (fingerprint, lease, key id) its linear steps run on
     mlp_fingerprint: str | None = None
     mlp_lease: object | None = None
+    mlp_key_id: str | None = None
 
     def expected(self, layer: int) -> int:
         return self.next_position.get(layer, 0)

@@ -83,7 +83,7 @@ def _worker_main(conn, factory: str, factory_args: tuple) -> None:
             method, args = conn.recv()
         except EOFError:
             return
-        conn.send(run_task(state, method, args))
+        conn.send(run_task(state, method, args))   # a BATCH task answers every item's outcome at once
 
 
 def build_state(factory: str, factory_args: tuple) -> Any:
@@ -92,16 +92,39 @@ def build_state(factory: str, factory_args: tuple) -> Any:
     return getattr(importlib.import_module(module), func)(*factory_args)
 
 
+#: the task name of a batch: ``(BATCH, (method, [args, ...]))`` answers one ``run_task`` outcome per item
+BATCH = "__batch__"
+
+
 def run_task(state: Any, method: str, args: tuple) -> tuple[str, Any]:
     """``state.method(*args)`` as ``("ok", result)`` or ``("error", (code, message, class name))``; shared
-    by every backend's worker (the process pool here, the Ray actors of :mod:`server.private.ray_backend`)."""
+    by every backend's worker (the process pool here, the Ray actors of :mod:`server.private.ray_backend`).
+    A :data:`BATCH` task answers ``("ok", [outcome, ...])`` (:func:`run_batch`)."""
     try:
+        if method == BATCH:
+            return "ok", run_batch(state, *args)
         return "ok", getattr(state, method)(*args)
-    except TaskFailure as exc:  # a failure the task names: its code says whose fault it is
+    except Exception as exc:  # noqa: BLE001 - classified by _failure
+        return _failure(method, exc)
+
+
+def run_batch(state: Any, method: str, items: list[tuple]) -> list[tuple[str, Any]]:
+    """Several calls of ``method`` as one: ``state.<method>_batch(items)`` where the state has it (one result
+    or exception per item), else the items one by one; one ``run_task`` outcome per item."""
+    batched = getattr(state, method + "_batch", None)
+    if batched is None:
+        return [run_task(state, method, args) for args in items]
+    results = batched(items)
+    if len(results) != len(items):
+        raise RuntimeError(f"{method}_batch answered {len(results)} results for {len(items)} items")
+    return [_failure(method, r) if isinstance(r, Exception) else ("ok", r) for r in results]
+
+
+def _failure(method: str, exc: Exception) -> tuple[str, Any]:
+    if isinstance(exc, TaskFailure):  # a failure the task names: its code says whose fault it is
         return "error", (exc.code.value, str(exc), type(exc).__name__)
-    except Exception as exc:  # noqa: BLE001 - anything else is a server bug, whatever its class
-        log.debug("task %s failed: %s", method, traceback.format_exc())
-        return "error", (WorkerCode.INTERNAL.value, str(exc)[:200], type(exc).__name__)
+    log.debug("task %s failed: %s", method, "".join(traceback.format_exception(exc)))
+    return "error", (WorkerCode.INTERNAL.value, str(exc)[:200], type(exc).__name__)  # a server bug
 
 
 class _Worker:
@@ -151,6 +174,7 @@ class _Slot:
 
     def __init__(self) -> None:
         self.queues: dict[str, collections.deque] = collections.OrderedDict()
+        self.batch_keys: dict[asyncio.Future, Any] = {}   # queued items that may run batched, by future
         self.wakeup = asyncio.Event()
         self.worker: _Worker | None = None
         self.pending = 0
@@ -169,7 +193,31 @@ class _Slot:
         if q:
             self.queues[tenant] = q  # back of the rotation
         self.pending -= 1
+        self.taken_key = self.batch_keys.pop(item[0], None)
         return item
+
+    def take_group(self, limit: int) -> list:
+        """The next item (round-robin, as :meth:`take`) and, if it was submitted with a batch key, the
+        queued items of any tenant with the same key and generation, oldest first, up to ``limit`` in all.
+        Only what is queued now: no item waits for a batch to fill, and the others keep their place."""
+        first = self.take()
+        key, group = self.taken_key, [first]
+        if key is None or limit <= 1:
+            return group
+        for tenant in list(self.queues):
+            kept = collections.deque()
+            for item in self.queues[tenant]:
+                if len(group) < limit and self.batch_keys.get(item[0]) == key and item[-1] == first[-1]:
+                    del self.batch_keys[item[0]]
+                    group.append(item)
+                    self.pending -= 1
+                else:
+                    kept.append(item)
+            if kept:
+                self.queues[tenant] = kept   # same place in the rotation
+            else:
+                del self.queues[tenant]
+        return group
 
     def alive(self) -> bool:
         return self.worker is not None and self.worker.proc.is_alive()
@@ -197,13 +245,18 @@ class SlotQueues:
         among some workers only; on a tie a running worker is preferred (no new process)."""
         return min(among or range(self.size), key=lambda i: (self._slots[i].pending, not self._slots[i].alive()))
 
-    async def submit(self, worker: int, tenant: str, method: str, *args, timeout: float | None = None) -> Any:
+    async def submit(self, worker: int, tenant: str, method: str, *args, timeout: float | None = None,
+                     batch: Any = None) -> Any:
         """Run ``state.method(*args)`` on worker ``worker`` (starting it if needed); cancel-safe before
-        the task starts."""
+        the task starts. ``batch``: a key; tasks with the same key queued together on a worker that batches
+        (``batch_limit`` > 1) run as one call (:func:`run_batch`), each still getting its own answer."""
         if self._closed:
             raise WorkerError("worker pool closed")
         fut = asyncio.get_running_loop().create_future()
-        self._slots[worker].put(tenant, (fut, method, args, timeout or self.task_timeout))
+        slot = self._slots[worker]
+        if batch is not None:
+            slot.batch_keys[fut] = batch
+        slot.put(tenant, (fut, method, args, timeout or self.task_timeout))
         return await fut
 
     async def broadcast(self, method: str, *args) -> list[Any]:
@@ -245,6 +298,9 @@ class WorkerPool(SlotQueues):
         self.restarts = 0   # processes lost (crash, kill, timeout); idle stops are not counted
         self.started = 0    # processes started
         self._closed = False
+        #: most tasks of one batch key run as one call ([private] batch_steps; 1: one task at a time)
+        self.batch_limit = 1
+        self.batches: collections.Counter = collections.Counter()   # batch size -> calls (metrics, tests)
 
     async def start(self) -> None:
         """Start the slot runners and the ``keep_running`` workers (in threads: a worker builds its state
@@ -268,15 +324,20 @@ class WorkerPool(SlotQueues):
             if not slot.pending:
                 await self._idle(i)
                 continue
-            fut, method, args, timeout, generation = slot.take()
-            if fut.cancelled():
+            group = [item for item in slot.take_group(self.batch_limit) if not item[0].cancelled()]
+            if not group:
                 continue
             if slot.worker is not None and not slot.alive():  # died before this task ran
                 await self._lost(i, "died while idle")
-            if generation != slot.generation:  # addressed to a process whose state is gone
-                _settle(fut, exc=WorkerCrashedError("the worker died before the task ran; its sessions were lost"))
+            if group[0][-1] != slot.generation:  # addressed to a process whose state is gone (one generation)
+                for fut, *_ in group:
+                    _settle(fut, exc=WorkerCrashedError("the worker died before the task ran; its sessions were lost"))
                 continue
-            await self._execute(i, fut, method, args, timeout)
+            if len(group) == 1:
+                fut, method, args, timeout, _ = group[0]
+                await self._execute(i, fut, method, args, timeout)
+            else:
+                await self._execute_batch(i, group)
 
     async def _execute(self, i: int, fut: asyncio.Future, method: str, args: tuple, timeout: float) -> None:
         slot = self._slots[i]
@@ -295,6 +356,40 @@ class WorkerPool(SlotQueues):
         else:
             _settle(fut, result=result)
         slot.last_active = time.monotonic()
+
+    async def _execute_batch(self, i: int, group: list) -> None:
+        """Several tasks of one method as one call (:data:`BATCH`); each future gets its own outcome, and a
+        lost worker fails them all, as it would one task."""
+        futs, method = [item[0] for item in group], group[0][1]
+        items, timeout = [item[2] for item in group], max(item[3] for item in group)
+        self.batches[len(group)] += 1
+        outcomes = []
+        try:
+            outcomes = await self._batch_call(i, method, items, timeout)
+        except WorkerStartError as exc:
+            log.error("worker %d could not be started: %s", i, exc)
+            outcomes = [exc] * len(futs)
+        except (WorkerCrashedError, WorkerTimeoutError) as exc:
+            for fut in futs:
+                _settle(fut, exc=exc)
+            await self._lost(i, type(exc).__name__)
+        except TaskError as exc:   # the batch itself failed (a server bug): every task with it
+            outcomes = [exc] * len(futs)
+        for fut, outcome in zip(futs, outcomes, strict=False):
+            if isinstance(outcome, BaseException):
+                _settle(fut, exc=outcome)
+            elif outcome[0] == "error":
+                _settle(fut, exc=TaskError(*outcome[1]))
+            else:
+                _settle(fut, result=outcome[1])
+        self._slots[i].last_active = time.monotonic()
+
+    async def _batch_call(self, i: int, method: str, items: list, timeout: float) -> list:
+        slot = self._slots[i]
+        if slot.worker is None:
+            await self._spawn_into(i)
+        # the batch runs what its tasks would one by one: allow each its time (a bound for a hang, not a cost)
+        return await asyncio.to_thread(slot.worker.call, BATCH, (method, items), timeout * len(items))
 
     async def _idle(self, i: int) -> None:
         """Wait for a task; meanwhile notice a dead process and stop one idle past ``idle_stop_s``."""

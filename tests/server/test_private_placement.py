@@ -62,3 +62,41 @@ def test_among_equals_the_worker_with_fewer_open_sessions_wins(service):
     _hold(svc, 1, "b", 1)
     _hold(svc, 2, "c", 2)
     assert svc._pick_worker("new") == 1  # all have room; no task is pending anywhere
+
+
+def test_offload_key_sets_count_toward_the_key_limit(service):
+    import asyncio
+
+    from server.errors import RateLimitError
+
+    svc = service(max_keys_per_worker=2)
+    _hold(svc, 0, "att", 1)                        # one session's attention key ...
+    svc._loaded[(0, "off")] = {("t", "k.mlp", 1)}
+    svc.sessions.on_worker(0)[0].mlp_fingerprint = "off"   # ... and its offload key: worker 0 is full
+    assert sorted(svc._keys_in(0)) == ["att", "off"]
+    with pytest.raises(RateLimitError):
+        asyncio.run(svc._make_room(0, "t"))
+    _hold(svc, 1, "b", 1)                          # one key of two, in use
+    _hold(svc, 2, "c", 0)
+    _hold(svc, 2, "d", 0)                          # two idle keys: evictable
+    assert svc._pick_worker("new") == 1            # room for one key set
+    assert svc._pick_worker("new", need=2) == 2    # an attention + offload session: make room where idle
+
+
+@pytest.mark.parametrize(("device", "batched"), [("cpu", False), ("cpu-reference", True)])
+def test_linear_steps_go_to_the_pool_with_a_batch_key_on_the_gpu_backend(service, device, batched):
+    import asyncio
+
+    from fhe import envelope
+
+    svc, calls = service(device=device), []
+
+    async def submit(worker, tenant, method, *args, batch=None, timeout=None):
+        calls.append((method, batch))
+        return [b"out"]
+
+    svc.pool.submit = submit
+    s = Session(svc.sessions.new_id(), "t", None, 1, None, 0, 0.0, 0.0, mlp_fingerprint="off")
+    env = envelope.Envelope(s.id, "off", 3, "decode", (5, 1), (b"x",), "seal", "p", "mlp_up")
+    asyncio.run(svc._run_mlp(s, env, "req"))
+    assert calls == [("mlp_step", ("mlp_step", 3, "mlp_up") if batched else None)]

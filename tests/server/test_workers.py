@@ -89,3 +89,21 @@ async def test_cancelled_before_start_is_dropped(pool):
     await blocker
     after = await pool.submit(0, "a", "echo", "after")
     assert after[2] == 1  # 'never' was not executed: this is the worker's first echo
+
+
+async def test_queued_tasks_of_one_batch_key_run_as_one_call_each_with_its_own_answer(pool):
+    pool.batch_limit = 3
+    busy = asyncio.create_task(pool.submit(0, "a", "sleep", 0.5, "busy"))   # the others queue behind it
+    await asyncio.sleep(0.1)
+    key = ("scale", 1)
+    tasks = [asyncio.create_task(pool.submit(0, t, "scale", x, f, batch=key))
+             for t, x, f in (("a", 1, 10), ("b", 2, None), ("c", 3, 10), ("b", 4, 10))]
+    other = asyncio.create_task(pool.submit(0, "d", "echo", "x"))
+    await asyncio.sleep(0)
+    assert await busy == "busy"
+    results = await asyncio.gather(*tasks, other, return_exceptions=True)
+    assert results[0] == 10 and results[2] == 30 and results[3] == 40
+    assert isinstance(results[1], TaskError) and results[1].code is WorkerCode.INTERNAL   # fails alone
+    assert results[4][1] == "x"                                  # another tenant's task is not starved
+    assert await pool.submit(0, "a", "batch_sizes") == [3]       # three at most: the fourth ran alone
+    assert dict(pool.batches) == {3: 1}

@@ -33,6 +33,25 @@ class ProbeState:
 
         raise TaskFailure(WorkerCode(code), message)
 
+    def scale(self, x: int, factor: int | None) -> int:
+        if factor is None:
+            raise ValueError("no factor")
+        return x * factor
+
+    def scale_batch(self, items: list[tuple]) -> list:
+        """``scale`` for several items in one call (results or exceptions, one per item), recorded."""
+        self.batches = getattr(self, "batches", []) + [len(items)]
+        out = []
+        for x, factor in items:
+            try:
+                out.append(self.scale(x, factor))
+            except ValueError as exc:
+                out.append(exc)
+        return out
+
+    def batch_sizes(self) -> list[int]:
+        return getattr(self, "batches", [])
+
     def segfault(self) -> None:
         ctypes.string_at(0)  # a real native crash, like a bad pointer in SEAL
 

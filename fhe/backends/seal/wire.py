@@ -99,6 +99,13 @@ def dump_ciphertext(ct: seal.Ciphertext, params: CKKSParams, fingerprint: str) -
     return _pack("ciphertext", params, fingerprint, seal.to_bytes(ct))
 
 
+def pack_ciphertext(payload: bytes, params: CKKSParams, fingerprint: str) -> bytes:
+    """A ciphertext the server serialized itself in SEAL's format (the gpu backend's uncompressed
+    ``serialize``) in the wire envelope, as :func:`dump_ciphertext` would put it: SEAL loads either form,
+    and this one skips a SEAL load and a zstd pass (a level-1 result does not compress anyway)."""
+    return _pack("ciphertext", params, fingerprint, payload)
+
+
 def encrypt_to_wire(client: CKKSClient, values) -> bytes:
     """Client: encrypt and serialize in SEAL's seeded form (about half the bytes of a full ciphertext)."""
     return _pack("ciphertext", client.params, client.fingerprint, client.encrypt_bytes(values))

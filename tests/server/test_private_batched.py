@@ -1,0 +1,91 @@
+"""Several sessions' linear steps of one (layer, part) in one worker call (``PrivateCompute.mlp_step_batch``,
+the gpu backend's batched evaluator on its torch-CPU reference): each session's answer is the one it gets
+alone on SEAL, byte for byte, under its own key set; an item with bad bytes fails alone.
+
+The tiny model (hidden 64) with an offload plan of linear steps only: layer 0's attention and MLP on the
+server, no attention plan (the worker builds no attention block).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from server.private.codes import TaskFailure, WorkerCode
+from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
+
+
+@pytest.fixture(scope="module")
+def plan_path(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    from engine.loader import load_model
+    from fhe.offload import CLIENT, SERVER, LayerPlacement, OffloadPlan
+
+    model = load_model(tiny_model_dir)
+    layers = (LayerPlacement(0, SERVER, SERVER, "client", "client"), LayerPlacement(1, CLIENT, CLIENT))
+    return str(OffloadPlan("tiny", model.config.to_hf_dict(), layers).save(tmp_path_factory.mktemp("p") / "o.json"))
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_dir, plan_path):  # noqa: F811
+    from server.private.compute import PrivateCompute
+
+    return PrivateCompute(str(tiny_model_dir), None, 16, "cpu-reference", 1, plan_path)
+
+
+@pytest.fixture(scope="module")
+def seal_worker(tiny_model_dir, plan_path):  # noqa: F811
+    from server.private.compute import PrivateCompute
+
+    return PrivateCompute(str(tiny_model_dir), None, 16, "cpu", 1, plan_path)
+
+
+def _sessions(workers, count: int):
+    """``count`` clients with their own key sets loaded in each of ``workers``: (fingerprint, client) each."""
+    import hashlib
+
+    from fhe.backends.seal import wire
+    from fhe.backends.seal.keys import CKKSClient
+    from fhe.envelope import pack_key_upload
+
+    out = []
+    for _ in range(count):
+        client = CKKSClient(workers[0].linear.params, workers[0].linear.steps)
+        upload = pack_key_upload(wire.dump_public_keys(client))
+        fp = hashlib.sha256(upload).hexdigest()
+        for worker in workers:
+            worker.load_key(fp, upload)
+        out.append((fp, client))
+    return out
+
+
+def _canonical(worker, fp: str, blob: bytes) -> bytes:
+    """A result blob parsed by SEAL (as the client does) and saved again: equal for equal ciphertexts."""
+    from fhe.backends.seal import hazmat as seal
+    from fhe.backends.seal import wire
+
+    keys = worker.linear.keys[fp]
+    return seal.to_bytes(wire.load_ciphertext(blob, keys.kit, keys.fingerprint))
+
+
+def _blob(client, slots: int, rng) -> bytes:
+    from fhe.backends.seal import wire
+
+    return wire.encrypt_to_wire(client, np.resize(rng.normal(size=64), slots))
+
+
+@pytest.mark.parametrize("part", ["mlp_up", "attn_qkv"])
+def test_a_batch_answers_each_session_as_alone_and_a_bad_item_fails_alone(worker, seal_worker, part):
+    rng = np.random.default_rng(0)
+    sessions = _sessions((worker, seal_worker), 3)
+    slots = worker.linear.params.slots
+    items = [(fp, 0, part, [_blob(c, slots, rng) for _ in range(n)])
+             for (fp, c), n in zip(sessions, (1, 2, 1), strict=True)]
+    items.append((sessions[0][0], 0, part, [b"\0" * 64]))          # garbage: this item alone fails
+    got = worker.mlp_step_batch(items)
+    alone = [seal_worker.mlp_step(*item) for item in items[:3]]   # SEAL, one session at a time
+    # the batch sends the device's uncompressed SEAL form, SEAL its zstd form: the same ciphertexts
+    got_ct = [[_canonical(worker, fp, b) for b in out] for (fp, *_), out in zip(items, got[:3], strict=False)]
+    assert got_ct == [[_canonical(worker, fp, b) for b in out] for (fp, *_), out in zip(items, alone, strict=False)]
+    assert [len(o) for o in got[:3]] == [len(o) for o in alone] and all(len(o) for o in alone)
+    assert len({c for out in got_ct for c in out}) == sum(len(out) for out in got_ct)   # rows differ
+    assert isinstance(got[3], TaskFailure) and got[3].code is WorkerCode.BAD_CIPHERTEXT

@@ -1,0 +1,109 @@
+"""An offload plan whose server layers are all linear steps, end to end on the tiny model: no ``[private]
+plan``, no attention key.
+
+Layer 0's attention (as ``attn_qkv`` / ``attn_o``) and MLP, and layer 1's attention, run on the server;
+layer 1's MLP on the client. The manifest says ``offload.attention_key`` is false, the SDK registers only
+the offload key set (N = 8192) and opens its session on it alone; the greedy tokens are the plaintext
+model's (every non-linearity is exact on the client). A session request naming an attention key, or an
+attention step, is a 400.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client_sdk import Client
+from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
+from tests.server.private_app import KEYS, private_settings
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 3
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    from fastapi.testclient import TestClient
+
+    from client_sdk._private import runtime_of
+    from engine.loader import load_model
+    from fhe.offload import CLIENT, SERVER, LayerPlacement, OffloadPlan
+    from server.app import create_app
+
+    model = load_model(tiny_model_dir)
+    folder = tmp_path_factory.mktemp("plans")
+    layers = (LayerPlacement(0, SERVER, SERVER, "client", "client"), LayerPlacement(1, SERVER, CLIENT, "client"))
+    off = OffloadPlan("tiny", model.config.to_hf_dict(), layers)
+    off_path = off.save(folder / "tiny-linear.offload.json")
+    settings = private_settings(tiny_model_dir, folder / "absent.plan.json", tmp_path_factory.mktemp("state"),
+                                offload_plan=str(off_path), max_step_tokens=8)
+    settings.private.plan = None   # no [private] plan at all: no layer needs an attention key
+    with TestClient(create_app(settings), base_url="http://testserver") as http:
+        client = Client(api_key=KEYS["enc-a"], base_url="http://testserver", http_client=http,
+                        privacy="encrypted", max_retries=0)
+        runtime_of(client).cache_dir = tmp_path_factory.mktemp("client-cache")
+        yield {"http": http, "client": client, "model": model, "off": off}
+        if client._private is not None:
+            client._private.close_session()
+
+
+@pytest.fixture(scope="module")
+def generated(setup):
+    return setup["client"].completions.create(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body={"ignore_eos": True})
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS['enc-a']}"}
+
+
+def _plain_greedy(setup, ids: list[int]) -> tuple[list[int], float]:
+    """The plaintext model's greedy tokens (the plan's simulator without noise: with no approximated layer
+    it runs the plaintext model's functions exactly), and the smallest top-1 / top-2 logit gap on the way."""
+    from fhe.offload_sim import OffloadSimulator
+
+    sim = OffloadSimulator(setup["model"], setup["off"])
+    ids, out, gap = list(ids), [], float("inf")
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = sim.logits(ids)[-1]
+            top, tok = logits.topk(2).values, int(logits.argmax())
+            gap = min(gap, float(top[0] - top[1]))
+            out.append(tok)
+            ids.append(tok)
+    return out, gap
+
+
+def test_a_session_of_linear_steps_needs_no_attention_key_and_matches_the_plaintext_model(setup, generated):
+    rt = setup["client"]._private
+    man = setup["http"].get("/v1/private/manifest", headers=_auth()).json()
+    assert man["offload"]["attention_key"] is False and man["layers"]["encrypted_attention"] == []
+    assert man["plan_hash"] == setup["off"].content_hash and rt.manifest.attention_key is False
+    keys = setup["http"].get("/v1/private/keys", headers=_auth()).json()["data"]
+    assert [k["key_id"] for k in keys] == [rt.offload.key_id]          # the offload key set alone
+    assert rt.fingerprint is None and rt.upload_bytes == 0 and rt.offload.upload_bytes < 16 << 20
+    ids = rt.tokenizer.encode(PROMPT)
+    want, gap = _plain_greedy(setup, ids)
+    assert gap > 1e-3, "the plaintext model's greedy choice is a near-tie: pick another prompt"
+    assert generated.usage.completion_tokens == MAX_TOKENS
+    assert generated.choices[0].text == rt.tokenizer.decode(want)
+
+
+def test_naming_an_attention_key_or_sending_an_attention_step_is_a_400(setup, generated):
+    from fhe.envelope import Envelope
+
+    rt, http, url = setup["client"]._private, setup["http"], "/v1/private/sessions"
+    plan = rt.manifest.plan_hash
+    r = http.post(url, json={"key_id": rt.offload.key_id, "mlp_key_id": rt.offload.key_id, "plan_hash": plan},
+                  headers=_auth())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "attention_key_unused", r.text
+    r = http.post(url, json={"plan_hash": plan}, headers=_auth())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "mlp_key_required", r.text
+    opened = http.post(url, json={"plan_hash": plan, "mlp_key_id": rt.offload.key_id}, headers=_auth())
+    assert opened.status_code == 201 and opened.json()["key_id"] is None, opened.text
+    sid = opened.json()["session_id"]
+    assert opened.json()["mlp_key_fingerprint"] == rt.offload.fingerprint
+    body = Envelope(sid, rt.offload.fingerprint, 0, "prefill", (0, 1), (b"\0" * 64,)).to_bytes()
+    r = http.post(f"{url}/{sid}/steps", content=body, headers={**_auth(), "Content-Type": "application/octet-stream"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_layer", r.text
+    assert http.delete(f"{url}/{sid}", headers=_auth()).status_code == 204

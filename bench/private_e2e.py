@@ -153,6 +153,59 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
     return row, setup, server_s, len(ids)
 
 
+def _one_session(url: str, api_key: str, key_id: str, cache_dir: str, prompt: str, max_tokens: int,
+                 barrier) -> list[float]:
+    """A child process of :func:`bench_sessions`: one encrypted client with its own key set, prepared, then
+    (after every child is ready) one generation; its tokens' wall-clock times (``time.time()``)."""
+    from client_sdk import Client
+    from client_sdk._private import PrivateRuntime
+    from engine.sampling_params import SamplingParams
+    from server.cli_demo import client_timeout
+
+    with Client(api_key=api_key, base_url=url, privacy="encrypted", timeout=client_timeout()) as client:
+        runtime = client._private = PrivateRuntime(client, key_id=key_id, cache_dir=Path(cache_dir))
+        runtime.prepare()
+        ids = runtime.tokenizer.encode(prompt)
+        barrier.wait()
+        return [time.time() for _ in runtime.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                            ignore_eos=True))]
+
+
+def bench_sessions(server, prompt: str, max_tokens: int, counts: list[int], cache_dir: Path) -> list[dict]:
+    """K encrypted sessions generating at once (one client process each, its own key set), for each K of
+    ``counts``: the mean TPOT per session, and the aggregate decode tokens per second over the window in which
+    every session decodes (from the last first token to the first last token: no session's prefill or idle
+    tail inside it)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = []
+    for k in counts:
+        with ctx.Manager() as manager, ctx.Pool(k) as pool:
+            barrier = manager.Barrier(k)
+            jobs = [pool.apply_async(_one_session, (server.url, server.keys["demo-encrypted"], f"bench-{k}-{i}",
+                                                    str(cache_dir / f"session-{k}-{i}"), prompt, max_tokens, barrier))
+                    for i in range(k)]
+            runs = [j.get(3600) for j in jobs]
+        lo, hi = max(r[0] for r in runs), min(r[-1] for r in runs)
+        inside = sum(lo < t <= hi for r in runs for t in r)
+        tpots = [(r[-1] - r[0]) / (len(r) - 1) for r in runs if len(r) > 1]
+        out.append({"sessions": k, "tokens": [len(r) for r in runs], "tpot_s": _mean(tpots),
+                    "window_s": hi - lo, "aggregate_tok_s": inside / (hi - lo) if hi > lo else None})
+        print(f"  {k} sessions: {out[-1]}", file=sys.stderr, flush=True)
+    return out
+
+
+def sessions_table(rows: list[dict], n_layers: int) -> str:
+    out = ["| concurrent sessions | mean TPOT per session | aggregate decode tok/s | tok/s per server layer |",
+           "|---:|---:|---:|---:|"]
+    for r in rows:
+        agg = r["aggregate_tok_s"]
+        out.append(f"| {r['sessions']} | {_s(r['tpot_s'])} | {agg:.2f} | {agg * n_layers:.1f} |" if agg else
+                   f"| {r['sessions']} | {_s(r['tpot_s'])} | – | – |")
+    return "\n".join(out)
+
+
 def _device_name(device: str | None) -> str:
     """What the workers evaluated on, in words."""
     if not device or device == "cpu":
@@ -305,7 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-prefill", action="store_true",
                    help="also run the encrypted tenant with one ciphertext per prompt token (the prefill "
                         "before packed chunks), same server, same keys")
+    p.add_argument("--sessions", default="",
+                   help="then K concurrent encrypted sessions for each K of this list (e.g. '1,4,8'; each client "
+                        "in its own process with its own key set), same server: TPOT and aggregate tok/s")
+    p.add_argument("--session-tokens", type=int, default=16, help="output tokens of each --sessions generation")
     args = p.parse_args(argv)
+    counts = [int(k) for k in args.sessions.split(",") if k]
     command = "python bench/private_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv)
     from server.cli_demo import plan_with_layers, running_server
 
@@ -322,8 +380,12 @@ def main(argv: list[str] | None = None) -> int:
             plan, offload, n_server = whole_offload_plan(args.offload_plan, root, args.plan)
             # 28 layers of encoded weights (~10 s each on one core) outlast the default 120 s worker start
             os.environ.setdefault("CIPHERLM_PRIVATE__WORKER_START_TIMEOUT_S", "1800")
+        if counts:   # every concurrent session's key set stays loaded in the one worker
+            os.environ.setdefault("CIPHERLM_PRIVATE__MAX_KEYS_PER_WORKER", str(max(counts) + 2))
+            os.environ.setdefault("CIPHERLM_PRIVATE__MAX_SESSIONS_PER_TENANT", str(max(counts) + 2))
         with running_server(root, None, plan, args.workers,
-                            max_session_tokens=args.prompt_tokens + args.max_tokens + 8, offload=offload) as server:
+                            max_session_tokens=args.prompt_tokens + max(args.max_tokens, args.session_tokens) + 8,
+                            offload=offload) as server:
             plain = bench_plaintext(server, prompt, args.max_tokens)
             enc, setup, server_s, n_prompt = bench_encrypted(server, prompt, args.max_tokens, root / "client")
             extra = []
@@ -331,15 +393,20 @@ def main(argv: list[str] | None = None) -> int:
                 tok, _, tok_s, _ = bench_encrypted(server, prompt, args.max_tokens, root / "client", packed=False)
                 extra = [tok]
                 print(f"  token prefill: server prefill {_s(tok_s[0])}", file=sys.stderr, flush=True)
+            sessions = bench_sessions(server, prompt, args.session_tokens, counts, root / "client") if counts else []
     print(table([plain, enc, *extra]))
     print()
     print(notes(args, setup, server_s, n_prompt, enc, plain, command, n_server))
     if args.offload or args.offload_plan:
         print()
         print(part_table(bench_encrypted.tokens, n_server or len(setup.encrypted_layers)))
+    if sessions:
+        print()
+        print(sessions_table(sessions, n_server or len(setup.encrypted_layers)))
     if args.json:
         args.json.write_text(json.dumps({"rows": [dataclasses.asdict(plain), dataclasses.asdict(enc)],
-                                         "setup": dataclasses.asdict(setup), "server_s": server_s}, indent=1))
+                                         "setup": dataclasses.asdict(setup), "server_s": server_s,
+                                         "sessions": sessions}, indent=1))
     return 0
 
 

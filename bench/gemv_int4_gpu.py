@@ -29,7 +29,9 @@ TUNINGS = [kernels.GemvInt4W32Tuning(bn, g, w, st) for bn, g, w, st in (
 # run 2: every tuning within 10 % on gate_up (1.36 TB/s) -> a shared cost: the SASS shows x's [G, W] tile
 # converted through shared memory (2 barriers) for each nibble; x_per_row loads x in the words' layout
 TUNINGS += [kernels.GemvInt4W32Tuning(bn, g, w, st, x_per_row=True) for bn, g, w, st in (
-    (4, 64, 4, 2), (8, 32, 4, 2), (16, 64, 4, 2), (4, 32, 2, 3), (16, 32, 4, 2), (32, 32, 8, 2))]
+    (4, 64, 4, 2), (8, 32, 4, 2), (16, 64, 4, 2), (4, 32, 2, 3), (16, 32, 4, 2), (32, 32, 8, 2),
+    # session 8: deeper pipelines and shorter K steps once the barriers are gone (expect 2-3 TB/s on gate_up)
+    (8, 16, 4, 3), (16, 16, 4, 3), (8, 16, 4, 4), (32, 16, 8, 3), (8, 64, 8, 2))]
 
 
 def gemm_shapes(name: str) -> dict[str, tuple[int, int]]:

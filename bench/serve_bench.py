@@ -51,6 +51,7 @@ class RequestResult:
     itl: list[float] = dataclasses.field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+    text_chunks: int = 0  # chunks whose text was not empty
 
     @property
     def tpot(self) -> float | None:
@@ -85,7 +86,11 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str, prompt: str
                     res.error = f"in-band: {json.dumps(event['error'])[:200]}"
                 if event.get("usage"):
                     res.output_tokens = event["usage"]["completion_tokens"]
-                if event.get("choices") and event["choices"][0].get("text"):
+                # a chunk is one engine step's new tokens; its text may be "" (an incomplete UTF-8 byte, a
+                # skipped special token): greedy random weights can repeat such a token for a whole stream,
+                # which the 2026-12-02 H200 runs counted as failed ("stream ended without a text chunk")
+                if event.get("choices"):
+                    res.text_chunks += bool(event["choices"][0].get("text"))
                     if last is None:
                         res.ttft = now - start
                     else:
@@ -94,7 +99,7 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str, prompt: str
         res.e2e = time.perf_counter() - start
         res.ok = last is not None and not res.error
         if last is None and not res.error:
-            res.error = "stream ended without a text chunk"
+            res.error = "stream ended without a token chunk"
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         res.error = repr(exc)
     return res
@@ -147,7 +152,8 @@ def summarize(users: int, results: list[RequestResult], wall: float) -> dict:
             "req_per_s": len(ok) / wall, "out_tok_per_s": sum(r.output_tokens for r in ok) / wall,
             **{f"{name}_p{q}_ms": _pct(vals, q)
                for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)) for q in (50, 99)},
-            "errors": sorted({r.error for r in results if not r.ok})[:3]}
+            "errors": sorted({r.error for r in results if not r.ok})[:3],
+            "ok_without_text": sum(1 for r in ok if not r.text_chunks)}
 
 
 def markdown(rows: list[dict]) -> str:

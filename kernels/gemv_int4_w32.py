@@ -57,7 +57,8 @@ class GemvInt4W32Tuning:
     num_stages: int = 2
     # load x in the weight tile's own [BN, G, W] shape (one copy per row, from L1) instead of [G, W]
     # broadcast over the rows: the broadcast costs a shared-memory layout conversion with two barriers per
-    # nibble (seen in the SASS of the default); not yet timed on the GPU, hence off by default
+    # nibble (seen in the SASS of the default). H200, 2026-12-02: best launch of every 1B GEMM, but only
+    # 3-9 % faster, and slower on the head at the default shape, hence off by default (docs/benchmarks.md)
     x_per_row: bool = False
 
 

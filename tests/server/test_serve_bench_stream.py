@@ -1,0 +1,55 @@
+"""bench/serve_bench.py's stream accounting: a served stream whose chunks all carry empty text is a success.
+
+Greedy decoding on random weights can repeat one token whose text is "" (an incomplete UTF-8 byte) for a
+whole stream; the 2026-12-02 H200 serving runs counted those as failed with an empty or "without a text
+chunk" error although the server had sent every token and the usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import httpx
+
+_SPEC = importlib.util.spec_from_file_location(
+    "serve_bench", Path(__file__).resolve().parents[2] / "bench" / "serve_bench.py")
+serve_bench = importlib.util.module_from_spec(_SPEC)
+sys.modules.setdefault("serve_bench", serve_bench)  # dataclasses look their module up
+_SPEC.loader.exec_module(serve_bench)
+
+
+def _sse(events: list) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, str) else json.dumps(e)).encode() + b"\n\n" for e in events)
+
+
+def _run(body: bytes, status: int = 200) -> serve_bench.RequestResult:
+    transport = httpx.MockTransport(lambda req: httpx.Response(status, content=body))
+
+    async def go():
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await serve_bench.one_request(client, "http://x", "k", "p", 3, 5.0)
+
+    return asyncio.run(go())
+
+
+def test_empty_text_chunks_count_as_tokens():
+    chunk = {"choices": [{"index": 0, "text": "", "finish_reason": None}]}
+    res = _run(_sse([chunk, chunk, {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+                     {"choices": [], "usage": {"completion_tokens": 3}}, "[DONE]"]))
+    assert res.ok and res.error == "" and res.output_tokens == 3
+    assert len(res.itl) == 2 and res.text_chunks == 0
+    summary = serve_bench.summarize(1, [res], 1.0)
+    assert summary["failed"] == 0 and summary["ok_without_text"] == 1
+
+
+def test_stream_without_token_chunks_and_in_band_error_fail_with_a_name():
+    res = _run(_sse([{"choices": [], "usage": {"completion_tokens": 0}}, "[DONE]"]))
+    assert not res.ok and res.error == "stream ended without a token chunk"
+    res = _run(_sse([{"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+                     {"error": {"message": "boom", "type": "server_error"}}]))
+    assert not res.ok and res.error.startswith("in-band:") and res.text_chunks == 1
+    assert serve_bench.summarize(1, [res], 1.0)["errors"] == [res.error]

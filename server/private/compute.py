@@ -168,18 +168,20 @@ class PrivateCompute:
         out = [wire.dump_ciphertext(c, self.params, keys.fingerprint) for c in outs]
         return out, sum(c.nbytes() for c in caches.values())
 
-    def mlp_step(self, fingerprint: str, layer: int, part: str, blobs: list[bytes]) -> list[bytes]:
+    def mlp_step(self, fingerprint: str, layer: int, part: str, blobs: list[bytes], packed: bool = False
+                 ) -> list[bytes]:
         """One linear step of an offload plan (an MLP half, or ``attn_qkv`` / ``attn_o`` of an attention run
-        as linear steps) over one ciphertext per position (stateless: no session state, so any worker
-        holding the offload key set runs it); ``mlp_up`` answers ``outputs_per_position`` ciphertexts per
-        position, position by position, every other part one."""
+        as linear steps) over one ciphertext per position, or, ``packed`` (an attention step of a chunk of
+        >= 2 positions), per ``positions_per_ciphertext`` positions (stateless: no session state, so any
+        worker holding the offload key set runs it); ``mlp_up`` answers ``outputs_per_position`` ciphertexts
+        per position, position by position, every other part one per input ciphertext."""
         if self.linear is None or fingerprint not in self.linear.keys:
             raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "offload key set not loaded in this worker")
         keys = self.linear.keys[fingerprint]
-        block, _ = self.linear.part(layer, part)
+        block, _ = self.linear.part(layer, part, packed)
         cts = self._inputs(blobs, keys, block.ev.top)
         return [wire.dump_ciphertext(c, self.linear.params, keys.fingerprint)
-                for c in self.linear.run(fingerprint, layer, part, cts)]
+                for c in self.linear.run(fingerprint, layer, part, cts, packed)]
 
     @staticmethod
     def _inputs(blobs: list[bytes], keys: ServerKeys, top: int) -> list:
@@ -236,10 +238,11 @@ class _OffloadLinear:
         self.keys.pop(fingerprint, None)
         self.device_keys.pop(fingerprint, None)
 
-    def run(self, fingerprint: str, layer: int, part: str, cts: list) -> list:
-        """``part`` of ``layer`` on SEAL ciphertexts already checked by the wire; SEAL ciphertexts back."""
+    def run(self, fingerprint: str, layer: int, part: str, cts: list, packed: bool = False) -> list:
+        """``part`` of ``layer`` on SEAL ciphertexts already checked by the wire; SEAL ciphertexts back
+        (``packed``: an attention part's chunk layout, several positions per ciphertext)."""
         keys = self.keys[fingerprint]
-        _, step = self.part(layer, part)
+        _, step = self.part(layer, part, packed)
         if self.gpu is None:
             return [c for ct in cts for c in step(ct, keys)]
         dev = self.device_keys[fingerprint]   # SEAL parsed and checked the client's bytes; the device copy is ours
@@ -256,11 +259,13 @@ class _OffloadLinear:
         layers = len(set(self.blocks) | set(self.attention))
         return {"weights": weights, "per_layer": weights // max(layers, 1), "key_set": key_set}
 
-    def part(self, layer: int, part: str):
-        """(block, run) of one checked step: ``run(ct, keys)`` -> the part's result ciphertexts."""
+    def part(self, layer: int, part: str, packed: bool = False):
+        """(block, run) of one checked step: ``run(ct, keys)`` -> the part's result ciphertexts (``packed``:
+        the attention parts' chunk layout; the MLP parts have one layout)."""
         if part in ("attn_qkv", "attn_o"):
             block = self.attention[layer]
-            return block, (lambda ct, k: [block.qkv(ct, k)]) if part == "attn_qkv" else (lambda ct, k: [block.o(ct, k)])
+            fn = block.qkv if part == "attn_qkv" else block.o
+            return block, lambda ct, k: [fn(ct, k, packed)]
         block = self.blocks[layer]
         return block, block.gate_up if part == "mlp_up" else (lambda ct, k: [block.down(ct, k)])
 
@@ -287,6 +292,7 @@ def _plaintext_nbytes(block) -> int:
     """Device bytes of an encoded linear block's diagonals (every EncodedMatvec's plaintexts)."""
     encoded = [v for name, v in vars(block).items() if name.startswith("_enc_")]
     encoded = [e for v in encoded for e in (v if isinstance(v, list) else [v])]
+    encoded = list({id(e): e for e in encoded}.values())   # a chunk product that is the one-position one
     return sum(pt.data.numel() * 8 for e in encoded for grp in e.encoded.plaintexts.values() for _, pt in grp)
 
 

@@ -410,7 +410,7 @@ class PrivateService:
         worker = self.pool.least_loaded(holders)
         try:
             blobs = await self.pool.submit(worker, s.tenant, "mlp_step", s.mlp_fingerprint, env.layer, env.part,
-                                           list(env.blobs))
+                                           list(env.blobs), self.offload.packed(env))
         except TaskError as exc:
             if exc.code is WorkerCode.KEY_NOT_LOADED:
                 self._unload((worker, s.mlp_fingerprint))

@@ -70,8 +70,8 @@ def generated(setup):
     old = root.level
     root.setLevel(logging.DEBUG)
 
-    def spy(self, values):
-        q, k, v = split(self, values)
+    def spy(self, values, count=None):
+        q, k, v = split(self, values, count)
         seen.append(k)
         return q, k, v
 
@@ -195,7 +195,8 @@ def session(setup, generated):
     rt.close_session()
 
 
-def _mlp_body(rt, sid, *, layer=1, part="mlp_up", start=0, fingerprint=None, blobs=None, params=None) -> bytes:
+def _mlp_body(rt, sid, *, layer=1, part="mlp_up", start=0, fingerprint=None, blobs=None, params=None,
+              count=None) -> bytes:
     from fhe.backends.seal import wire
     from fhe.envelope import Envelope
     from fhe.fingerprint import params_hash
@@ -206,7 +207,7 @@ def _mlp_body(rt, sid, *, layer=1, part="mlp_up", start=0, fingerprint=None, blo
         lay = off.layout
         vec = replicate_input(torch.randn(lay.hidden).double().numpy(), lay.slots, lay.up_periods[0])
         blobs = (wire.encrypt_to_wire(off.ckks, vec),)
-    return Envelope(sid, fingerprint or off.fingerprint, layer, "prefill", (start, len(blobs)), blobs, "seal",
+    return Envelope(sid, fingerprint or off.fingerprint, layer, "prefill", (start, count or len(blobs)), blobs, "seal",
                     params if params is not None else params_hash(off.params), part).to_bytes()
 
 
@@ -297,6 +298,16 @@ def test_attention_linear_steps_are_checked_like_mlp_steps(setup, session):
            "step_too_large")
     ok = _post(setup, sid, body(start=1))
     assert ok.status_code == 200, ok.text
+    # a chunk packs m positions per ciphertext (manifest: offload.mlp.positions_per_ciphertext): m + 1
+    # positions are two ciphertexts, not one and not m + 1; the MLP parts keep one per position
+    m = lay.qkv_packed.positions
+    man = setup["http"].get("/v1/private/manifest", headers=_auth()).json()["offload"]["mlp"]
+    assert m >= 2 and man["positions_per_ciphertext"] == {"attn_qkv": m, "attn_o": lay.o_packed.positions,
+                                                          "mlp_up": 1, "mlp_down": 1}
+    _error(_post(setup, sid, body(start=2, count=m + 1)), 400, "bad_step")
+    _error(_post(setup, sid, _mlp_body(rt, sid, start=2, count=2)), 400, "bad_step")
+    packed = _post(setup, sid, body(start=2, count=2))        # one ciphertext, two positions: runs
+    assert packed.status_code == 200, packed.text
 
 
 def test_a_session_needs_an_mlp_key_of_the_mlp_parameters(setup, generated):

@@ -319,3 +319,28 @@ def test_a_session_needs_an_mlp_key_of_the_mlp_parameters(setup, generated):
                               headers=_auth()), 400, "wrong_key_set")
     _error(setup["http"].post(url, json={"key_id": rt.key_id, "plan_hash": plan, "mlp_key_id": "nope"},
                               headers=_auth()), 404, "key_not_found")
+
+
+def test_speculative_output_on_the_offload_plan_is_the_plain_output(setup, generated, monkeypatch):
+    """A verify step of k + 1 positions runs layer 0's attention linear steps packed (m positions per
+    ciphertext) and every MLP step one per position; greedy output equals the plain run's, with drafts
+    accepted and, with wrong drafts, rejected (the client's clear cache and layer 1's server cache roll back)."""
+    from client_sdk._runtime import runtime_of
+    from engine.spec_decode import NgramProposer
+
+    client, rt = setup["client"], setup["client"]._private
+    if not rt.manifest.verify_steps:
+        pytest.skip("this server takes no verify steps")
+    out, _ = generated
+
+    def greedy() -> str:
+        res = client.completions.create(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                        extra_body={"num_speculative_tokens": 2, "ignore_eos": True})
+        return res.choices[0].text
+
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, ids, k: [ids[-1]] * k)
+    assert greedy() == out.choices[0].text
+    s = runtime_of(client).last_speculation.decoder
+    assert s.num_drafts > 0 and s.num_draft_tokens > 0
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, ids, k: [ids[-1] + 1] * k)
+    assert greedy() == out.choices[0].text

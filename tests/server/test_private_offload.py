@@ -325,7 +325,7 @@ def test_speculative_output_on_the_offload_plan_is_the_plain_output(setup, gener
     """A verify step of k + 1 positions runs layer 0's attention linear steps packed (m positions per
     ciphertext) and every MLP step one per position; greedy output equals the plain run's, with drafts
     accepted and, with wrong drafts, rejected (the client's clear cache and layer 1's server cache roll back)."""
-    from client_sdk._runtime import runtime_of
+    from client_sdk._private import runtime_of
     from engine.spec_decode import NgramProposer
 
     client, rt = setup["client"], setup["client"]._private

@@ -342,5 +342,10 @@ def test_speculative_output_on_the_offload_plan_is_the_plain_output(setup, gener
     assert greedy() == out.choices[0].text
     s = runtime_of(client).last_speculation.decoder
     assert s.num_drafts > 0 and s.num_draft_tokens > 0
+    # wrong drafts: every verify step rejects, so 3 tokens take two verify steps in one session; each one's
+    # linear steps must name its own positions (a stale start repeats the first one's positions with other
+    # ciphertexts: 409 step_mismatch, what this caught before verify_forward set it)
     monkeypatch.setattr(NgramProposer, "propose", lambda self, ids, k: [ids[-1] + 1] * k)
     assert greedy() == out.choices[0].text
+    s = runtime_of(client).last_speculation.decoder
+    assert s.num_drafts >= 2 and s.num_accepted_tokens < s.num_draft_tokens

@@ -86,8 +86,9 @@ def main() -> None:
             rows.append(row)
             print(f"{part:9s} m={m} c={mv.fold} P={mv.period} pt/ct={row['plain_products']} rot/ct={row['rotations']}"
                   f" pt/pos={row['plain_products'] / m:.0f} rot/pos={row['rotations'] / m:.1f}"
-                  f" server {row['server_s_per_position'] * 1e3:.1f} ms/pos  client {row['client_s_per_position'] * 1e3:.1f}"
-                  f" ms/pos  up {row['up_bytes_per_position'] / 1e3:.0f} kB/pos  down"
+                  f" server {row['server_s_per_position'] * 1e3:.1f} ms/pos"
+                  f"  client {row['client_s_per_position'] * 1e3:.1f} ms/pos"
+                  f"  up {row['up_bytes_per_position'] / 1e3:.0f} kB/pos  down"
                   f" {row['down_bytes_per_position'] / 1e3:.0f} kB/pos  err {err:.1e}", flush=True)
         if len(mvs) == 1:
             print(f"{part:9s} only m = 1 fits: {n_out} outputs x {mvs[1].fold} partial sums already fill a block")

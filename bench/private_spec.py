@@ -20,7 +20,13 @@ The plan: one encrypted layer (the shipped plan's first), at ``--ring 16384`` by
 scale, as the parity and e2e tests) or the shipped N = 32768 parameters (``--ring 32768``): one layer is
 what this 2-core box can run in a benchmark's time.
 
-Usage: PYTHONPATH=$PWD python bench/private_spec.py [--k 3] [--max-tokens 24] [--ring 16384] [--json out]
+``--offload-plan FILE`` (pack17): the server runs that offload plan as well (``[private] offload_plan``; its
+``softmax = client`` layers as linear steps, a verify step of k + 1 positions packing their attention
+steps); the one-layer attention plan then only gives the session's attention key (the plan file should
+have no calibrated layer), and the simulator check is skipped (the outputs are compared with each other).
+
+Usage: PYTHONPATH=$PWD python bench/private_spec.py [--k 3] [--max-tokens 24] [--ring 16384]
+    [--offload-plan FILE] [--json out]
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def one_layer_plan(out: Path, ring: int) -> Path:
     return plan.save(out)
 
 
-def make_app(plan: Path, state: Path, max_step: int):
+def make_app(plan: Path, state: Path, max_step: int, offload: str | None = None):
     from engine.default_model import default_model_dir
     from server.app import create_app
     from server.private.config import PrivateSettings
@@ -61,7 +67,8 @@ def make_app(plan: Path, state: Path, max_step: int):
 
     tenants = [TenantSettings(id="enc", api_key_hashes=[hash_api_key(KEY)], privacy_mode="encrypted")]
     private = PrivateSettings(enabled=True, workers=1, plan=str(plan), max_session_tokens=128,
-                              max_step_tokens=max_step, max_keys_per_worker=1, state_dir=str(state))
+                              max_step_tokens=max_step, max_keys_per_worker=1, state_dir=str(state),
+                              offload_plan=offload)
     settings = Settings(model=str(default_model_dir()), server_secret="bench", tenants=tenants,
                         private=private, engine={"device": "cpu", "num_kv_blocks": 16})
     return create_app(settings)
@@ -108,6 +115,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--ring", type=int, choices=(16384, 32768), default=16384)
+    ap.add_argument("--offload-plan", help="also run this offload plan file (its linear steps)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -119,7 +127,8 @@ def main() -> None:
     load_start = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="private-spec-"))
     plan = one_layer_plan(tmp / "plan.json", args.ring)
-    with TestClient(make_app(plan, tmp / "state", max(16, args.k + 1)), base_url="http://testserver") as http:
+    app = make_app(plan, tmp / "state", max(16, args.k + 1), args.offload_plan)
+    with TestClient(app, base_url="http://testserver") as http:
         client = Client(api_key=KEY, base_url="http://testserver", http_client=http, privacy="encrypted",
                         max_retries=0)
         rt = runtime_of(client)
@@ -130,9 +139,10 @@ def main() -> None:
         rows = [generate(client, 0, args.max_tokens), generate(client, args.k, args.max_tokens)]
         prompt_ids = rt.tokenizer.encode(PROMPT)
         rt.close_session()
-    sim = rt.tokenizer.decode(simulated_ids(plan, prompt_ids, args.max_tokens))
+    sim = None if args.offload_plan else rt.tokenizer.decode(simulated_ids(plan, prompt_ids, args.max_tokens))
     base, spec = rows
     report = {"model": "SmolLM2-135M-Instruct", "encrypted_layers": 1, "ring": args.ring, "k": args.k,
+              "offload_plan": args.offload_plan,
               "prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens, "setup_s": round(setup_s, 1),
               "base": base, "spec": spec,
               "speedup_s_per_token": round(base["s_per_token_after_first"] / spec["s_per_token_after_first"], 3),

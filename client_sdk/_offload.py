@@ -51,6 +51,8 @@ class OffloadInfo:
     max_blob_bytes: int
     #: layers whose attention runs as linear steps (absent in an older manifest: none)
     server_attention_linear: tuple[int, ...] = ()
+    #: positions per ciphertext of a chunk (>= 2 positions), per part (absent in an older manifest: {})
+    positions_per_ciphertext: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_manifest(cls, d: Any) -> OffloadInfo | None:
@@ -62,7 +64,8 @@ class OffloadInfo:
             mlp = section["mlp"]
             return cls(str(section["plan_hash"]), tuple(int(i) for i in section["server_mlp"]), dict(mlp["ckks"]),
                        tuple(int(s) for s in mlp["rotation_steps"]), int(mlp["max_blob_bytes"]),
-                       tuple(int(i) for i in section.get("server_attention_linear", ())))
+                       tuple(int(i) for i in section.get("server_attention_linear", ())),
+                       {str(k): int(v) for k, v in dict(mlp.get("positions_per_ciphertext", {})).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PrivateModeError(f"the server's offload manifest is malformed ({exc!r})") from exc
 
@@ -78,18 +81,21 @@ class OffloadSession(proto.Session):
         call = super().open_call()
         return dataclasses.replace(call, json={**call.json, "mlp_key_id": self.mlp_key_id})
 
-    def mlp_call(self, layer: int, part: str, start: int, blobs: tuple[bytes, ...], params_hash: str) -> proto.Call:
-        """The ``part`` step of ``layer`` for positions ``start .. start + len(blobs)``."""
+    def mlp_call(self, layer: int, part: str, start: int, blobs: tuple[bytes, ...], params_hash: str,
+                 count: int | None = None) -> proto.Call:
+        """The ``part`` step of ``layer`` for positions ``start .. start + count`` (default: one ciphertext
+        per position, ``count = len(blobs)``; a packed chunk carries fewer ciphertexts than positions)."""
         from fhe.envelope import Envelope
 
         if self.id is None:
             raise PrivateModeError("no open session")
-        kind = "decode" if len(blobs) == 1 and start > 0 else "prefill"
-        body = Envelope(self.id, self.mlp_fingerprint, layer, kind, (start, len(blobs)), blobs, "seal",
+        count = len(blobs) if count is None else count
+        kind = "decode" if count == 1 and start > 0 else "prefill"
+        body = Envelope(self.id, self.mlp_fingerprint, layer, kind, (start, count), blobs, "seal",
                         params_hash, part).to_bytes()
         # an MLP half is a tenth of an attention step at N = 32768; the attention budget bounds it
         return proto.Call("POST", f"/v1/private/sessions/{self.id}/steps", content=body,
-                          read_timeout=self.manifest.step_read_timeout(len(blobs), self.read_floor))
+                          read_timeout=self.manifest.step_read_timeout(count, self.read_floor))
 
     def mlp_result(self, reply: proto.Reply, layer: int, part: str, start: int, n_out: int) -> tuple[bytes, ...]:
         from fhe.envelope import parse
@@ -151,7 +157,14 @@ class OffloadClient:
         steps = offload_rotation_steps(cfg, self.params, attention=bool(info.server_attention_linear),
                                        mlp=bool(info.server_mlp))
         if steps != info.rotation_steps:
-            raise PrivateModeError("the server's offload rotations do not match this model's shapes")
+            raise PrivateModeError("the server's offload rotations do not match this model's shapes (a server "
+                                   "older or newer than this SDK: chunk layouts differ)")
+        packing = {p: self.att_layout.positions_per_ciphertext(p, 2) for p in ("attn_qkv", "attn_o")}
+        if info.server_attention_linear and any(info.positions_per_ciphertext.get(p) != m
+                                                for p, m in packing.items()):
+            raise PrivateModeError(f"the server packs a chunk's attention steps as "
+                                   f"{info.positions_per_ciphertext or 'one position per ciphertext'}, this SDK as "
+                                   f"{packing}: update the SDK or the server")
         self.start = 0          # first position of the chunk the runtime's forward is running
         self.ckks: Any = None
         self.fingerprint = ""
@@ -214,24 +227,26 @@ class OffloadClient:
     def attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, rope: Any, backend: Any
                   ) -> torch.Tensor:
         """h [T, hidden] (the residual before the layer) -> the attention output [T, hidden]."""
-        half = self.att_half
-        qkv = self._send(layer, "attn_qkv", half.input_rows(h), 1)
-        q, k, v = half.split_qkv(half.decrypt([cts[0] for cts in qkv]))
+        half, t = self.att_half, h.shape[0]
+        packed, count = t > 1, (t if t > 1 else None)   # a chunk (prefill, verify) packs; decode does not
+        qkv = self._send(layer, "attn_qkv", half.input_rows(h, packed), 1, count=t)
+        q, k, v = half.split_qkv(half.decrypt([cts[0] for cts in qkv]), count)
         dtype = h.dtype if h.dtype.is_floating_point else torch.float32
         q, k, v = (t.to(dtype) for t in (q, k, v))
         u = backend.attend(layer, rope(q, positions), rope(k, positions), v)   # the client's own clear cache
-        outs = self._send(layer, "attn_o", half.mixture_rows(u.reshape(h.shape[0], -1)), 1)
-        return half.output(half.decrypt([cts[0] for cts in outs]))
+        outs = self._send(layer, "attn_o", half.mixture_rows(u.reshape(t, -1), packed), 1, count=t)
+        return half.output(half.decrypt([cts[0] for cts in outs]), count)
 
-    def _send(self, layer: int, part: str, rows: list, per_position: int) -> list[list]:
-        """Encrypt ``rows`` (one per position), run the step, return the decryptable answers per position."""
+    def _send(self, layer: int, part: str, rows: list, per_position: int, count: int | None = None) -> list[list]:
+        """Encrypt ``rows`` (one per position, or the packed rows of ``count`` positions), run the step,
+        return the decryptable answers per input row."""
         from fhe import wire
         from fhe.errors import FHEError
         from fhe.fingerprint import params_hash
 
         session, stats = self.rt.session, self.rt.current_stats
         blobs = tuple(wire.encrypt_to_wire(self.ckks, r) for r in rows)
-        call = session.mlp_call(layer, part, self.start, blobs, params_hash(self.params))
+        call = session.mlp_call(layer, part, self.start, blobs, params_hash(self.params), count)
         t0 = time.perf_counter()
         reply = self.rt.exchange(call)
         stats.record(part, time.perf_counter() - t0, len(call.content), len(reply.content))

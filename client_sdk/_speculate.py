@@ -128,6 +128,8 @@ class Speculation:
         rt = self.rt
         chunk = torch.tensor(ids)
         pos = torch.arange(start, start + len(ids))
+        if getattr(rt, "offload", None) is not None:   # its linear steps: this step's positions, stats
+            rt.offload.start, rt.current_stats = start, backend.stats
         rt.verifying = True
         try:
             h = rt.model(chunk, pos, backend)

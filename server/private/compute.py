@@ -173,40 +173,45 @@ class PrivateCompute:
         out = [wire.dump_ciphertext(c, self.params, keys.fingerprint) for c in outs]
         return out, sum(c.nbytes() for c in caches.values())
 
-    def mlp_step(self, fingerprint: str, layer: int, part: str, blobs: list[bytes]) -> list[bytes]:
+    def mlp_step(self, fingerprint: str, layer: int, part: str, blobs: list[bytes], packed: bool = False
+                 ) -> list[bytes]:
         """One linear step of an offload plan (an MLP half, or ``attn_qkv`` / ``attn_o`` of an attention run
-        as linear steps) over one ciphertext per position (stateless: no session state, so any worker
-        holding the offload key set runs it); ``mlp_up`` answers ``outputs_per_position`` ciphertexts per
-        position, position by position, every other part one."""
+        as linear steps) over one ciphertext per position, or, ``packed`` (an attention step of a chunk of
+        >= 2 positions), per ``positions_per_ciphertext`` positions (stateless: no session state, so any
+        worker holding the offload key set runs it); ``mlp_up`` answers ``outputs_per_position`` ciphertexts
+        per position, position by position, every other part one per input ciphertext."""
         if self.linear is None or fingerprint not in self.linear.keys:
             raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "offload key set not loaded in this worker")
         keys = self.linear.keys[fingerprint]
-        block, _ = self.linear.part(layer, part)
+        block, _ = self.linear.part(layer, part, packed)
         cts = self._inputs(blobs, keys, block.ev.top)
         if self.linear.gpu is not None:
-            return self.linear.run_batch([(fingerprint, cts)], layer, part)[0]
+            return self.linear.run_batch([(fingerprint, cts)], layer, part, packed)[0]
         return [wire.dump_ciphertext(c, self.linear.params, keys.fingerprint)
-                for c in self.linear.run(fingerprint, layer, part, cts)]
+                for c in self.linear.run(fingerprint, layer, part, cts, packed)]
 
     def mlp_step_batch(self, items: list[tuple]) -> list:
-        """Several sessions' :meth:`mlp_step` calls of one (layer, part), each ``(fingerprint, layer, part,
-        blobs)``: on the gpu backend every position of every item in one batched evaluation, each row under
-        its own session's key set (:meth:`_OffloadLinear.run_batch`); on SEAL one by one. Returns one entry
-        per item, its result or the exception it failed with (an item whose bytes fail fails alone)."""
-        if self.linear is None or self.linear.gpu is None or len({(i[1], i[2]) for i in items}) != 1:
+        """Several sessions' :meth:`mlp_step` calls of one (layer, part) and layout, each ``(fingerprint, layer,
+        part, blobs[, packed])``: on the gpu backend every position of every item in one batched evaluation,
+        each row under its own session's key set (:meth:`_OffloadLinear.run_batch`); on SEAL one by one.
+        Returns one entry per item, its result or the exception it failed with (an item whose bytes fail
+        fails alone)."""
+        items = [(*item, False) if len(item) == 4 else tuple(item) for item in items]
+        if self.linear is None or self.linear.gpu is None or len({item[1:3] + item[4:] for item in items}) != 1:
             return [_result_or_error(self.mlp_step, *item) for item in items]
-        layer, part = items[0][1], items[0][2]
+        _, layer, part, _, packed = items[0]
+        block, _ = self.linear.part(layer, part, packed)
         out: list = [None] * len(items)
         ready = []   # (item index, fingerprint, parsed ciphertexts)
-        for n, (fp, _, _, blobs) in enumerate(items):
+        for n, (fp, _, _, blobs, _) in enumerate(items):
             try:
                 if fp not in self.linear.keys:
                     raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "offload key set not loaded in this worker")
-                block, _ = self.linear.part(layer, part)
                 ready.append((n, fp, self._inputs(blobs, self.linear.keys[fp], block.ev.top)))
             except TaskFailure as exc:
                 out[n] = exc
-        results = self.linear.run_batch([(fp, cts) for _, fp, cts in ready], layer, part) if ready else []
+        results = (self.linear.run_batch([(fp, cts) for _, fp, cts in ready], layer, part, packed)
+                   if ready else [])
         for (n, _, _), blobs in zip(ready, results, strict=True):
             out[n] = blobs
         return out
@@ -271,17 +276,18 @@ class _OffloadLinear:
         self.keys.pop(fingerprint, None)
         self.device_keys.pop(fingerprint, None)
 
-    def run(self, fingerprint: str, layer: int, part: str, cts: list) -> list:
-        """``part`` of ``layer`` on SEAL ciphertexts already checked by the wire; SEAL ciphertexts back."""
+    def run(self, fingerprint: str, layer: int, part: str, cts: list, packed: bool = False) -> list:
+        """``part`` of ``layer`` on SEAL ciphertexts already checked by the wire; SEAL ciphertexts back
+        (``packed``: an attention part's chunk layout, several positions per ciphertext)."""
         keys = self.keys[fingerprint]
-        block, step = self.part(layer, part)
+        _, step = self.part(layer, part, packed)
         if self.gpu is None:
             return [c for ct in cts for c in step(ct, keys)]
         # uncompressed: SEAL loads it at once here (random residues compress 6–10 %; zstd cost both ways)
         return [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c, compress=False))
-                for row in self._on_device(layer, part, cts, self.device_keys[fingerprint]) for c in row]
+                for row in self._on_device(layer, part, packed, cts, self.device_keys[fingerprint]) for c in row]
 
-    def run_batch(self, items: list[tuple[str, list]], layer: int, part: str) -> list[list]:
+    def run_batch(self, items: list[tuple[str, list]], layer: int, part: str, packed: bool = False) -> list[list]:
         """:meth:`run` for several sessions at once on the gpu backend, ``items`` = (fingerprint, checked SEAL
         ciphertexts) each: every position of every item is one row of one batch (one graph replay of the
         step, :class:`fhe.backends.gpu.step.StepGraphs`), each row under its session's device key set. Per
@@ -290,21 +296,21 @@ class _OffloadLinear:
         no SEAL load and zstd pass per result, 0.5 ms of a step's host time; docs/benchmarks.md, serving17)."""
         cts = [ct for _, item in items for ct in item]
         keys = [self.device_keys[fp] for fp, item in items for _ in item]
-        rows = iter(self._on_device(layer, part, cts, keys))
+        rows = iter(self._on_device(layer, part, packed, cts, keys))
         return [[wire.pack_ciphertext(self.gpu.serialize(c, compress=False), self.params, self.keys[fp].fingerprint)
                  for _ in item for c in next(rows)] for fp, item in items]
 
-    def _on_device(self, layer: int, part: str, cts: list, keys) -> list[list]:
+    def _on_device(self, layer: int, part: str, packed: bool, cts: list, keys) -> list[list]:
         """The step on the device for SEAL ciphertexts ``cts`` (SEAL parsed and checked the client's bytes;
         the device copies are ours) under ``keys`` (one device key set, or one per ciphertext): per input,
         its outputs. Ciphertexts of one shape and scale run as one batch, one graph replay."""
-        block, step = self.part(layer, part)
+        block, step = self.part(layer, part, packed)
         xs = [self.gpu.deserialize(seal.to_bytes(ct)) for ct in cts]
-        fn = _batched(block, step)
+        fn, name = _batched(block, step), (layer, part, packed)   # the name must always mean the same plaintexts
         if len({(x.data.shape, x.scale) for x in xs}) == 1:
-            return self.graphs.run((layer, part), fn, xs, keys)
+            return self.graphs.run(name, fn, xs, keys)
         per_row = keys if isinstance(keys, list) else [keys] * len(xs)
-        return [r for x, k in zip(xs, per_row, strict=True) for r in self.graphs.run((layer, part), fn, [x], k)]
+        return [r for x, k in zip(xs, per_row, strict=True) for r in self.graphs.run(name, fn, [x], k)]
 
     def device_nbytes(self) -> dict[str, int]:
         """Device bytes of the encoded weights (every linear block: MLPs, attention as linear steps; per
@@ -316,11 +322,13 @@ class _OffloadLinear:
         layers = len(set(self.blocks) | set(self.attention))
         return {"weights": weights, "per_layer": weights // max(layers, 1), "key_set": key_set}
 
-    def part(self, layer: int, part: str):
-        """(block, run) of one checked step: ``run(ct, keys)`` -> the part's result ciphertexts."""
+    def part(self, layer: int, part: str, packed: bool = False):
+        """(block, run) of one checked step: ``run(ct, keys)`` -> the part's result ciphertexts (``packed``:
+        the attention parts' chunk layout; the MLP parts have one layout)."""
         if part in ("attn_qkv", "attn_o"):
             block = self.attention[layer]
-            return block, (lambda ct, k: [block.qkv(ct, k)]) if part == "attn_qkv" else (lambda ct, k: [block.o(ct, k)])
+            fn = block.qkv if part == "attn_qkv" else block.o
+            return block, lambda ct, k: [fn(ct, k, packed)]
         block = self.blocks[layer]
         return block, block.gate_up if part == "mlp_up" else (lambda ct, k: [block.down(ct, k)])
 
@@ -369,6 +377,7 @@ def _plaintext_nbytes(block) -> int:
     """Device bytes of an encoded linear block's diagonals (every EncodedMatvec's plaintexts)."""
     encoded = [v for name, v in vars(block).items() if name.startswith("_enc_")]
     encoded = [e for v in encoded for e in (v if isinstance(v, list) else [v])]
+    encoded = list({id(e): e for e in encoded}.values())   # a chunk product that is the one-position one
     return sum(pt.data.numel() * 8 for e in encoded for grp in e.encoded.plaintexts.values() for _, pt in grp)
 
 

@@ -460,10 +460,12 @@ class PrivateService:
         batched with the other sessions' steps of the same (layer, part) queued there (``batch_steps``)."""
         holders = [w for w, fp in self._loaded if fp == s.mlp_fingerprint] or [s.worker]
         worker = self.pool.least_loaded(holders)
-        batch = ("mlp_step", env.layer, env.part) if self.cfg.gpu_backend and self.cfg.batch_steps > 1 else None
+        packed = self.offload.packed(env)
+        batch = (("mlp_step", env.layer, env.part, packed) if self.cfg.gpu_backend and self.cfg.batch_steps > 1
+                 else None)
         try:
             blobs = await self.pool.submit(worker, s.tenant, "mlp_step", s.mlp_fingerprint, env.layer, env.part,
-                                           list(env.blobs), batch=batch)
+                                           list(env.blobs), packed, batch=batch)
         except TaskError as exc:
             if exc.code is WorkerCode.KEY_NOT_LOADED:
                 self._unload((worker, s.mlp_fingerprint))

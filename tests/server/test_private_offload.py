@@ -70,8 +70,8 @@ def generated(setup):
     old = root.level
     root.setLevel(logging.DEBUG)
 
-    def spy(self, values):
-        q, k, v = split(self, values)
+    def spy(self, values, count=None):
+        q, k, v = split(self, values, count)
         seen.append(k)
         return q, k, v
 
@@ -195,7 +195,8 @@ def session(setup, generated):
     rt.close_session()
 
 
-def _mlp_body(rt, sid, *, layer=1, part="mlp_up", start=0, fingerprint=None, blobs=None, params=None) -> bytes:
+def _mlp_body(rt, sid, *, layer=1, part="mlp_up", start=0, fingerprint=None, blobs=None, params=None,
+              count=None) -> bytes:
     from fhe.backends.seal import wire
     from fhe.envelope import Envelope
     from fhe.fingerprint import params_hash
@@ -206,7 +207,7 @@ def _mlp_body(rt, sid, *, layer=1, part="mlp_up", start=0, fingerprint=None, blo
         lay = off.layout
         vec = replicate_input(torch.randn(lay.hidden).double().numpy(), lay.slots, lay.up_periods[0])
         blobs = (wire.encrypt_to_wire(off.ckks, vec),)
-    return Envelope(sid, fingerprint or off.fingerprint, layer, "prefill", (start, len(blobs)), blobs, "seal",
+    return Envelope(sid, fingerprint or off.fingerprint, layer, "prefill", (start, count or len(blobs)), blobs, "seal",
                     params if params is not None else params_hash(off.params), part).to_bytes()
 
 
@@ -297,6 +298,16 @@ def test_attention_linear_steps_are_checked_like_mlp_steps(setup, session):
            "step_too_large")
     ok = _post(setup, sid, body(start=1))
     assert ok.status_code == 200, ok.text
+    # a chunk packs m positions per ciphertext (manifest: offload.mlp.positions_per_ciphertext): m + 1
+    # positions are two ciphertexts, not one and not m + 1; the MLP parts keep one per position
+    m = lay.qkv_packed.positions
+    man = setup["http"].get("/v1/private/manifest", headers=_auth()).json()["offload"]["mlp"]
+    assert m >= 2 and man["positions_per_ciphertext"] == {"attn_qkv": m, "attn_o": lay.o_packed.positions,
+                                                          "mlp_up": 1, "mlp_down": 1}
+    _error(_post(setup, sid, body(start=2, count=m + 1)), 400, "bad_step")
+    _error(_post(setup, sid, _mlp_body(rt, sid, start=2, count=2)), 400, "bad_step")
+    packed = _post(setup, sid, body(start=2, count=2))        # one ciphertext, two positions: runs
+    assert packed.status_code == 200, packed.text
 
 
 def test_a_session_needs_an_mlp_key_of_the_mlp_parameters(setup, generated):
@@ -308,3 +319,31 @@ def test_a_session_needs_an_mlp_key_of_the_mlp_parameters(setup, generated):
                               headers=_auth()), 400, "wrong_key_set")
     _error(setup["http"].post(url, json={"key_id": rt.key_id, "plan_hash": plan, "mlp_key_id": "nope"},
                               headers=_auth()), 404, "key_not_found")
+
+
+def test_speculative_output_on_the_offload_plan_is_the_plain_output(setup, generated, monkeypatch):
+    """A verify step of k + 1 positions runs layer 0's attention linear steps packed (m positions per
+    ciphertext) and every MLP step one per position; greedy output equals the plain run's, with drafts
+    accepted and, with wrong drafts, rejected (the client's clear cache and layer 1's server cache roll back)."""
+    from client_sdk._private import runtime_of
+    from engine.spec_decode import NgramProposer
+
+    client, rt = setup["client"], setup["client"]._private
+    if not rt.manifest.verify_steps:
+        pytest.skip("this server takes no verify steps")
+    out, _ = generated
+
+    def greedy(k: int = 2, n: int = MAX_TOKENS) -> str:
+        res = client.completions.create(prompt=PROMPT, max_tokens=n, temperature=0,
+                                        extra_body={"num_speculative_tokens": k, "ignore_eos": True})
+        return res.choices[0].text
+
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, ids, k: [ids[-1]] * k)
+    assert greedy() == out.choices[0].text
+    s = runtime_of(client).last_speculation.decoder
+    assert s.num_drafts > 0 and s.num_draft_tokens > 0
+    # wrong drafts: every verify step rejects, so 5 tokens take several verify steps in one session; each
+    # one's linear steps must name its own positions (a stale start repeats the first one's positions with
+    # other ciphertexts: 409 step_mismatch, what this caught before verify_forward set it)
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, ids, k: [ids[-1] + 1] * k)
+    assert greedy(n=5) == greedy(k=0, n=5)

@@ -1,0 +1,101 @@
+"""Several positions per ciphertext in the offload plan's linear steps (issues 17/18, item 1): per part at
+SmolLM2-135M's shapes, the one-position hybrid product (today's layout) against the m-position block layout
+(:class:`fhe.linalg.HybridMatvec` with ``positions = m``), in the same run, on the SEAL backend at
+:data:`fhe.mlp.MLP_PARAMS` (N = 8192, 4096 slots). Random weights (the cost does not depend on them).
+
+Per part and m: plaintext products and rotations per ciphertext and per position, server seconds per
+position (the encoded product + fold, median of ``--reps``), client encrypt + decrypt seconds per position,
+and fresh-up / level-1-down bytes per position. ``m`` runs over every value whose outputs fit one
+ciphertext; a part where only m = 1 fits says so.
+
+    flock /tmp/cipherlm-bench.lock python bench/offload_packed_linear.py --out bench/results/offload_packed_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+from fhe.backends import evaluator_for
+from fhe.backends.seal import hazmat as seal
+from fhe.backends.seal.keys import CKKSClient
+from fhe.errors import ShapeError
+from fhe.linalg import HybridMatvec, hybrid_slots, pack_inputs, pick_fold, rotate_sum_steps
+from fhe.mlp import MLP_PARAMS
+
+#: (n_out, n_in) of SmolLM2-135M's four linear steps
+PARTS = {"attn_qkv": (960, 576), "attn_o": (576, 576), "mlp_up": (3072, 576), "mlp_down": (576, 1536)}
+
+
+def layouts(slots: int, n_in: int, n_out: int, rng) -> dict[int, HybridMatvec]:
+    w = rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)
+    out = {}
+    for m in range(1, slots // n_in + 1):
+        try:
+            fold, period = pick_fold(slots // m, n_in, n_out)
+        except ShapeError:
+            continue
+        out[m] = HybridMatvec(slots, w, hybrid_slots(slots // m, period, fold, n_out), period, fold, m)
+    return out
+
+
+def rotations(mv: HybridMatvec) -> int:
+    st = mv.map.steps
+    return (st.n_baby - 1) + (st.n_giant - 1) + len(rotate_sum_steps(mv.window, mv.fold))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    ev = evaluator_for(MLP_PARAMS, "seal")
+    rows = []
+    for part, (n_out, n_in) in PARTS.items():
+        mvs = layouts(ev.slots, n_in, n_out, rng)
+        steps = set()
+        for mv in mvs.values():
+            steps |= mv.rotation_steps
+        client = CKKSClient(MLP_PARAMS, tuple(sorted(steps)))
+        keys = client.server_keys()
+        for m, mv in mvs.items():
+            enc = mv.encode(ev, ev.top)
+            xs = rng.standard_normal((m, n_in))
+            srv, cli = [], []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                ct = client.encrypt(pack_inputs(xs, ev.slots, mv.period, m))
+                t1 = time.perf_counter()
+                res = ev.mod_switch(enc(ev, ct, keys), 1)
+                t2 = time.perf_counter()
+                got = client.decrypt(res)[mv.position_slots]
+                t3 = time.perf_counter()
+                srv.append(t2 - t1)
+                cli.append((t1 - t0) + (t3 - t2))
+            err = float(np.abs(got - xs @ mv.weight.T).max())
+            row = dict(part=part, m=m, fold=mv.fold, period=mv.period, plain_products=mv.map.num_diagonals,
+                       rotations=rotations(mv), server_s_per_position=statistics.median(srv) / m,
+                       client_s_per_position=statistics.median(cli) / m,
+                       up_bytes_per_position=len(seal.to_bytes(ct)) / m,
+                       down_bytes_per_position=len(seal.to_bytes(res)) / m, max_err=err)
+            rows.append(row)
+            print(f"{part:9s} m={m} c={mv.fold} P={mv.period} pt/ct={row['plain_products']} rot/ct={row['rotations']}"
+                  f" pt/pos={row['plain_products'] / m:.0f} rot/pos={row['rotations'] / m:.1f}"
+                  f" server {row['server_s_per_position'] * 1e3:.1f} ms/pos"
+                  f"  client {row['client_s_per_position'] * 1e3:.1f} ms/pos"
+                  f"  up {row['up_bytes_per_position'] / 1e3:.0f} kB/pos  down"
+                  f" {row['down_bytes_per_position'] / 1e3:.0f} kB/pos  err {err:.1e}", flush=True)
+        if len(mvs) == 1:
+            print(f"{part:9s} only m = 1 fits: {n_out} outputs x {mvs[1].fold} partial sums already fill a block")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -120,3 +120,17 @@ def headers(tenant: str, request_id: str | None = None) -> dict[str, str]:
 def asgi_client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver",
                              timeout=httpx.Timeout(600.0))
+
+
+def greedy_with_gap(sim, ids: list[int], n: int) -> tuple[list[int], float]:
+    """``n`` greedy tokens of an offload plan's simulator (``fhe.offload_sim.OffloadSimulator``) after ``ids``,
+    and the smallest top-1 / top-2 logit gap on the way (how close a tie came)."""
+    ids, out, gap = list(ids), [], float("inf")
+    with torch.no_grad():
+        for _ in range(n):
+            logits = sim.logits(ids)[-1]
+            top, tok = logits.topk(2).values, int(logits.argmax())
+            gap = min(gap, float(top[0] - top[1]))
+            out.append(tok)
+            ids.append(tok)
+    return out, gap

@@ -20,7 +20,7 @@ import torch
 
 from client_sdk import Client
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
-from tests.server.private_app import KEYS, private_settings, tiny_plan
+from tests.server.private_app import KEYS, greedy_with_gap, private_settings, tiny_plan
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 3
@@ -101,15 +101,7 @@ def _simulated_greedy(setup, ids: list[int]) -> tuple[list[int], float]:
     from fhe.offload_sim import OffloadSimulator
 
     sim = OffloadSimulator(setup["model"], setup["off"], setup["att"])
-    ids, out, gap = list(ids), [], float("inf")
-    with torch.no_grad():
-        for _ in range(MAX_TOKENS):
-            logits = sim.logits(ids)[-1]
-            top, tok = logits.topk(2).values, int(logits.argmax())
-            gap = min(gap, float(top[0] - top[1]))
-            out.append(tok)
-            ids.append(tok)
-    return out, gap
+    return greedy_with_gap(sim, ids, MAX_TOKENS)
 
 
 def test_the_sdk_runs_the_offload_plan_and_matches_its_simulator(setup, generated):

@@ -11,11 +11,10 @@ attention step, is a 400.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from client_sdk import Client
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
-from tests.server.private_app import KEYS, private_settings
+from tests.server.private_app import KEYS, greedy_with_gap, private_settings
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 3
@@ -63,15 +62,7 @@ def _plain_greedy(setup, ids: list[int]) -> tuple[list[int], float]:
     from fhe.offload_sim import OffloadSimulator
 
     sim = OffloadSimulator(setup["model"], setup["off"])
-    ids, out, gap = list(ids), [], float("inf")
-    with torch.no_grad():
-        for _ in range(MAX_TOKENS):
-            logits = sim.logits(ids)[-1]
-            top, tok = logits.topk(2).values, int(logits.argmax())
-            gap = min(gap, float(top[0] - top[1]))
-            out.append(tok)
-            ids.append(tok)
-    return out, gap
+    return greedy_with_gap(sim, ids, MAX_TOKENS)
 
 
 def test_a_session_of_linear_steps_needs_no_attention_key_and_matches_the_plaintext_model(setup, generated):

@@ -81,7 +81,8 @@ class OffloadSteps:
             return 1
         return self.attention_layout.positions_per_ciphertext(part, count)
 
-    def packed(self, env: envelope.Envelope) -> bool:
+    @staticmethod
+    def packed(env: envelope.Envelope) -> bool:
         """Whether a checked step runs the chunk layout (an attention part over >= 2 positions)."""
         return env.part in ATTENTION_PARTS and env.positions[1] > 1
 

@@ -458,9 +458,11 @@ class PrivateService:
     async def _run_mlp(self, s: Session, env: envelope.Envelope, request_id: str) -> bytes:
         """Any worker holding the MLP key set (the session's always does) runs the step; on the gpu backend,
         batched with the other sessions' steps of the same (layer, part) queued there (``batch_steps``)."""
+        from server.private.offload import OffloadSteps
+
         holders = [w for w, fp in self._loaded if fp == s.mlp_fingerprint] or [s.worker]
         worker = self.pool.least_loaded(holders)
-        packed = self.offload.packed(env)
+        packed = OffloadSteps.packed(env)   # the layout follows from the checked envelope alone
         batch = (("mlp_step", env.layer, env.part, packed) if self.cfg.gpu_backend and self.cfg.batch_steps > 1
                  else None)
         try:

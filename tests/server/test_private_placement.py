@@ -99,4 +99,4 @@ def test_linear_steps_go_to_the_pool_with_a_batch_key_on_the_gpu_backend(service
     s = Session(svc.sessions.new_id(), "t", None, 1, None, 0, 0.0, 0.0, mlp_fingerprint="off")
     env = envelope.Envelope(s.id, "off", 3, "decode", (5, 1), (b"x",), "seal", "p", "mlp_up")
     asyncio.run(svc._run_mlp(s, env, "req"))
-    assert calls == [("mlp_step", ("mlp_step", 3, "mlp_up") if batched else None)]
+    assert calls == [("mlp_step", ("mlp_step", 3, "mlp_up", False) if batched else None)]

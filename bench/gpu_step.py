@@ -24,27 +24,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
-import time
 
 import numpy as np
 import torch
 
-
-def _sync():
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _median(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from bench.gpu_mlp import _median, _sync
 
 
 def _uptime() -> str:

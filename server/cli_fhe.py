@@ -8,6 +8,11 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fhe.offload import OffloadPlan
+    from fhe.plan import Plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -95,15 +100,13 @@ def _calibrate(args: argparse.Namespace) -> int:
                                 num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                                 min_denominator=args.min_denominator)
     except ValueError as exc:
-        print(f"cipherlm: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     if args.fold_v and args.approx != "polyexp":
-        print("cipherlm: error: --fold-v needs --approx polyexp", file=sys.stderr)
-        return 2
+        return _error("--fold-v needs --approx polyexp")
     ckks = ckks_params_for(args.approx, squarings, fold_v=True).to_dict() if args.fold_v else None
     path, model, tok = _load_model_and_tokenizer(args.model)
     start = time.perf_counter()
@@ -112,8 +115,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                          log=lambda m: print(m, flush=True))
         out = plan.save(args.out)
     except PlanError as exc:
-        print(f"cipherlm: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     print(f"wrote {out} (content hash {plan.content_hash}) in {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -140,8 +142,7 @@ def _offload_plan(args: argparse.Namespace) -> int:
         if attn is not None:
             attn.check_model(model)
     except (OffloadPlanError, PlanError, ValueError) as exc:
-        print(f"cipherlm: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     out = plan.save(args.out)
     print(f"wrote {out} (content hash {plan.content_hash})")
     return 0
@@ -197,17 +198,26 @@ def _print_costs(plan, context: int) -> None:
     print(f"client bundle: {r.bundle_tensor_bytes() / 1e6:.1f} MB of fp32 tensors (+ tokenizer files)")
 
 
+def _error(exc: Exception | str) -> int:
+    print(f"cipherlm: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _print_metadata(plan: Plan | OffloadPlan) -> int:
+    """``plan-info --json``: a plan's (or an offload plan's) metadata with its content hash."""
+    print(json.dumps({**plan.metadata(), "content_hash": plan.content_hash}, indent=2))
+    return 0
+
+
 def _offload_info(args: argparse.Namespace) -> int:
     from fhe.offload import OffloadPlan, OffloadPlanError, default_offload_path
 
     try:
         plan = OffloadPlan.load(default_offload_path() if args.plan == "offload" else Path(args.plan))
     except OffloadPlanError as exc:
-        print(f"cipherlm: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     if args.json:
-        print(json.dumps({**plan.metadata(), "content_hash": plan.content_hash}, indent=2))
-        return 0
+        return _print_metadata(plan)
     print(f"offload plan {plan.content_hash}  ({plan.created_by})")
     print(f"model {plan.model_id}  attention plan {plan.attention_plan_hash or '(none)'}")
     for first, last, d in _placement_runs(plan):
@@ -224,18 +234,15 @@ def _plan_info(args: argparse.Namespace) -> int:
     from fhe.plan import SHIPPED_PLANS, Plan, PlanError, shipped_plan_path
 
     if args.context < 1:
-        print("cipherlm: error: --context must be >= 1", file=sys.stderr)
-        return 2
+        return _error("--context must be >= 1")
     if _is_offload_plan(args.plan):
         return _offload_info(args)
     try:
         plan = Plan.load(shipped_plan_path(args.plan) if args.plan in SHIPPED_PLANS else Path(args.plan))
     except PlanError as exc:
-        print(f"cipherlm: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     if args.json:
-        print(json.dumps({**plan.metadata(), "content_hash": plan.content_hash}, indent=2))
-        return 0
+        return _print_metadata(plan)
     print(f"plan {plan.content_hash}  (format v{plan.format_version}, {plan.created_by})")
     print(f"model {plan.model_id}  weights sha256 {plan.weights_sha256}")
     for lp in plan.layers:

@@ -8,6 +8,7 @@ the K/V at the mean context), at the nominal 4.8 TB/s and at the measured device
 Each layer GEMM alone, in CUDA graphs: ``bench/gemv_int4_gpu.py`` (which also runs these engine rows).
 
     python bench/int4_gpu.py --shapes llama3.2-1b --json bench/results/int4_gpu.json
+    python bench/int4_gpu.py --shapes llama3.2-1b,qwen2.5-0.5b --profile   # + each row's kernels per step
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ import json
 import torch
 
 import kernels
-from bench.engine_gpu import SHAPES, copy_bandwidth, decode_step_time, graph_replay_ms, kv_bytes, random_model
+from bench.engine_gpu import (
+    SHAPES,
+    copy_bandwidth,
+    decode_step_time,
+    graph_replay_ms,
+    kernel_profile,
+    kv_bytes,
+    random_model,
+)
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.fused import Int4Weight
@@ -42,7 +51,7 @@ def step_bytes(llm: LLM, cfg: ModelConfig) -> int:
     return total + cfg.hidden_size * 2 + kv_bytes(cfg)
 
 
-def engine_row(name: str, fmt: str, bw: float) -> dict:
+def engine_row(name: str, fmt: str, bw: float, profile: bool = False) -> dict:
     cfg = ModelConfig(**SHAPES[name])
     llm = LLM(random_model(cfg), engine_config=EngineConfig(
         device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3, max_model_len=4096, cuda_weight_format=fmt))
@@ -54,6 +63,9 @@ def engine_row(name: str, fmt: str, bw: float) -> dict:
            "step_bytes": nbytes, "floor_ms_nominal": nbytes / NOMINAL_BW * 1e3, "floor_ms_measured": nbytes / bw * 1e3}
     row["share_nominal"] = row["floor_ms_nominal"] / row["step_ms"]
     row["replay_share_nominal"] = row["floor_ms_nominal"] / replay
+    if profile:  # where the batch-1 graph's time goes, kernel by kernel (torch.profiler over 20 replays)
+        with torch.inference_mode():
+            row["kernels"] = kernel_profile(llm, 1)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -64,13 +76,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="llama3.2-1b")
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true", help="also the batch-1 graph's kernels, per row")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     res = {"copy_bw": bw, "engine": []}
     for name in args.shapes.split(","):
         for fmt in ("bf16", "int4"):
-            row = engine_row(name, fmt, bw)
+            row = engine_row(name, fmt, bw, args.profile)
             print(json.dumps(row), flush=True)
             res["engine"].append(row)
     if args.json:

@@ -57,3 +57,18 @@ def test_the_checker_sees_violations(tmp_path):
     f = tmp_path / "x.py"
     f.write_text("import server.app\nfrom engine import model\nimport os\n")
     assert imported_packages(f) == {"server", "engine"}
+
+
+def test_no_foreign_distribution_claims_our_package_names():
+    """Hugging Face's `kernels` distribution (a hard requirement of transformers 5.25+) installs a `kernels`
+    package that transformers then imports and finds ours instead: every model import fails. pyproject pins
+    transformers below 5.25; this names the cause if an environment has it anyway."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    for name in PACKAGES:
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            continue
+        pytest.fail(f"the distribution {dist.metadata['Name']} {dist.version} is installed and claims the "
+                    f"import name {name!r}, which is this repo's package: uninstall it (pip uninstall {name})")

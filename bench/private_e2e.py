@@ -138,12 +138,17 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
         toks, times, server_s = [], [], []
         bench_encrypted.tokens = toks
         t0 = time.perf_counter()
-        for tok in runtime.generate(ids, params):
-            times.append(time.perf_counter())
-            toks.append(tok)
-            server_s.append(tok.stats.seconds)
-            took = times[-1] - (times[-2] if len(times) > 1 else t0)
-            print(f"  encrypted token {len(toks)}: {tok.text!r} {took:.1f} s", file=sys.stderr, flush=True)
+        try:
+            for tok in runtime.generate(ids, params):
+                times.append(time.perf_counter())
+                toks.append(tok)
+                server_s.append(tok.stats.seconds)
+                took = times[-1] - (times[-2] if len(times) > 1 else t0)
+                print(f"  encrypted token {len(toks)}: {tok.text!r} {took:.1f} s ({tok.stats.steps} steps)",
+                      file=sys.stderr, flush=True)
+        finally:   # also on a timeout's SIGTERM: a throttled run must say so (the SDK retries 429s silently)
+            print(f"  refused by a tenant limit (429) so far: {rate_limited(server.url)}", file=sys.stderr,
+                  flush=True)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     first, rest = toks[0].stats, [t.stats for t in toks[1:]]
     mode = "encrypted" if packed else "encrypted, token prefill"
@@ -151,6 +156,17 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
               _mean([s.bytes_up for s in rest]), _mean([s.bytes_down for s in rest]),
               "".join(t.text for t in toks))
     return row, setup, server_s, len(ids)
+
+
+def rate_limited(url: str) -> dict[str, float]:
+    """The server's ``cipherlm:rate_limited_total`` by label set (``{}``: no request was refused by a limit).
+    Issue 17, session 10: a 28-layer offload run was held to 11 s a token by requests/min, unseen."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError as exc:
+        return {"unreadable": repr(exc)}
+    rows = [line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("cipherlm:rate_limited_total{")]
+    return {labels.removeprefix("cipherlm:rate_limited_total"): float(v) for labels, v in rows}
 
 
 def _one_session(url: str, api_key: str, key_id: str, cache_dir: str, prompt: str, max_tokens: int,
@@ -191,7 +207,8 @@ def bench_sessions(server, prompt: str, max_tokens: int, counts: list[int], cach
         inside = sum(lo < t <= hi for r in runs for t in r)
         tpots = [(r[-1] - r[0]) / (len(r) - 1) for r in runs if len(r) > 1]
         out.append({"sessions": k, "tokens": [len(r) for r in runs], "tpot_s": _mean(tpots),
-                    "window_s": hi - lo, "aggregate_tok_s": inside / (hi - lo) if hi > lo else None})
+                    "window_s": hi - lo, "aggregate_tok_s": inside / (hi - lo) if hi > lo else None,
+                    "rate_limited": rate_limited(server.url)})
         print(f"  {k} sessions: {out[-1]}", file=sys.stderr, flush=True)
     return out
 
@@ -386,28 +403,49 @@ def main(argv: list[str] | None = None) -> int:
         with running_server(root, None, plan, args.workers,
                             max_session_tokens=args.prompt_tokens + max(args.max_tokens, args.session_tokens) + 8,
                             offload=offload) as server:
+            _elapsed("server ready")
             plain = bench_plaintext(server, prompt, args.max_tokens)
+            _elapsed("plaintext tenant done")
             enc, setup, server_s, n_prompt = bench_encrypted(server, prompt, args.max_tokens, root / "client")
+            _elapsed("encrypted tenant done")
             extra = []
             if args.token_prefill:
                 tok, _, tok_s, _ = bench_encrypted(server, prompt, args.max_tokens, root / "client", packed=False)
                 extra = [tok]
                 print(f"  token prefill: server prefill {_s(tok_s[0])}", file=sys.stderr, flush=True)
-            sessions = bench_sessions(server, prompt, args.session_tokens, counts, root / "client") if counts else []
-    print(table([plain, enc, *extra]))
+            report = {"rows": [dataclasses.asdict(plain), dataclasses.asdict(enc)], "setup": dataclasses.asdict(setup),
+                      "server_s": server_s, "sessions": [], "rate_limited": rate_limited(server.url)}
+            # the single-session results first: a run cut short in the concurrent sessions still reports them
+            _report(args, report, [plain, enc, *extra], setup, server_s, n_prompt, enc, plain, command, n_server)
+            if counts:
+                report["sessions"] = bench_sessions(server, prompt, args.session_tokens, counts, root / "client")
+                report["rate_limited"] = rate_limited(server.url)
+                print()
+                print(sessions_table(report["sessions"], n_server or len(setup.encrypted_layers)), flush=True)
+                if args.json:
+                    args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+_T0 = time.perf_counter()
+
+
+def _elapsed(what: str) -> None:
+    """A progress line with the seconds since the script started (where a cut-short run's time went)."""
+    print(f"  [{time.perf_counter() - _T0:.0f} s] {what}", file=sys.stderr, flush=True)
+
+
+def _report(args, report: dict, rows: list[Row], setup, server_s, n_prompt, enc, plain, command, n_server) -> None:
+    """Print the tables and notes of the single-session runs; write ``report`` to ``--json``."""
+    print(table(rows))
     print()
     print(notes(args, setup, server_s, n_prompt, enc, plain, command, n_server))
     if args.offload or args.offload_plan:
         print()
         print(part_table(bench_encrypted.tokens, n_server or len(setup.encrypted_layers)))
-    if sessions:
-        print()
-        print(sessions_table(sessions, n_server or len(setup.encrypted_layers)))
+    sys.stdout.flush()
     if args.json:
-        args.json.write_text(json.dumps({"rows": [dataclasses.asdict(plain), dataclasses.asdict(enc)],
-                                         "setup": dataclasses.asdict(setup), "server_s": server_s,
-                                         "sessions": sessions}, indent=1))
-    return 0
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Per-tenant limits: requests/min, tokens/min, concurrent requests — refused with 429 + Retry-After.
+"""Per-tenant limits: requests/min, encrypted steps/min, tokens/min, concurrent requests — refused with
+429 + Retry-After.
 
 Rates are token buckets (capacity = the per-minute limit, refilled continuously), so a tenant may burst
 up to its minute's budget and then proceeds at the steady rate; the ``Retry-After`` is the time until
@@ -6,6 +7,12 @@ the bucket holds enough again. Checks run in the request path *before* the engin
 requests/min and concurrency before the body is tokenized, tokens/min right after (the cost is the
 prompt plus ``n * max_tokens`` reserved; what a request did not generate is refunded). The clock is
 injected so tests are exact.
+
+A step of an open encrypted session (one layer, or one linear part of a layer, for one token) is charged
+to its own bucket, steps/min, not to requests/min: an offload generation sends 4 steps per server layer per
+token (112 for the 28-layer plan), so as requests it spent the default 600 a minute in ~8 tokens on a GPU
+and was then held to 10 steps a second, 11 s a token (issue 17, session 10). Steps still take a
+concurrency slot.
 """
 
 from __future__ import annotations
@@ -59,8 +66,9 @@ class TenantLimiter:
         self.limits = limits
         self._clock = clock
         now = clock()
-        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+        rpm, spm, tpm = limits.requests_per_minute, limits.steps_per_minute, limits.tokens_per_minute
         self._requests = TokenBucket.per_minute(rpm, now) if rpm else None
+        self._steps = TokenBucket.per_minute(spm, now) if spm else None
         self._tokens = TokenBucket.per_minute(tpm, now) if tpm else None
         self.in_flight = 0
         self._lock = threading.Lock()
@@ -71,17 +79,28 @@ class TenantLimiter:
         Raises:
             RateLimitError: over requests/min or at max concurrency (nothing was taken).
         """
+        self._admit(self._requests, "requests_per_minute", "requests")
+
+    def admit_step(self) -> None:
+        """:meth:`admit` for a step of an open encrypted session: counted against steps/min, not requests/min
+        (a generation is one request's worth of work in many steps; see the module docstring).
+
+        Raises:
+            RateLimitError: over steps/min or at max concurrency (nothing was taken).
+        """
+        self._admit(self._steps, "steps_per_minute", "steps")
+
+    def _admit(self, bucket: TokenBucket | None, limit: str, unit: str) -> None:
         with self._lock:
             cap = self.limits.max_concurrent
             if cap is not None and self.in_flight >= cap:
                 raise RateLimitError(f"too many concurrent requests (limit {cap})", retry_after=1.0,
                                      code="concurrency_limit_exceeded")
-            if self._requests is not None:
-                wait = self._requests.take(1, self._clock())
+            if bucket is not None:
+                wait = bucket.take(1, self._clock())
                 if wait:
-                    raise RateLimitError(
-                        f"rate limit reached: {self.limits.requests_per_minute} requests per minute",
-                        retry_after=wait, code="requests_per_minute_exceeded")
+                    raise RateLimitError(f"rate limit reached: {getattr(self.limits, limit)} {unit} per minute",
+                                         retry_after=wait, code=f"{limit}_exceeded")
             self.in_flight += 1
 
     def release(self) -> None:

@@ -68,6 +68,9 @@ class LimitSettings(BaseModel):
     """
 
     requests_per_minute: int | None = Field(600, ge=1)
+    #: steps of open encrypted sessions (one layer or linear part for one token each); apart from requests
+    #: because one generation is thousands of steps (the 28-layer offload plan: 112 a token)
+    steps_per_minute: int | None = Field(60_000, ge=1, description="steps of open encrypted sessions")
     tokens_per_minute: int | None = Field(60_000, ge=1, description="prompt + reserved completion tokens")
     max_concurrent: int | None = Field(16, ge=1)
     max_context_tokens: int | None = Field(4096, ge=1, description="prompt + max_tokens per request")

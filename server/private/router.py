@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from server.errors import NotFoundError, PermissionDeniedError, RequestTooLargeError
 from server.keys import KeyRecord, KeyTooLargeError
 from server.private.service import PrivateService
-from server.routers.deps import admit_request, ensure_admitting
+from server.routers.deps import admit_request, admit_step, ensure_admitting
 from server.settings import PrivacyMode
 from server.tenants import Tenant, get_tenant
 
@@ -179,7 +179,7 @@ async def step(session_id: str, request: Request, tenant: TenantDep, svc: Privat
     """One encrypted layer over one or more positions (binary envelope in, binary envelope out)."""
     svc.session_for(tenant.id, session_id)  # 404/410 before a byte of the body is read
     check_declared_size(request, svc.cfg.max_step_bytes, "step_too_large")
-    limiter = admit_request(request, tenant)
+    limiter = admit_step(request, tenant)   # steps/min, not requests/min: a generation is thousands of steps
     try:
         out = await svc.step(tenant.id, session_id, await read_capped(request, svc.cfg.max_step_bytes,
                                                                       "step_too_large"),

@@ -42,10 +42,21 @@ def admit_request(request: Request, tenant: Tenant) -> TenantLimiter:
     Called from the handler, not as a dependency: FastAPI validates the body after the dependencies,
     and a request refused for its body must not hold a concurrency slot.
     """
+    return _admitted(request, tenant, TenantLimiter.admit)
+
+
+def admit_step(request: Request, tenant: Tenant) -> TenantLimiter:
+    """:func:`admit_request` for a step of an open encrypted session: steps/min (not requests/min) and
+    concurrency. The caller must ``release()``."""
+    return _admitted(request, tenant, TenantLimiter.admit_step)
+
+
+def _admitted(request: Request, tenant: Tenant, admit) -> TenantLimiter:
+    """The tenant's limiter after ``admit(limiter)``; a refusal is counted in the metrics and re-raised."""
     limits: LimitRegistry = request.app.state.limits
     limiter = limits.for_tenant(tenant.id, tenant.limits)
     try:
-        limiter.admit()
+        admit(limiter)
     except RateLimitError as exc:
         get_metrics(request).rate_limited.labels(tenant.id, exc.code or "limit").inc()
         raise

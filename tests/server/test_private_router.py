@@ -16,6 +16,7 @@ import pytest
 
 from server.app import create_app
 from server.audit import Event, iter_records
+from server.limits import LimitRegistry
 from server.settings import LimitSettings, Settings, TenantSettings
 from server.tenants import hash_api_key
 from tests.server.app_helpers import engine, tiny_loaded, tiny_model_dir  # noqa: F401 (fixtures)
@@ -48,14 +49,14 @@ def plan(tiny_model_dir, tmp_path_factory):  # noqa: F811
 @pytest.fixture()
 async def client(engine, tiny_model_dir, plan, tmp_path):  # noqa: F811
     """An httpx client on the app, its lifespan running (no worker started: none is needed here)."""
-    limited = LimitSettings(requests_per_minute=2, max_concurrent=1)
+    limited = LimitSettings(requests_per_minute=2, max_concurrent=1, steps_per_minute=3)
     tenants = [TenantSettings(id="enc", api_key_hashes=[hash_api_key(KEYS["enc"])], privacy_mode="encrypted"),
                TenantSettings(id="plain", api_key_hashes=[hash_api_key(KEYS["plain"])]),
                TenantSettings(id="enc-limited", api_key_hashes=[hash_api_key(KEYS["enc-limited"])],
                               privacy_mode="encrypted", limits=limited)]
     settings = Settings(model=str(tiny_model_dir), served_model_name="tiny", server_secret="s", tenants=tenants,
                         private=private_settings(plan, tmp_path / "state", max_key_bytes=4 * MB))
-    app = create_app(settings, engine)
+    app = create_app(settings, engine, limits=LimitRegistry(lambda: 1000.0))   # frozen: no bucket refills
     async with app.router.lifespan_context(app):
         assert app.state.private is not None and app.state.private.pool.running() == []
         transport = httpx.ASGITransport(app=app)
@@ -127,6 +128,39 @@ async def test_tenant_limits_apply_to_private_calls(client):
     body = Body(1000)
     r = await client.post("/v1/private/keys/k1", headers=auth("enc-limited"), content=body)
     assert r.status_code == 429 and body.sent == 0
+
+
+@pytest.fixture()
+def open_steps(client, monkeypatch):
+    """The service answers every step of session ``ps_open`` at once (no worker: only admission is tested)."""
+    svc = client.app.state.private
+
+    async def step(tenant, sid, body, *, request_id=None):
+        return b"result"
+
+    monkeypatch.setattr(svc, "session_for", lambda tenant, sid: None)
+    monkeypatch.setattr(svc, "step", step)
+    return "/v1/private/sessions/ps_open/steps"
+
+
+async def test_an_offload_generation_is_not_throttled_by_requests_per_minute(client, open_steps):
+    """Issue 17 (session 10): the 28-layer offload plan sends 4 steps per server layer per token, 112 a token;
+    counted as requests, the default 600 a minute let ~8 tokens through at GPU speed and then held the
+    client to 10 steps a second (11 s a token). Steps of open sessions are metered by ``steps_per_minute``."""
+    for n in range(6 * 28 * 4):   # six tokens' steps inside one (frozen) minute: over 600
+        r = await client.post(open_steps, headers=auth("enc"), content=b"x")
+        assert r.status_code == 200, (n, r.text)
+
+
+async def test_steps_per_minute_limits_a_tenants_steps_apart_from_its_requests(client, open_steps):
+    opened = [await client.post("/v1/private/sessions", headers=auth("enc-limited"),
+                                json={"key_id": "none", "plan_hash": PLAN_HASH}) for _ in range(2)]
+    assert [r.status_code for r in opened] == [409, 409]           # requests/min (2) spent
+    steps = [await client.post(open_steps, headers=auth("enc-limited"), content=b"x") for _ in range(4)]
+    assert [r.status_code for r in steps] == [200, 200, 200, 429]  # steps/min (3) is its own budget
+    assert code(steps[3]) == "steps_per_minute_exceeded" and steps[3].headers["retry-after"] == "20"
+    metrics = (await client.get("/metrics")).text
+    assert 'cipherlm:rate_limited_total{limit="steps_per_minute_exceeded",tenant="enc-limited"} 1.0' in metrics
 
 
 async def test_draining_refuses_new_keys_and_sessions(client):

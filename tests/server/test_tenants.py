@@ -161,6 +161,25 @@ def test_token_bucket_retry_after_is_exact():
     assert b.level == 60
 
 
+def test_steps_have_their_own_bucket_and_share_the_concurrency_slots():
+    clock = FakeClock()
+    lim = TenantLimiter(LimitSettings(requests_per_minute=1, steps_per_minute=120, max_concurrent=2), clock)
+    lim.admit()
+    for _ in range(119):              # requests/min is spent; steps are not requests (issue 17, session 10)
+        lim.admit_step()
+        lim.release()
+    lim.admit_step()                  # the 120th: the step bucket is empty now, one slot in use
+    with pytest.raises(Exception) as info:
+        lim.admit_step()
+    assert info.value.status_code == 429 and info.value.code == "concurrency_limit_exceeded"
+    lim.release()
+    with pytest.raises(Exception) as info:
+        lim.admit_step()
+    assert info.value.code == "steps_per_minute_exceeded" and info.value.retry_after == 1   # 0.5 s, whole seconds
+    clock.now += 0.5                  # 120 a minute refill one step in 0.5 s
+    lim.admit_step()
+
+
 def test_limiter_concurrency_and_refund():
     clock = FakeClock()
     lim = TenantLimiter(LimitSettings(requests_per_minute=None, max_concurrent=1, tokens_per_minute=100), clock)

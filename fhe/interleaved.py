@@ -1,0 +1,224 @@
+"""Several positions per linear step with one rotation for all of them: the position-interleaved chunk
+layout of the offload plan's multi-position steps (prefill chunks, speculative verify steps; issue 18).
+
+The one-position hybrid product (:class:`fhe.linalg.HybridMatvec`) already fills a ciphertext at N = 8192
+(the MLP's 3072 outputs of 576 inputs), so packing positions into its blocks saves little (pack17). Here the
+m positions of a chunk share every rotation instead:
+
+* **Slots.** With S slots and m positions, slot ``i*m + p`` belongs to position p, row i (``R = S/m`` rows).
+  A rotation by ``m*r`` moves row i + r to row i for every position at once, cyclically over the R rows.
+* **Input** (the client's layout, :meth:`ChunkShape.pack`): the n_in inputs are cut in ``T`` tiles of
+  ``tile`` values (a power of two dividing R); ciphertext t holds, in row i of position p,
+  ``x_p[t*tile + (i mod tile)]`` (zero past n_in, and for the absent positions of a short chunk).
+* **Output** (:meth:`ChunkShape.unpack`): ciphertext g (``G = ceil(n_out/R)``) holds ``y_p[g*R + i]`` in
+  row i of position p.
+* **Product.** ``y_g = sum_t sum_{r < tile} d_{g,t,r} * rot(x_t, m*r)`` with
+  ``d_{g,t,r}[i*m + p] = W[g*R + i, t*tile + (i + r) mod tile]`` (the same for every p), by baby-step /
+  giant-step with ``r = j + baby*k``: the babies ``rot(x_t, m*j)`` by repeated rotation by m (one key), the
+  per-(g, k) sums rescaled, then Horner over k with the key ``m*baby`` at level 1 (rotations there are
+  cheaper), so a chunk costs ``T*(baby - 1) + G*(giants - 1)`` rotations — shared by its m positions and, for
+  the babies, by every output ciphertext — and ``T*tile*G`` plaintext products, which is close to the slot
+  floor ``m*n_in*n_out/S`` (every row of every product is an output row when ``R`` divides n_out).
+
+Costs: the plaintexts are m times those of one position (each holds R distinct weights, repeated for the m
+positions), so the server holds ``~m*n_in*n_out/S`` plaintexts per part (docs/fhe.md §10). Everything goes
+through :class:`fhe.evaluator.Evaluator`; nothing here names a CKKS library.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from fhe.errors import LevelError, ShapeError
+from fhe.evaluator import Ciphertext, EvalKeys, Evaluator
+
+#: positions per chunk ciphertext of a multi-position step (a speculative verify step of k + 1 = 4
+#: positions fills one chunk); every multi-position step is cut into chunks of this many positions
+CHUNK_POSITIONS = 4
+#: a rotation's cost in plaintext products (multiply + add) on SEAL at N = 8192, fresh level: 1.30 ms
+#: against 0.149 ms (docs/benchmarks.md, issue 18 item 2); picks the tile and baby step
+ROTATION_COST = 9.0
+#: a ciphertext on the wire in plaintext products: the client's encryption or decryption (~1.3 ms), the
+#: server's parse or serialization (~1 ms) and ~0.2 MB of transfer; keeps the tiles few
+CIPHERTEXT_COST = 20.0
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """The chunk layout of one ``n_out x n_in`` product for ``positions`` positions (from shapes alone:
+    client and server build the same one)."""
+
+    slots: int
+    n_in: int
+    n_out: int
+    positions: int
+    tile: int
+    baby: int
+
+    def __post_init__(self) -> None:
+        m, t = self.positions, self.tile
+        if m < 1 or m & (m - 1) or self.slots % m:
+            raise ShapeError(f"{m} positions must be a power of two dividing {self.slots} slots")
+        if t < 1 or t & (t - 1) or self.rows % t or self.baby < 1 or self.baby > t:
+            raise ShapeError(f"tile {t} must be a power of two dividing {self.rows} rows, baby in [1, tile]")
+
+    @property
+    def rows(self) -> int:
+        """R = S/m: the rows of one position."""
+        return self.slots // self.positions
+
+    @property
+    def tiles(self) -> int:
+        """T: input ciphertexts per chunk."""
+        return -(-self.n_in // self.tile)
+
+    @property
+    def groups(self) -> int:
+        """G: output ciphertexts per chunk."""
+        return -(-self.n_out // self.rows)
+
+    @property
+    def giants(self) -> int:
+        return -(-self.tile // self.baby)
+
+    @property
+    def rotations(self) -> int:
+        """Rotations of one chunk (shared by its positions)."""
+        return self.tiles * (self.baby - 1) + self.groups * (self.giants - 1)
+
+    @property
+    def products(self) -> int:
+        """Plaintext products of one chunk (an upper bound: all-zero diagonals are skipped)."""
+        return self.tiles * self.tile * self.groups
+
+    @property
+    def rotation_steps(self) -> set[int]:
+        """Galois steps: m (babies) and m * baby (giants)."""
+        steps = {self.positions} if self.baby > 1 else set()
+        if self.giants > 1:
+            steps.add(self.positions * self.baby)
+        return {s % self.slots for s in steps} - {0}
+
+    # -- the client's side ---------------------------------------------------------------------------
+    def pack(self, xs: np.ndarray) -> list[np.ndarray]:
+        """xs [count <= m, n_in] -> the T input slot vectors [S] of one chunk (slot i*m + p: row i, position p)."""
+        xs = np.asarray(xs, np.float64)
+        if xs.ndim != 2 or not 1 <= xs.shape[0] <= self.positions or xs.shape[1] != self.n_in:
+            raise ShapeError(f"a chunk takes [1..{self.positions}, {self.n_in}] inputs, got {xs.shape}")
+        pad = np.zeros((self.positions, self.tiles * self.tile))
+        pad[: xs.shape[0], : self.n_in] = xs
+        reps = self.rows // self.tile
+        # tile t: [tile, m] (row i, position p) repeated down the R rows, then row-major = slot i*m + p
+        return [np.tile(pad[:, t * self.tile:(t + 1) * self.tile].T, (reps, 1)).ravel() for t in range(self.tiles)]
+
+    def unpack(self, values: list[np.ndarray], count: int) -> np.ndarray:
+        """The G decrypted output slot vectors of one chunk -> y [count, n_out]."""
+        if len(values) != self.groups or not 1 <= count <= self.positions:
+            raise ShapeError(f"a chunk answers {self.groups} ciphertexts for 1..{self.positions} positions")
+        rows = np.concatenate([np.asarray(v)[: self.slots].reshape(self.rows, self.positions) for v in values])
+        return rows[: self.n_out, :count].T
+
+    # -- the server's side ---------------------------------------------------------------------------
+    def diagonals(self, weight: np.ndarray) -> dict[tuple[int, int], list[tuple[int, int, np.ndarray]]]:
+        """Per (group g, giant k): [(tile t, baby j, rot(d_{g,t,j+baby*k}, -m*baby*k) as a dense [S] vector)],
+        all-zero diagonals left out (a backend may refuse a transparent plaintext)."""
+        if weight.shape != (self.n_out, self.n_in):
+            raise ShapeError(f"weight {weight.shape} for a {self.n_out} x {self.n_in} chunk product")
+        R, m, tl = self.rows, self.positions, self.tile
+        wp = np.zeros((self.groups * R, self.tiles * tl))
+        wp[: self.n_out, : self.n_in] = weight
+        i = np.arange(R)
+        out: dict[tuple[int, int], list[tuple[int, int, np.ndarray]]] = {}
+        for g in range(self.groups):
+            block = wp[g * R:(g + 1) * R]                                  # [R, T*tile]: rows of group g
+            for t in range(self.tiles):
+                for r in range(tl):
+                    d = block[i, t * tl + (i + r) % tl]                    # [R]: row i reads x[t*tile + (i+r) mod tile]
+                    if not np.any(d):
+                        continue
+                    j, k = r % self.baby, r // self.baby
+                    out.setdefault((g, k), []).append((t, j, np.roll(np.repeat(d, m), m * self.baby * k)))
+        return out
+
+    def encode(self, ev: Evaluator, weight: np.ndarray, level: int) -> EncodedChunk:
+        """Pre-encode the diagonals for inputs at ``level`` (outputs rescaled to level - 1)."""
+        if level < 2:
+            raise LevelError("a chunk product needs a level to rescale into")
+        scale = ev.prime(level)
+        enc = {gk: [(t, j, ev.encode(d, level, scale)) for t, j, d in grp]
+               for gk, grp in self.diagonals(weight).items()}
+        return EncodedChunk(self, level, enc)
+
+
+@dataclass
+class EncodedChunk:
+    """A chunk product with its diagonals encoded; call it on the T input ciphertexts of one chunk."""
+
+    shape: ChunkShape
+    level: int
+    plaintexts: dict
+
+    def __call__(self, ev: Evaluator, cts: list[Ciphertext], keys: EvalKeys) -> list[Ciphertext]:
+        """T fresh input ciphertexts -> the G output ciphertexts at ``level - 1``."""
+        sh = self.shape
+        if len(cts) != sh.tiles:
+            raise ShapeError(f"a chunk product takes {sh.tiles} ciphertexts, got {len(cts)}")
+        if any(ev.level(c) != self.level for c in cts):
+            raise LevelError(f"chunk product encoded for level {self.level}")
+        babies = [self._babies(ev, ct, keys) for ct in cts]               # [T][j]: rot(x_t, m*j)
+        return [self._group(ev, g, babies, keys) for g in range(sh.groups)]
+
+    def _babies(self, ev: Evaluator, ct: Ciphertext, keys: EvalKeys) -> list[Ciphertext]:
+        out = [ct]
+        for _ in range(1, self.shape.baby):
+            out.append(ev.rotate(out[-1], self.shape.positions, keys))
+        return out
+
+    def _group(self, ev: Evaluator, g: int, babies: list[list[Ciphertext]], keys: EvalKeys) -> Ciphertext:
+        """Output ciphertext g: per giant k the rescaled sum of its products, then Horner over k at level - 1."""
+        sh = self.shape
+        out = None
+        for k in range(sh.giants - 1, -1, -1):
+            if out is not None:
+                out = ev.rotate(out, sh.positions * sh.baby, keys)
+            grp = self.plaintexts.get((g, k))
+            if grp:
+                part = ev.dot_plain([(babies[t][j], pt) for t, j, pt in grp])
+                ev.rescale_inplace(part)
+                out = part if out is None else ev.add(out, part)
+        if out is None:
+            raise ShapeError(f"output ciphertext {g} of the chunk has no non-zero weight")
+        return out
+
+
+def chunk_count(count: int, positions: int = CHUNK_POSITIONS) -> int:
+    """Chunks of a multi-position step of ``count`` positions."""
+    return -(-count // positions)
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_shape(slots: int, n_in: int, n_out: int, positions: int = CHUNK_POSITIONS) -> ChunkShape:
+    """The cheapest chunk layout of an ``n_out x n_in`` product (tile and baby step, powers of two) by the
+    cost model ``products + ROTATION_COST * rotations + CIPHERTEXT_COST * (T + G)``: deterministic, so client and server agree."""
+    rows = slots // positions
+    best, best_cost = None, math.inf
+    tile = 1
+    while tile <= rows:
+        baby = 1
+        while baby <= tile:
+            sh = ChunkShape(slots, n_in, n_out, positions, tile, baby)
+            cost = sh.products + ROTATION_COST * sh.rotations + CIPHERTEXT_COST * (sh.tiles + sh.groups)
+            if cost < best_cost:
+                best, best_cost = sh, cost
+            baby *= 2
+        tile *= 2
+    if best is None:
+        raise ShapeError(f"no chunk layout of {positions} positions in {slots} slots")
+    return best
+
+
+__all__ = ["CHUNK_POSITIONS", "ChunkShape", "EncodedChunk", "chunk_count", "chunk_shape"]

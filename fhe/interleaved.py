@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fhe.errors import LevelError, ShapeError
-from fhe.evaluator import Ciphertext, EvalKeys, Evaluator
+from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, check_fresh
 
 #: positions per chunk ciphertext of a multi-position step (a speculative verify step of k + 1 = 4
 #: positions fills one chunk); every multi-position step is cut into chunks of this many positions
@@ -195,6 +195,54 @@ class EncodedChunk:
         return out
 
 
+class ChunkProducts:
+    """A server block's chunk products, one per part, encoded once (at construction).
+
+    Args:
+        ev: the block's evaluator.
+        weights: part -> W [n_out, n_in] (float64).
+        biases: part -> b [n_out], added to that part's outputs (``attn_qkv`` of models with q/k/v biases).
+        positions: m.
+    """
+
+    def __init__(self, ev: Evaluator, weights: dict[str, np.ndarray], biases: dict[str, np.ndarray] | None = None,
+                 positions: int = CHUNK_POSITIONS) -> None:
+        self.ev = ev
+        self.shapes = {p: chunk_shape(ev.slots, w.shape[1], w.shape[0], positions) for p, w in weights.items()}
+        self.encoded = {p: self.shapes[p].encode(ev, w, ev.top) for p, w in weights.items()}
+        self._bias = dict(biases or {})
+        self._bias_pt: dict[tuple[str, int], object] = {}
+
+    @property
+    def rotation_steps(self) -> set[int]:
+        return {s for sh in self.shapes.values() for s in sh.rotation_steps}
+
+    def __call__(self, part: str, cts: list[Ciphertext], keys: EvalKeys) -> list[Ciphertext]:
+        """The fresh inputs of a step's chunks (T per chunk, in order) -> their outputs at level 1 (G per
+        chunk, in order)."""
+        sh, ev = self.shapes[part], self.ev
+        if not cts or len(cts) % sh.tiles:
+            raise ShapeError(f"{part}: chunks of {sh.tiles} ciphertexts, got {len(cts)}")
+        for ct in cts:
+            check_fresh(ev, keys, ct)
+        out = []
+        for c in range(0, len(cts), sh.tiles):
+            res = self.encoded[part](ev, cts[c:c + sh.tiles], keys)
+            if part in self._bias:
+                res = [ev.add_plain(r, self._bias_plain(part, g, r)) for g, r in enumerate(res)]
+            out += [ev.mod_switch(r, 1) for r in res]
+        return out
+
+    def _bias_plain(self, part: str, g: int, like: Ciphertext):
+        if (part, g) not in self._bias_pt:
+            sh = self.shapes[part]
+            b = np.zeros(sh.groups * sh.rows)
+            b[: sh.n_out] = self._bias[part]
+            vals = np.repeat(b[g * sh.rows:(g + 1) * sh.rows], sh.positions)    # slot i*m + p: b[g*R + i]
+            self._bias_pt[(part, g)] = self.ev.encode(vals, self.ev.level(like), self.ev.scale_of(like))
+        return self._bias_pt[(part, g)]
+
+
 def chunk_count(count: int, positions: int = CHUNK_POSITIONS) -> int:
     """Chunks of a multi-position step of ``count`` positions."""
     return -(-count // positions)
@@ -221,4 +269,4 @@ def chunk_shape(slots: int, n_in: int, n_out: int, positions: int = CHUNK_POSITI
     return best
 
 
-__all__ = ["CHUNK_POSITIONS", "ChunkShape", "EncodedChunk", "chunk_count", "chunk_shape"]
+__all__ = ["CHUNK_POSITIONS", "ChunkProducts", "ChunkShape", "EncodedChunk", "chunk_count", "chunk_shape"]

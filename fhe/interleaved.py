@@ -251,7 +251,8 @@ def chunk_count(count: int, positions: int = CHUNK_POSITIONS) -> int:
 @functools.lru_cache(maxsize=64)
 def chunk_shape(slots: int, n_in: int, n_out: int, positions: int = CHUNK_POSITIONS) -> ChunkShape:
     """The cheapest chunk layout of an ``n_out x n_in`` product (tile and baby step, powers of two) by the
-    cost model ``products + ROTATION_COST * rotations + CIPHERTEXT_COST * (T + G)``: deterministic, so client and server agree."""
+    cost model ``products + ROTATION_COST * rotations + CIPHERTEXT_COST * (T + G)``: deterministic, so
+    client and server agree."""
     rows = slots // positions
     best, best_cost = None, math.inf
     tile = 1

@@ -20,10 +20,10 @@ from fhe import envelope
 from fhe.backends import check_backend, describe
 from fhe.errors import BackendMismatchError
 from fhe.fingerprint import params_hash
+from fhe.interleaved import ChunkShape
 from fhe.mlp import MLP_PARAMS
 from fhe.offload import OffloadPlan, OffloadPlanError
 from fhe.offload_attention import AttentionLinearLayout, attention_geometry
-from fhe.interleaved import ChunkShape
 from fhe.offload_steps import (
     ATTENTION_PARTS,
     MLP_PARTS,

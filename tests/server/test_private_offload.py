@@ -302,8 +302,8 @@ def test_attention_linear_steps_are_checked_like_mlp_steps(setup, session):
     blobs = tuple(wire_encrypt(rt, r) for r in rows)
     _error(_post(setup, sid, body(start=2, count=m + 1, blobs=blobs[:sh.tiles])), 400, "bad_step")
     one = wire_encrypt(rt, sh.pack(torch.randn(1, lay.hidden).numpy())[0])
-    _error(_post(setup, sid, _mlp_body(rt, sid, start=2, count=2, blobs=(one,) * (rt.offload.chunks["mlp_up"].tiles + 1))),
-           400, "bad_step")
+    too_many = (one,) * (rt.offload.chunks["mlp_up"].tiles + 1)
+    _error(_post(setup, sid, _mlp_body(rt, sid, start=2, count=2, blobs=too_many)), 400, "bad_step")
     chunked = _post(setup, sid, body(start=2, count=m + 1, blobs=blobs))      # two chunks: runs
     assert chunked.status_code == 200, chunked.text
     from fhe.envelope import parse

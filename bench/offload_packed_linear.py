@@ -6,9 +6,12 @@ SmolLM2-135M's shapes, the one-position hybrid product (today's layout) against 
 Per part and m: plaintext products and rotations per ciphertext and per position, server seconds per
 position (the encoded product + fold, median of ``--reps``), client encrypt + decrypt seconds per position,
 and fresh-up / level-1-down bytes per position. ``m`` runs over every value whose outputs fit one
-ciphertext; a part where only m = 1 fits says so.
+ciphertext; a part where only m = 1 fits says so. ``--chunk 4 8`` (issue 18 item 2) adds the
+position-interleaved chunk layout (:mod:`fhe.interleaved`: T tile ciphertexts in, G out per m positions) at
+those m, timed the same way.
 
-    flock /tmp/cipherlm-bench.lock python bench/offload_packed_linear.py --out bench/results/offload_packed_linear.json
+    flock /tmp/cipherlm-bench.lock python bench/offload_packed_linear.py --chunk 4 8 \
+        --out bench/results/offload_packed_linear.json
 """
 
 from __future__ import annotations

@@ -10,15 +10,18 @@ m positions of a chunk share every rotation instead:
 * **Input** (the client's layout, :meth:`ChunkShape.pack`): the n_in inputs are cut in ``T`` tiles of
   ``tile`` values (a power of two dividing R); ciphertext t holds, in row i of position p,
   ``x_p[t*tile + (i mod tile)]`` (zero past n_in, and for the absent positions of a short chunk).
-* **Output** (:meth:`ChunkShape.unpack`): ciphertext g (``G = ceil(n_out/R)``) holds ``y_p[g*R + i]`` in
-  row i of position p.
-* **Product.** ``y_g = sum_t sum_{r < tile} d_{g,t,r} * rot(x_t, m*r)`` with
-  ``d_{g,t,r}[i*m + p] = W[g*R + i, t*tile + (i + r) mod tile]`` (the same for every p), by baby-step /
+* **Output** (:meth:`ChunkShape.unpack`): ciphertext g (``G = ceil(n_out/R)``) holds ``y_p[g*R + o]`` in
+  row ``heads(g)[o]`` of position p: row o itself for a full group; a short last group of ``n_g`` outputs
+  folds ``c_g`` ways (the largest power of two with ``n_g*c_g <= R``, as the hybrid product does): output
+  o's partial sum k sits at ``head + k*w`` (``w = tile/c_g``) and reads the tile's values
+  ``(head + k*w + r) mod tile``, r < w, and ``log2 c_g`` rotations at level 1 add them into the head.
+* **Product.** ``y_g = sum_t sum_{r < w_g} d_{g,t,r} * rot(x_t, m*r)`` with
+  ``d_{g,t,r}[i*m + p] = W[out(i), t*tile + (i + r) mod tile]`` (the same for every p), by baby-step /
   giant-step with ``r = j + baby*k``: the babies ``rot(x_t, m*j)`` by repeated rotation by m (one key), the
   per-(g, k) sums rescaled, then Horner over k with the key ``m*baby`` at level 1 (rotations there are
-  cheaper), so a chunk costs ``T*(baby - 1) + G*(giants - 1)`` rotations — shared by its m positions and, for
-  the babies, by every output ciphertext — and ``T*tile*G`` plaintext products, which is close to the slot
-  floor ``m*n_in*n_out/S`` (every row of every product is an output row when ``R`` divides n_out).
+  cheaper), so a chunk costs ``T*(baby - 1) + sum_g (giants_g - 1 + log2 c_g)`` rotations — shared by its m
+  positions and, for the babies, by every output ciphertext — and ``sum_g T*w_g`` plaintext products, at or
+  near the slot floor ``m*n_in*n_out/S`` (SmolLM2 at m = 8: 873 per position and layer against 864).
 
 Costs: the plaintexts are m times those of one position (each holds R distinct weights, repeated for the m
 positions), so the server holds ``~m*n_in*n_out/S`` plaintexts per part (docs/fhe.md §10). Everything goes
@@ -35,10 +38,13 @@ import numpy as np
 
 from fhe.errors import LevelError, ShapeError
 from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, check_fresh
+from fhe.linalg import rotate_sum, rotate_sum_steps
 
-#: positions per chunk ciphertext of a multi-position step (a speculative verify step of k + 1 = 4
-#: positions fills one chunk); every multi-position step is cut into chunks of this many positions
-CHUNK_POSITIONS = 4
+#: positions per chunk of a multi-position step (a speculative verify step of k + 1 = 8 positions fills
+#: one); every multi-position step is cut into chunks of this many. 8 and not 4: at N = 8192 a 576-output
+#: part (attn_o, mlp_down) then fills a 512-row group and folds its last 64 outputs 8 ways, so its products
+#: reach the slot floor (4 positions leave 448 of 1024 rows idle); the price is twice the plaintexts
+CHUNK_POSITIONS = 8
 #: a rotation's cost in plaintext products (multiply + add) on SEAL at N = 8192, fresh level: 1.30 ms
 #: against 0.149 ms (docs/benchmarks.md, issue 18 item 2); picks the tile and baby step
 ROTATION_COST = 9.0
@@ -81,26 +87,53 @@ class ChunkShape:
         """G: output ciphertexts per chunk."""
         return -(-self.n_out // self.rows)
 
-    @property
-    def giants(self) -> int:
-        return -(-self.tile // self.baby)
+    def outputs(self, g: int) -> int:
+        """Outputs of output ciphertext g (R, the last one fewer)."""
+        return min(self.rows, self.n_out - g * self.rows)
+
+    def fold(self, g: int) -> int:
+        """c_g: partial sums per output of output ciphertext g, the largest power of two with
+        ``outputs(g) * c_g <= R`` (and ``<= tile``): a short last group reads ``tile / c_g`` diagonals per
+        tile instead of ``tile`` and folds its partial sums with ``log2 c_g`` rotations."""
+        c = 1
+        while 2 * c <= self.tile and self.outputs(g) * 2 * c <= self.rows:
+            c *= 2
+        return c
+
+    def window(self, g: int) -> int:
+        """w_g = tile / c_g: the diagonals per tile of output ciphertext g."""
+        return self.tile // self.fold(g)
+
+    def heads(self, g: int) -> np.ndarray:
+        """[outputs(g)] the row of each output of ciphertext g: ``p*tile + u`` (u < w_g); its partial sum k
+        sits at row ``head + k*w_g`` and reads the tile's values ``(head + k*w_g + r) mod tile``, r < w_g."""
+        w = self.window(g)
+        rows = (np.arange(self.rows // self.tile)[:, None] * self.tile + np.arange(w)[None, :]).ravel()
+        return rows[: self.outputs(g)]
+
+    def giants(self, g: int) -> int:
+        return -(-self.window(g) // self.baby)
 
     @property
     def rotations(self) -> int:
-        """Rotations of one chunk (shared by its positions)."""
-        return self.tiles * (self.baby - 1) + self.groups * (self.giants - 1)
+        """Rotations of one chunk (shared by its positions): babies, giants and folds."""
+        return self.tiles * (self.baby - 1) + sum(self.giants(g) - 1 + len(rotate_sum_steps(1, self.fold(g)))
+                                                  for g in range(self.groups))
 
     @property
     def products(self) -> int:
         """Plaintext products of one chunk (an upper bound: all-zero diagonals are skipped)."""
-        return self.tiles * self.tile * self.groups
+        return sum(self.tiles * self.window(g) for g in range(self.groups))
 
     @property
     def rotation_steps(self) -> set[int]:
-        """Galois steps: m (babies) and m * baby (giants)."""
-        steps = {self.positions} if self.baby > 1 else set()
-        if self.giants > 1:
-            steps.add(self.positions * self.baby)
+        """Galois steps: m (babies), m * baby (giants) and the folds' m * w_g * 2^i."""
+        m = self.positions
+        steps = {m} if self.baby > 1 else set()
+        for g in range(self.groups):
+            if self.giants(g) > 1:
+                steps.add(m * self.baby)
+            steps |= set(rotate_sum_steps(m * self.window(g), self.fold(g)))
         return {s % self.slots for s in steps} - {0}
 
     # -- the client's side ---------------------------------------------------------------------------
@@ -119,8 +152,9 @@ class ChunkShape:
         """The G decrypted output slot vectors of one chunk -> y [count, n_out]."""
         if len(values) != self.groups or not 1 <= count <= self.positions:
             raise ShapeError(f"a chunk answers {self.groups} ciphertexts for 1..{self.positions} positions")
-        rows = np.concatenate([np.asarray(v)[: self.slots].reshape(self.rows, self.positions) for v in values])
-        return rows[: self.n_out, :count].T
+        rows = np.concatenate([np.asarray(v)[: self.slots].reshape(self.rows, self.positions)[self.heads(g)]
+                               for g, v in enumerate(values)])
+        return rows[:, :count].T
 
     # -- the server's side ---------------------------------------------------------------------------
     def diagonals(self, weight: np.ndarray) -> dict[tuple[int, int], list[tuple[int, int, np.ndarray]]]:
@@ -128,16 +162,18 @@ class ChunkShape:
         all-zero diagonals left out (a backend may refuse a transparent plaintext)."""
         if weight.shape != (self.n_out, self.n_in):
             raise ShapeError(f"weight {weight.shape} for a {self.n_out} x {self.n_in} chunk product")
-        R, m, tl = self.rows, self.positions, self.tile
-        wp = np.zeros((self.groups * R, self.tiles * tl))
-        wp[: self.n_out, : self.n_in] = weight
-        i = np.arange(R)
+        m, tl = self.positions, self.tile
+        wp = np.zeros((self.n_out, self.tiles * tl))
+        wp[:, : self.n_in] = weight
         out: dict[tuple[int, int], list[tuple[int, int, np.ndarray]]] = {}
         for g in range(self.groups):
-            block = wp[g * R:(g + 1) * R]                                  # [R, T*tile]: rows of group g
+            w, heads = self.window(g), self.heads(g)
+            rows = (heads[:, None] + np.arange(self.fold(g))[None, :] * w).ravel()    # [n_g * c]: partial-sum rows
+            outs = np.repeat(np.arange(len(heads)) + g * self.rows, self.fold(g))      # the output each row sums
             for t in range(self.tiles):
-                for r in range(tl):
-                    d = block[i, t * tl + (i + r) % tl]                    # [R]: row i reads x[t*tile + (i+r) mod tile]
+                for r in range(w):
+                    d = np.zeros(self.rows)
+                    d[rows] = wp[outs, t * tl + (rows + r) % tl]                   # row reads x[t*tile + (row+r) mod tile]
                     if not np.any(d):
                         continue
                     j, k = r % self.baby, r // self.baby
@@ -182,7 +218,7 @@ class EncodedChunk:
         """Output ciphertext g: per giant k the rescaled sum of its products, then Horner over k at level - 1."""
         sh = self.shape
         out = None
-        for k in range(sh.giants - 1, -1, -1):
+        for k in range(sh.giants(g) - 1, -1, -1):
             if out is not None:
                 out = ev.rotate(out, sh.positions * sh.baby, keys)
             grp = self.plaintexts.get((g, k))
@@ -192,7 +228,7 @@ class EncodedChunk:
                 out = part if out is None else ev.add(out, part)
         if out is None:
             raise ShapeError(f"output ciphertext {g} of the chunk has no non-zero weight")
-        return out
+        return rotate_sum(ev, out, sh.positions * sh.window(g), sh.fold(g), keys)
 
 
 class ChunkProducts:

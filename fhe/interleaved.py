@@ -173,7 +173,7 @@ class ChunkShape:
             for t in range(self.tiles):
                 for r in range(w):
                     d = np.zeros(self.rows)
-                    d[rows] = wp[outs, t * tl + (rows + r) % tl]                   # row reads x[t*tile + (row+r) mod tile]
+                    d[rows] = wp[outs, t * tl + (rows + r) % tl]  # row reads x[t*tile + (row+r) mod tile]
                     if not np.any(d):
                         continue
                     j, k = r % self.baby, r // self.baby

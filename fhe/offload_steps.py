@@ -84,7 +84,8 @@ def chunk_layout_manifest(chunks: dict[str, ChunkShape]) -> dict:
     "Offload steps"); the SDK refuses a server whose layout differs from the one it computes."""
     some = next(iter(chunks.values()))
     return {"name": "interleaved", "version": 1, "positions": some.positions,
-            "parts": {p: {"tile": sh.tile, "baby": sh.baby, "tiles": sh.tiles, "groups": sh.groups}
+            "parts": {p: {"tile": sh.tile, "baby": sh.baby, "tiles": sh.tiles, "groups": sh.groups,
+                          "folds": [sh.fold(g) for g in range(sh.groups)]}
                       for p, sh in chunks.items()}}
 
 

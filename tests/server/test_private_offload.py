@@ -297,18 +297,16 @@ def test_attention_linear_steps_are_checked_like_mlp_steps(setup, session):
     sh = rt.offload.chunks["attn_qkv"]
     man = setup["http"].get("/v1/private/manifest", headers=_auth()).json()["offload"]["mlp"]
     assert man["chunk_layout"] == chunk_layout_manifest(rt.offload.chunks) and man["chunk_layout"]["version"] == 1
-    m = sh.positions
-    rows = sh.pack(torch.randn(m + 1, lay.hidden).double().numpy()[:m]) + sh.pack(torch.randn(1, lay.hidden).numpy())
-    blobs = tuple(wire_encrypt(rt, r) for r in rows)
-    _error(_post(setup, sid, body(start=2, count=m + 1, blobs=blobs[:sh.tiles])), 400, "bad_step")
+    blobs = tuple(wire_encrypt(rt, r) for r in sh.pack(torch.randn(2, lay.hidden).double().numpy()))
+    _error(_post(setup, sid, body(start=2, count=2, blobs=blobs * 2)), 400, "bad_step")   # a chunk is T blobs
     one = wire_encrypt(rt, sh.pack(torch.randn(1, lay.hidden).numpy())[0])
     too_many = (one,) * (rt.offload.chunks["mlp_up"].tiles + 1)
     _error(_post(setup, sid, _mlp_body(rt, sid, start=2, count=2, blobs=too_many)), 400, "bad_step")
-    chunked = _post(setup, sid, body(start=2, count=m + 1, blobs=blobs))      # two chunks: runs
+    chunked = _post(setup, sid, body(start=2, count=2, blobs=blobs))      # one chunk of two positions: runs
     assert chunked.status_code == 200, chunked.text
     from fhe.envelope import parse
 
-    assert len(parse(chunked.content, 1 << 30, 1 << 34).blobs) == 2 * sh.groups
+    assert len(parse(chunked.content, 1 << 30, 1 << 34).blobs) == sh.groups
 
 
 def wire_encrypt(rt, values):

@@ -120,3 +120,19 @@ def test_the_manifest_takes_verify_steps_and_speculation_keeps_the_output(setup,
         monkeypatch.setattr(NgramProposer, "propose", lambda self, ids, k, d=draft: [d(ids)] * k)
         assert greedy(2) == generated.choices[0].text
         assert runtime_of(client).last_speculation.decoder.num_draft_tokens > 0
+
+
+def test_the_sdk_refuses_a_server_with_another_chunk_layout(setup, generated):
+    """``offload.mlp.chunk_layout`` (version 1) is what the SDK computes from the shapes; a server without it
+    (pack17's) or with another layout is refused before any step, never misread."""
+    import dataclasses
+
+    from client_sdk._exceptions import PrivateModeError
+    from client_sdk._offload import OffloadClient
+
+    rt = setup["client"]._private
+    info = rt.offload.info
+    assert info.chunk_layout["version"] == 1 and info.chunk_layout["positions"] == rt.offload.chunks["mlp_up"].positions
+    for bad in ({}, {**info.chunk_layout, "positions": 4}):
+        with pytest.raises(PrivateModeError, match="update the SDK"):
+            OffloadClient(rt, dataclasses.replace(info, chunk_layout=bad))

@@ -212,9 +212,8 @@ class OffloadClient:
         """h [T, hidden] (the residual after the layer's attention) -> the MLP's output [T, hidden]."""
         from fhe.linalg import replicate_input
 
-        lay, eps = self.layout, self.rt.model.config.rms_norm_eps
-        x = h.double()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        lay = self.layout
+        x = self._normalized(h)
         if h.shape[0] > 1:       # several positions: the chunk layout, gate and up in one product
             gu = torch.from_numpy(self._send_chunks(layer, "mlp_up", x.numpy()))
             a = torch.nn.functional.silu(gu[:, :lay.intermediate]) * gu[:, lay.intermediate:]
@@ -232,9 +231,8 @@ class OffloadClient:
         """h [T, hidden] (the residual before the layer) -> the attention output [T, hidden]."""
         half, t = self.att_half, h.shape[0]
         if t > 1:   # several positions (prefill, verify): the chunk layout
-            x = h.double()
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.rt.model.config.rms_norm_eps)
-            q, k, v = half.split_rows(torch.from_numpy(self._send_chunks(layer, "attn_qkv", x.numpy())))
+            x = self._normalized(h).numpy()
+            q, k, v = half.split_rows(torch.from_numpy(self._send_chunks(layer, "attn_qkv", x)))
         else:
             qkv = self._send(layer, "attn_qkv", half.input_rows(h), 1)
             q, k, v = half.split_qkv(half.decrypt([cts[0] for cts in qkv]))
@@ -245,6 +243,11 @@ class OffloadClient:
             return torch.from_numpy(self._send_chunks(layer, "attn_o", u.reshape(t, -1).double().numpy()))
         outs = self._send(layer, "attn_o", half.mixture_rows(u.reshape(t, -1)), 1)
         return half.output(half.decrypt([cts[0] for cts in outs]))
+
+    def _normalized(self, h: torch.Tensor) -> torch.Tensor:
+        """``h / rms(h)`` per row, float64, no gain (the server folds the gain into its weights)."""
+        x = h.double()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.rt.model.config.rms_norm_eps)
 
     def _send_chunks(self, layer: int, part: str, xs) -> Any:
         """xs [T, n_in] (float64) through a multi-position step of ``part`` in the chunk layout

@@ -6,9 +6,12 @@ SmolLM2-135M's shapes, the one-position hybrid product (today's layout) against 
 Per part and m: plaintext products and rotations per ciphertext and per position, server seconds per
 position (the encoded product + fold, median of ``--reps``), client encrypt + decrypt seconds per position,
 and fresh-up / level-1-down bytes per position. ``m`` runs over every value whose outputs fit one
-ciphertext; a part where only m = 1 fits says so.
+ciphertext; a part where only m = 1 fits says so. ``--chunk 4 8`` (issue 18 item 2) adds the
+position-interleaved chunk layout (:mod:`fhe.interleaved`: T tile ciphertexts in, G out per m positions) at
+those m, timed the same way.
 
-    flock /tmp/cipherlm-bench.lock python bench/offload_packed_linear.py --out bench/results/offload_packed_linear.json
+    flock /tmp/cipherlm-bench.lock python bench/offload_packed_linear.py --chunk 4 8 \
+        --out bench/results/offload_packed_linear.json
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from fhe.backends import evaluator_for
 from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal.keys import CKKSClient
 from fhe.errors import ShapeError
+from fhe.interleaved import chunk_shape
 from fhe.linalg import HybridMatvec, hybrid_slots, pack_inputs, pick_fold, rotate_sum_steps
 from fhe.mlp import MLP_PARAMS
 
@@ -48,10 +52,45 @@ def rotations(mv: HybridMatvec) -> int:
     return (st.n_baby - 1) + (st.n_giant - 1) + len(rotate_sum_steps(mv.window, mv.fold))
 
 
+def _chunk_row(ev, part: str, n_in: int, n_out: int, m: int, rng, reps: int) -> dict:
+    """The chunk layout of m positions: T ciphertexts in, G out, timed like the rows above."""
+    sh = chunk_shape(ev.slots, n_in, n_out, m)
+    w = rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)
+    client = CKKSClient(MLP_PARAMS, tuple(sorted(sh.rotation_steps)))
+    keys = client.server_keys()
+    enc = sh.encode(ev, w, ev.top)
+    xs = rng.standard_normal((m, n_in))
+    srv, cli = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        cts = [client.encrypt(v) for v in sh.pack(xs)]
+        t1 = time.perf_counter()
+        res = enc(ev, cts, keys)
+        t2 = time.perf_counter()
+        got = sh.unpack([client.decrypt(c) for c in res], m)
+        t3 = time.perf_counter()
+        srv.append(t2 - t1)
+        cli.append((t1 - t0) + (t3 - t2))
+    err = float(np.abs(got - xs @ w.T).max())
+    row = dict(part=part, layout="interleaved", m=m, tile=sh.tile, baby=sh.baby, tiles=sh.tiles, groups=sh.groups,
+               plain_products=sum(len(g) for g in enc.plaintexts.values()), rotations=sh.rotations,
+               server_s_per_position=statistics.median(srv) / m, client_s_per_position=statistics.median(cli) / m,
+               up_bytes_per_position=sum(len(seal.to_bytes(c)) for c in cts) / m,
+               down_bytes_per_position=sum(len(seal.to_bytes(c)) for c in res) / m, max_err=err)
+    print(f"{part:9s} interleaved m={m} tile={sh.tile} baby={sh.baby} T={sh.tiles} G={sh.groups}"
+          f" pt/pos={row['plain_products'] / m:.0f} rot/pos={sh.rotations / m:.1f}"
+          f" server {row['server_s_per_position'] * 1e3:.1f} ms/pos  client {row['client_s_per_position'] * 1e3:.1f}"
+          f" ms/pos  up {row['up_bytes_per_position'] / 1e3:.0f} kB/pos  down"
+          f" {row['down_bytes_per_position'] / 1e3:.0f} kB/pos  err {err:.1e}", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out")
+    ap.add_argument("--chunk", type=int, nargs="*", default=[],
+                    help="also the position-interleaved chunk layout (fhe/interleaved.py) at these m")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     ev = evaluator_for(MLP_PARAMS, "seal")
@@ -90,6 +129,8 @@ def main() -> None:
                   f"  client {row['client_s_per_position'] * 1e3:.1f} ms/pos"
                   f"  up {row['up_bytes_per_position'] / 1e3:.0f} kB/pos  down"
                   f" {row['down_bytes_per_position'] / 1e3:.0f} kB/pos  err {err:.1e}", flush=True)
+        for m in args.chunk:
+            rows.append(_chunk_row(ev, part, n_in, n_out, m, rng, args.reps))
         if len(mvs) == 1:
             print(f"{part:9s} only m = 1 fits: {n_out} outputs x {mvs[1].fold} partial sums already fill a block")
     if args.out:

@@ -23,10 +23,13 @@ what this 2-core box can run in a benchmark's time.
 ``--offload-plan FILE`` (pack17): the server runs that offload plan as well (``[private] offload_plan``; its
 ``softmax = client`` layers as linear steps, a verify step of k + 1 positions packing their attention
 steps); the one-layer attention plan then only gives the session's attention key (the plan file should
-have no calibrated layer), and the simulator check is skipped (the outputs are compared with each other).
+have no calibrated layer), and the outputs are checked against greedy decoding with that offload plan
+simulated in plaintext (``fhe.offload_sim.OffloadSimulator``, no noise: client-aided non-linearities are the
+model's own). ``--offload-plan default:2-3`` (issue 18 item 2) makes that file from the shipped offload plan
+with only layers 2-3 on the server (attention as linear steps, client-aided MLP), the rest on the client.
 
 Usage: PYTHONPATH=$PWD python bench/private_spec.py [--k 3] [--max-tokens 24] [--ring 16384]
-    [--offload-plan FILE] [--json out]
+    [--offload-plan FILE|default:A-B] [--json out]
 """
 
 from __future__ import annotations
@@ -56,6 +59,36 @@ def one_layer_plan(out: Path, ring: int) -> Path:
     plan = Plan(full.model_id, full.weights_sha256, (full.layers[0],), ckks, "private_spec bench",
                 full.calibration)
     return plan.save(out)
+
+
+def cut_offload_plan(spec: str, out: Path) -> str:
+    """``default:A-B`` -> the shipped offload plan with only layers A..B on the server, saved to ``out``; any
+    other value is a plan file, returned as is."""
+    from fhe.offload import LayerPlacement, OffloadPlan, default_offload_path
+
+    if not spec.startswith("default:"):
+        return spec
+    lo, hi = (int(v) for v in spec.split(":", 1)[1].split("-"))
+    full = OffloadPlan.load(default_offload_path())
+    layers = tuple(p if lo <= p.index <= hi else LayerPlacement(p.index) for p in full.layers)
+    return str(OffloadPlan(full.model_id, full.config, layers, full.attention_plan_hash, {}, full.created_by).save(out))
+
+
+def offload_simulated_ids(offload_path: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy decoding with the offload plan simulated in plaintext (no noise)."""
+    from engine.default_model import default_model_dir
+    from engine.loader import load_model
+    from fhe.offload import OffloadPlan
+    from fhe.offload_sim import OffloadSimulator
+
+    sim = OffloadSimulator(load_model(default_model_dir()), OffloadPlan.load(offload_path))
+    ids, out = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            tok = int(sim.logits(ids)[-1].argmax())
+            out.append(tok)
+            ids.append(tok)
+    return out
 
 
 def make_app(plan: Path, state: Path, max_step: int, offload: str | None = None):
@@ -127,6 +160,8 @@ def main() -> None:
     load_start = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="private-spec-"))
     plan = one_layer_plan(tmp / "plan.json", args.ring)
+    if args.offload_plan:
+        args.offload_plan = cut_offload_plan(args.offload_plan, tmp / "offload.json")
     app = make_app(plan, tmp / "state", max(16, args.k + 1), args.offload_plan)
     with TestClient(app, base_url="http://testserver") as http:
         client = Client(api_key=KEY, base_url="http://testserver", http_client=http, privacy="encrypted",
@@ -139,7 +174,8 @@ def main() -> None:
         rows = [generate(client, 0, args.max_tokens), generate(client, args.k, args.max_tokens)]
         prompt_ids = rt.tokenizer.encode(PROMPT)
         rt.close_session()
-    sim = None if args.offload_plan else rt.tokenizer.decode(simulated_ids(plan, prompt_ids, args.max_tokens))
+    sim = rt.tokenizer.decode(offload_simulated_ids(args.offload_plan, prompt_ids, args.max_tokens)
+                              if args.offload_plan else simulated_ids(plan, prompt_ids, args.max_tokens))
     base, spec = rows
     report = {"model": "SmolLM2-135M-Instruct", "encrypted_layers": 1, "ring": args.ring, "k": args.k,
               "offload_plan": args.offload_plan,

@@ -51,8 +51,8 @@ class OffloadInfo:
     max_blob_bytes: int
     #: layers whose attention runs as linear steps (absent in an older manifest: none)
     server_attention_linear: tuple[int, ...] = ()
-    #: positions per ciphertext of a chunk (>= 2 positions), per part (absent in an older manifest: {})
-    positions_per_ciphertext: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: the layout of a step of >= 2 positions (``offload.mlp.chunk_layout``; absent in an older manifest: {})
+    chunk_layout: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_manifest(cls, d: Any) -> OffloadInfo | None:
@@ -65,7 +65,7 @@ class OffloadInfo:
             return cls(str(section["plan_hash"]), tuple(int(i) for i in section["server_mlp"]), dict(mlp["ckks"]),
                        tuple(int(s) for s in mlp["rotation_steps"]), int(mlp["max_blob_bytes"]),
                        tuple(int(i) for i in section.get("server_attention_linear", ())),
-                       {str(k): int(v) for k, v in dict(mlp.get("positions_per_ciphertext", {})).items()})
+                       dict(mlp.get("chunk_layout") or {}))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PrivateModeError(f"the server's offload manifest is malformed ({exc!r})") from exc
 
@@ -146,7 +146,7 @@ class OffloadClient:
 
     def __init__(self, runtime: Any, info: OffloadInfo) -> None:
         from fhe.offload_attention import attention_geometry
-        from fhe.offload_steps import mlp_geometry, offload_rotation_steps
+        from fhe.offload_steps import chunk_layout_manifest, chunk_shapes, mlp_geometry, offload_rotation_steps
         from fhe.params import CKKSParams
 
         self.rt, self.info = runtime, info
@@ -159,12 +159,11 @@ class OffloadClient:
         if steps != info.rotation_steps:
             raise PrivateModeError("the server's offload rotations do not match this model's shapes (a server "
                                    "older or newer than this SDK: chunk layouts differ)")
-        packing = {p: self.att_layout.positions_per_ciphertext(p, 2) for p in ("attn_qkv", "attn_o")}
-        if info.server_attention_linear and any(info.positions_per_ciphertext.get(p) != m
-                                                for p, m in packing.items()):
-            raise PrivateModeError(f"the server packs a chunk's attention steps as "
-                                   f"{info.positions_per_ciphertext or 'one position per ciphertext'}, this SDK as "
-                                   f"{packing}: update the SDK or the server")
+        self.chunks = chunk_shapes(cfg, self.params)
+        if info.chunk_layout != chunk_layout_manifest(self.chunks):
+            raise PrivateModeError(f"the server lays out a step of several positions as "
+                                   f"{info.chunk_layout or 'one position per ciphertext'}, this SDK as "
+                                   f"{chunk_layout_manifest(self.chunks)}: update the SDK or the server")
         self.start = 0          # first position of the chunk the runtime's forward is running
         self.ckks: Any = None
         self.fingerprint = ""
@@ -213,9 +212,12 @@ class OffloadClient:
         """h [T, hidden] (the residual after the layer's attention) -> the MLP's output [T, hidden]."""
         from fhe.linalg import replicate_input
 
-        lay, eps = self.layout, self.rt.model.config.rms_norm_eps
-        x = h.double()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        lay = self.layout
+        x = self._normalized(h)
+        if h.shape[0] > 1:       # several positions: the chunk layout, gate and up in one product
+            gu = torch.from_numpy(self._send_chunks(layer, "mlp_up", x.numpy()))
+            a = torch.nn.functional.silu(gu[:, :lay.intermediate]) * gu[:, lay.intermediate:]
+            return torch.from_numpy(self._send_chunks(layer, "mlp_down", a.numpy()))
         ups = self._send(layer, "mlp_up", [replicate_input(r.numpy(), lay.slots, lay.up_periods[0]) for r in x],
                          len(lay.up_slots))
         acts = [self.half.activation(cts) for cts in ups]
@@ -228,18 +230,50 @@ class OffloadClient:
                   ) -> torch.Tensor:
         """h [T, hidden] (the residual before the layer) -> the attention output [T, hidden]."""
         half, t = self.att_half, h.shape[0]
-        packed, count = t > 1, (t if t > 1 else None)   # a chunk (prefill, verify) packs; decode does not
-        qkv = self._send(layer, "attn_qkv", half.input_rows(h, packed), 1, count=t)
-        q, k, v = half.split_qkv(half.decrypt([cts[0] for cts in qkv]), count)
+        if t > 1:   # several positions (prefill, verify): the chunk layout
+            x = self._normalized(h).numpy()
+            q, k, v = half.split_rows(torch.from_numpy(self._send_chunks(layer, "attn_qkv", x)))
+        else:
+            qkv = self._send(layer, "attn_qkv", half.input_rows(h), 1)
+            q, k, v = half.split_qkv(half.decrypt([cts[0] for cts in qkv]))
         dtype = h.dtype if h.dtype.is_floating_point else torch.float32
         q, k, v = (t.to(dtype) for t in (q, k, v))
         u = backend.attend(layer, rope(q, positions), rope(k, positions), v)   # the client's own clear cache
-        outs = self._send(layer, "attn_o", half.mixture_rows(u.reshape(t, -1), packed), 1, count=t)
-        return half.output(half.decrypt([cts[0] for cts in outs]), count)
+        if t > 1:
+            return torch.from_numpy(self._send_chunks(layer, "attn_o", u.reshape(t, -1).double().numpy()))
+        outs = self._send(layer, "attn_o", half.mixture_rows(u.reshape(t, -1)), 1)
+        return half.output(half.decrypt([cts[0] for cts in outs]))
 
-    def _send(self, layer: int, part: str, rows: list, per_position: int, count: int | None = None) -> list[list]:
-        """Encrypt ``rows`` (one per position, or the packed rows of ``count`` positions), run the step,
-        return the decryptable answers per input row."""
+    def _normalized(self, h: torch.Tensor) -> torch.Tensor:
+        """``h / rms(h)`` per row, float64, no gain (the server folds the gain into its weights)."""
+        x = h.double()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.rt.model.config.rms_norm_eps)
+
+    def _send_chunks(self, layer: int, part: str, xs) -> Any:
+        """xs [T, n_in] (float64) through a multi-position step of ``part`` in the chunk layout
+        (:mod:`fhe.interleaved`: chunks of m positions, T tiles in and G ciphertexts out each) -> y [T, n_out]."""
+        import numpy as np
+
+        from fhe.errors import ShapeError
+
+        sh, t = self.chunks[part], xs.shape[0]
+        if not np.isfinite(xs).all():
+            raise PrivateModeError(f"layer {layer} {part}: cannot encrypt NaN/inf")
+        m = sh.positions
+        rows = [v for c in range(0, t, m) for v in sh.pack(xs[c:c + m])]
+        outs = self._send(layer, part, rows, 1, count=t, n_out=sh.groups * -(-t // m))
+        vals = [self.ckks.decrypt(c[0]) for c in outs]
+        try:
+            return np.concatenate([sh.unpack(vals[i * sh.groups:(i + 1) * sh.groups], min(m, t - c))
+                                   for i, c in enumerate(range(0, t, m))])
+        except ShapeError as exc:
+            raise PrivateModeError(f"layer {layer} {part}: unusable server answer ({exc})") from exc
+
+    def _send(self, layer: int, part: str, rows: list, per_position: int, count: int | None = None,
+              n_out: int | None = None) -> list[list]:
+        """Encrypt ``rows`` (one per position, or the chunk rows of ``count`` positions), run the step,
+        return the decryptable answers in groups of ``per_position`` (``n_out`` answers: default
+        ``per_position`` per row)."""
         from fhe import wire
         from fhe.errors import FHEError
         from fhe.fingerprint import params_hash
@@ -250,7 +284,8 @@ class OffloadClient:
         t0 = time.perf_counter()
         reply = self.rt.exchange(call)
         stats.record(part, time.perf_counter() - t0, len(call.content), len(reply.content))
-        out = session.mlp_result(reply, layer, part, self.start, per_position * len(rows))
+        n_out = per_position * len(rows) if n_out is None else n_out
+        out = session.mlp_result(reply, layer, part, self.start, n_out)
         try:
             cts = [wire.load_ciphertext(b, self.ckks.kit, self.ckks.fingerprint) for b in out]
         except FHEError as exc:

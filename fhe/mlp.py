@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from engine.model import DecoderLayer
 from fhe.errors import ParameterError, ShapeError
 from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, KeyHolder, check_fresh
+from fhe.interleaved import ChunkProducts
 from fhe.linalg import EncodedMatvec, HybridMatvec, hybrid_slots, pick_fold, replicate_input
 from fhe.params import CKKSParams
 
@@ -113,11 +114,13 @@ class EncryptedMLP:
         top = self.ev.top
         self._enc_up: list[EncodedMatvec] = [m.encode(self.ev, top) for m in self.matvecs_up]
         self._enc_down = self.matvec_down.encode(self.ev, top)
+        # several positions per step (prefill chunks, verify steps): the position-interleaved chunk layout
+        self.chunks = ChunkProducts(self.ev, {"mlp_up": np.concatenate([w.gate, w.up]), "mlp_down": w.down})
 
     @property
     def rotation_steps(self) -> set[int]:
-        """Galois keys both halves need (the client generates exactly these)."""
-        steps = set(self.matvec_down.rotation_steps)
+        """Galois keys both halves need, one position or a chunk (the client generates exactly these)."""
+        steps = set(self.matvec_down.rotation_steps) | self.chunks.rotation_steps
         for m in self.matvecs_up:
             steps |= m.rotation_steps
         return {s % self.ev.slots for s in steps} - {0}
@@ -131,6 +134,11 @@ class EncryptedMLP:
         """Fresh replicated ``silu(g) * u`` -> ``W_down a`` at level 1."""
         check_fresh(self.ev, keys, ct)
         return self.ev.mod_switch(self._enc_down(self.ev, ct, keys), 1)
+
+    def chunk(self, part: str, cts: list[Ciphertext], keys: EvalKeys) -> list[Ciphertext]:
+        """A multi-position ``mlp_up`` (``[gate; up]`` of each position) or ``mlp_down`` step in the chunk
+        layout (:mod:`fhe.interleaved`): T fresh ciphertexts per chunk in, G per chunk out, at level 1."""
+        return self.chunks(part, cts, keys)
 
 
 def _up_matvecs(slots: int, w: MLPWeights) -> list[HybridMatvec]:

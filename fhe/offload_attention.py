@@ -33,6 +33,7 @@ from engine.config import ModelConfig
 from engine.model import DecoderLayer, causal_attention
 from fhe.errors import ShapeError
 from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, KeyHolder, check_fresh
+from fhe.interleaved import ChunkProducts
 from fhe.linalg import EncodedMatvec, HybridMatvec, hybrid_slots, pack_inputs, pick_fold, replicate_input
 from fhe.mlp import MLP_PARAMS, _matvec, linear_step_evaluator
 from fhe.params import CKKSParams
@@ -169,11 +170,20 @@ class EncryptedAttentionLinear:
         self._enc_o_packed = self._enc_o if self.packed_o.positions == 1 else self.packed_o.encode(self.ev, top)
         self._bias = w.bias
         self._bias_pt: dict[bool, object] = {}   # encoded on first use, at the product's output level and scale
+        # a step of several positions (prefill chunk, verify step): the position-interleaved chunk layout
+        self.chunks = ChunkProducts(self.ev, {"attn_qkv": w.qkv, "attn_o": w.o},
+                                    {"attn_qkv": w.bias} if w.bias is not None else None)
 
     @property
     def rotation_steps(self) -> set[int]:
         """Galois keys both steps need, one position or a chunk (the client generates exactly these)."""
-        return _steps(self.ev.slots, self.matvec_qkv, self.matvec_o, self.packed_qkv, self.packed_o)
+        return (_steps(self.ev.slots, self.matvec_qkv, self.matvec_o, self.packed_qkv, self.packed_o)
+                | self.chunks.rotation_steps)
+
+    def chunk(self, part: str, cts: list[Ciphertext], keys: EvalKeys) -> list[Ciphertext]:
+        """A multi-position ``attn_qkv`` (+ bias) or ``attn_o`` step in the chunk layout
+        (:mod:`fhe.interleaved`): T fresh ciphertexts per chunk in, G per chunk out, at level 1."""
+        return self.chunks(part, cts, keys)
 
     def qkv(self, ct: Ciphertext, keys: EvalKeys, packed: bool = False) -> Ciphertext:
         """Fresh replicated x̂ -> ``[q; k; v]`` (+ bias) at level 1 (the smallest download); ``packed``: the
@@ -244,8 +254,11 @@ class AttentionLinearClient:
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decrypted ``attn_qkv`` answers (one slot vector per position, or, with ``count``, per ciphertext of
         a packed chunk of ``count`` positions) -> q [T, Hq, D], k, v [T, Hkv, D] (float64, before RoPE)."""
+        return self.split_rows(torch.from_numpy(self._values("attn_qkv", values, count)))
+
+    def split_rows(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[q; k; v]`` rows [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k, v [T, Hkv, D]."""
         lay = self.layout
-        flat = torch.from_numpy(self._values("attn_qkv", values, count))
         q, k, v = flat.split([lay.q_dim, lay.kv_dim, lay.kv_dim], dim=-1)
         t = flat.shape[0]
         return (q.reshape(t, lay.num_heads, lay.head_dim), k.reshape(t, lay.num_kv_heads, lay.head_dim),

@@ -13,6 +13,10 @@ Per part, a step carries one fresh ciphertext per position:
 * ``attn_qkv`` / ``attn_o`` (:mod:`fhe.offload_attention`, a server attention with ``softmax = client``):
   x̂ in, ``[q; k; v]`` out; the mixture u in, ``Wo u`` out — one ciphertext each way per position.
 
+A step of several positions (a prefill chunk, a speculative verify step) runs every part in the
+position-interleaved chunk layout instead (:mod:`fhe.interleaved`, :func:`chunk_shapes`): chunks of
+:data:`fhe.interleaved.CHUNK_POSITIONS` positions, each ``T`` ciphertexts in and ``G`` out per part.
+
 Both kinds run at the same parameters under one key set whose Galois steps are the union of the parts'
 (:func:`offload_rotation_steps`).
 """
@@ -24,6 +28,7 @@ import functools
 import numpy as np
 
 from engine.config import ModelConfig
+from fhe.interleaved import CHUNK_POSITIONS, ChunkShape, chunk_count, chunk_shape
 from fhe.mlp import MLP_PARAMS, MLPLayout, MLPWeights, _matvec, _up_matvecs
 from fhe.offload_attention import ATTENTION_PARTS, attention_geometry
 from fhe.params import CKKSParams
@@ -52,15 +57,51 @@ def mlp_geometry(cfg: ModelConfig, params: CKKSParams = MLP_PARAMS) -> tuple[MLP
     return _geometry(params.poly_modulus_degree // 2, cfg.hidden_size, cfg.intermediate_size)
 
 
+def part_shape(cfg: ModelConfig, part: str) -> tuple[int, int]:
+    """(n_out, n_in) of a linear part's product (``mlp_up``: gate and up stacked, one product)."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"attn_qkv": (q + 2 * kv, h), "attn_o": (h, q), "mlp_up": (2 * i, h), "mlp_down": (h, i)}
+    return shapes[part]
+
+
+def chunk_shapes(cfg: ModelConfig, params: CKKSParams = MLP_PARAMS,
+                 positions: int = CHUNK_POSITIONS) -> dict[str, ChunkShape]:
+    """Per part, the chunk layout of a multi-position step (from shapes alone: client and server agree)."""
+    slots = params.poly_modulus_degree // 2
+    return {part: chunk_shape(slots, part_shape(cfg, part)[1], part_shape(cfg, part)[0], positions)
+            for part in OFFLOAD_PARTS}
+
+
+def step_blobs(shape: ChunkShape, count: int) -> tuple[int, int]:
+    """(ciphertexts in, ciphertexts out) of a multi-position step of ``count`` >= 2 positions."""
+    chunks = chunk_count(count, shape.positions)
+    return chunks * shape.tiles, chunks * shape.groups
+
+
+def chunk_layout_manifest(chunks: dict[str, ChunkShape]) -> dict:
+    """The manifest's ``offload.mlp.chunk_layout``: how a step of >= 2 positions is laid out (docs/protocol.md,
+    "Offload steps"); the SDK refuses a server whose layout differs from the one it computes."""
+    some = next(iter(chunks.values()))
+    return {"name": "interleaved", "version": 1, "positions": some.positions,
+            "parts": {p: {"tile": sh.tile, "baby": sh.baby, "tiles": sh.tiles, "groups": sh.groups,
+                          "folds": [sh.fold(g) for g in range(sh.groups)]}
+                      for p, sh in chunks.items()}}
+
+
 def offload_rotation_steps(cfg: ModelConfig, params: CKKSParams = MLP_PARAMS, *, attention: bool = True,
                            mlp: bool = True) -> tuple[int, ...]:
     """The Galois steps of the offload key set: the union of the attention linear steps' (when the plan has
-    a server attention with ``softmax = client``) and the MLP's (when it has a server MLP)."""
+    a server attention with ``softmax = client``) and the MLP's (when it has a server MLP), one position
+    and chunk layouts alike."""
     steps: set[int] = set()
+    chunks = chunk_shapes(cfg, params)
     if attention:
         steps |= set(attention_geometry(cfg, params)[1])
+        steps |= {s for p in ATTENTION_PARTS for s in chunks[p].rotation_steps}
     if mlp:
         steps |= set(mlp_geometry(cfg, params)[1])
+        steps |= {s for p in MLP_PARTS for s in chunks[p].rotation_steps}
     return tuple(sorted(steps))
 
 
@@ -76,5 +117,6 @@ def outputs_per_position(layout: MLPLayout, part: str) -> int:
     return len(layout.up_slots) if part == "mlp_up" else 1
 
 
-__all__ = ["ATTENTION_PARTS", "MLP_PARTS", "OFFLOAD_PARTS", "fresh_blob_limit", "mlp_geometry",
-           "offload_rotation_steps", "outputs_per_position"]
+__all__ = ["ATTENTION_PARTS", "MLP_PARTS", "OFFLOAD_PARTS", "chunk_layout_manifest", "chunk_shapes",
+           "fresh_blob_limit", "mlp_geometry", "offload_rotation_steps", "outputs_per_position", "part_shape",
+           "step_blobs"]

@@ -176,15 +176,18 @@ class PrivateCompute:
     def mlp_step(self, fingerprint: str, layer: int, part: str, blobs: list[bytes], packed: bool = False
                  ) -> list[bytes]:
         """One linear step of an offload plan (an MLP half, or ``attn_qkv`` / ``attn_o`` of an attention run
-        as linear steps) over one ciphertext per position, or, ``packed`` (an attention step of a chunk of
-        >= 2 positions), per ``positions_per_ciphertext`` positions (stateless: no session state, so any
-        worker holding the offload key set runs it); ``mlp_up`` answers ``outputs_per_position`` ciphertexts
-        per position, position by position, every other part one per input ciphertext."""
+        as linear steps) over one position, or, ``packed`` (a step of >= 2 positions), in the chunk layout
+        (:mod:`fhe.interleaved`: T ciphertexts per chunk in, G per chunk out); stateless: no session state,
+        so any worker holding the offload key set runs it. One position: ``mlp_up`` answers
+        ``outputs_per_position`` ciphertexts, every other part one."""
         if self.linear is None or fingerprint not in self.linear.keys:
             raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "offload key set not loaded in this worker")
         keys = self.linear.keys[fingerprint]
-        block, _ = self.linear.part(layer, part, packed)
+        block, _ = self.linear.part(layer, part)
         cts = self._inputs(blobs, keys, block.ev.top)
+        if packed:   # several positions: the chunk layout, T ciphertexts per chunk in, G out
+            return [wire.dump_ciphertext(c, self.linear.params, keys.fingerprint)
+                    for c in self.linear.run_chunks(fingerprint, layer, part, cts)]
         if self.linear.gpu is not None:
             return self.linear.run_batch([(fingerprint, cts)], layer, part, packed)[0]
         return [wire.dump_ciphertext(c, self.linear.params, keys.fingerprint)
@@ -197,7 +200,8 @@ class PrivateCompute:
         Returns one entry per item, its result or the exception it failed with (an item whose bytes fail
         fails alone)."""
         items = [(*item, False) if len(item) == 4 else tuple(item) for item in items]
-        if self.linear is None or self.linear.gpu is None or len({item[1:3] + item[4:] for item in items}) != 1:
+        if (self.linear is None or self.linear.gpu is None or len({item[1:3] + item[4:] for item in items}) != 1
+                or items[0][4]):   # chunk-layout steps run one by one (no batched graph of them yet)
             return [_result_or_error(self.mlp_step, *item) for item in items]
         _, layer, part, _, packed = items[0]
         block, _ = self.linear.part(layer, part, packed)
@@ -286,6 +290,17 @@ class _OffloadLinear:
         # uncompressed: SEAL loads it at once here (random residues compress 6–10 %; zstd cost both ways)
         return [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c, compress=False))
                 for row in self._on_device(layer, part, packed, cts, self.device_keys[fingerprint]) for c in row]
+
+    def run_chunks(self, fingerprint: str, layer: int, part: str, cts: list) -> list:
+        """A multi-position step of ``part`` in the chunk layout on SEAL ciphertexts already checked by the
+        wire (T per chunk); SEAL ciphertexts back (G per chunk). On the gpu backend: its evaluator, no graph."""
+        block, _ = self.part(layer, part)
+        keys = self.keys[fingerprint]
+        if self.gpu is None:
+            return block.chunk(part, cts, keys)
+        xs = [self.gpu.deserialize(seal.to_bytes(ct)) for ct in cts]
+        return [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c, compress=False))
+                for c in block.chunk(part, xs, self.device_keys[fingerprint])]
 
     def run_batch(self, items: list[tuple[str, list]], layer: int, part: str, packed: bool = False) -> list[list]:
         """:meth:`run` for several sessions at once on the gpu backend, ``items`` = (fingerprint, checked SEAL

@@ -297,7 +297,9 @@ async def _offload(app: Any, cfg: PrivateSettings, model_dir: Path, plan: Any, r
 def build_linear_manifest(model_name: str, steps: Any, mcfg: Any, bundle: dict, cfg: PrivateSettings) -> dict:
     """The manifest of an offload plan of linear steps only: ``offload.attention_key`` is false (a session
     opens on the offload key set alone), ``plan_hash`` is the offload plan's, ``ckks`` the offload
-    parameters (the only key set), no layer takes attention steps, no packed prefill."""
+    parameters (the only key set), no layer takes attention steps, no packed prefill. ``verify_steps`` is
+    true: a speculative step's linear steps are ordinary multi-position steps and the client's clear K/V
+    cache is the only one to roll back, so the deployment takes speculation (docs/protocol.md)."""
     offload = {**steps.manifest(mcfg), "attention_key": False}
     mlp = offload["mlp"]
     n = mcfg.num_hidden_layers
@@ -310,7 +312,7 @@ def build_linear_manifest(model_name: str, steps: Any, mcfg: Any, bundle: dict, 
             "limits": {"max_session_tokens": cfg.max_session_tokens, "max_step_tokens": cfg.max_step_tokens,
                        "max_blob_bytes": cfg.max_blob_bytes, "max_step_bytes": cfg.max_step_bytes,
                        "max_key_bytes": cfg.max_key_bytes, "session_ttl_s": cfg.session_ttl_s,
-                       "verify_steps": False, "packed_chunk": 0},
+                       "verify_steps": True, "packed_chunk": 0},
             "offload": offload}
 
 

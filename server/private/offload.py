@@ -20,10 +20,20 @@ from fhe import envelope
 from fhe.backends import check_backend, describe
 from fhe.errors import BackendMismatchError
 from fhe.fingerprint import params_hash
+from fhe.interleaved import ChunkShape
 from fhe.mlp import MLP_PARAMS
 from fhe.offload import OffloadPlan, OffloadPlanError
 from fhe.offload_attention import AttentionLinearLayout, attention_geometry
-from fhe.offload_steps import ATTENTION_PARTS, MLP_PARTS, fresh_blob_limit, mlp_geometry, offload_rotation_steps
+from fhe.offload_steps import (
+    ATTENTION_PARTS,
+    MLP_PARTS,
+    chunk_layout_manifest,
+    chunk_shapes,
+    fresh_blob_limit,
+    mlp_geometry,
+    offload_rotation_steps,
+    step_blobs,
+)
 from server.errors import InvalidRequestError, PermissionDeniedError, RequestTooLargeError
 
 
@@ -59,8 +69,8 @@ class OffloadSteps:
         layers: layers whose MLP runs on the server.
         blob_limit: bytes of one fresh offload ciphertext (the per-blob limit of every linear part).
         attention_layers: layers whose attention runs as linear steps (``attn_qkv``, ``attn_o``).
-        attention_layout: their layout (from the plan's model shape): how many positions a chunk's
-            ciphertext carries per attention part.
+        attention_layout: their layout (from the plan's model shape).
+        chunks: per part, the chunk layout of a step of >= 2 positions (:mod:`fhe.interleaved`).
     """
 
     plan: OffloadPlan
@@ -68,23 +78,24 @@ class OffloadSteps:
     blob_limit: int
     attention_layers: tuple[int, ...] = ()
     attention_layout: AttentionLinearLayout | None = None
+    chunks: dict[str, ChunkShape] | None = None
 
     @classmethod
     def of(cls, plan: OffloadPlan) -> OffloadSteps:
         return cls(plan, plan.server_mlp, fresh_blob_limit(MLP_PARAMS), linear_attention_layers(plan),
-                   attention_geometry(plan.model_config, MLP_PARAMS)[0])
+                   attention_geometry(plan.model_config, MLP_PARAMS)[0], chunk_shapes(plan.model_config, MLP_PARAMS))
 
-    def positions_per_ciphertext(self, part: str, count: int) -> int:
-        """m of a step of ``part`` over ``count`` positions: the attention parts pack a chunk (count >= 2)
-        ``layout.*_packed.positions`` to a ciphertext; a decode step and the MLP parts carry one each."""
-        if part not in ATTENTION_PARTS or self.attention_layout is None:
-            return 1
-        return self.attention_layout.positions_per_ciphertext(part, count)
+    def blobs(self, part: str, count: int) -> tuple[int, int]:
+        """(ciphertexts in, ciphertexts out) of a step of ``part`` over ``count`` positions: one position is one
+        ciphertext in (``mlp_up``: ``outputs_per_position`` out); more run the chunk layout."""
+        if count <= 1:
+            return 1, 1
+        return step_blobs(self.chunks[part], count)
 
     @staticmethod
     def packed(env: envelope.Envelope) -> bool:
-        """Whether a checked step runs the chunk layout (an attention part over >= 2 positions)."""
-        return env.part in ATTENTION_PARTS and env.positions[1] > 1
+        """Whether a checked step runs the chunk layout (any linear part over >= 2 positions)."""
+        return env.positions[1] > 1
 
     def check_open(self, mlp_key_id: str | None) -> None:
         if (self.layers or self.attention_layers) and mlp_key_id is None:
@@ -114,11 +125,10 @@ class OffloadSteps:
         self._check_key(s, env)
         if env.kind not in ("prefill", "decode") or not 1 <= count <= cfg.max_step_tokens:
             raise InvalidRequestError(f"a linear step carries 1..{cfg.max_step_tokens} positions", code="bad_step")
-        m = self.positions_per_ciphertext(env.part, count)
-        if len(env.blobs) != -(-count // m):
-            raise InvalidRequestError(f"{count} positions of {env.part} are {-(-count // m)} ciphertexts of {m} "
-                                      f"positions each (manifest: offload.mlp.positions_per_ciphertext), got "
-                                      f"{len(env.blobs)}", code="bad_step")
+        want, _ = self.blobs(env.part, count)
+        if len(env.blobs) != want:
+            raise InvalidRequestError(f"{count} positions of {env.part} are {want} ciphertexts (manifest: "
+                                      f"offload.mlp.chunk_layout), got {len(env.blobs)}", code="bad_step")
         if start + count > cfg.max_session_tokens:
             raise RequestTooLargeError(f"session limit of {cfg.max_session_tokens} positions", code="session_full")
         if any(len(b) > self.blob_limit for b in env.blobs):
@@ -145,15 +155,13 @@ class OffloadSteps:
         steps = offload_rotation_steps(model_config, MLP_PARAMS, attention=bool(self.attention_layers),
                                        mlp=bool(self.layers))
         outputs = {"mlp_up": len(layout.up_slots), "mlp_down": 1, "attn_qkv": 1, "attn_o": 1}
-        # positions per ciphertext of a chunk (>= 2 positions; one position is always one ciphertext)
-        packing = {part: self.positions_per_ciphertext(part, 2) for part in ATTENTION_PARTS + MLP_PARTS}
         return {"plan_hash": self.plan.content_hash, "plan": self.plan.metadata(),
                 "server_attention": list(self.plan.server_attention), "server_mlp": list(self.layers),
                 "server_attention_linear": list(self.attention_layers),
                 "round_trips_per_token": self.plan.round_trips,
                 "mlp": {"ckks": MLP_PARAMS.to_dict(), "backend": describe(MLP_PARAMS),
                         "rotation_steps": list(steps), "outputs_per_position": outputs,
-                        "positions_per_ciphertext": packing,
+                        "chunk_layout": chunk_layout_manifest(self.chunks),
                         "max_blob_bytes": self.blob_limit}}
 
 

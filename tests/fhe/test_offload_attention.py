@@ -100,9 +100,14 @@ def test_qkv_step_decrypts_to_the_projections_with_bias(smollm2_shaped):
 
 
 def test_geometry_from_shapes_equals_the_servers(smollm2_shaped):
+    from fhe.offload_attention import ATTENTION_PARTS
+    from fhe.offload_steps import chunk_shapes
+
     cfg, _, server, _, _ = smollm2_shaped
     layout, steps = attention_geometry(cfg, MLP_PARAMS)
-    assert steps == tuple(sorted(server.rotation_steps))
+    chunks = chunk_shapes(cfg, MLP_PARAMS)
+    assert set(steps) | {s for p in ATTENTION_PARTS for s in chunks[p].rotation_steps} == server.rotation_steps
+    assert all(server.chunks.shapes[p] == chunks[p] for p in ATTENTION_PARTS)
     assert np.array_equal(layout.qkv_slots, server.layout.qkv_slots)
     assert np.array_equal(layout.o_slots, server.layout.o_slots)
     assert (layout.qkv_period, layout.o_period) == (server.layout.qkv_period, server.layout.o_period)

@@ -11,7 +11,7 @@ from engine.model import DecoderLayer
 from fhe import envelope
 from fhe.envelope import Envelope, EnvelopeError, parse
 from fhe.mlp import MLP_PARAMS, EncryptedMLP
-from fhe.offload_steps import fresh_blob_limit, mlp_geometry, outputs_per_position
+from fhe.offload_steps import chunk_shapes, fresh_blob_limit, mlp_geometry, offload_rotation_steps, outputs_per_position
 
 
 def _env(**kw) -> Envelope:
@@ -62,7 +62,10 @@ def test_the_client_geometry_is_the_server_blocks():
     layer = DecoderLayer(cfg, 0)
     server = EncryptedMLP(layer, MLP_PARAMS)
     layout, steps = mlp_geometry(cfg, MLP_PARAMS)
-    assert steps == tuple(sorted(server.rotation_steps))
+    assert set(steps) <= server.rotation_steps
+    assert offload_rotation_steps(cfg, MLP_PARAMS, attention=False) == tuple(sorted(server.rotation_steps))
+    chunks = chunk_shapes(cfg, MLP_PARAMS)                   # a multi-position step's layout, from shapes
+    assert all(server.chunks.shapes[p] == chunks[p] for p in ("mlp_up", "mlp_down"))
     ref = server.layout
     assert (layout.up_periods, layout.down_period) == (ref.up_periods, ref.down_period)
     assert all((a == b).all() for a, b in zip(layout.up_slots, ref.up_slots, strict=True))
@@ -93,4 +96,4 @@ def test_one_key_set_covers_attention_and_mlp_steps():
     layer = DecoderLayer(cfg, 0)
     att, mlp = EncryptedAttentionLinear(layer, cfg, MLP_PARAMS), EncryptedMLP(layer, MLP_PARAMS)
     assert offload_rotation_steps(cfg, MLP_PARAMS) == tuple(sorted(att.rotation_steps | mlp.rotation_steps))
-    assert offload_rotation_steps(cfg, MLP_PARAMS, attention=False) == mlp_geometry(cfg, MLP_PARAMS)[1]
+    assert set(mlp_geometry(cfg, MLP_PARAMS)[1]) <= set(offload_rotation_steps(cfg, MLP_PARAMS, attention=False))

@@ -32,7 +32,8 @@ def test_the_calibrated_layers_run(shipped):
     check_fits(off, sub, cfg)
     man = OffloadSteps.of(off).manifest(cfg)
     assert man["server_mlp"] == [2, 3] and man["round_trips_per_token"] == 6
-    assert man["mlp"]["ckks"]["poly_modulus_degree"] == 8192 and len(man["mlp"]["rotation_steps"]) == 5
+    # the MLP's one-position steps (5) and its chunk layout's (m = 8: 8, 64, 128, 512, 1024, 2048)
+    assert man["mlp"]["ckks"]["poly_modulus_degree"] == 8192 and len(man["mlp"]["rotation_steps"]) == 11
 
 
 def test_the_shipped_28_layer_plan_runs_with_attention_as_linear_steps(shipped):
@@ -45,7 +46,8 @@ def test_the_shipped_28_layer_plan_runs_with_attention_as_linear_steps(shipped):
     man = OffloadSteps.of(off).manifest(cfg)
     assert man["server_attention_linear"] == man["server_mlp"] == list(range(2, 30))
     assert man["round_trips_per_token"] == 112
-    assert man["mlp"]["rotation_steps"] == list(offload_rotation_steps(cfg)) and len(man["mlp"]["rotation_steps"]) == 9
+    # 9 one-position (and pack17) steps, 9 more of the chunk layout
+    assert man["mlp"]["rotation_steps"] == list(offload_rotation_steps(cfg)) and len(man["mlp"]["rotation_steps"]) == 18
     assert man["mlp"]["outputs_per_position"]["attn_qkv"] == man["mlp"]["outputs_per_position"]["attn_o"] == 1
 
 

@@ -89,3 +89,23 @@ def test_a_batch_answers_each_session_as_alone_and_a_bad_item_fails_alone(worker
     assert [len(o) for o in got[:3]] == [len(o) for o in alone] and all(len(o) for o in alone)
     assert len({c for out in got_ct for c in out}) == sum(len(out) for out in got_ct)   # rows differ
     assert isinstance(got[3], TaskFailure) and got[3].code is WorkerCode.BAD_CIPHERTEXT
+
+
+@pytest.mark.parametrize("part", ["mlp_down", "attn_qkv"])
+def test_a_chunk_step_on_the_gpu_reference_is_seals_answer(worker, seal_worker, part):
+    """A step of several positions (``packed``: the interleaved chunk layout, T ciphertexts per chunk in, G out)
+    runs on the gpu evaluator outside the batched graphs; its answer is SEAL's, ciphertext for ciphertext;
+    in a batch call it runs alone."""
+    rng = np.random.default_rng(1)
+    (fp, client), = _sessions((worker, seal_worker), 1)
+    block, _ = seal_worker.linear.part(0, part)
+    sh = block.chunks.shapes[part]
+    from fhe.backends.seal import wire
+
+    blobs = [wire.encrypt_to_wire(client, v) for c in range(2)
+             for v in sh.pack(rng.normal(size=(sh.positions - c, sh.n_in)))]        # two chunks, one short
+    want = [_canonical(seal_worker, fp, b) for b in seal_worker.mlp_step(fp, 0, part, blobs, True)]
+    assert len(want) == 2 * sh.groups
+    assert [_canonical(worker, fp, b) for b in worker.mlp_step(fp, 0, part, blobs, True)] == want
+    got, = worker.mlp_step_batch([(fp, 0, part, blobs, True)])
+    assert [_canonical(worker, fp, b) for b in got] == want

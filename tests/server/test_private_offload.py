@@ -290,16 +290,29 @@ def test_attention_linear_steps_are_checked_like_mlp_steps(setup, session):
            "step_too_large")
     ok = _post(setup, sid, body(start=1))
     assert ok.status_code == 200, ok.text
-    # a chunk packs m positions per ciphertext (manifest: offload.mlp.positions_per_ciphertext): m + 1
-    # positions are two ciphertexts, not one and not m + 1; the MLP parts keep one per position
-    m = lay.qkv_packed.positions
+    # a step of several positions runs the chunk layout (manifest: offload.mlp.chunk_layout): per chunk of m
+    # positions T ciphertexts in, G out; any other count of ciphertexts is a 400 before any worker runs
+    from fhe.offload_steps import chunk_layout_manifest
+
+    sh = rt.offload.chunks["attn_qkv"]
     man = setup["http"].get("/v1/private/manifest", headers=_auth()).json()["offload"]["mlp"]
-    assert m >= 2 and man["positions_per_ciphertext"] == {"attn_qkv": m, "attn_o": lay.o_packed.positions,
-                                                          "mlp_up": 1, "mlp_down": 1}
-    _error(_post(setup, sid, body(start=2, count=m + 1)), 400, "bad_step")
-    _error(_post(setup, sid, _mlp_body(rt, sid, start=2, count=2)), 400, "bad_step")
-    packed = _post(setup, sid, body(start=2, count=2))        # one ciphertext, two positions: runs
-    assert packed.status_code == 200, packed.text
+    assert man["chunk_layout"] == chunk_layout_manifest(rt.offload.chunks) and man["chunk_layout"]["version"] == 1
+    blobs = tuple(wire_encrypt(rt, r) for r in sh.pack(torch.randn(2, lay.hidden).double().numpy()))
+    _error(_post(setup, sid, body(start=2, count=2, blobs=blobs * 2)), 400, "bad_step")   # a chunk is T blobs
+    one = wire_encrypt(rt, sh.pack(torch.randn(1, lay.hidden).numpy())[0])
+    too_many = (one,) * (rt.offload.chunks["mlp_up"].tiles + 1)
+    _error(_post(setup, sid, _mlp_body(rt, sid, start=2, count=2, blobs=too_many)), 400, "bad_step")
+    chunked = _post(setup, sid, body(start=2, count=2, blobs=blobs))      # one chunk of two positions: runs
+    assert chunked.status_code == 200, chunked.text
+    from fhe.envelope import parse
+
+    assert len(parse(chunked.content, 1 << 30, 1 << 34).blobs) == sh.groups
+
+
+def wire_encrypt(rt, values):
+    from fhe.backends.seal import wire
+
+    return wire.encrypt_to_wire(rt.offload.ckks, values)
 
 
 def test_a_session_needs_an_mlp_key_of_the_mlp_parameters(setup, generated):

@@ -98,3 +98,41 @@ def test_naming_an_attention_key_or_sending_an_attention_step_is_a_400(setup, ge
     r = http.post(f"{url}/{sid}/steps", content=body, headers={**_auth(), "Content-Type": "application/octet-stream"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_layer", r.text
     assert http.delete(f"{url}/{sid}", headers=_auth()).status_code == 204
+
+
+def test_the_manifest_takes_verify_steps_and_speculation_keeps_the_output(setup, generated, monkeypatch):
+    """Linear steps are stateless and the client's clear cache is the only one to roll back, so an
+    offload-only deployment advertises ``verify_steps`` and the SDK speculates there: greedy output with
+    accepted drafts, and with rejected ones, equals the plain run's."""
+    from client_sdk._private import runtime_of
+    from engine.spec_decode import NgramProposer
+
+    client, rt = setup["client"], setup["client"]._private
+    man = setup["http"].get("/v1/private/manifest", headers=_auth()).json()
+    assert man["limits"]["verify_steps"] is True and rt.manifest.verify_steps
+
+    def greedy(k: int) -> str:
+        res = client.completions.create(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                        extra_body={"num_speculative_tokens": k, "ignore_eos": True})
+        return res.choices[0].text
+
+    for draft in (lambda ids: ids[-1], lambda ids: ids[-1] + 1):       # drafts kept / drafts rejected
+        monkeypatch.setattr(NgramProposer, "propose", lambda self, ids, k, d=draft: [d(ids)] * k)
+        assert greedy(2) == generated.choices[0].text
+        assert runtime_of(client).last_speculation.decoder.num_draft_tokens > 0
+
+
+def test_the_sdk_refuses_a_server_with_another_chunk_layout(setup, generated):
+    """``offload.mlp.chunk_layout`` (version 1) is what the SDK computes from the shapes; a server without it
+    (pack17's) or with another layout is refused before any step, never misread."""
+    import dataclasses
+
+    from client_sdk._exceptions import PrivateModeError
+    from client_sdk._offload import OffloadClient
+
+    rt = setup["client"]._private
+    info = rt.offload.info
+    assert info.chunk_layout["version"] == 1 and info.chunk_layout["positions"] == rt.offload.chunks["mlp_up"].positions
+    for bad in ({}, {**info.chunk_layout, "positions": 4}):
+        with pytest.raises(PrivateModeError, match="update the SDK"):
+            OffloadClient(rt, dataclasses.replace(info, chunk_layout=bad))

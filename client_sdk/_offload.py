@@ -146,7 +146,13 @@ class OffloadClient:
 
     def __init__(self, runtime: Any, info: OffloadInfo) -> None:
         from fhe.offload_attention import attention_geometry
-        from fhe.offload_steps import chunk_layout_manifest, chunk_shapes, mlp_geometry, offload_rotation_steps
+        from fhe.offload_steps import (
+            NO_CHUNK_LAYOUT,
+            chunk_layout_manifest,
+            chunk_shapes,
+            mlp_geometry,
+            offload_rotation_steps,
+        )
         from fhe.params import CKKSParams
 
         self.rt, self.info = runtime, info
@@ -154,12 +160,13 @@ class OffloadClient:
         cfg = runtime.model.config
         self.layout, _ = mlp_geometry(cfg, self.params)
         self.att_layout, _ = attention_geometry(cfg, self.params)
+        # None: the server sends steps of several positions one ciphertext per position (offload_chunk_layout off)
+        self.chunks = None if info.chunk_layout == NO_CHUNK_LAYOUT else chunk_shapes(cfg, self.params)
         steps = offload_rotation_steps(cfg, self.params, attention=bool(info.server_attention_linear),
-                                       mlp=bool(info.server_mlp))
+                                       mlp=bool(info.server_mlp), chunks=self.chunks is not None)
         if steps != info.rotation_steps:
             raise PrivateModeError("the server's offload rotations do not match this model's shapes (a server "
                                    "older or newer than this SDK: chunk layouts differ)")
-        self.chunks = chunk_shapes(cfg, self.params)
         if info.chunk_layout != chunk_layout_manifest(self.chunks):
             raise PrivateModeError(f"the server lays out a step of several positions as "
                                    f"{info.chunk_layout or 'one position per ciphertext'}, this SDK as "
@@ -214,7 +221,7 @@ class OffloadClient:
 
         lay = self.layout
         x = self._normalized(h)
-        if h.shape[0] > 1:       # several positions: the chunk layout, gate and up in one product
+        if h.shape[0] > 1 and self.chunks:   # several positions: the chunk layout, gate and up in one product
             gu = torch.from_numpy(self._send_chunks(layer, "mlp_up", x.numpy()))
             a = torch.nn.functional.silu(gu[:, :lay.intermediate]) * gu[:, lay.intermediate:]
             return torch.from_numpy(self._send_chunks(layer, "mlp_down", a.numpy()))
@@ -230,7 +237,8 @@ class OffloadClient:
                   ) -> torch.Tensor:
         """h [T, hidden] (the residual before the layer) -> the attention output [T, hidden]."""
         half, t = self.att_half, h.shape[0]
-        if t > 1:   # several positions (prefill, verify): the chunk layout
+        chunked = t > 1 and self.chunks is not None   # several positions (prefill, verify): the chunk layout
+        if chunked:
             x = self._normalized(h).numpy()
             q, k, v = half.split_rows(torch.from_numpy(self._send_chunks(layer, "attn_qkv", x)))
         else:
@@ -239,7 +247,7 @@ class OffloadClient:
         dtype = h.dtype if h.dtype.is_floating_point else torch.float32
         q, k, v = (t.to(dtype) for t in (q, k, v))
         u = backend.attend(layer, rope(q, positions), rope(k, positions), v)   # the client's own clear cache
-        if t > 1:
+        if chunked:
             return torch.from_numpy(self._send_chunks(layer, "attn_o", u.reshape(t, -1).double().numpy()))
         outs = self._send(layer, "attn_o", half.mixture_rows(u.reshape(t, -1)), 1)
         return half.output(half.decrypt([cts[0] for cts in outs]))

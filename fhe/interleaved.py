@@ -306,4 +306,18 @@ def chunk_shape(slots: int, n_in: int, n_out: int, positions: int = CHUNK_POSITI
     return best
 
 
-__all__ = ["CHUNK_POSITIONS", "ChunkProducts", "ChunkShape", "EncodedChunk", "chunk_count", "chunk_shape"]
+def chunk_rotation_steps(chunks: ChunkProducts | None) -> set[int]:
+    """A block's chunk-layout Galois steps (none where the block was built without the layout)."""
+    return set() if chunks is None else chunks.rotation_steps
+
+
+def require_chunks(chunks: ChunkProducts | None) -> ChunkProducts:
+    """The block's chunk products, or a ShapeError where it was built without them (``[private]
+    offload_chunk_layout = false``: steps of several positions go one ciphertext per position)."""
+    if chunks is None:
+        raise ShapeError("this block was built without the chunk layout: one ciphertext per position")
+    return chunks
+
+
+__all__ = ["CHUNK_POSITIONS", "ChunkProducts", "ChunkShape", "EncodedChunk", "chunk_count", "chunk_rotation_steps",
+           "chunk_shape", "require_chunks"]

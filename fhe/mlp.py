@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from engine.model import DecoderLayer
 from fhe.errors import ParameterError, ShapeError
 from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, KeyHolder, check_fresh
-from fhe.interleaved import ChunkProducts
+from fhe.interleaved import ChunkProducts, chunk_rotation_steps, require_chunks
 from fhe.linalg import EncodedMatvec, HybridMatvec, hybrid_slots, pick_fold, replicate_input
 from fhe.params import CKKSParams
 
@@ -102,7 +102,7 @@ class EncryptedMLP:
     """
 
     def __init__(self, layer: DecoderLayer, params: CKKSParams = MLP_PARAMS, *,
-                 evaluator: Evaluator | None = None) -> None:
+                 evaluator: Evaluator | None = None, chunks: bool = True) -> None:
         self.ev = linear_step_evaluator(params, evaluator, "the MLP block")
         w = MLPWeights.of(layer)
         self.matvecs_up = _up_matvecs(self.ev.slots, w)
@@ -114,13 +114,15 @@ class EncryptedMLP:
         top = self.ev.top
         self._enc_up: list[EncodedMatvec] = [m.encode(self.ev, top) for m in self.matvecs_up]
         self._enc_down = self.matvec_down.encode(self.ev, top)
-        # several positions per step (prefill chunks, verify steps): the position-interleaved chunk layout
-        self.chunks = ChunkProducts(self.ev, {"mlp_up": np.concatenate([w.gate, w.up]), "mlp_down": w.down})
+        # several positions per step (prefill chunks, verify steps): the position-interleaved chunk layout,
+        # 8x the plaintexts of one position; without it (``chunks=False``) they go one ciphertext per position
+        self.chunks = (ChunkProducts(self.ev, {"mlp_up": np.concatenate([w.gate, w.up]), "mlp_down": w.down})
+                       if chunks else None)
 
     @property
     def rotation_steps(self) -> set[int]:
         """Galois keys both halves need, one position or a chunk (the client generates exactly these)."""
-        steps = set(self.matvec_down.rotation_steps) | self.chunks.rotation_steps
+        steps = set(self.matvec_down.rotation_steps) | chunk_rotation_steps(self.chunks)
         for m in self.matvecs_up:
             steps |= m.rotation_steps
         return {s % self.ev.slots for s in steps} - {0}
@@ -138,7 +140,7 @@ class EncryptedMLP:
     def chunk(self, part: str, cts: list[Ciphertext], keys: EvalKeys) -> list[Ciphertext]:
         """A multi-position ``mlp_up`` (``[gate; up]`` of each position) or ``mlp_down`` step in the chunk
         layout (:mod:`fhe.interleaved`): T fresh ciphertexts per chunk in, G per chunk out, at level 1."""
-        return self.chunks(part, cts, keys)
+        return require_chunks(self.chunks)(part, cts, keys)
 
 
 def _up_matvecs(slots: int, w: MLPWeights) -> list[HybridMatvec]:

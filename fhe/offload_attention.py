@@ -33,7 +33,7 @@ from engine.config import ModelConfig
 from engine.model import DecoderLayer, causal_attention
 from fhe.errors import ShapeError
 from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, KeyHolder, check_fresh
-from fhe.interleaved import ChunkProducts
+from fhe.interleaved import ChunkProducts, chunk_rotation_steps, require_chunks
 from fhe.linalg import EncodedMatvec, HybridMatvec, hybrid_slots, pack_inputs, pick_fold, replicate_input
 from fhe.mlp import MLP_PARAMS, _matvec, linear_step_evaluator
 from fhe.params import CKKSParams
@@ -154,7 +154,7 @@ class EncryptedAttentionLinear:
     """
 
     def __init__(self, layer: DecoderLayer, cfg: ModelConfig, params: CKKSParams = MLP_PARAMS, *,
-                 evaluator: Evaluator | None = None) -> None:
+                 evaluator: Evaluator | None = None, chunks: bool = True) -> None:
         self.ev = linear_step_evaluator(params, evaluator, "an attention linear step")
         w = AttentionLinearWeights.of(layer)
         slots = self.ev.slots
@@ -171,19 +171,19 @@ class EncryptedAttentionLinear:
         self._bias = w.bias
         self._bias_pt: dict[bool, object] = {}   # encoded on first use, at the product's output level and scale
         # a step of several positions (prefill chunk, verify step): the position-interleaved chunk layout
-        self.chunks = ChunkProducts(self.ev, {"attn_qkv": w.qkv, "attn_o": w.o},
-                                    {"attn_qkv": w.bias} if w.bias is not None else None)
+        self.chunks = (ChunkProducts(self.ev, {"attn_qkv": w.qkv, "attn_o": w.o},
+                                     {"attn_qkv": w.bias} if w.bias is not None else None) if chunks else None)
 
     @property
     def rotation_steps(self) -> set[int]:
         """Galois keys both steps need, one position or a chunk (the client generates exactly these)."""
         return (_steps(self.ev.slots, self.matvec_qkv, self.matvec_o, self.packed_qkv, self.packed_o)
-                | self.chunks.rotation_steps)
+                | chunk_rotation_steps(self.chunks))
 
     def chunk(self, part: str, cts: list[Ciphertext], keys: EvalKeys) -> list[Ciphertext]:
         """A multi-position ``attn_qkv`` (+ bias) or ``attn_o`` step in the chunk layout
         (:mod:`fhe.interleaved`): T fresh ciphertexts per chunk in, G per chunk out, at level 1."""
-        return self.chunks(part, cts, keys)
+        return require_chunks(self.chunks)(part, cts, keys)
 
     def qkv(self, ct: Ciphertext, keys: EvalKeys, packed: bool = False) -> Ciphertext:
         """Fresh replicated x̂ -> ``[q; k; v]`` (+ bias) at level 1 (the smallest download); ``packed``: the

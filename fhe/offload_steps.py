@@ -79,9 +79,16 @@ def step_blobs(shape: ChunkShape, count: int) -> tuple[int, int]:
     return chunks * shape.tiles, chunks * shape.groups
 
 
-def chunk_layout_manifest(chunks: dict[str, ChunkShape]) -> dict:
+#: ``offload.mlp.chunk_layout`` of a deployment without the chunk layout: one ciphertext per position
+NO_CHUNK_LAYOUT = {"name": "none", "version": 1}
+
+
+def chunk_layout_manifest(chunks: dict[str, ChunkShape] | None) -> dict:
     """The manifest's ``offload.mlp.chunk_layout``: how a step of >= 2 positions is laid out (docs/protocol.md,
-    "Offload steps"); the SDK refuses a server whose layout differs from the one it computes."""
+    "Offload steps"; ``chunks`` None: :data:`NO_CHUNK_LAYOUT`); the SDK refuses a server whose layout differs
+    from the one it computes."""
+    if chunks is None:
+        return dict(NO_CHUNK_LAYOUT)
     some = next(iter(chunks.values()))
     return {"name": "interleaved", "version": 1, "positions": some.positions,
             "parts": {p: {"tile": sh.tile, "baby": sh.baby, "tiles": sh.tiles, "groups": sh.groups,
@@ -90,18 +97,18 @@ def chunk_layout_manifest(chunks: dict[str, ChunkShape]) -> dict:
 
 
 def offload_rotation_steps(cfg: ModelConfig, params: CKKSParams = MLP_PARAMS, *, attention: bool = True,
-                           mlp: bool = True) -> tuple[int, ...]:
+                           mlp: bool = True, chunks: bool = True) -> tuple[int, ...]:
     """The Galois steps of the offload key set: the union of the attention linear steps' (when the plan has
     a server attention with ``softmax = client``) and the MLP's (when it has a server MLP), one position
-    and chunk layouts alike."""
+    and (``chunks``: where the server runs it) chunk layouts alike."""
     steps: set[int] = set()
-    chunks = chunk_shapes(cfg, params)
+    shapes = chunk_shapes(cfg, params) if chunks else {}
     if attention:
         steps |= set(attention_geometry(cfg, params)[1])
-        steps |= {s for p in ATTENTION_PARTS for s in chunks[p].rotation_steps}
+        steps |= {s for p in ATTENTION_PARTS if p in shapes for s in shapes[p].rotation_steps}
     if mlp:
         steps |= set(mlp_geometry(cfg, params)[1])
-        steps |= {s for p in MLP_PARTS for s in chunks[p].rotation_steps}
+        steps |= {s for p in MLP_PARTS if p in shapes for s in shapes[p].rotation_steps}
     return tuple(sorted(steps))
 
 
@@ -117,6 +124,6 @@ def outputs_per_position(layout: MLPLayout, part: str) -> int:
     return len(layout.up_slots) if part == "mlp_up" else 1
 
 
-__all__ = ["ATTENTION_PARTS", "MLP_PARTS", "OFFLOAD_PARTS", "chunk_layout_manifest", "chunk_shapes",
+__all__ = ["ATTENTION_PARTS", "MLP_PARTS", "NO_CHUNK_LAYOUT", "OFFLOAD_PARTS", "chunk_layout_manifest", "chunk_shapes",
            "fresh_blob_limit", "mlp_geometry", "offload_rotation_steps", "outputs_per_position", "part_shape",
            "step_blobs"]

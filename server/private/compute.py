@@ -33,7 +33,7 @@ class PrivateCompute:
     """Server half of the plan's encrypted attention blocks (no secret key ever reaches it)."""
 
     def __init__(self, model_dir: str, plan_path: str | None, max_tokens: int, device: str = "cpu",
-                 step_processes: int = 1, offload_path: str | None = None) -> None:
+                 step_processes: int = 1, offload_path: str | None = None, offload_chunks: bool = True) -> None:
         from engine.loader import load_model
 
         torch.set_num_threads(1)  # one core per worker: parallelism comes from the pool
@@ -47,7 +47,7 @@ class PrivateCompute:
         self.keys: dict[str, ServerKeys] = {}
         self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
-        self.linear = _OffloadLinear(model, offload_path, device) if offload_path else None
+        self.linear = _OffloadLinear(model, offload_path, device, offload_chunks) if offload_path else None
 
     def _attention_blocks(self, model, plan: Plan, max_tokens: int, device: str, step_processes: int) -> None:
         plan.check_model(model)
@@ -245,7 +245,7 @@ class _OffloadLinear:
     key set is expanded onto the device once, when it is loaded.
     """
 
-    def __init__(self, model, offload_path: str, device: str = "cpu") -> None:
+    def __init__(self, model, offload_path: str, device: str = "cpu", chunks: bool = True) -> None:
         from fhe.mlp import MLP_PARAMS, EncryptedMLP
         from fhe.offload import OffloadPlan
         from fhe.offload_attention import EncryptedAttentionLinear
@@ -253,10 +253,10 @@ class _OffloadLinear:
         plan = OffloadPlan.load(offload_path)
         self.params = MLP_PARAMS
         self.gpu = _gpu_evaluator(self.params, device, encoder="seal")
-        self.blocks = {i: EncryptedMLP(model.model.layers[i], self.params, evaluator=self.gpu)
+        self.blocks = {i: EncryptedMLP(model.model.layers[i], self.params, evaluator=self.gpu, chunks=chunks)
                        for i in plan.server_mlp}
         self.attention = {p.index: EncryptedAttentionLinear(model.model.layers[p.index], model.config, self.params,
-                                                            evaluator=self.gpu)
+                                                            evaluator=self.gpu, chunks=chunks)
                           for p in plan.layers if p.attention == "server" and p.softmax == "client"}
         steps: set[int] = set()
         for block in (*self.blocks.values(), *self.attention.values()):
@@ -411,10 +411,12 @@ def _gpu_evaluator(params: CKKSParams, device: str, encoder: str = "fft"):
 
 
 def make_state(model_dir: str, plan_path: str | None, max_tokens: int, device: str = "cpu",
-               step_processes: int = 1, offload_path: str | None = None) -> PrivateCompute:
+               step_processes: int = 1, offload_path: str | None = None, offload_chunks: bool = True
+               ) -> PrivateCompute:
     """Worker factory (``server.private.workers`` imports it by name); ``plan_path`` None: an offload plan of
-    linear steps only (``offload_path``), no attention block."""
-    return PrivateCompute(model_dir, plan_path, max_tokens, device, step_processes, offload_path)
+    linear steps only (``offload_path``), no attention block; ``offload_chunks``: ``[private]
+    offload_chunk_layout``."""
+    return PrivateCompute(model_dir, plan_path, max_tokens, device, step_processes, offload_path, offload_chunks)
 
 
 __all__ = ["PrivateCompute", "make_state"]

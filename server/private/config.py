@@ -36,6 +36,10 @@ class PrivateSettings(BaseModel):
     offload_plan: str | None = Field(None, description="an offload plan (fhe/offload.py) whose server attention "
                                      "layers are `plan`'s: the server also runs its MLP blocks (N = 8192, "
                                      "client-aided SiLU) and keeps their weights; None: attention blocks only")
+    offload_chunk_layout: bool = Field(True, description="steps of several positions (prefill chunks, verify "
+                                       "steps) of offload linear parts in the position-interleaved chunk "
+                                       "layout (fast prefill and speculation; ~915 MB more worker memory per "
+                                       "SmolLM2 server layer); false: one ciphertext per position")
     state_dir: str | None = Field(None, description="key store, audit log, bundle cache; None: $CIPHERLM_HOME/server")
     workers: int = Field(2, ge=1, le=64, description="most worker processes for ciphertext work; each is "
                          "started when an encrypted session (or key upload) first needs it")

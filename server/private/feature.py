@@ -134,7 +134,8 @@ class AuditFallbackRecorder:
 
 
 def _worker_args(cfg: PrivateSettings, model_dir: Path, plan_path: Path | None) -> tuple:
-    """The worker factory's arguments. The optional trailing ones (step_processes, offload_plan) go only
+    """The worker factory's arguments. The optional trailing ones (step_processes, offload_plan,
+    offload_chunk_layout when off) go only
     when set, so factories written for the first four keep working; step_processes only for local workers:
     a Ray actor's process runs Ray's own threads, which a fork per step would copy mid-flight. ``plan_path``
     None: an offload plan of linear steps only (the workers build no attention block)."""
@@ -142,7 +143,7 @@ def _worker_args(cfg: PrivateSettings, model_dir: Path, plan_path: Path | None) 
                    cfg.device)
     split = cfg.step_processes if cfg.backend == "local" else 1
     if cfg.offload_plan:
-        return args + (split, cfg.offload_plan)
+        return args + (split, cfg.offload_plan) + (() if cfg.offload_chunk_layout else (False,))
     return args + ((split,) if split != 1 else ())
 
 
@@ -235,7 +236,7 @@ async def _start_linear(app: Any, cfg: PrivateSettings, model_dir: Path, offload
     check_fits(offload_plan, None, mcfg)
     root = state_dir(cfg)
     _open_state(app, cfg, root)
-    steps = OffloadSteps.of(offload_plan)
+    steps = OffloadSteps.of(offload_plan, cfg.offload_chunk_layout)
     path, desc = await asyncio.to_thread(build_offload_bundle, model_dir, offload_plan, root)
     app.state.private_manifest = build_linear_manifest(app.state.metrics.model_name, steps, mcfg, desc, cfg)
     app.state.private_bundle_path = path
@@ -283,7 +284,7 @@ async def _offload(app: Any, cfg: PrivateSettings, model_dir: Path, plan: Any, r
     offload = _load_offload(cfg)
     mcfg = ModelConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
     check_fits(offload, plan, mcfg)
-    steps = OffloadSteps.of(offload)
+    steps = OffloadSteps.of(offload, cfg.offload_chunk_layout)
     path, desc = await asyncio.to_thread(build_offload_bundle, model_dir, offload, root)
     man = app.state.private_manifest
     man["offload"] = {**steps.manifest(mcfg), "attention_key": True}

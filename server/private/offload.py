@@ -70,7 +70,9 @@ class OffloadSteps:
         blob_limit: bytes of one fresh offload ciphertext (the per-blob limit of every linear part).
         attention_layers: layers whose attention runs as linear steps (``attn_qkv``, ``attn_o``).
         attention_layout: their layout (from the plan's model shape).
-        chunks: per part, the chunk layout of a step of >= 2 positions (:mod:`fhe.interleaved`).
+        chunks: per part, the chunk layout of a step of >= 2 positions (:mod:`fhe.interleaved`); None where
+            the deployment turned it off (``[private] offload_chunk_layout = false``): such a step then carries
+            one ciphertext per position, as a decode step does, and the workers hold 8x fewer plaintexts.
     """
 
     plan: OffloadPlan
@@ -81,21 +83,26 @@ class OffloadSteps:
     chunks: dict[str, ChunkShape] | None = None
 
     @classmethod
-    def of(cls, plan: OffloadPlan) -> OffloadSteps:
+    def of(cls, plan: OffloadPlan, chunks: bool = True) -> OffloadSteps:
         return cls(plan, plan.server_mlp, fresh_blob_limit(MLP_PARAMS), linear_attention_layers(plan),
-                   attention_geometry(plan.model_config, MLP_PARAMS)[0], chunk_shapes(plan.model_config, MLP_PARAMS))
+                   attention_geometry(plan.model_config, MLP_PARAMS)[0],
+                   chunk_shapes(plan.model_config, MLP_PARAMS) if chunks else None)
 
     def blobs(self, part: str, count: int) -> tuple[int, int]:
         """(ciphertexts in, ciphertexts out) of a step of ``part`` over ``count`` positions: one position is one
-        ciphertext in (``mlp_up``: ``outputs_per_position`` out); more run the chunk layout."""
+        ciphertext in (``mlp_up``: ``outputs_per_position`` out); more run the chunk layout, or, without it,
+        one ciphertext in per position (the first figure is the one checked)."""
         if count <= 1:
             return 1, 1
+        if self.chunks is None:
+            return count, count
         return step_blobs(self.chunks[part], count)
 
     @staticmethod
-    def packed(env: envelope.Envelope) -> bool:
-        """Whether a checked step runs the chunk layout (any linear part over >= 2 positions)."""
-        return env.positions[1] > 1
+    def packed(env: envelope.Envelope, chunk_layout: bool = True) -> bool:
+        """Whether a checked step runs the chunk layout (any linear part over >= 2 positions, where the
+        deployment runs the layout: ``[private] offload_chunk_layout``)."""
+        return chunk_layout and env.positions[1] > 1
 
     def check_open(self, mlp_key_id: str | None) -> None:
         if (self.layers or self.attention_layers) and mlp_key_id is None:
@@ -153,7 +160,7 @@ class OffloadSteps:
         it had when only MLPs ran there): parameters, Galois steps (the union of every linear part's)."""
         layout, _ = mlp_geometry(model_config, MLP_PARAMS)
         steps = offload_rotation_steps(model_config, MLP_PARAMS, attention=bool(self.attention_layers),
-                                       mlp=bool(self.layers))
+                                       mlp=bool(self.layers), chunks=self.chunks is not None)
         outputs = {"mlp_up": len(layout.up_slots), "mlp_down": 1, "attn_qkv": 1, "attn_o": 1}
         return {"plan_hash": self.plan.content_hash, "plan": self.plan.metadata(),
                 "server_attention": list(self.plan.server_attention), "server_mlp": list(self.layers),

@@ -462,7 +462,7 @@ class PrivateService:
 
         holders = [w for w, fp in self._loaded if fp == s.mlp_fingerprint] or [s.worker]
         worker = self.pool.least_loaded(holders)
-        packed = OffloadSteps.packed(env)   # the layout follows from the checked envelope alone
+        packed = OffloadSteps.packed(env, self.cfg.offload_chunk_layout)   # from the checked envelope and settings
         batch = (("mlp_step", env.layer, env.part, packed) if self.cfg.gpu_backend and self.cfg.batch_steps > 1
                  else None)
         try:

@@ -20,8 +20,8 @@ PROMPT = "The capital of France is"
 MAX_TOKENS = 3
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_model_dir, tmp_path_factory):  # noqa: F811
+def _serve(model_dir, tmp_path_factory, **private):
+    """The app with the tiny all-linear offload plan, and an encrypted-mode SDK client on it."""
     from fastapi.testclient import TestClient
 
     from client_sdk._private import runtime_of
@@ -29,13 +29,13 @@ def setup(tiny_model_dir, tmp_path_factory):  # noqa: F811
     from fhe.offload import CLIENT, SERVER, LayerPlacement, OffloadPlan
     from server.app import create_app
 
-    model = load_model(tiny_model_dir)
+    model = load_model(model_dir)
     folder = tmp_path_factory.mktemp("plans")
     layers = (LayerPlacement(0, SERVER, SERVER, "client", "client"), LayerPlacement(1, SERVER, CLIENT, "client"))
     off = OffloadPlan("tiny", model.config.to_hf_dict(), layers)
     off_path = off.save(folder / "tiny-linear.offload.json")
-    settings = private_settings(tiny_model_dir, folder / "absent.plan.json", tmp_path_factory.mktemp("state"),
-                                offload_plan=str(off_path), max_step_tokens=8)
+    settings = private_settings(model_dir, folder / "absent.plan.json", tmp_path_factory.mktemp("state"),
+                                offload_plan=str(off_path), max_step_tokens=8, **private)
     settings.private.plan = None   # no [private] plan at all: no layer needs an attention key
     with TestClient(create_app(settings), base_url="http://testserver") as http:
         client = Client(api_key=KEYS["enc-a"], base_url="http://testserver", http_client=http,
@@ -44,6 +44,11 @@ def setup(tiny_model_dir, tmp_path_factory):  # noqa: F811
         yield {"http": http, "client": client, "model": model, "off": off}
         if client._private is not None:
             client._private.close_session()
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    yield from _serve(tiny_model_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +141,30 @@ def test_the_sdk_refuses_a_server_with_another_chunk_layout(setup, generated):
     for bad in ({}, {**info.chunk_layout, "positions": 4}):
         with pytest.raises(PrivateModeError, match="update the SDK"):
             OffloadClient(rt, dataclasses.replace(info, chunk_layout=bad))
+
+
+def test_without_the_chunk_layout_steps_go_one_ciphertext_per_position(
+        tiny_model_dir, tmp_path_factory, setup, generated, monkeypatch):  # noqa: F811 (the fixture's name)
+    """``[private] offload_chunk_layout = false`` (workers short of memory: the layout holds 8x the plaintexts):
+    the manifest says so, the key set has only the one-position steps, prefill chunks carry one ciphertext per
+    position, and the tokens are the same."""
+    from client_sdk._offload import OffloadClient
+    from fhe.offload_steps import NO_CHUNK_LAYOUT
+
+    def no_chunks(*args, **kwargs):
+        raise AssertionError("a step in the chunk layout on a server without it")
+
+    monkeypatch.setattr(OffloadClient, "_send_chunks", no_chunks)
+    served = _serve(tiny_model_dir, tmp_path_factory, offload_chunk_layout=False)
+    plain = next(served)
+    try:
+        rt_chunked = setup["client"]._private
+        out = plain["client"].completions.create(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+        rt = plain["client"]._private
+        assert rt.offload.info.chunk_layout == NO_CHUNK_LAYOUT and rt.offload.chunks is None
+        assert set(rt.offload.info.rotation_steps) < set(rt_chunked.offload.info.rotation_steps)
+        assert len(rt.tokenizer.encode(PROMPT)) > 1                   # its prefill had several positions
+        assert out.choices[0].text == generated.choices[0].text
+    finally:
+        next(served, None)

@@ -164,10 +164,9 @@ class EncryptedAttentionLinear:
         top = self.ev.top
         self._enc_qkv: EncodedMatvec = self.matvec_qkv.encode(self.ev, top)
         self._enc_o: EncodedMatvec = self.matvec_o.encode(self.ev, top)
-        # the chunk products (the same object when m = 1: nothing encoded twice)
-        self._enc_qkv_packed = (self._enc_qkv if self.packed_qkv.positions == 1
-                                else self.packed_qkv.encode(self.ev, top))
-        self._enc_o_packed = self._enc_o if self.packed_o.positions == 1 else self.packed_o.encode(self.ev, top)
+        # pack17's block layout (m positions per ciphertext), encoded on first use: the service sends steps of
+        # several positions in the chunk layout (``self.chunks``), so a worker normally never needs it
+        self._enc_packed: dict[str, EncodedMatvec] = {}
         self._bias = w.bias
         self._bias_pt: dict[bool, object] = {}   # encoded on first use, at the product's output level and scale
         # a step of several positions (prefill chunk, verify step): the position-interleaved chunk layout
@@ -185,11 +184,22 @@ class EncryptedAttentionLinear:
         (:mod:`fhe.interleaved`): T fresh ciphertexts per chunk in, G per chunk out, at level 1."""
         return require_chunks(self.chunks)(part, cts, keys)
 
+    def encoded(self, part: str, packed: bool = False) -> EncodedMatvec:
+        """The encoded product of ``part`` (``attn_qkv`` / ``attn_o``): one position, or (``packed``) the block
+        layout of ``layout.qkv_packed`` / ``layout.o_packed`` — the one-position product itself when m = 1."""
+        one = self._enc_qkv if part == "attn_qkv" else self._enc_o
+        if not packed:
+            return one
+        if part not in self._enc_packed:
+            mv = self.packed_qkv if part == "attn_qkv" else self.packed_o
+            self._enc_packed[part] = one if mv.positions == 1 else mv.encode(self.ev, self.ev.top)
+        return self._enc_packed[part]
+
     def qkv(self, ct: Ciphertext, keys: EvalKeys, packed: bool = False) -> Ciphertext:
         """Fresh replicated x̂ -> ``[q; k; v]`` (+ bias) at level 1 (the smallest download); ``packed``: the
         chunk layout (``layout.qkv_packed``: m positions in, m positions out)."""
         check_fresh(self.ev, keys, ct)
-        out = (self._enc_qkv_packed if packed else self._enc_qkv)(self.ev, ct, keys)
+        out = self.encoded("attn_qkv", packed)(self.ev, ct, keys)
         if self._bias is not None:
             out = self.ev.add_plain(out, self._bias_plain(out, packed))
         return self.ev.mod_switch(out, 1)
@@ -197,7 +207,7 @@ class EncryptedAttentionLinear:
     def o(self, ct: Ciphertext, keys: EvalKeys, packed: bool = False) -> Ciphertext:
         """Fresh replicated mixture u [Hq D] -> ``Wo u`` at level 1 (``packed``: ``layout.o_packed``)."""
         check_fresh(self.ev, keys, ct)
-        return self.ev.mod_switch((self._enc_o_packed if packed else self._enc_o)(self.ev, ct, keys), 1)
+        return self.ev.mod_switch(self.encoded("attn_o", packed)(self.ev, ct, keys), 1)
 
     def _bias_plain(self, like: Ciphertext, packed: bool):
         if packed not in self._bias_pt:

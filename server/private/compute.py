@@ -342,6 +342,7 @@ class _OffloadLinear:
         the attention parts' chunk layout; the MLP parts have one layout)."""
         if part in ("attn_qkv", "attn_o"):
             block = self.attention[layer]
+            block.encoded(part, packed)   # encoded here, never inside a step's graph capture
             fn = block.qkv if part == "attn_qkv" else block.o
             return block, lambda ct, k: [fn(ct, k, packed)]
         block = self.blocks[layer]
@@ -389,11 +390,17 @@ def _result_or_error(fn, *args):
 
 
 def _plaintext_nbytes(block) -> int:
-    """Device bytes of an encoded linear block's diagonals (every EncodedMatvec's plaintexts)."""
+    """Device bytes of an encoded linear block's diagonals: every EncodedMatvec's plaintexts, and the chunk
+    layout's (``block.chunks``, when the block has it: ~2/3 of the total for SmolLM2)."""
     encoded = [v for name, v in vars(block).items() if name.startswith("_enc_")]
-    encoded = [e for v in encoded for e in (v if isinstance(v, list) else [v])]
-    encoded = list({id(e): e for e in encoded}.values())   # a chunk product that is the one-position one
-    return sum(pt.data.numel() * 8 for e in encoded for grp in e.encoded.plaintexts.values() for _, pt in grp)
+    encoded = [e for v in encoded for e in (v if isinstance(v, list) else v.values() if isinstance(v, dict) else [v])]
+    encoded = list({id(e): e for e in encoded}.values())   # a packed product that is the one-position one
+    total = sum(pt.data.numel() * 8 for e in encoded for grp in e.encoded.plaintexts.values() for _, pt in grp)
+    chunks = getattr(block, "chunks", None)
+    if chunks is not None:
+        total += sum(pt.data.numel() * 8 for e in chunks.encoded.values()
+                     for grp in e.plaintexts.values() for _, _, pt in grp)
+    return total
 
 
 def _gpu_evaluator(params: CKKSParams, device: str, encoder: str = "fft"):

@@ -221,7 +221,7 @@ class OffloadClient:
 
         lay = self.layout
         x = self._normalized(h)
-        if h.shape[0] > 1 and self.chunks is not None:   # several positions: the chunk layout, gate and up in one product
+        if h.shape[0] > 1 and self.chunks is not None:   # several positions: the chunk layout
             gu = torch.from_numpy(self._send_chunks(layer, "mlp_up", x.numpy()))
             a = torch.nn.functional.silu(gu[:, :lay.intermediate]) * gu[:, lay.intermediate:]
             return torch.from_numpy(self._send_chunks(layer, "mlp_down", a.numpy()))

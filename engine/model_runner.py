@@ -204,75 +204,91 @@ class ModelRunner:
     def _capture_graphs(self, max_batch: int) -> None:
         """Capture decode steps for every bucket, then verify steps for every (bucket, k) the config names
         (buckets up to the batch that still speculates), largest first, all sharing one memory pool."""
-        cfg, dev, w = self.config, self.device, self.max_blocks_per_seq
-        ks = cfg.verify_graph_tokens()
-        cap = cfg.speculative_disable_by_batch_size
+        cap = self.config.speculative_disable_by_batch_size
         vmax = min(max_batch, cap) if cap is not None else max_batch
-        self._decode_in = _StaticInputs(max_batch, max_batch, w, dev)
+        ks = self._static_inputs(max_batch, vmax)
         pool = None
         try:
             for b in reversed(graph_buckets(max_batch)):
-                pool = self._capture(b, 0, self._decode_in, pool)
-            if ks:
-                kmax = ks[-1]
-                # padding rows sit up to kmax positions past a sequence's end: widen the tables so that the
-                # kernel never clamps a context (which would shift the real rows' positions)
-                vw = -(-(self.max_model_len + kmax) // self.block_size)
-                self._verify_in = _StaticInputs(vmax * (kmax + 1), vmax, vw, dev)
-                self._verify_logits = torch.empty(vmax * (kmax + 1), self.model_config.vocab_size,
-                                                  dtype=torch.float32, device=dev)  # shared by every k
-                for k in reversed(ks):
-                    q = k + 1  # constant row offsets: sequence i's query is rows [i * q, (i + 1) * q)
-                    self._verify_cu[k] = torch.arange(0, (vmax + 1) * q, q, dtype=torch.int32, device=dev)
-                    for b in reversed(graph_buckets(vmax)):
-                        pool = self._capture(b, k, self._verify_in, pool)
+                pool = self._capture(b, 0, pool)
+            for k in reversed(ks):
+                for b in reversed(graph_buckets(vmax)):
+                    pool = self._capture(b, k, pool)
         except RuntimeError as exc:  # a kernel that syncs with the host cannot be captured
             log.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
             self._graphs.clear()
 
-    def _capture(self, b: int, k: int, inp: _StaticInputs, pool):
-        """Capture the (b, k) step over ``inp``'s buffers; return the memory pool to share."""
-        q = k + 1
+    def _static_inputs(self, max_batch: int, verify_max_batch: int) -> tuple[int, ...]:
+        """Allocate the graphs' input buffers (decode batches up to ``max_batch``, verify batches up to
+        ``verify_max_batch``); return the verify graphs' draft counts."""
+        dev, ks = self.device, self.config.verify_graph_tokens()
+        self._decode_in = _StaticInputs(max_batch, max_batch, self.max_blocks_per_seq, dev)
+        if not ks:
+            return ks
+        rows = verify_max_batch * (ks[-1] + 1)
+        # padding rows sit up to k positions past a sequence's end: widen the tables so that the kernel never
+        # clamps a context (which would shift the real rows' positions)
+        width = -(-(self.max_model_len + ks[-1]) // self.block_size)
+        self._verify_in = _StaticInputs(rows, verify_max_batch, width, dev)
+        self._verify_logits = torch.empty(rows, self.model_config.vocab_size, dtype=torch.float32,
+                                          device=dev)  # shared by every k
+        for k in ks:  # constant row offsets: sequence i's query is rows [i * (k + 1), (i + 1) * (k + 1))
+            self._verify_cu[k] = torch.arange(0, (verify_max_batch + 1) * (k + 1), k + 1, dtype=torch.int32,
+                                              device=dev)
+        return ks
+
+    def _static_step(self, b: int, k: int) -> tuple[torch.Tensor, torch.Tensor, PagedAttention]:
+        """The (b, k) step over the static buffers: input ids [b(k+1)], positions, attention backend."""
+        q, inp = k + 1, self._verify_in if k else self._decode_in
         ids, pos, slots = inp.dev64[0, :b * q], inp.dev64[1, :b * q], inp.dev64[2, :b * q]
-        slots.fill_(-1)
-        inp.lens.fill_(q)  # every sequence a padding one: q rows over q (harmless) slots of block 0
         if k == 0:
             meta = AttentionMetadata(slots, b, inp.tables[:b], inp.lens[:b])
         else:
             meta = AttentionMetadata(slots, 0, prefill_block_tables=inp.tables[:b],
                                      prefill_cu_seqlens_q=self._verify_cu[k][:b + 1],
                                      prefill_context_lens=inp.lens[:b], prefill_max_q=q)
-        backend = PagedAttention(self.kv, meta, self.model_config.head_dim)
+        return ids, pos, PagedAttention(self.kv, meta, self.model_config.head_dim)
+
+    def _capture(self, b: int, k: int, pool):
+        """Capture the (b, k) step; return the memory pool to share."""
+        inp = self._verify_in if k else self._decode_in
+        ids, pos, backend = self._static_step(b, k)
+        backend.meta.slot_mapping.fill_(-1)
+        inp.lens.fill_(k + 1)  # every sequence a padding one: k + 1 rows over k + 1 (harmless) slots of block 0
         self.model.logits(self.model(ids, pos, backend))  # warm up (Triton JIT)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out = self.model.logits(self.model(ids, pos, backend))  # [b * q, V]
+            out = self.model.logits(self.model(ids, pos, backend))  # [b * (k + 1), V]
             if k:  # verify graphs write one shared buffer: its size does not grow with buckets and ks
-                out = self._verify_logits[:b * q].copy_(out)
+                out = self._verify_logits[:out.shape[0]].copy_(out)
         self._graphs[(b, k)] = (graph, out)
         return graph.pool()
 
     def _run_graph(self, scheduled: list[ScheduledSeq], b: int, k: int) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """A decode or verify step through the captured (b, k) graph."""
+        rows = self._stage(scheduled, b, k)
+        graph, out = self._graphs[(b, k)]
+        graph.replay()
+        sampling = [s for s in scheduled if s.samples]
+        if not sampling:  # no token is read back this step: sync so the pinned mirrors can be refilled
+            torch.cuda.current_stream(self.device).synchronize()
+        return out[rows], sampling
+
+    def _stage(self, scheduled: list[ScheduledSeq], b: int, k: int) -> slice | torch.Tensor:
+        """Fill the (b, k) step's static buffers for ``scheduled``; return the logits rows that sample (a
+        slice when they are the first ones, else a device index)."""
         q = k + 1
         inp = self._verify_in if k else self._decode_in
         rows = self._fill_verify(inp, scheduled, q) if k else self._fill_decode(inp, scheduled)
         n = len(scheduled)
         inp.host64[2, n * q:b * q] = -1  # padding sequences write nothing and read q slots of block 0
         inp.host_lens[n:b] = q
-        whole = not rows or rows[-1] == len(rows) - 1  # rows ascend: the first len(rows) rows
+        whole = not rows or rows[-1] == len(rows) - 1  # rows ascend: then they are the first len(rows)
         if not whole:
             inp.host64[3, :len(rows)] = rows
         inp.upload(b)
-        graph, out = self._graphs[(b, k)]
-        graph.replay()
-        sampling = [s for s in scheduled if s.samples]
-        if not sampling:  # no token is read back this step: sync so the pinned mirrors can be refilled
-            torch.cuda.current_stream(self.device).synchronize()
-        if whole:
-            return out[:len(rows)], sampling
-        return out.index_select(0, inp.dev64[3, :len(rows)]), sampling
+        return slice(0, len(rows)) if whole else inp.dev64[3, :len(rows)]
 
     def _fill_decode(self, inp: _StaticInputs, scheduled: list[ScheduledSeq]) -> list[int]:
         """Host inputs of a decode batch (one row per sequence; the hot path of large batches: scalar
@@ -314,8 +330,9 @@ class _StaticInputs:
         self.seqs, self.width = seqs, width
         self.dev64 = torch.zeros(4, rows, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(seqs * (1 + width), dtype=torch.int32, device=device)
-        self._pinned64 = torch.zeros(4, rows, dtype=torch.int64).pin_memory()
-        self._pinned32 = torch.zeros(seqs * (1 + width), dtype=torch.int32).pin_memory()
+        pin = device.type == "cuda"  # (the CPU builds them only in tests of the layout)
+        self._pinned64 = torch.zeros(4, rows, dtype=torch.int64, pin_memory=pin)
+        self._pinned32 = torch.zeros(seqs * (1 + width), dtype=torch.int32, pin_memory=pin)
         self.host64 = self._pinned64.numpy()
         self.host_lens = self._pinned32[:seqs].numpy()
         self.host_tables = self._pinned32[seqs:].view(seqs, width).numpy()

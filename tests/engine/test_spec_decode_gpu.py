@@ -14,8 +14,8 @@ from engine.llm import LLM
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from tests.engine.engine_helpers import make_seq, random_prompts
+from engine.scheduler import ScheduledSeq
+from tests.engine.engine_helpers import make_seq, prefilled, random_prompts, rows_in_order, verify_step
 
 pytestmark = pytest.mark.gpu
 
@@ -54,22 +54,8 @@ def runner():
     return r
 
 
-def prefilled(runner: ModelRunner, lengths: list[int], seed: int) -> list:
-    """Sequences of the given lengths whose K/V (all but the last token) sit in the pool, eagerly."""
-    seqs = []
-    for i, (n, ids) in enumerate(zip(lengths, random_prompts(lengths, SMOLLM2.vocab_size, seed), strict=True)):
-        seq = make_seq(ids, seq_id=i)
-        seq.block_table = list(range(1 + i * BLOCKS_PER_SEQ, 1 + i * BLOCKS_PER_SEQ + -(-(n + 8) // 16)))
-        seqs.append(seq)
-    runner.execute(SchedulerOutput([ScheduledSeq(s, 0, s.num_tokens - 1) for s in seqs], [], []))
-    return seqs
-
-
 def verify(runner: ModelRunner, seqs, drafts: list[list[int]], eager: bool) -> torch.Tensor:
-    step = SchedulerOutput([ScheduledSeq(s, s.num_tokens - 1, 1, d) for s, d in zip(seqs, drafts, strict=True)],
-                           [], [])
-    logits, sampling = runner.execute(step, eager=eager)
-    assert [s.seq for s in sampling] == seqs
+    logits = rows_in_order(*runner.execute(verify_step(seqs, drafts), eager=eager), seqs)
     assert logits.shape == (sum(1 + len(d) for d in drafts), SMOLLM2.vocab_size)
     return logits.clone()
 
@@ -87,7 +73,7 @@ def test_verify_graphs_are_captured_for_the_configured_shapes(runner):
 @torch.inference_mode()
 def test_verify_graph_bit_exact_on_the_captured_shape(runner):
     """4 sequences x 3 drafts: the graph runs the eager step's shapes (same kernels, same GEMM sizes)."""
-    seqs = prefilled(runner, [40, 97, 130, 200], seed=1)
+    seqs = prefilled(runner, [40, 97, 130, 200], SMOLLM2.vocab_size, BLOCKS_PER_SEQ, seed=1)
     drafts = [[7, 8, 9], [1, 2, 3], [4, 4, 4], [100, 2000, 30000]]
     eager = verify(runner, seqs, drafts, eager=True)
     graph = verify(runner, seqs, drafts, eager=False)
@@ -105,7 +91,7 @@ def test_padded_verify_graph_close_to_eager(runner, lengths, drafts):
     """Padding changes the GEMM row counts (cuBLAS may pick other kernels) and a plain decode goes through
     the varlen kernel instead of the split-K decode kernel: bf16 rounding, not bit-exact; the real rows see
     only real keys, so the logits agree to bf16 noise (the fused forward is ~4e-3 from fp32)."""
-    seqs = prefilled(runner, lengths, seed=len(lengths))
+    seqs = prefilled(runner, lengths, SMOLLM2.vocab_size, BLOCKS_PER_SEQ, seed=len(lengths))
     eager = verify(runner, seqs, drafts, eager=True)
     graph = verify(runner, seqs, drafts, eager=False)
     err = (graph - eager).norm(dim=-1) / eager.norm(dim=-1)

@@ -1,11 +1,12 @@
 """GPU: a speculative verify step eager vs replayed from its CUDA graph (random bf16 weights, real shapes).
 
-With random weights n-gram drafts are rarely accepted, so this script does not run a workload: it forces
-the verify step's shape directly. Per shape, one runner captures verify graphs for k = 3, 5, 7 (batch
+Acceptance on random weights says nothing about real text, so this script runs no workload: it forces the
+verify step's shape directly. Per shape, one runner captures verify graphs for k = 3, 5, 7 (batch
 buckets 1, 2, 4, 8) and the decode graphs; batch B sequences of ``--context`` tokens are prefilled once; then,
 for B in ``--batches`` and each k, the same verify step (each sequence's last token + k drafts, B * (k + 1)
-query rows) runs through ``ModelRunner.execute`` eagerly and through its graph, alternately, ``--iters``
-times each after ``--warmup`` rounds of both (Triton compiled, cuBLAS handles made, graphs replayed once).
+query rows; and, for B > 1, a mixed step where every other sequence is a plain decode without drafts) runs
+through ``ModelRunner.execute`` eagerly and through its graph, alternately, ``--iters`` times each after
+``--warmup`` rounds of both (Triton compiled, cuBLAS handles made, graphs replayed once).
 Time per step: host clock around ``execute`` + a device sync (what the engine's step waits for), median.
 Beside them: the batch's plain decode step (1 row per sequence) through its graph, and the bandwidth floor
 of one step, (weight bytes + the batch's K/V bytes) / measured copy bandwidth, as a share of each.
@@ -96,11 +97,12 @@ def bench_shape(name: str, batches: list[int], ks: list[int], context: int, warm
         decode_row = {"batch": b, "k": 0, "floor_ms": floor_ms, **compare(runner, decode, warmup, iters)}
         res["rows"].append(decode_row)
         print_row(name, decode_row)
-        for k in ks:
-            drafts = [[(7 * i + j) % cfg.vocab_size for j in range(k)] for i in range(b)]
+        for k, mixed in [(k, False) for k in ks] + [(k, True) for k in ks if b > 1]:
+            # mixed: every other sequence a plain decode (no drafts) in the same step
+            drafts = [[] if mixed and i % 2 else [(7 * i + j) % cfg.vocab_size for j in range(k)] for i in range(b)]
             verify = SchedulerOutput([ScheduledSeq(s, context - 1, 1, d) for s, d in zip(seqs, drafts, strict=True)],
                                      [], [])
-            row = {"batch": b, "k": k, "floor_ms": floor_ms, **compare(runner, verify, warmup, iters)}
+            row = {"batch": b, "k": k, "mixed": mixed, "floor_ms": floor_ms, **compare(runner, verify, warmup, iters)}
             row["graph_vs_decode_graph"] = row["graph_ms"] / decode_row["graph_ms"]
             res["rows"].append(row)
             print_row(name, row)
@@ -108,13 +110,14 @@ def bench_shape(name: str, batches: list[int], ks: list[int], context: int, warm
 
 
 def print_row(name: str, r: dict) -> None:
-    kind = "decode" if r["k"] == 0 else f"verify k={r['k']}"
+    kind = "decode" if r["k"] == 0 else f"{'mixed' if r['mixed'] else 'verify'} k={r['k']}"
+    rows = r["batch"] * (r["k"] + 1)
+    share = {side: 100 * r["floor_ms"] / r[f"{side}_ms"] for side in ("graph", "eager")}
     extra = f", {r['graph_vs_decode_graph']:.2f}x the decode graph" if "graph_vs_decode_graph" in r else ""
-    print(f"{name:>13} B={r['batch']} {kind:>11} ({r['batch'] * (r['k'] + 1):>3} rows): eager {r['eager_ms']:.3f} ms, "
+    print(f"{name:>13} B={r['batch']} {kind:>11} ({rows:>3} graph rows): eager {r['eager_ms']:.3f} ms, "
           f"graph {r['graph_ms']:.3f} ms, eager/graph {r['speedup']:.2f}x, floor {r['floor_ms']:.3f} ms "
-          f"({100 * r['floor_ms'] / r['graph_ms']:.0f} % of graph, {100 * r['floor_ms'] / r['eager_ms']:.0f} % of "
-          f"eager){extra}; graph vs eager logits: bit-exact {r['bit_exact']}, max rel err {r['max_rel_err']:.1e}",
-          flush=True)
+          f"({share['graph']:.0f} % of graph, {share['eager']:.0f} % of eager){extra}; graph vs eager logits: "
+          f"bit-exact {r['bit_exact']}, max rel err {r['max_rel_err']:.1e}", flush=True)
 
 
 def main() -> None:

@@ -65,3 +65,14 @@ def test_padding_sequences_store_nothing(runner):
     for old, new in zip(before, runner.kv.k, strict=True):
         changed = (old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
         assert set(changed) == written
+
+
+def test_verify_graph_draft_counts_from_the_config():
+    assert EngineConfig(device="cpu").verify_graph_tokens() == ()                 # k = 0: only requests that ask
+    assert EngineConfig(device="cpu", num_speculative_tokens=5).verify_graph_tokens() == (5,)
+    assert EngineConfig(device="cpu", cuda_graph_spec_tokens=[7, 3, 3]).verify_graph_tokens() == (3, 7)
+    assert EngineConfig(device="cpu", num_speculative_tokens=5, cuda_graph_spec_tokens=()).verify_graph_tokens() == ()
+    assert EngineConfig(device="cpu", speculative_method=None, cuda_graph_spec_tokens=(3,)).verify_graph_tokens() == ()
+    for bad in [(0,), (17,), (2.5,)]:
+        with pytest.raises(ValueError, match="cuda_graph_spec_tokens"):
+            EngineConfig(device="cpu", cuda_graph_spec_tokens=bad)

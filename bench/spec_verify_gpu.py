@@ -30,6 +30,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Request, Sequence
+from tests.engine.engine_helpers import rows_in_order
 
 
 def build_runner(cfg: ModelConfig, ks: list[int], max_batch: int, context: int) -> ModelRunner:
@@ -73,9 +74,10 @@ def compare(runner: ModelRunner, step: SchedulerOutput, warmup: int, iters: int)
     for _ in range(iters):
         eager.append(step_ms(runner, step, True))
         graph.append(step_ms(runner, step, False))
-    with torch.inference_mode():
-        want = runner.execute(step, eager=True)[0].clone()
-        got = runner.execute(step, eager=False)[0]
+    with torch.inference_mode():  # rows regrouped per sequence: the eager step puts plain decodes first
+        seqs = [s.seq for s in step.scheduled]
+        want = rows_in_order(*runner.execute(step, eager=True), seqs).clone()
+        got = rows_in_order(*runner.execute(step, eager=False), seqs)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     return {"eager_ms": med(eager), "graph_ms": med(graph), "speedup": med(eager) / med(graph),
             "bit_exact": bool(torch.equal(got, want)),

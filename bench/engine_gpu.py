@@ -29,6 +29,10 @@ from engine.model import LlamaForCausalLM, RotaryEmbedding
 from engine.sampling_params import SamplingParams
 
 SHAPES = {
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                         max_position_embeddings=8192),
     "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
                          rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, attention_bias=True,
@@ -164,8 +168,8 @@ def _median_ms(ts: list[float]) -> float:
 def graph_replay_ms(llm: LLM, batch: int = 1, iters: int = 200) -> float:
     """GPU time of one replay of the decode graph of `batch` (no host work), median over `iters`."""
     runner = llm.engine.runner
-    runner._buf64[2].fill_(-1)  # padding slots: the replays write nothing into the pool
-    graph, _ = runner._graphs[batch]
+    runner._decode_in.dev64[2].fill_(-1)  # padding slots: the replays write nothing into the pool
+    graph, _ = runner._graphs[(batch, 0)]
     for _ in range(10):
         graph.replay()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
@@ -232,8 +236,8 @@ def kernel_profile(llm: LLM, batch: int = 1, replays: int = 20, top: int = 25) -
     from torch.profiler import ProfilerActivity, profile
 
     runner = llm.engine.runner
-    runner._buf64[2].fill_(-1)
-    graph, _ = runner._graphs[batch]
+    runner._decode_in.dev64[2].fill_(-1)
+    graph, _ = runner._graphs[(batch, 0)]
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -258,10 +262,9 @@ def eager_forward_ms(llm: LLM, iters: int = 50) -> float:
     runner = llm.engine.runner
     from engine.kv_cache import AttentionMetadata, PagedAttention
 
-    ids, pos, slots = runner._buf64[:, :1]
-    w = runner.max_blocks_per_seq
-    lens, tables = runner._buf32[:1], runner._buf32[runner._host64.shape[1]:][:w].view(1, w)
-    meta = AttentionMetadata(slots, 1, tables, lens)
+    inp = runner._decode_in
+    ids, pos, slots = inp.dev64[:3, :1]
+    meta = AttentionMetadata(slots, 1, inp.tables[:1], inp.lens[:1])
     backend = PagedAttention(runner.kv, meta, runner.model_config.head_dim)
 
     def fwd():
@@ -293,7 +296,7 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
     llm = build_llm(cfg, model)
     res["engine_init_s"] = time.perf_counter() - t0
     res["num_kv_blocks"] = llm.engine.num_blocks
-    res["cuda_graphs"] = sorted(llm.engine.runner._graphs)[-1:] or None
+    res["cuda_graphs"] = sorted(b for b, k in llm.engine.runner._graphs if k == 0)[-1:] or None
     if hf is not None:
         res["logprob_rel_err_vs_hf_bf16"] = sanity(llm, hf, cfg.vocab_size)
     for c in concurrency:

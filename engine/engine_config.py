@@ -128,8 +128,13 @@ class EngineConfig:
         prefill_quantum: under "fair", the most tokens one prefill takes in a step's first pass, so
             that the other waiting prompts get into the same step; budget left over goes back to the
             capped prefills. None: ``max_num_batched_tokens // 4``.
-        cuda_graphs: capture decode steps in CUDA graphs (GPU only).
+        cuda_graphs: capture decode steps (and verify steps, below) in CUDA graphs (GPU only).
         cuda_graph_max_batch: largest decode batch captured.
+        cuda_graph_spec_tokens: draft counts ``k`` whose speculative verify steps (each sequence's last
+            token + up to ``k`` drafts) get CUDA graphs, for batch buckets up to the batch at which speculation
+            is switched off (``speculative_disable_by_batch_size``, capped by ``cuda_graph_max_batch``); a
+            step whose sequences carry at most ``k`` drafts replays the smallest such graph, padded. None:
+            ``(num_speculative_tokens,)`` when that is positive, else none; ``()``: none (verify eagerly).
         num_threads: torch threads on CPU (None = leave torch's setting).
         cpu_packed_weights: on CPU, run the linears on oneDNN-packed weight copies (engine.cpu_linear;
             faster few-row products, one extra copy of the weights in memory).
@@ -174,6 +179,7 @@ class EngineConfig:
     prefill_quantum: int | None = None
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
+    cuda_graph_spec_tokens: tuple[int, ...] | None = None
     num_threads: int | None = None
     cpu_packed_weights: bool = True
     cpu_one_row_weights: bool = True
@@ -201,12 +207,30 @@ class EngineConfig:
         self.cache_config()       # validates the cache's fields
         self.scheduler_config()   # and the scheduler's
         self.spec_config()        # and speculative decoding's
+        self._check_graph_spec_tokens()
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         self._check_weight_format()
         self._check_parallel()
+
+    def _check_graph_spec_tokens(self) -> None:
+        from engine.sampling_params import MAX_SPECULATIVE_TOKENS
+
+        ks = self.cuda_graph_spec_tokens
+        if ks is not None and not all(isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS for k in ks):
+            raise ValueError(f"cuda_graph_spec_tokens must hold draft counts in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {ks!r}")
+
+    def verify_graph_tokens(self) -> tuple[int, ...]:
+        """The draft counts whose verify steps get CUDA graphs (sorted; empty without speculation)."""
+        if self.speculative_method is None:
+            return ()
+        ks = self.cuda_graph_spec_tokens
+        if ks is None:
+            ks = (self.num_speculative_tokens,) if self.num_speculative_tokens > 0 else ()
+        return tuple(sorted(set(ks)))
 
     def _check_parallel(self) -> None:
         from engine.errors import ParallelConfigError

@@ -4,9 +4,10 @@ The batch is flat (``input_ids [T]``, ``positions [T]``): single-token decodes f
 sequence with several query tokens (prefill chunks, and verify steps that score draft tokens behind a
 context) through the varlen path. A sequence may yield several logits rows (``ScheduledSeq.num_logits_rows``:
 the last rows of its query). On GPU the weights and KV cache are bf16, the forward is the fused one of
-``engine.fused`` and decode-only steps replay CUDA graphs captured for
-batch buckets (1, 2, 4, 8, 16, 24, 32, ... up to ``cuda_graph_max_batch``); on CPU everything is fp32
-and eager.
+``engine.fused``, decode-only steps replay CUDA graphs captured for batch buckets (1, 2, 4, 8, 16, 24, 32,
+... up to ``cuda_graph_max_batch``) and verify steps (decodes carrying up to ``k`` drafts each, for the
+``k`` of ``EngineConfig.verify_graph_tokens``) replay graphs captured for the buckets up to the batch that
+still speculates; other steps run eagerly. On CPU everything is fp32 and eager.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.kv: PagedKVCache | None = None
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._max_graph = 0
+        # (bucket, drafts k) -> graph and its logits [bucket * (k + 1), V] (k = 0: decode batches)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._verify_cu: dict[int, torch.Tensor] = {}  # k -> constant cu_seqlens of the verify graphs
 
     @property
     def is_cuda(self) -> bool:
@@ -162,13 +164,17 @@ class ModelRunner:
 
     # ---- execution --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run the step; return logits [R, V] (fp32) of the sampling rows and their sequences."""
+    def execute(self, sched: SchedulerOutput, *, eager: bool = False) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Run the step; return logits [R, V] (fp32) of the sampling rows and their sequences.
+
+        A step of decodes only (each with at most ``k`` drafts) replays a captured CUDA graph when one fits;
+        ``eager=True`` runs it eagerly all the same (tests and benchmarks compare the two).
+        """
         assert self.kv is not None, "init_kv_cache() first"
         self.kv.copy_blocks(sched.copies)
-        n = len(sched.scheduled)
-        if self._graphs and n <= self._max_graph and all(s.num_query_tokens == 1 for s in sched.scheduled):
-            return self._run_graph(sched.scheduled)
+        key = None if eager else self._graph_for(sched.scheduled)
+        if key is not None:
+            return self._run_graph(sched.scheduled, *key)
         inputs = self.prepare(sched)
         backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim,
                                  cpu_decode=not self.is_cuda)
@@ -176,65 +182,167 @@ class ModelRunner:
         return self.model.logits(h[inputs.logits_rows]), inputs.sampling  # [R, V]
 
     # ---- CUDA graphs ------------------------------------------------------------------------------
-    # Decode inputs live in two device buffers, filled from two pinned host mirrors with one copy each
-    # (under gVisor every CUDA call costs ~0.1 ms, so a step makes as few as possible):
-    #   buf64 [3, B]: input ids, positions, slots;  buf32 [B + B * W]: context lens, block tables [B, W].
+    # Graphs are keyed (bucket b, drafts k). k = 0: a decode batch, b rows, through the decode kernel.
+    # k > 0: a verify batch, b sequences x (k + 1) query rows each (sequence i owns rows [i(k+1), (i+1)(k+1)),
+    # its last token, its drafts, then padding rows), through the varlen kernel with constant cu_seqlens;
+    # a sequence with fewer drafts (a plain decode: none) pads its own rows, which sit after its real ones
+    # and so are causally invisible to them. Padding rows and sequences have slot -1 (nothing stored).
+    def _graph_for(self, scheduled: list[ScheduledSeq]) -> tuple[int, int] | None:
+        """The captured (bucket, k) of fewest rows that runs this step; None: run it eagerly."""
+        if not self._graphs or any(s.num_tokens != 1 for s in scheduled):
+            return None
+        n, drafts = len(scheduled), max(len(s.draft_token_ids) for s in scheduled)
+        fits = [(b * (k + 1), b, k) for b, k in self._graphs if b >= n and (k >= drafts > 0 or k == drafts == 0)]
+        if not fits:
+            if drafts:
+                log.debug("no verify graph for %d sequences with up to %d drafts: eager", n, drafts)
+            return None
+        _, b, k = min(fits)
+        return b, k
+
     @torch.inference_mode()
     def _capture_graphs(self, max_batch: int) -> None:
-        """Capture decode steps for every bucket, largest first, sharing one memory pool."""
-        dev, w = self.device, self.max_blocks_per_seq
-        self._buf64 = torch.zeros(3, max_batch, dtype=torch.int64, device=dev)
-        self._buf32 = torch.zeros(max_batch * (1 + w), dtype=torch.int32, device=dev)
-        self._host64 = torch.zeros(3, max_batch, dtype=torch.int64).pin_memory()
-        self._host32 = torch.zeros(max_batch * (1 + w), dtype=torch.int32).pin_memory()
-        self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
-        ids, pos, slots = self._buf64
-        lens, tables = self._buf32[:max_batch], self._buf32[max_batch:].view(max_batch, w)
-        slots.fill_(-1)
-        lens.fill_(1)
+        """Capture decode steps for every bucket, then verify steps for every (bucket, k) the config names
+        (buckets up to the batch that still speculates), largest first, all sharing one memory pool."""
+        cap = self.config.speculative_disable_by_batch_size
+        vmax = min(max_batch, cap) if cap is not None else max_batch
+        ks = self._static_inputs(max_batch, vmax)
         pool = None
         try:
             for b in reversed(graph_buckets(max_batch)):
-                meta = AttentionMetadata(slots[:b], b, tables[:b], lens[:b])
-                backend = PagedAttention(self.kv, meta, self.model_config.head_dim)
-                self.model.logits(self.model(ids[:b], pos[:b], backend))  # warm up (Triton JIT)
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.model.logits(self.model(ids[:b], pos[:b], backend))
-                pool = graph.pool()
-                self._graphs[b] = (graph, out)
+                pool = self._capture(b, 0, pool)
+            for k in reversed(ks):
+                for b in reversed(graph_buckets(vmax)):
+                    pool = self._capture(b, k, pool)
         except RuntimeError as exc:  # a kernel that syncs with the host cannot be captured
             log.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
             self._graphs.clear()
-        self._max_graph = max(self._graphs, default=0)
 
-    def _run_graph(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """A decode-only step through the smallest captured bucket that holds it."""
+    def _static_inputs(self, max_batch: int, verify_max_batch: int) -> tuple[int, ...]:
+        """Allocate the graphs' input buffers (decode batches up to ``max_batch``, verify batches up to
+        ``verify_max_batch``); return the verify graphs' draft counts."""
+        dev, ks = self.device, self.config.verify_graph_tokens()
+        self._decode_in = _StaticInputs(max_batch, max_batch, self.max_blocks_per_seq, dev)
+        if not ks:
+            return ks
+        rows = verify_max_batch * (ks[-1] + 1)
+        # padding rows sit up to k positions past a sequence's end: widen the tables so that the kernel never
+        # clamps a context (which would shift the real rows' positions)
+        width = -(-(self.max_model_len + ks[-1]) // self.block_size)
+        self._verify_in = _StaticInputs(rows, verify_max_batch, width, dev)
+        self._verify_logits = torch.empty(rows, self.model_config.vocab_size, dtype=torch.float32,
+                                          device=dev)  # shared by every k
+        for k in ks:  # constant row offsets: sequence i's query is rows [i * (k + 1), (i + 1) * (k + 1))
+            self._verify_cu[k] = torch.arange(0, (verify_max_batch + 1) * (k + 1), k + 1, dtype=torch.int32,
+                                              device=dev)
+        return ks
+
+    def _static_step(self, b: int, k: int) -> tuple[torch.Tensor, torch.Tensor, PagedAttention]:
+        """The (b, k) step over the static buffers: input ids [b(k+1)], positions, attention backend."""
+        q, inp = k + 1, self._verify_in if k else self._decode_in
+        ids, pos, slots = inp.dev64[0, :b * q], inp.dev64[1, :b * q], inp.dev64[2, :b * q]
+        if k == 0:
+            meta = AttentionMetadata(slots, b, inp.tables[:b], inp.lens[:b])
+        else:
+            meta = AttentionMetadata(slots, 0, prefill_block_tables=inp.tables[:b],
+                                     prefill_cu_seqlens_q=self._verify_cu[k][:b + 1],
+                                     prefill_context_lens=inp.lens[:b], prefill_max_q=q)
+        return ids, pos, PagedAttention(self.kv, meta, self.model_config.head_dim)
+
+    def _capture(self, b: int, k: int, pool):
+        """Capture the (b, k) step; return the memory pool to share."""
+        inp = self._verify_in if k else self._decode_in
+        ids, pos, backend = self._static_step(b, k)
+        backend.meta.slot_mapping.fill_(-1)
+        inp.lens.fill_(k + 1)  # every sequence a padding one: k + 1 rows over k + 1 (harmless) slots of block 0
+        self.model.logits(self.model(ids, pos, backend))  # warm up (Triton JIT)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = self.model.logits(self.model(ids, pos, backend))  # [b * (k + 1), V]
+            if k:  # verify graphs write one shared buffer: its size does not grow with buckets and ks
+                out = self._verify_logits[:out.shape[0]].copy_(out)
+        self._graphs[(b, k)] = (graph, out)
+        return graph.pool()
+
+    def _run_graph(self, scheduled: list[ScheduledSeq], b: int, k: int) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """A decode or verify step through the captured (b, k) graph."""
+        rows = self._stage(scheduled, b, k)
+        graph, out = self._graphs[(b, k)]
+        graph.replay()
+        sampling = [s for s in scheduled if s.samples]
+        if not sampling:  # no token is read back this step: sync so the pinned mirrors can be refilled
+            torch.cuda.current_stream(self.device).synchronize()
+        return out[rows], sampling
+
+    def _stage(self, scheduled: list[ScheduledSeq], b: int, k: int) -> slice | torch.Tensor:
+        """Fill the (b, k) step's static buffers for ``scheduled``; return the logits rows that sample (a
+        slice when they are the first ones, else a device index)."""
+        q = k + 1
+        inp = self._verify_in if k else self._decode_in
+        rows = self._fill_verify(inp, scheduled, q) if k else self._fill_decode(inp, scheduled)
         n = len(scheduled)
-        b = min(k for k in self._graphs if k >= n)
-        bs, w, maxb = self.block_size, self.max_blocks_per_seq, self._host64.shape[1]
-        h64, h32 = self._np64, self._np32
+        inp.host64[2, n * q:b * q] = -1  # padding sequences write nothing and read q slots of block 0
+        inp.host_lens[n:b] = q
+        whole = not rows or rows[-1] == len(rows) - 1  # rows ascend: then they are the first len(rows)
+        if not whole:
+            inp.host64[3, :len(rows)] = rows
+        inp.upload(b)
+        return slice(0, len(rows)) if whole else inp.dev64[3, :len(rows)]
+
+    def _fill_decode(self, inp: _StaticInputs, scheduled: list[ScheduledSeq]) -> list[int]:
+        """Host inputs of a decode batch (one row per sequence; the hot path of large batches: scalar
+        writes only); return the rows that sample."""
+        h64, lens, tables, bs = inp.host64, inp.host_lens, inp.host_tables, self.block_size
         for i, s in enumerate(scheduled):
             table, p = s.seq.block_table, s.start
             h64[0, i], h64[1, i] = s.seq.token_ids[p], p
             h64[2, i] = table[p // bs] * bs + p % bs
-            h32[i] = p + 1
-            h32[maxb + i * w: maxb + i * w + len(table)] = table
-        h64[2, n:b] = -1          # padding rows write nothing and read one (harmless) slot
-        h32[n:b] = 1
-        self._buf64.copy_(self._host64, non_blocking=True)
-        used = maxb + b * w
-        self._buf32[:used].copy_(self._host32[:used], non_blocking=True)
-        graph, out = self._graphs[b]
-        graph.replay()
-        sampling = [s for s in scheduled if s.samples]
-        if len(sampling) == n:
-            return out[:n], sampling
-        if not sampling:  # no token is read back this step: sync so the pinned mirrors can be refilled
-            torch.cuda.current_stream(self.device).synchronize()
-        rows = [i for i, s in enumerate(scheduled) if s.samples]
-        return out[torch.tensor(rows, device=self.device)], sampling
+            lens[i] = p + 1
+            tables[i, :len(table)] = table
+        return [i for i, s in enumerate(scheduled) if s.samples]
+
+    def _fill_verify(self, inp: _StaticInputs, scheduled: list[ScheduledSeq], q: int) -> list[int]:
+        """Host inputs of a verify batch (sequence i: rows [i * q, (i + 1) * q), real rows first); return the
+        rows that sample."""
+        h64, bs, rows = inp.host64, self.block_size, []
+        for i, s in enumerate(scheduled):
+            table, p, r, n = s.seq.block_table, s.start, i * q, s.num_query_tokens
+            h64[0, r:r + n] = s.query_token_ids()
+            h64[1, r:r + q] = range(p, p + q)  # positions run on through the padding rows
+            h64[2, r:r + q] = [table[x // bs] * bs + x % bs for x in range(p, p + n)] + [-1] * (q - n)
+            inp.host_lens[i] = p + q
+            inp.host_tables[i, :len(table)] = table
+            rows += range(r, r + s.num_logits_rows)
+        return rows
+
+
+class _StaticInputs:
+    """The device buffers a family of CUDA graphs reads, and pinned host mirrors that fill them with one
+    copy each per step (under gVisor every CUDA call costs ~0.1 ms, so a step makes as few as possible).
+
+    dev64 [4, rows]: input ids, positions, slots, and the logits rows a step samples (read after the replay);
+    dev32 [S + S * W]: context lengths [S], block tables [S, W] (entries past a table hold block ids of
+    earlier steps: in range, and read by padding rows only).
+    """
+
+    def __init__(self, rows: int, seqs: int, width: int, device: torch.device) -> None:
+        self.seqs, self.width = seqs, width
+        self.dev64 = torch.zeros(4, rows, dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(seqs * (1 + width), dtype=torch.int32, device=device)
+        pin = device.type == "cuda"  # (the CPU builds them only in tests of the layout)
+        self._pinned64 = torch.zeros(4, rows, dtype=torch.int64, pin_memory=pin)
+        self._pinned32 = torch.zeros(seqs * (1 + width), dtype=torch.int32, pin_memory=pin)
+        self.host64 = self._pinned64.numpy()
+        self.host_lens = self._pinned32[:seqs].numpy()
+        self.host_tables = self._pinned32[seqs:].view(seqs, width).numpy()
+        self.lens, self.tables = self.dev32[:seqs], self.dev32[seqs:].view(seqs, width)
+
+    def upload(self, b: int) -> None:
+        """Copy the host mirrors to the device: every row, the lengths and the first ``b`` tables."""
+        self.dev64.copy_(self._pinned64, non_blocking=True)
+        used = self.seqs + b * self.width
+        self.dev32[:used].copy_(self._pinned32[:used], non_blocking=True)
 
 
 def _cumsum(xs: list[int]) -> list[int]:

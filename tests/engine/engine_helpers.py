@@ -35,3 +35,37 @@ def run_to_computed(bm: BlockManager, seq: Sequence) -> None:
     assert bm.admit(seq, hits, seq.num_tokens - len(hits) * bm.block_size)
     seq.num_computed_tokens = seq.num_tokens
     bm.cache_full_blocks(seq)
+
+
+def prefilled(runner, lengths: list[int], vocab: int, blocks_per_seq: int, seed: int = 0) -> list[Sequence]:
+    """Sequences of random prompts of the given lengths, each with ``blocks_per_seq`` blocks of its own and the
+    K/V of all but its last token computed by ``runner`` (one eager step): ready for a decode or verify."""
+    from engine.scheduler import ScheduledSeq, SchedulerOutput
+
+    seqs = []
+    for i, ids in enumerate(random_prompts(lengths, vocab, seed)):
+        seq = make_seq(ids, seq_id=i)
+        seq.block_table = list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
+        seqs.append(seq)
+    runner.execute(SchedulerOutput([ScheduledSeq(s, 0, s.num_tokens - 1) for s in seqs], [], []))
+    return seqs
+
+
+def verify_step(seqs: list[Sequence], drafts: list[list[int]]):
+    """A step that scores every sequence's last token and its drafts (no drafts: a plain decode)."""
+    from engine.scheduler import ScheduledSeq, SchedulerOutput
+
+    return SchedulerOutput([ScheduledSeq(s, s.num_tokens - 1, 1, d) for s, d in zip(seqs, drafts, strict=True)],
+                           [], [])
+
+
+def rows_in_order(logits, sampling, seqs: list[Sequence]):
+    """A step's logits rows regrouped in ``seqs`` order (the eager runner puts plain decodes first)."""
+    import torch
+
+    parts, row = {}, 0
+    for s in sampling:
+        parts[s.seq.seq_id] = logits[row:row + s.num_logits_rows]
+        row += s.num_logits_rows
+    assert row == logits.shape[0] and sorted(parts) == sorted(s.seq_id for s in seqs)
+    return torch.cat([parts[s.seq_id] for s in seqs])

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import f32_mm
+
 # At one row the product streams the weight once; for a weight this large (the LM head) MKL's gemv over a
 # transposed ``[in, out]`` copy streams it faster than oneDNN's packed layout (4.9-5.2 vs 6.9-7.4 ms for
 # SmolLM2's 49152 x 576 head), so such a weight always keeps that copy. On the Sapphire Rapids box the same
@@ -27,6 +29,10 @@ from torch import nn
 # decode went 11.9 -> 15.7 tokens per CPU-second, docs/benchmarks.md), so ``one_row_copy=True``
 # (``EngineConfig.cpu_one_row_weights``) keeps it for every weight, at one more copy of the weights.
 _ONE_ROW_MIN_NUMEL = 1 << 22
+# On the AVX-512 Sapphire Rapids CI-class box MKL's gemv over that copy streams 11-20 GB/s at one thread
+# and the native kernel (``kernels.cpu.f32_mm``: one weight row at a time over the weight as stored) 18-23
+# (bench/gemv_cpu.py), so where the native kernels load (``EngineConfig.cpu_native_gemv``) one-row products
+# take it and no transposed copy is made.
 
 
 def onednn_available() -> bool:
@@ -39,22 +45,24 @@ def onednn_available() -> bool:
 class PackedLinear(nn.Module):
     """``nn.Linear`` semantics over a oneDNN-packed copy of the weight (fp32, CPU, 2-D input)."""
 
-    def __init__(self, linear: nn.Linear, rows_hint: int = 32, one_row_copy: bool | None = None) -> None:
+    def __init__(self, linear: nn.Linear, rows_hint: int = 32, one_row_copy: bool | None = None,
+                 native: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         w = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
-        keep = w.numel() >= _ONE_ROW_MIN_NUMEL if one_row_copy is None else one_row_copy
+        self.native = native  # one-row products through kernels.cpu.f32_mm over ``weight`` itself
+        keep = not native and (w.numel() >= _ONE_ROW_MIN_NUMEL if one_row_copy is None else one_row_copy)
         self.weight_t = w.t().contiguous() if keep else None  # [in, out], for one-row products
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
         if x.dim() != 2 or x.requires_grad or self.packed is None:  # None: a part of a fused product
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] == 1 and self.weight_t is not None:
-            out = torch.mm(x, self.weight_t)
+        if x.shape[0] == 1 and (self.native or self.weight_t is not None):
+            out = f32_mm(x, self.weight) if self.native else torch.mm(x, self.weight_t)
             return out if self.bias is None else out.add_(self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
@@ -62,16 +70,18 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
-def pack_linears(model: nn.Module, one_row_copies: bool = False) -> int:
+def pack_linears(model: nn.Module, one_row_copies: bool = False, native: bool = False) -> int:
     """Replace every fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`; return how many.
     ``one_row_copies``: every weight (not only the large ones) keeps its transposed copy for one-row
-    products (faster batch-1 decode, one more copy of the weights)."""
+    products (faster batch-1 decode, one more copy of the weights). ``native``: one-row products go through
+    ``kernels.cpu.f32_mm`` over the weights as stored instead, and no copy is made (the caller checks that
+    the native kernels loaded)."""
     if not onednn_available():
         return 0
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear and child.weight.dtype == torch.float32 and not child.weight.is_cuda]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, one_row_copy=True if one_row_copies else None))
+        setattr(parent, name, PackedLinear(child, one_row_copy=True if one_row_copies else None, native=native))
     return len(swaps)
 
 
@@ -92,14 +102,15 @@ def _fuse_packed(parts: list[PackedLinear]) -> PackedLinear:
     lin.weight = nn.Parameter(w, requires_grad=False)
     if b is not None:
         lin.bias = nn.Parameter(b, requires_grad=False)
-    fused = PackedLinear(lin, one_row_copy=any(p.weight_t is not None for p in parts) or None)
+    fused = PackedLinear(lin, one_row_copy=any(p.weight_t is not None for p in parts) or None,
+                         native=parts[0].native)
     row = 0
     for p in parts:
         n = p.out_features
         p.weight = nn.Parameter(w[row:row + n], requires_grad=False)
         if b is not None:
             p.bias = nn.Parameter(b[row:row + n], requires_grad=False)
-        p.packed = p.weight_t = None
+        p.packed, p.weight_t, p.native = None, None, False
         row += n
     return fused
 

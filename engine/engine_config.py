@@ -141,6 +141,9 @@ class EngineConfig:
         cpu_one_row_weights: with ``cpu_packed_weights``, every linear also keeps a transposed copy for
             one-row products (batch-1 decode: MKL's gemv streams it faster than the packed layout;
             one more copy of the fp32 weights, ~0.54 GB for SmolLM2-135M).
+        cpu_native_gemv: with ``cpu_packed_weights``, one-row fp32 products (batch-1 decode) run the native
+            kernel ``kernels.cpu.f32_mm`` over the weights as stored, and ``cpu_one_row_weights`` makes no
+            copies; where the native kernels do not load (no AVX2/FMA, no compiler) it falls back to those.
         cpu_fused_projections: on CPU, run each layer's q/k/v and gate/up as one product each
             (engine.cpu_linear.fuse_projections; fp32 packed or 4-bit weights; no weight stored twice).
         weight_format: what the linears hold when a model is loaded from a path (engine.quant, CPU
@@ -183,6 +186,7 @@ class EngineConfig:
     num_threads: int | None = None
     cpu_packed_weights: bool = True
     cpu_one_row_weights: bool = True
+    cpu_native_gemv: bool = True
     cpu_fused_projections: bool = True
     weight_format: str = "fp32"
     weight_group_size: int = 32

@@ -24,6 +24,7 @@ from engine.fused import fuse_for_cuda
 from engine.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache, blocks_for_budget, blocks_for_gpu
 from engine.model import LlamaForCausalLM, rope_inv_freq
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from kernels import cpu as native_kernels
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ class ModelRunner:
             int4 = config.weight_group_size if config.cuda_weight_format == "int4" else None
             self.model = fuse_for_cuda(self.model, int4_group=int4)
         elif config.cpu_packed_weights:  # oneDNN-packed linears: no per-call weight re-pack (engine.cpu_linear)
-            pack_linears(self.model, one_row_copies=config.cpu_one_row_weights)
+            pack_linears(self.model, one_row_copies=config.cpu_one_row_weights,
+                         native=config.cpu_native_gemv and native_kernels.available())
         if not self.is_cuda and config.cpu_fused_projections:  # one q/k/v and one gate/up product per layer
             fuse_projections(self.model)
         self.block_size = config.block_size

@@ -1,4 +1,4 @@
-"""Native CPU kernels (C++, AVX2/FMA/F16C): few-row products over GGUF Q4_1 / Q8_0 blocks.
+"""Native CPU kernels (C++, AVX2/FMA/F16C): few-row products over GGUF Q4_1 / Q8_0 blocks and fp32 weights.
 
 The source (``gemv_q.cpp`` beside this file) is compiled with the system C++ compiler (``$CXX`` or ``g++``)
 at first use and cached under ``$CIPHERLM_NATIVE_CACHE`` (default ``~/.cache/cipherlm/native/``), one
@@ -9,7 +9,7 @@ milliseconds (the build takes ~20 s on the 2-core CI box). No ninja, no build st
 compiler is found, the build fails, or ``CIPHERLM_NATIVE=0``; the reason is in :func:`unavailable_reason`.
 
 Launchers (fp32 ``x [M, K]`` in, fp32 ``[M, N]`` out; the weight's layout as in the source's header):
-:func:`q4_1_mm`, :func:`q8_0_mm`. Each has a pure-torch reference (``*_ref``) that the
+:func:`q4_1_mm`, :func:`q8_0_mm`, :func:`f32_mm`. The quantized ones have a pure-torch reference (``*_ref``) that the
 tests compare it with: the quantized kernels quantize the activations per block of 32 to int8 as
 llama.cpp does (:func:`quantize_q8`), so the reference is the dequantized weight times those dequantized
 activations, equal to float rounding.
@@ -110,6 +110,11 @@ def q4_1_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor)
 def q8_0_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ Q8_0 weight (qs int8 [N, K], d fp16 [N, K/32]).T -> [M, N] fp32."""
     return torch.ops.cipherlm_cpu.q8_0_mm(_x(x), qs, d)
+
+
+def f32_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T -> [M, N] fp32, for few rows M (decode): each weight row streamed once."""
+    return torch.ops.cipherlm_cpu.f32_mm(_x(x), w)
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

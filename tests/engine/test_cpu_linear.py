@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.cpu as native_kernels
 from engine.cpu_linear import PackedLinear, fuse_linears, fuse_projections, onednn_available, pack_linears
 from engine.model import DenseKVCache
 from engine.quant import int4_kernel_available, quantize_model
@@ -55,6 +56,17 @@ def test_one_row_copy_of_a_small_weight_matches(rows):
     torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not native_kernels.available(), reason="native kernels not built here")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_native_one_row_products_keep_no_copy_and_match(rows):
+    """``native``: one-row products through kernels.cpu.f32_mm over the weight itself; other rows oneDNN."""
+    lin = torch.nn.Linear(96, 1 << 15, bias=True)   # a head-sized weight: it would otherwise keep a copy
+    packed = PackedLinear(lin, native=True)
+    assert packed.weight_t is None and packed.native
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
 def _decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """Prefill all but the last token, then one-row steps (the decode shape) for the last 3."""
     n = ids.shape[0]
@@ -71,8 +83,9 @@ def _decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied"])
 @torch.inference_mode()
 def test_fused_projections_match_the_separate_ones(variant):
-    plain, fused = tiny_model(variant), tiny_model(variant)
+    plain, fused, nat = tiny_model(variant), tiny_model(variant), tiny_model(variant)
     pack_linears(plain), pack_linears(fused, one_row_copies=True)
+    pack_linears(nat, native=native_kernels.available())
     keys = set(fused.state_dict())
     assert fuse_projections(fused) == 2 * len(fused.layers)
     assert set(fused.state_dict()) == keys                     # the fused products are not submodules
@@ -82,9 +95,12 @@ def test_fused_projections_match_the_separate_ones(variant):
     assert attn.k_proj.weight.data_ptr() == attn.fused_qkv.weight[attn.q_proj.out_features].data_ptr()
     assert attn.q_proj.packed is None and attn.q_proj.weight_t is None and attn.fused_qkv.weight_t is not None
     ids = torch.randint(0, fused.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    fuse_projections(nat)
+    assert nat.layers[0].self_attn.fused_qkv.native == native_kernels.available()
     for run in (lambda m: m.logits(m(ids, torch.arange(24), DenseKVCache(m.config, 24))),
                 lambda m: _decode_logits(m, ids)):
         torch.testing.assert_close(run(fused), run(plain), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(run(nat), run(plain), rtol=1e-5, atol=1e-5)
     x = torch.randn(2, attn.q_proj.in_features)                # a part alone still computes its own rows
     torch.testing.assert_close(attn.k_proj(x), plain.layers[0].self_attn.k_proj(x), rtol=1e-5, atol=1e-5)
 

@@ -1,4 +1,4 @@
-"""kernels.cpu: the native Q4_1 / Q8_0 few-row products equal their torch references (dequantized weight
+"""kernels.cpu: the native Q4_1 / Q8_0 (and fp32) few-row products equal their torch references (dequantized weight
 times the kernels' int8-per-block activations) to float rounding, the layouts round-trip, bad arguments
 are errors (not crashes), and the engine's quantized layers use the kernels from GGUF blocks (numbers
 tracking the fp32 product) and fall back to torch's kernel where they are not available."""
@@ -53,6 +53,19 @@ def test_q8_0_equals_its_reference(n, k, m):
 
 
 @needs_native
+@pytest.mark.parametrize("n,k,m", [(1, 8, 1), (5, 37, 1), (48, 576, 1), (17, 1536, 3)])
+def test_f32_equals_torch_to_float_rounding(n, k, m):
+    """fp32 few-row product over [N, K] as stored: K not a multiple of 32 (or 8) takes the scalar tail."""
+    g = torch.Generator().manual_seed(n * k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    out, ref = native.f32_mm(x, w), (x.double() @ w.double().T).float()
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    if n > 1:                                                    # each output row reads its own weight row
+        torch.testing.assert_close(native.f32_mm(x, w.roll(1, 0)), out.roll(1, 1), rtol=0, atol=0)
+
+
+@needs_native
 def test_activation_quantization_is_round_to_nearest_per_block():
     x = torch.randn(2, 64)
     qx, dx, sx = native.quantize_q8(x)
@@ -71,6 +84,12 @@ def test_bad_arguments_raise_instead_of_crashing():
         native.q4_1_mm(torch.randn(1, 64), qs, d.float(), m)
     with pytest.raises(RuntimeError, match="int8"):
         native.q8_0_mm(torch.randn(1, 64), qs, d)
+    with pytest.raises(RuntimeError, match="columns"):
+        native.f32_mm(torch.randn(1, 63), torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match="fp32"):
+        native.f32_mm(torch.randn(1, 64), torch.randn(4, 64).half())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        native.f32_mm(torch.randn(1, 64), torch.randn(64, 4).T)
 
 
 def test_disabled_by_environment(monkeypatch):

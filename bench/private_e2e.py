@@ -136,7 +136,8 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
         ids = runtime.tokenizer.encode(prompt)
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         toks, times, server_s = [], [], []
-        bench_encrypted.tokens = toks
+        bench_encrypted.tokens, bench_encrypted.split = toks, []
+        clock = CryptoClock()
         t0 = time.perf_counter()
         try:
             for tok in runtime.generate(ids, params):
@@ -144,9 +145,18 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
                 toks.append(tok)
                 server_s.append(tok.stats.seconds)
                 took = times[-1] - (times[-2] if len(times) > 1 else t0)
-                print(f"  encrypted token {len(toks)}: {tok.text!r} {took:.1f} s ({tok.stats.steps} steps)",
-                      file=sys.stderr, flush=True)
+                crypto = clock.take()
+                split = {"wall_s": took, "steps_s": tok.stats.seconds, "crypto_s": crypto,
+                         "clear_s": took - tok.stats.seconds - crypto}
+                bench_encrypted.split.append(split)
+                print(f"  encrypted token {len(toks)}: {tok.text!r} {took:.1f} s ({tok.stats.steps} steps) "
+                      f"[steps {split['steps_s']:.3f} s, client crypto {crypto:.3f} s, client clear "
+                      f"{split['clear_s']:.3f} s]", file=sys.stderr, flush=True)
+                if len(toks) == 1:
+                    print(f"  prefill steps by part (s, up, down, steps): {tok.stats.parts}", file=sys.stderr,
+                          flush=True)
         finally:   # also on a timeout's SIGTERM: a throttled run must say so (the SDK retries 429s silently)
+            clock.close()
             print(f"  refused by a tenant limit (429) so far: {rate_limited(server.url)}", file=sys.stderr,
                   flush=True)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
@@ -156,6 +166,43 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
               _mean([s.bytes_up for s in rest]), _mean([s.bytes_down for s in rest]),
               "".join(t.text for t in toks))
     return row, setup, server_s, len(ids)
+
+
+class CryptoClock:
+    """Seconds the client spends in CKKS encryption (with serialization) and in parsing + decrypting answers,
+    accumulated in this process (the SDK's; the server is another process) by wrapping the key holder's
+    ``encrypt_bytes``/``decrypt`` and the wire's ``load_ciphertext`` for the run; :meth:`take` returns the
+    seconds since the last call. The rest of a token's client time is its clear layers (and Python)."""
+
+    def __init__(self) -> None:
+        from fhe import wire
+        from fhe.backends.seal.keys import CKKSClient
+
+        self.total, self._last, self._undo = 0.0, 0.0, []
+        for owner, name in ((CKKSClient, "encrypt_bytes"), (CKKSClient, "decrypt"), (wire, "load_ciphertext")):
+            self._wrap(owner, name)
+
+    def _wrap(self, owner, name: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - t
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, fn))
+
+    def take(self) -> float:
+        out, self._last = self.total - self._last, self.total
+        return out
+
+    def close(self) -> None:
+        for owner, name, fn in reversed(self._undo):
+            setattr(owner, name, fn)
+        self._undo = []
 
 
 def rate_limited(url: str) -> dict[str, float]:
@@ -336,6 +383,9 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
         f"- Encrypted time in server steps (HTTP round trips, worker evaluation): prefill {_s(server_s[0])}, "
         f"decode {_s(decode_server)} per token; the rest is client-side encryption, decryption and the clear "
         "layers.",
+        f"- Where a token's time went (client's view; crypto = the SDK's CKKS encryption + parsing and "
+        f"decryption of answers, clear = the rest of the client): "
+        f"{_split_words(getattr(bench_encrypted, 'split', []))}.",
         f"- Per server layer per decode token: TPOT/{n} = "
         f"{_s(enc.tpot_s / n if enc.tpot_s else None)}, "
         f"{_b(enc.decode_up / n if enc.decode_up else None)} up, "
@@ -346,6 +396,22 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
         f"- {CONCRETE_ML_NOTE}",
     ]
     return "\n".join(lines)
+
+
+def _split_words(split: list[dict]) -> str:
+    """The first token's split and the mean split of tokens 3.. (token 2 may hold one-time work)."""
+    if not split:
+        return "not measured"
+
+    def words(rows: list[dict]) -> str:
+        return ", ".join(f"{k[:-2]} {_s(statistics.fmean(r[k] for r in rows))}"
+                         for k in ("wall_s", "steps_s", "crypto_s", "clear_s"))
+    out = f"first token: {words(split[:1])}"
+    if len(split) > 1:
+        out += f"; token 2: {words(split[1:2])}"
+    if len(split) > 2:
+        out += f"; tokens 3-{len(split)}, mean: {words(split[2:])}"
+    return out
 
 
 def _plan_words(args) -> str:
@@ -414,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
                 extra = [tok]
                 print(f"  token prefill: server prefill {_s(tok_s[0])}", file=sys.stderr, flush=True)
             report = {"rows": [dataclasses.asdict(plain), dataclasses.asdict(enc)], "setup": dataclasses.asdict(setup),
-                      "server_s": server_s, "sessions": [], "rate_limited": rate_limited(server.url)}
+                      "server_s": server_s, "split": bench_encrypted.split, "sessions": [],
+                      "rate_limited": rate_limited(server.url)}
             # the single-session results first: a run cut short in the concurrent sessions still reports them
             _report(args, report, [plain, enc, *extra], setup, server_s, n_prompt, enc, plain, command, n_server)
             if counts:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fhe.errors import LevelError, ShapeError
-from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, check_fresh
+from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, check_fresh, encode_groups
 from fhe.linalg import rotate_sum, rotate_sum_steps
 
 #: positions per chunk of a multi-position step (a speculative verify step of k + 1 = 8 positions fills
@@ -185,9 +185,7 @@ class ChunkShape:
         if level < 2:
             raise LevelError("a chunk product needs a level to rescale into")
         scale = ev.prime(level)
-        enc = {gk: [(t, j, ev.encode(d, level, scale)) for t, j, d in grp]
-               for gk, grp in self.diagonals(weight).items()}
-        return EncodedChunk(self, level, enc)
+        return EncodedChunk(self, level, encode_groups(ev, self.diagonals(weight), level, scale))
 
 
 @dataclass

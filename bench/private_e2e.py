@@ -36,11 +36,13 @@ install, which may be another checkout).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -445,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="then K concurrent encrypted sessions for each K of this list (e.g. '1,4,8'; each client "
                         "in its own process with its own key set), same server: TPOT and aggregate tok/s")
     p.add_argument("--session-tokens", type=int, default=16, help="output tokens of each --sessions generation")
+    p.add_argument("--server-log", type=Path, help="copy the server's log (workers included) here at the end")
     args = p.parse_args(argv)
     counts = [int(k) for k in args.sessions.split(",") if k]
     command = "python bench/private_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -468,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("CIPHERLM_PRIVATE__MAX_SESSIONS_PER_TENANT", str(max(counts) + 2))
         with running_server(root, None, plan, args.workers,
                             max_session_tokens=args.prompt_tokens + max(args.max_tokens, args.session_tokens) + 8,
-                            offload=offload) as server:
+                            offload=offload) as server, _keep_log(server.log_path, args.server_log):
             _elapsed("server ready")
             plain = bench_plaintext(server, prompt, args.max_tokens)
             _elapsed("plaintext tenant done")
@@ -495,6 +498,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _T0 = time.perf_counter()
+
+
+@contextlib.contextmanager
+def _keep_log(log_path: Path, keep: Path | None):
+    """Copy the server's log (its workers' tracebacks, worker start lines) to ``keep`` when the run ends, however
+    it ends (the server's folder is a temporary one)."""
+    try:
+        yield
+    finally:
+        if keep is not None and log_path.exists():
+            shutil.copyfile(log_path, keep)
 
 
 def _elapsed(what: str) -> None:

@@ -272,6 +272,10 @@ def sessions_table(rows: list[dict], n_layers: int) -> str:
     return "\n".join(out)
 
 
+def _on_cuda(args) -> bool:
+    return bool(args.device and args.device.startswith("cuda"))
+
+
 def _device_name(device: str | None) -> str:
     """What the workers evaluated on, in words."""
     if not device or device == "cpu":
@@ -375,7 +379,8 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
     lines = [
         f"- {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `{command}`; "
         f"{platform.machine()} CPU, server and client on the same machine over loopback; server workers on "
-        f"{_device_name(args.device)}, the SDK on the CPU.",
+        f"{_device_name(args.device)}, the SDK on the CPU"
+        f"{f'; plaintext engine share of the card {args.engine_gpu_share}' if _on_cuda(args) else ''}.",
         f"- Prompt {n_prompt} tokens, {args.max_tokens} output tokens requested (greedy, ignore_eos); "
         f"encrypted layers {list(setup.encrypted_layers)} (of 30), "
         f"{_plan_words(args)}.",
@@ -447,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="then K concurrent encrypted sessions for each K of this list (e.g. '1,4,8'; each client "
                         "in its own process with its own key set), same server: TPOT and aggregate tok/s")
     p.add_argument("--session-tokens", type=int, default=16, help="output tokens of each --sessions generation")
+    p.add_argument("--engine-gpu-share", type=float, default=0.5,
+                   help="with --device cuda: the plaintext engine's [engine] gpu_memory_utilization (the workers "
+                        "get the rest of the card)")
     p.add_argument("--server-log", type=Path, help="copy the server's log (workers included) here at the end")
     args = p.parse_args(argv)
     counts = [int(k) for k in args.sessions.split(",") if k]
@@ -456,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     prompt = exact_prompt(args.prompt_tokens)
     if args.device:  # the server subprocess reads [private] device from its environment (over the TOML file)
         os.environ["CIPHERLM_PRIVATE__DEVICE"] = args.device
+    if args.device and args.device.startswith("cuda"):
+        # the plaintext engine on the same card takes [engine] gpu_memory_utilization (default 0.9) of it at start;
+        # the 28-layer offload plan's worker holds ~31 GB of diagonals (chunk layout) and did not fit in the rest
+        os.environ.setdefault("CIPHERLM_ENGINE", json.dumps({"gpu_memory_utilization": args.engine_gpu_share}))
     with tempfile.TemporaryDirectory(prefix="cipherlm-bench-") as tmp:
         root = Path(tmp)
         plan = args.plan if args.plan and args.layers == "all" else plan_with_layers(args.layers, root)

@@ -261,11 +261,17 @@ class ChunkProducts:
             check_fresh(ev, keys, ct)
         out = []
         for c in range(0, len(cts), sh.tiles):
-            res = self.encoded[part](ev, cts[c:c + sh.tiles], keys)
-            if part in self._bias:
-                res = [ev.add_plain(r, self._bias_plain(part, g, r)) for g, r in enumerate(res)]
-            out += [ev.mod_switch(r, 1) for r in res]
+            out += self.chunk_outputs(ev, part, cts[c:c + sh.tiles], keys)
         return out
+
+    def chunk_outputs(self, ev: Evaluator, part: str, tiles: list, keys: EvalKeys) -> list:
+        """One chunk's T tiles -> its G outputs at level 1 (bias added where the part has one). ``ev`` may be
+        another evaluator sharing this one's plaintexts: the gpu backend's batched evaluator runs a batch of
+        chunks, one per row, in one call (``server.private.compute``, CUDA graphs of chunk steps)."""
+        res = self.encoded[part](ev, tiles, keys)
+        if part in self._bias:
+            res = [ev.add_plain(r, self._bias_plain(part, g, r)) for g, r in enumerate(res)]
+        return [ev.mod_switch(r, 1) for r in res]
 
     def _bias_plain(self, part: str, g: int, like: Ciphertext):
         if (part, g) not in self._bias_pt:

@@ -470,16 +470,12 @@ def _batched(block, step):
 
 def _chunk_step(chunks, part: str):
     """A chunk-layout step of ``part`` (:class:`fhe.interleaved.ChunkProducts`) as a batched step: row b of the
-    input ``[B, T, 2, L, N]`` is one chunk's T tiles; returns the G output batches (row b: chunk b's), each
-    bias-added where the part has one and mod-switched to level 1, as ``ChunkProducts.__call__`` does per chunk."""
+    input ``[B, T, 2, L, N]`` is one chunk's T tiles; returns the G output batches (row b: chunk b's), as
+    ``ChunkProducts.chunk_outputs`` makes them for one chunk."""
     from fhe.backends.gpu.batched import GpuBatch
 
     def fn(ev, x, keys):
-        tiles = [GpuBatch(x.data[:, t], x.scale) for t in range(x.data.shape[1])]
-        res = chunks.encoded[part](ev, tiles, keys)
-        if part in chunks._bias:
-            res = [ev.add_plain(r, chunks._bias_plain(part, g, r)) for g, r in enumerate(res)]
-        return [ev.mod_switch(r, 1) for r in res]
+        return chunks.chunk_outputs(ev, part, [GpuBatch(x.data[:, t], x.scale) for t in range(x.data.shape[1])], keys)
 
     return fn
 

@@ -241,8 +241,8 @@ class PrivateCompute:
 
 
 #: chunks of a chunk-layout step per graph replay on the gpu backend (:meth:`_OffloadLinear._chunks_on_device`):
-#: 32 positions, a typical prompt chunk; fewer are padded (a batch of 4 costs ~1.1x one on the H200), more
-#: take several replays
+#: 32 positions, a typical prompt chunk; fewer are padded (rows are cheap: a step's batch of 8 cost 1.3x one
+#: on the H200, docs/benchmarks.md, gpu17 session 8), more take several replays
 CHUNK_ROWS = 4
 
 

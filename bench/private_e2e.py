@@ -36,11 +36,13 @@ install, which may be another checkout).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -136,7 +138,8 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
         ids = runtime.tokenizer.encode(prompt)
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         toks, times, server_s = [], [], []
-        bench_encrypted.tokens = toks
+        bench_encrypted.tokens, bench_encrypted.split = toks, []
+        clock = CryptoClock()
         t0 = time.perf_counter()
         try:
             for tok in runtime.generate(ids, params):
@@ -144,9 +147,18 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
                 toks.append(tok)
                 server_s.append(tok.stats.seconds)
                 took = times[-1] - (times[-2] if len(times) > 1 else t0)
-                print(f"  encrypted token {len(toks)}: {tok.text!r} {took:.1f} s ({tok.stats.steps} steps)",
-                      file=sys.stderr, flush=True)
+                crypto = clock.take()
+                split = {"wall_s": took, "steps_s": tok.stats.seconds, "crypto_s": crypto,
+                         "clear_s": took - tok.stats.seconds - crypto}
+                bench_encrypted.split.append(split)
+                print(f"  encrypted token {len(toks)}: {tok.text!r} {took:.1f} s ({tok.stats.steps} steps) "
+                      f"[steps {split['steps_s']:.3f} s, client crypto {crypto:.3f} s, client clear "
+                      f"{split['clear_s']:.3f} s]", file=sys.stderr, flush=True)
+                if len(toks) == 1:
+                    print(f"  prefill steps by part (s, up, down, steps): {tok.stats.parts}", file=sys.stderr,
+                          flush=True)
         finally:   # also on a timeout's SIGTERM: a throttled run must say so (the SDK retries 429s silently)
+            clock.close()
             print(f"  refused by a tenant limit (429) so far: {rate_limited(server.url)}", file=sys.stderr,
                   flush=True)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
@@ -156,6 +168,43 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
               _mean([s.bytes_up for s in rest]), _mean([s.bytes_down for s in rest]),
               "".join(t.text for t in toks))
     return row, setup, server_s, len(ids)
+
+
+class CryptoClock:
+    """Seconds the client spends in CKKS encryption (with serialization) and in parsing + decrypting answers,
+    accumulated in this process (the SDK's; the server is another process) by wrapping the key holder's
+    ``encrypt_bytes``/``decrypt`` and the wire's ``load_ciphertext`` for the run; :meth:`take` returns the
+    seconds since the last call. The rest of a token's client time is its clear layers (and Python)."""
+
+    def __init__(self) -> None:
+        from fhe import wire
+        from fhe.backends.seal.keys import CKKSClient
+
+        self.total, self._last, self._undo = 0.0, 0.0, []
+        for owner, name in ((CKKSClient, "encrypt_bytes"), (CKKSClient, "decrypt"), (wire, "load_ciphertext")):
+            self._wrap(owner, name)
+
+    def _wrap(self, owner, name: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - t
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, fn))
+
+    def take(self) -> float:
+        out, self._last = self.total - self._last, self.total
+        return out
+
+    def close(self) -> None:
+        for owner, name, fn in reversed(self._undo):
+            setattr(owner, name, fn)
+        self._undo = []
 
 
 def rate_limited(url: str) -> dict[str, float]:
@@ -221,6 +270,10 @@ def sessions_table(rows: list[dict], n_layers: int) -> str:
         out.append(f"| {r['sessions']} | {_s(r['tpot_s'])} | {agg:.2f} | {agg * n_layers:.1f} |" if agg else
                    f"| {r['sessions']} | {_s(r['tpot_s'])} | – | – |")
     return "\n".join(out)
+
+
+def _on_cuda(args) -> bool:
+    return bool(args.device and args.device.startswith("cuda"))
 
 
 def _device_name(device: str | None) -> str:
@@ -326,7 +379,8 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
     lines = [
         f"- {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `{command}`; "
         f"{platform.machine()} CPU, server and client on the same machine over loopback; server workers on "
-        f"{_device_name(args.device)}, the SDK on the CPU.",
+        f"{_device_name(args.device)}, the SDK on the CPU"
+        f"{f'; plaintext engine share of the card {args.engine_gpu_share}' if _on_cuda(args) else ''}.",
         f"- Prompt {n_prompt} tokens, {args.max_tokens} output tokens requested (greedy, ignore_eos); "
         f"encrypted layers {list(setup.encrypted_layers)} (of 30), "
         f"{_plan_words(args)}.",
@@ -336,6 +390,9 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
         f"- Encrypted time in server steps (HTTP round trips, worker evaluation): prefill {_s(server_s[0])}, "
         f"decode {_s(decode_server)} per token; the rest is client-side encryption, decryption and the clear "
         "layers.",
+        f"- Where a token's time went (client's view; crypto = the SDK's CKKS encryption + parsing and "
+        f"decryption of answers, clear = the rest of the client): "
+        f"{_split_words(getattr(bench_encrypted, 'split', []))}.",
         f"- Per server layer per decode token: TPOT/{n} = "
         f"{_s(enc.tpot_s / n if enc.tpot_s else None)}, "
         f"{_b(enc.decode_up / n if enc.decode_up else None)} up, "
@@ -346,6 +403,22 @@ def notes(args, setup, server_s: list[float], n_prompt: int, enc: Row, plain: Ro
         f"- {CONCRETE_ML_NOTE}",
     ]
     return "\n".join(lines)
+
+
+def _split_words(split: list[dict]) -> str:
+    """The first token's split and the mean split of tokens 3.. (token 2 may hold one-time work)."""
+    if not split:
+        return "not measured"
+
+    def words(rows: list[dict]) -> str:
+        return ", ".join(f"{k[:-2]} {_s(statistics.fmean(r[k] for r in rows))}"
+                         for k in ("wall_s", "steps_s", "crypto_s", "clear_s"))
+    out = f"first token: {words(split[:1])}"
+    if len(split) > 1:
+        out += f"; token 2: {words(split[1:2])}"
+    if len(split) > 2:
+        out += f"; tokens 3-{len(split)}, mean: {words(split[2:])}"
+    return out
 
 
 def _plan_words(args) -> str:
@@ -379,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="then K concurrent encrypted sessions for each K of this list (e.g. '1,4,8'; each client "
                         "in its own process with its own key set), same server: TPOT and aggregate tok/s")
     p.add_argument("--session-tokens", type=int, default=16, help="output tokens of each --sessions generation")
+    p.add_argument("--engine-gpu-share", type=float, default=0.5,
+                   help="with --device cuda: the plaintext engine's [engine] gpu_memory_utilization (the workers "
+                        "get the rest of the card)")
+    p.add_argument("--server-log", type=Path, help="copy the server's log (workers included) here at the end")
     args = p.parse_args(argv)
     counts = [int(k) for k in args.sessions.split(",") if k]
     command = "python bench/private_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -387,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     prompt = exact_prompt(args.prompt_tokens)
     if args.device:  # the server subprocess reads [private] device from its environment (over the TOML file)
         os.environ["CIPHERLM_PRIVATE__DEVICE"] = args.device
+    if args.device and args.device.startswith("cuda"):
+        # the plaintext engine on the same card takes [engine] gpu_memory_utilization (default 0.9) of it at start;
+        # the 28-layer offload plan's worker holds ~31 GB of diagonals (chunk layout) and did not fit in the rest
+        os.environ.setdefault("CIPHERLM_ENGINE", json.dumps({"gpu_memory_utilization": args.engine_gpu_share}))
     with tempfile.TemporaryDirectory(prefix="cipherlm-bench-") as tmp:
         root = Path(tmp)
         plan = args.plan if args.plan and args.layers == "all" else plan_with_layers(args.layers, root)
@@ -402,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("CIPHERLM_PRIVATE__MAX_SESSIONS_PER_TENANT", str(max(counts) + 2))
         with running_server(root, None, plan, args.workers,
                             max_session_tokens=args.prompt_tokens + max(args.max_tokens, args.session_tokens) + 8,
-                            offload=offload) as server:
+                            offload=offload) as server, _keep_log(server.log_path, args.server_log):
             _elapsed("server ready")
             plain = bench_plaintext(server, prompt, args.max_tokens)
             _elapsed("plaintext tenant done")
@@ -414,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                 extra = [tok]
                 print(f"  token prefill: server prefill {_s(tok_s[0])}", file=sys.stderr, flush=True)
             report = {"rows": [dataclasses.asdict(plain), dataclasses.asdict(enc)], "setup": dataclasses.asdict(setup),
-                      "server_s": server_s, "sessions": [], "rate_limited": rate_limited(server.url)}
+                      "server_s": server_s, "split": bench_encrypted.split, "sessions": [],
+                      "rate_limited": rate_limited(server.url)}
             # the single-session results first: a run cut short in the concurrent sessions still reports them
             _report(args, report, [plain, enc, *extra], setup, server_s, n_prompt, enc, plain, command, n_server)
             if counts:
@@ -428,6 +510,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _T0 = time.perf_counter()
+
+
+@contextlib.contextmanager
+def _keep_log(log_path: Path, keep: Path | None):
+    """Copy the server's log (its workers' tracebacks, worker start lines) to ``keep`` when the run ends, however
+    it ends (the server's folder is a temporary one)."""
+    try:
+        yield
+    finally:
+        if keep is not None and log_path.exists():
+            shutil.copyfile(log_path, keep)
 
 
 def _elapsed(what: str) -> None:

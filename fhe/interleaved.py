@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fhe.errors import LevelError, ShapeError
-from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, check_fresh
+from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, check_fresh, encode_groups
 from fhe.linalg import rotate_sum, rotate_sum_steps
 
 #: positions per chunk of a multi-position step (a speculative verify step of k + 1 = 8 positions fills
@@ -185,9 +185,7 @@ class ChunkShape:
         if level < 2:
             raise LevelError("a chunk product needs a level to rescale into")
         scale = ev.prime(level)
-        enc = {gk: [(t, j, ev.encode(d, level, scale)) for t, j, d in grp]
-               for gk, grp in self.diagonals(weight).items()}
-        return EncodedChunk(self, level, enc)
+        return EncodedChunk(self, level, encode_groups(ev, self.diagonals(weight), level, scale))
 
 
 @dataclass
@@ -263,11 +261,17 @@ class ChunkProducts:
             check_fresh(ev, keys, ct)
         out = []
         for c in range(0, len(cts), sh.tiles):
-            res = self.encoded[part](ev, cts[c:c + sh.tiles], keys)
-            if part in self._bias:
-                res = [ev.add_plain(r, self._bias_plain(part, g, r)) for g, r in enumerate(res)]
-            out += [ev.mod_switch(r, 1) for r in res]
+            out += self.chunk_outputs(ev, part, cts[c:c + sh.tiles], keys)
         return out
+
+    def chunk_outputs(self, ev: Evaluator, part: str, tiles: list, keys: EvalKeys) -> list:
+        """One chunk's T tiles -> its G outputs at level 1 (bias added where the part has one). ``ev`` may be
+        another evaluator sharing this one's plaintexts: the gpu backend's batched evaluator runs a batch of
+        chunks, one per row, in one call (``server.private.compute``, CUDA graphs of chunk steps)."""
+        res = self.encoded[part](ev, tiles, keys)
+        if part in self._bias:
+            res = [ev.add_plain(r, self._bias_plain(part, g, r)) for g, r in enumerate(res)]
+        return [ev.mod_switch(r, 1) for r in res]
 
     def _bias_plain(self, part: str, g: int, like: Ciphertext):
         if (part, g) not in self._bias_pt:

@@ -21,13 +21,14 @@ See ``docs/fhe.md`` for the layouts and measured costs.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fhe.errors import LevelError, ShapeError
-from fhe.evaluator import Ciphertext, EvalKeys, Evaluator
+from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, encode_groups
 
 
 def _signed(r: np.ndarray | int, slots: int):
@@ -95,6 +96,38 @@ class Steps:
         return ks
 
 
+#: the diagonal groups of recent slot maps by (slots, steps, dst, src): a plan's layers share their shapes,
+#: so an offload worker's 28 layers compute each part's groups once (~3 s a layer on a 2-core box, issue 17)
+_GROUPS: dict[tuple, dict[int, list[tuple[int, np.ndarray]]]] = {}
+_GROUPS_MAX = 32
+
+
+def _map_groups(slots: int, dst: np.ndarray, src: np.ndarray, steps: Steps | None
+                ) -> dict[int, list[tuple[int, np.ndarray]]]:
+    """Giant step m -> [(baby k, indices of the triples with that offset)] (from the slot indices alone)."""
+    key = (slots, steps, hashlib.sha256(np.ascontiguousarray(dst, np.int64)).hexdigest(),
+           hashlib.sha256(np.ascontiguousarray(src, np.int64)).hexdigest())
+    if key in _GROUPS:
+        return _GROUPS[key]
+    off = _signed(src - dst, slots)
+    uniq = np.unique(off)
+    if steps is None:
+        b = _bsgs_split(uniq, slots)
+        km = {int(r): (int(np.mod(r, b)), int(r - np.mod(r, b))) for r in uniq}
+    else:
+        km = steps.decompose(uniq, slots)
+    groups: dict[int, list[tuple[int, np.ndarray]]] = {}
+    order = np.argsort(off, kind="stable")                        # indices of each offset, ascending
+    bounds = np.searchsorted(off[order], uniq, side="left").tolist() + [len(off)]
+    for i, r in enumerate(uniq):
+        k, m = km[int(r)]
+        groups.setdefault(m, []).append((k, order[bounds[i]:bounds[i + 1]]))
+    if len(_GROUPS) >= _GROUPS_MAX:
+        _GROUPS.pop(next(iter(_GROUPS)))
+    _GROUPS[key] = groups
+    return groups
+
+
 @dataclass
 class SlotMap:
     """A sparse linear map on the slots of one ciphertext, evaluated by BSGS.
@@ -118,18 +151,7 @@ class SlotMap:
             raise ShapeError("dst, src and weight must have one entry per triple")
         if len(self.dst) and (self.dst.min() < 0 or self.dst.max() >= self.slots):
             raise ShapeError("dst slot out of range")
-        off = _signed(self.src - self.dst, self.slots)
-        uniq = np.unique(off)
-        if self.steps is None:
-            b = _bsgs_split(uniq, self.slots)
-            km = {int(r): (int(np.mod(r, b)), int(r - np.mod(r, b))) for r in uniq}
-        else:
-            km = self.steps.decompose(uniq, self.slots)
-        groups: dict[int, list[tuple[int, np.ndarray]]] = {}
-        for r in uniq:
-            k, m = km[int(r)]
-            groups.setdefault(m, []).append((k, np.nonzero(off == r)[0]))
-        self._groups = groups
+        self._groups = _map_groups(self.slots, self.dst, self.src, self.steps)
 
     def _giant_step(self, m: int) -> int:
         return m if self.steps is None else m * self.steps.giant
@@ -165,9 +187,7 @@ class SlotMap:
         if level < 2:
             raise LevelError("a slot map needs a level to rescale into")
         scale = ev.prime(level) * extra_scale
-        enc = {m: [(k, ev.encode(d, level, scale)) for k, d in grp]
-               for m, grp in self.diagonals(weight).items()}
-        return EncodedMap(self, level, enc)
+        return EncodedMap(self, level, encode_groups(ev, self.diagonals(weight), level, scale))
 
     def apply_plain(self, x: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
         """The same map on a clear slot vector [S] (reference for tests)."""

@@ -14,6 +14,7 @@ the inspector's verdict as data (:class:`server.keys.Inspection`).
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
@@ -23,6 +24,8 @@ from fhe.backends.seal import wire
 from fhe.backends.seal.keys import ServerKeys
 from fhe.envelope import parse_key_upload
 from fhe.errors import FHEError, RollbackError, ShapeError
+from fhe.evaluator import check_fresh
+from fhe.interleaved import require_chunks
 from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import Plan
 from server.keys import Inspection, inspect_upload
@@ -33,7 +36,8 @@ class PrivateCompute:
     """Server half of the plan's encrypted attention blocks (no secret key ever reaches it)."""
 
     def __init__(self, model_dir: str, plan_path: str | None, max_tokens: int, device: str = "cpu",
-                 step_processes: int = 1, offload_path: str | None = None, offload_chunks: bool = True) -> None:
+                 step_processes: int = 1, offload_path: str | None = None, offload_chunks: bool = True,
+                 offload_warm: bool = True) -> None:
         from engine.loader import load_model
 
         torch.set_num_threads(1)  # one core per worker: parallelism comes from the pool
@@ -48,6 +52,8 @@ class PrivateCompute:
         self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
         self.linear = _OffloadLinear(model, offload_path, device, offload_chunks) if offload_path else None
+        if self.linear is not None and offload_warm:   # worker start (key setup), not a session's first tokens
+            self.linear.warm()
 
     def _attention_blocks(self, model, plan: Plan, max_tokens: int, device: str, step_processes: int) -> None:
         plan.check_model(model)
@@ -186,8 +192,7 @@ class PrivateCompute:
         block, _ = self.linear.part(layer, part)
         cts = self._inputs(blobs, keys, block.ev.top)
         if packed:   # several positions: the chunk layout, T ciphertexts per chunk in, G out
-            return [wire.dump_ciphertext(c, self.linear.params, keys.fingerprint)
-                    for c in self.linear.run_chunks(fingerprint, layer, part, cts)]
+            return self.linear.chunk_blobs(fingerprint, layer, part, cts)
         if self.linear.gpu is not None:
             return self.linear.run_batch([(fingerprint, cts)], layer, part, packed)[0]
         return [wire.dump_ciphertext(c, self.linear.params, keys.fingerprint)
@@ -235,24 +240,34 @@ class PrivateCompute:
         return cts
 
 
+#: chunks of a chunk-layout step per graph replay on the gpu backend (:meth:`_OffloadLinear._chunks_on_device`):
+#: 32 positions, a typical prompt chunk; fewer are padded (rows are cheap: a step's batch of 8 cost 1.3x one
+#: on the H200, docs/benchmarks.md, gpu17 session 8), more take several replays
+CHUNK_ROWS = 4
+
+
 class _OffloadLinear:
     """The linear blocks of an offload plan (``[private] offload_plan``) and their key sets: the server MLPs
     and the attention blocks it runs as linear steps (``softmax = client``), under one key set.
 
     They run at :data:`fhe.mlp.MLP_PARAMS` on the backend ``[private] device`` names: SEAL on 'cpu', else
-    the gpu backend with SEAL's encoder — the plan's diagonals are encoded once per layer here (SEAL's
-    encoder costs that once, and keeps every result SEAL's bit for bit) and stay on the device, and each
-    key set is expanded onto the device once, when it is loaded.
+    the gpu backend. The plan's diagonals are encoded once per layer here and stay on the device: on CUDA by
+    the on-device encoder in batches (``encoder="fft"``; the 28-layer plan's ~235k diagonals took ~8 min of
+    worker start through SEAL's encoder on one core, issue 17; a coefficient may differ from SEAL's by one,
+    so results decrypt to SEAL's within CKKS noise, not bit for bit), on the torch-CPU reference
+    ('cpu-reference', what CI checks bit for bit against SEAL) by SEAL's encoder. Each key set is expanded
+    onto the device once, when it is loaded.
     """
 
-    def __init__(self, model, offload_path: str, device: str = "cpu", chunks: bool = True) -> None:
+    def __init__(self, model, offload_path: str, device: str = "cpu", chunks: bool = True,
+                 encoder: str | None = None) -> None:
         from fhe.mlp import MLP_PARAMS, EncryptedMLP
         from fhe.offload import OffloadPlan
         from fhe.offload_attention import EncryptedAttentionLinear
 
         plan = OffloadPlan.load(offload_path)
         self.params = MLP_PARAMS
-        self.gpu = _gpu_evaluator(self.params, device, encoder="seal")
+        self.gpu = _gpu_evaluator(self.params, device, encoder=encoder or _plan_encoder(device))
         self.blocks = {i: EncryptedMLP(model.model.layers[i], self.params, evaluator=self.gpu, chunks=chunks)
                        for i in plan.server_mlp}
         self.attention = {p.index: EncryptedAttentionLinear(model.model.layers[p.index], model.config, self.params,
@@ -265,6 +280,7 @@ class _OffloadLinear:
         self.keys: dict[str, ServerKeys] = {}
         self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
         self.graphs = None                          # whole steps as CUDA graphs, per (layer, part, batch size)
+        self.warm_s = 0.0                           # seconds :meth:`warm` took
         if self.gpu is not None:
             from fhe.backends.gpu.step import StepGraphs
 
@@ -293,14 +309,82 @@ class _OffloadLinear:
 
     def run_chunks(self, fingerprint: str, layer: int, part: str, cts: list) -> list:
         """A multi-position step of ``part`` in the chunk layout on SEAL ciphertexts already checked by the
-        wire (T per chunk); SEAL ciphertexts back (G per chunk). On the gpu backend: its evaluator, no graph."""
+        wire (T per chunk); SEAL ciphertexts back (G per chunk). On the gpu backend: :meth:`_chunks_on_device`."""
         block, _ = self.part(layer, part)
         keys = self.keys[fingerprint]
         if self.gpu is None:
             return block.chunk(part, cts, keys)
         xs = [self.gpu.deserialize(seal.to_bytes(ct)) for ct in cts]
         return [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c, compress=False))
-                for c in block.chunk(part, xs, self.device_keys[fingerprint])]
+                for c in self._chunks_on_device(layer, part, xs, self.device_keys[fingerprint])]
+
+    def chunk_blobs(self, fingerprint: str, layer: int, part: str, cts: list) -> list[bytes]:
+        """:meth:`run_chunks` as wire blobs; on the gpu backend the device serialization goes into the wire as is
+        (as :meth:`run_batch` does: no SEAL load and zstd save per result, ~48 results per server layer of a
+        32-position prefill)."""
+        keys = self.keys[fingerprint]
+        if self.gpu is None:
+            return [wire.dump_ciphertext(c, self.params, keys.fingerprint)
+                    for c in self.run_chunks(fingerprint, layer, part, cts)]
+        outs = self._chunks_on_device(layer, part, [self.gpu.deserialize(seal.to_bytes(ct)) for ct in cts],
+                                      self.device_keys[fingerprint])
+        return [wire.pack_ciphertext(self.gpu.serialize(c, compress=False), self.params, keys.fingerprint)
+                for c in outs]
+
+    def _chunks_on_device(self, layer: int, part: str, xs: list, keys) -> list:
+        """Device ciphertexts of a chunk-layout step (T per chunk, chunks in order) -> G per chunk, in order.
+
+        Each chunk is one row of a batch (``[B, T, 2, L, N]``: its T tiles), the step one
+        :class:`fhe.backends.gpu.step.StepGraphs` replay per :data:`CHUNK_ROWS` chunks (padded: one graph per
+        (layer, part) serves every prompt length; the rows compute on the device in parallel). Each row's
+        result is the chunk evaluated alone (the batched evaluator's residues are the one-session ones)."""
+        block, _ = self.part(layer, part)
+        chunks = require_chunks(block.chunks)
+        tiles = chunks.shapes[part].tiles
+        if not xs or len(xs) % tiles:
+            raise ShapeError(f"{part}: chunks of {tiles} ciphertexts, got {len(xs)}")
+        for x in xs:
+            check_fresh(self.gpu, keys, x)
+        from fhe.backends.gpu.evaluator import GpuCiphertext
+
+        rows = [GpuCiphertext(torch.stack([x.data for x in xs[c:c + tiles]]), xs[c].scale)   # [T, 2, L, N]
+                for c in range(0, len(xs), tiles)]
+        fn, name = _chunk_step(chunks, part), (layer, part, "chunk")
+        out = []
+        for lo in range(0, len(rows), CHUNK_ROWS):
+            group = rows[lo:lo + CHUNK_ROWS]
+            group += [group[0]] * (CHUNK_ROWS - len(group))          # padding rows: computed, dropped
+            res = self.graphs.run(name, fn, group, keys)[: len(rows[lo:lo + CHUNK_ROWS])]
+            out += [c for row in res for c in row]
+        return out
+
+    def warm(self) -> float:
+        """Capture every linear step's CUDA graphs now (the worker's start, i.e. the tenant's key setup)
+        instead of on the first tokens that run them: each (layer, part) at one position (decode) and, with
+        the chunk layout, at :data:`CHUNK_ROWS` chunks (prefill, verify). The graphs read their keys from
+        static buffers, so zero keys of the offload key set's shape serve for the capture (a real key set is
+        copied in before its first replay). Returns the seconds it took (0 off CUDA: nothing to capture)."""
+        if self.graphs is None or not self.graphs.cuda:
+            return 0.0
+        from fhe.backends.gpu.evaluator import GpuCiphertext
+
+        t0 = time.perf_counter()
+        keys = placeholder_keys(self.gpu, self.steps)
+        shape = (2, self.gpu.top, self.params.poly_modulus_degree)
+        zero = GpuCiphertext(torch.zeros(shape, dtype=torch.int64, device=self.gpu.device), self.gpu.kit.scale)
+        for layer, part in self.parts():
+            self._device_step(layer, part, False, [zero], keys)
+            block, _ = self.part(layer, part)
+            if getattr(block, "chunks", None) is not None:
+                self._chunks_on_device(layer, part, [zero] * block.chunks.shapes[part].tiles, keys)
+        torch.cuda.synchronize(self.gpu.device)
+        self.warm_s = time.perf_counter() - t0
+        return self.warm_s
+
+    def parts(self) -> list[tuple[int, str]]:
+        """Every (layer, part) this plan runs as a linear step."""
+        return ([(i, p) for i in sorted(self.attention) for p in ("attn_qkv", "attn_o")] +
+                [(i, p) for i in sorted(self.blocks) for p in ("mlp_up", "mlp_down")])
 
     def run_batch(self, items: list[tuple[str, list]], layer: int, part: str, packed: bool = False) -> list[list]:
         """:meth:`run` for several sessions at once on the gpu backend, ``items`` = (fingerprint, checked SEAL
@@ -319,8 +403,11 @@ class _OffloadLinear:
         """The step on the device for SEAL ciphertexts ``cts`` (SEAL parsed and checked the client's bytes;
         the device copies are ours) under ``keys`` (one device key set, or one per ciphertext): per input,
         its outputs. Ciphertexts of one shape and scale run as one batch, one graph replay."""
+        return self._device_step(layer, part, packed, [self.gpu.deserialize(seal.to_bytes(ct)) for ct in cts], keys)
+
+    def _device_step(self, layer: int, part: str, packed: bool, xs: list, keys) -> list[list]:
+        """:meth:`_on_device` on device ciphertexts."""
         block, step = self.part(layer, part, packed)
-        xs = [self.gpu.deserialize(seal.to_bytes(ct)) for ct in cts]
         fn, name = _batched(block, step), (layer, part, packed)   # the name must always mean the same plaintexts
         if len({(x.data.shape, x.scale) for x in xs}) == 1:
             return self.graphs.run(name, fn, xs, keys)
@@ -381,6 +468,33 @@ def _batched(block, step):
     return fn
 
 
+def _chunk_step(chunks, part: str):
+    """A chunk-layout step of ``part`` (:class:`fhe.interleaved.ChunkProducts`) as a batched step: row b of the
+    input ``[B, T, 2, L, N]`` is one chunk's T tiles; returns the G output batches (row b: chunk b's), as
+    ``ChunkProducts.chunk_outputs`` makes them for one chunk."""
+    from fhe.backends.gpu.batched import GpuBatch
+
+    def fn(ev, x, keys):
+        return chunks.chunk_outputs(ev, part, [GpuBatch(x.data[:, t], x.scale) for t in range(x.data.shape[1])], keys)
+
+    return fn
+
+
+def placeholder_keys(gpu, steps) -> object:
+    """Zero device keys shaped as a full offload key set for ``steps`` (relin + one Galois key per step, every
+    key on the whole chain): what :meth:`_OffloadLinear.warm` captures graphs with. No key material: zeros."""
+    from fhe.backends.gpu.galois import galois_elt
+    from fhe.backends.gpu.keys import GpuKeys
+
+    k, n = gpu.ctx.K, gpu.params.poly_modulus_degree
+
+    def zeros():
+        return torch.zeros((k, 2, k + 1, n), dtype=torch.int64, device=gpu.device)
+
+    return GpuKeys(gpu.params, zeros(), {galois_elt(s, gpu.params.slots): zeros() for s in steps}, tuple(steps),
+                   "placeholder")
+
+
 def _result_or_error(fn, *args):
     """``fn(*args)``, or the exception it raised (a batch item's outcome: :func:`server.private.workers.run_batch`)."""
     try:
@@ -403,6 +517,11 @@ def _plaintext_nbytes(block) -> int:
     return total
 
 
+def _plan_encoder(device: str) -> str:
+    """The encoder of a plan's diagonals on ``device`` (see :class:`_OffloadLinear`)."""
+    return "fft" if device.startswith("cuda") else "seal"
+
+
 def _gpu_evaluator(params: CKKSParams, device: str, encoder: str = "fft"):
     """The gpu backend for ``[private] device`` (None for 'cpu': the blocks default to SEAL).
 
@@ -418,12 +537,13 @@ def _gpu_evaluator(params: CKKSParams, device: str, encoder: str = "fft"):
 
 
 def make_state(model_dir: str, plan_path: str | None, max_tokens: int, device: str = "cpu",
-               step_processes: int = 1, offload_path: str | None = None, offload_chunks: bool = True
-               ) -> PrivateCompute:
+               step_processes: int = 1, offload_path: str | None = None, offload_chunks: bool = True,
+               offload_warm: bool = True) -> PrivateCompute:
     """Worker factory (``server.private.workers`` imports it by name); ``plan_path`` None: an offload plan of
     linear steps only (``offload_path``), no attention block; ``offload_chunks``: ``[private]
-    offload_chunk_layout``."""
-    return PrivateCompute(model_dir, plan_path, max_tokens, device, step_processes, offload_path, offload_chunks)
+    offload_chunk_layout``; ``offload_warm``: ``[private] offload_warm_graphs``."""
+    return PrivateCompute(model_dir, plan_path, max_tokens, device, step_processes, offload_path, offload_chunks,
+                          offload_warm)
 
 
 __all__ = ["PrivateCompute", "make_state"]

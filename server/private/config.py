@@ -40,6 +40,9 @@ class PrivateSettings(BaseModel):
                                        "steps) of offload linear parts in the position-interleaved chunk "
                                        "layout (fast prefill and speculation; ~915 MB more worker memory per "
                                        "SmolLM2 server layer); false: one ciphertext per position")
+    offload_warm_graphs: bool = Field(True, description="gpu workers capture every offload linear step's CUDA "
+                                      "graphs when they start (part of the first key setup) instead of on a "
+                                      "session's first tokens; no effect on 'cpu' / 'cpu-reference'")
     state_dir: str | None = Field(None, description="key store, audit log, bundle cache; None: $CIPHERLM_HOME/server")
     workers: int = Field(2, ge=1, le=64, description="most worker processes for ciphertext work; each is "
                          "started when an encrypted session (or key upload) first needs it")

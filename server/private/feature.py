@@ -135,7 +135,7 @@ class AuditFallbackRecorder:
 
 def _worker_args(cfg: PrivateSettings, model_dir: Path, plan_path: Path | None) -> tuple:
     """The worker factory's arguments. The optional trailing ones (step_processes, offload_plan,
-    offload_chunk_layout when off) go only
+    offload_chunk_layout, offload_warm_graphs when off) go only
     when set, so factories written for the first four keep working; step_processes only for local workers:
     a Ray actor's process runs Ray's own threads, which a fork per step would copy mid-flight. ``plan_path``
     None: an offload plan of linear steps only (the workers build no attention block)."""
@@ -143,7 +143,9 @@ def _worker_args(cfg: PrivateSettings, model_dir: Path, plan_path: Path | None) 
                    cfg.device)
     split = cfg.step_processes if cfg.backend == "local" else 1
     if cfg.offload_plan:
-        return args + (split, cfg.offload_plan) + (() if cfg.offload_chunk_layout else (False,))
+        tail = (cfg.offload_chunk_layout, False) if not cfg.offload_warm_graphs else (
+            () if cfg.offload_chunk_layout else (False,))
+        return args + (split, cfg.offload_plan) + tail
     return args + ((split,) if split != 1 else ())
 
 

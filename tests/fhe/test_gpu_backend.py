@@ -221,6 +221,26 @@ def test_encode_many_is_encode_one_by_one(setup):
         fast.encode_many([np.zeros(P.slots + 1), np.zeros(3)], 3, 2.0 ** 40)
 
 
+def test_a_plans_diagonals_encode_in_batches_as_one_by_one(setup, monkeypatch):
+    """``encode_groups`` (how a plan's products encode their diagonals: the gpu worker's start) keeps every
+    group's keys, tags and order, across batch boundaries, and each plaintext is ``encode``'s own, with the
+    batched on-device encoder and with SEAL's (one by one)."""
+    import fhe.evaluator as fev
+
+    _, _, ev, _, _, _ = setup
+    monkeypatch.setattr(fev, "ENCODE_BATCH", 3)                   # batches cut through the groups
+    rng = np.random.default_rng(9)
+    groups = {(g, k): [(t, j, rng.uniform(-1, 1, P.slots)) for t in range(2) for j in range(1 + g)]
+              for g in range(3) for k in range(2)}
+    for e in (GpuEvaluator(P, device="cpu", encoder="fft"), ev):
+        got = fev.encode_groups(e, groups, 2, e.prime(2))
+        assert list(got) == list(groups)
+        for key, grp in groups.items():
+            assert [item[:2] for item in got[key]] == [item[:2] for item in grp]
+            for (_, _, pt), (_, _, v) in zip(got[key], grp, strict=True):
+                assert torch.equal(pt.data, e.encode(v, 2, e.prime(2)).data)
+
+
 def test_packed_diagonals_built_in_torch_are_numpys():
     """Packed prefill on the gpu backend builds its per-chunk diagonals in torch on the device
     (``PackedMap.diagonals``, ``_rope_rows_torch``): the same values bit for bit as the numpy path the

@@ -64,6 +64,23 @@ def test_slot_map_with_steps_equals_plain(rng):
         enc(ev, ev.mod_switch(client.encrypt(x), 2), client.server_keys())
 
 
+def test_slot_maps_of_one_shape_share_their_groups_and_keep_their_weights(rng):
+    """A plan's layers build maps of the same slot indices with other weights: the diagonal groups (from the
+    indices alone) are computed once and shared, the diagonals are each map's own; other indices, other groups."""
+    from fhe.linalg import _map_groups
+
+    s = P.slots
+    dst = rng.choice(s, 120, replace=False)
+    src = (dst + rng.integers(0, 3, 120) * 7 + 5) % s            # babies 0..2: one more step still fits
+    a, b = (SlotMap(s, dst, src, rng.standard_normal(120), Steps(5, 7, 4)) for _ in range(2))
+    assert a._groups is b._groups
+    da, db = a.diagonals(None), b.diagonals(None)
+    assert da.keys() == db.keys() and any(not np.array_equal(x[1], y[1]) for x, y in zip(da[0], db[0], strict=True))
+    x = rng.standard_normal(s)
+    assert not np.allclose(a.apply_plain(x), b.apply_plain(x))
+    assert _map_groups(s, dst, (src + 7) % s, Steps(5, 7, 4)) is not a._groups
+
+
 def test_slot_map_with_a_middle_step_equals_plain(rng):
     """pre + k*baby + j*mid + m*giant: babies over k and j, Horner over m (the output map's structure)."""
     s = P.slots

@@ -91,11 +91,11 @@ def test_a_batch_answers_each_session_as_alone_and_a_bad_item_fails_alone(worker
     assert isinstance(got[3], TaskFailure) and got[3].code is WorkerCode.BAD_CIPHERTEXT
 
 
-@pytest.mark.parametrize("part", ["mlp_down", "attn_qkv"])
+@pytest.mark.parametrize("part", ["mlp_up", "mlp_down", "attn_qkv", "attn_o"])
 def test_a_chunk_step_on_the_gpu_reference_is_seals_answer(worker, seal_worker, part):
     """A step of several positions (``packed``: the interleaved chunk layout, T ciphertexts per chunk in, G out)
-    runs on the gpu evaluator outside the batched graphs; its answer is SEAL's, ciphertext for ciphertext;
-    in a batch call it runs alone."""
+    runs on the gpu evaluator as one batched step, a chunk per row, padded to ``CHUNK_ROWS`` rows (what a CUDA
+    graph replays); its answer is SEAL's, ciphertext for ciphertext; in a batch call it runs alone."""
     rng = np.random.default_rng(1)
     (fp, client), = _sessions((worker, seal_worker), 1)
     block, _ = seal_worker.linear.part(0, part)
@@ -109,3 +109,63 @@ def test_a_chunk_step_on_the_gpu_reference_is_seals_answer(worker, seal_worker, 
     assert [_canonical(worker, fp, b) for b in worker.mlp_step(fp, 0, part, blobs, True)] == want
     got, = worker.mlp_step_batch([(fp, 0, part, blobs, True)])
     assert [_canonical(worker, fp, b) for b in got] == want
+
+
+def test_the_warm_up_keys_have_a_real_key_sets_shape(worker):
+    """``warm`` captures the graphs with zero keys: they must have the Galois elements and shapes of a real
+    offload key set, else every real step would capture its graphs again (the graph cache is keyed on them)."""
+    from fhe.backends.gpu.step import StepGraphs
+    from server.private.compute import placeholder_keys
+
+    (fp, _), = _sessions((worker,), 1)
+    lin = worker.linear
+    real, fake = lin.device_keys[fp], placeholder_keys(lin.gpu, lin.steps)
+    assert StepGraphs._signature(fake) == StepGraphs._signature(real)
+    assert fake.relin.shape == real.relin.shape and not any(t.any() for t in fake.galois.values())
+    assert lin.warm() == 0.0 and lin.warm_s == 0.0          # off CUDA there is nothing to capture
+
+
+@pytest.mark.gpu
+def test_a_cuda_worker_captures_every_graph_at_start_and_answers_like_seal(tiny_model_dir, plan_path,  # noqa: F811
+                                                                           seal_worker):
+    """On CUDA the worker captures each linear step's graphs when it starts (one position, and CHUNK_ROWS
+    chunks), so real steps replay without capturing; its answers (on-device encoder) decrypt to the SEAL
+    worker's within 1e-6 of their range, and with SEAL's encoder a chunk step is SEAL's, ciphertext for ciphertext."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from fhe.backends.seal import hazmat as seal
+    from fhe.backends.seal import wire
+    from server.private.compute import PrivateCompute, _OffloadLinear
+
+    gpu = PrivateCompute(str(tiny_model_dir), None, 16, "cuda", 1, plan_path)
+    lin = gpu.linear
+    assert lin.gpu.encoder == "fft" and lin.warm_s > 0 and lin.graphs.captures == 2 * len(lin.parts()) == 8
+    (fp, client), = _sessions((gpu, seal_worker), 1)
+    rng = np.random.default_rng(3)
+    for part in ("attn_qkv", "attn_o", "mlp_up", "mlp_down"):
+        sh = seal_worker.linear.part(0, part)[0].chunks.shapes[part]
+        chunk = [wire.encrypt_to_wire(client, v) for c in range(2)
+                 for v in sh.pack(rng.normal(size=(sh.positions - c, sh.n_in)))]
+        for blobs, packed in (([_blob(client, lin.params.slots, rng)], False), (chunk, True)):
+            want, got = (w.mlp_step(fp, 0, part, blobs, packed) for w in (seal_worker, gpu))
+            keys = lin.keys[fp]
+            dec = [np.stack([client.decrypt(wire.load_ciphertext(b, keys.kit, keys.fingerprint)) for b in out])
+                   for out in (want, got)]
+            assert np.abs(dec[1] - dec[0]).max() <= 1e-6 * np.abs(dec[0]).max(), (part, packed)
+    assert lin.graphs.captures == 8                         # every real step replayed a warm graph
+    exact = _OffloadLinear(_model(tiny_model_dir), plan_path, "cuda", encoder="seal")
+    exact.load_key(fp, seal_worker.linear.keys[fp])
+    for part in ("mlp_up", "attn_o"):
+        sh = seal_worker.linear.part(0, part)[0].chunks.shapes[part]
+        cts = [client.encrypt(v) for v in sh.pack(rng.normal(size=(sh.positions, sh.n_in)))]
+        want = seal_worker.linear.run_chunks(fp, 0, part, cts)
+        got = exact.run_chunks(fp, 0, part, cts)
+        assert [seal.to_bytes(c) for c in got] == [seal.to_bytes(c) for c in want], part
+
+
+def _model(model_dir):
+    from engine.loader import load_model
+
+    return load_model(model_dir)

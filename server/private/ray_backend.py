@@ -48,6 +48,7 @@ from server.private.workers import (
     _Slot,
     build_state,
     run_task,
+    start_failure,
 )
 
 log = logging.getLogger("cipherlm.workers.ray")
@@ -71,13 +72,16 @@ class WorkerActor:
     """The body of one worker actor: a worker state and the shared task runner (runs inside Ray)."""
 
     def __init__(self, factory: str, factory_args: tuple) -> None:
-        self.state = build_state(factory, factory_args)
+        try:
+            self.state, self.failure = build_state(factory, factory_args), None
+        except Exception as exc:  # noqa: BLE001 - said by ready(), so the server's log names the cause
+            self.state, self.failure = None, start_failure(exc)
 
-    def ready(self) -> tuple[int, str]:
-        """(process id, node id): the actor is up and its state built."""
+    def ready(self) -> tuple[int, str] | str:
+        """(process id, node id): the actor is up and its state built; or why the state could not be built."""
         import ray
 
-        return os.getpid(), ray.get_runtime_context().get_node_id()
+        return self.failure or (os.getpid(), ray.get_runtime_context().get_node_id())
 
     def call(self, method: str, *args) -> tuple[str, Any]:
         # top-level ObjectRef arguments arrive resolved (Ray fetches them from the object store)
@@ -257,6 +261,9 @@ class RayWorkerPool(SlotQueues):
             self._kill(actor)
             raise WorkerStartError(f"worker actor did not start within {self.start_timeout} s "
                                    f"({type(exc).__name__})") from exc
+        if isinstance(info, str):
+            self._kill(actor)
+            raise WorkerStartError(f"worker actor could not build its state: {info}")
         slot = self._slots[i]
         slot.worker, slot.info, slot.last_active = actor, tuple(info), time.monotonic()
         self.started += 1

@@ -75,8 +75,13 @@ class TaskError(WorkerError):
 
 
 def _worker_main(conn, factory: str, factory_args: tuple) -> None:
-    """Worker process: build the state, then serve (method, args) until the pipe closes."""
-    state = build_state(factory, factory_args)
+    """Worker process: build the state, then serve (method, args) until the pipe closes. A state that cannot
+    be built is said on the pipe (``("failed", why)``) before the process exits with the exception."""
+    try:
+        state = build_state(factory, factory_args)
+    except BaseException as exc:
+        conn.send(("failed", start_failure(exc)))
+        raise
     conn.send(("ready", None))
     while True:
         try:
@@ -84,6 +89,18 @@ def _worker_main(conn, factory: str, factory_args: tuple) -> None:
         except EOFError:
             return
         conn.send(run_task(state, method, args))   # a BATCH task answers every item's outcome at once
+
+
+def start_failure(exc: BaseException) -> str:
+    """Why a worker's state could not be built, for the server's log: the exception's class and the start of
+    its message (the factory's arguments are paths and settings; no client data exists yet), and what to do
+    where the cause is a known one."""
+    why = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if "OutOfMemoryError" in type(exc).__name__ or "out of memory" in str(exc).lower():
+        why += (" — the device is out of memory: a gpu worker holds its plan's encoded weights and key sets "
+                "there (~32 GB for the 28-layer offload plan), beside the plaintext engine's [engine] "
+                "gpu_memory_utilization share of the card; lower that share or give the workers another device")
+    return why
 
 
 def build_state(factory: str, factory_args: tuple) -> Any:
@@ -136,11 +153,13 @@ class _Worker:
         self.proc.start()
         child.close()
         try:
-            ready = self.conn.poll(start_timeout) and self.conn.recv()[0] == "ready"
-        except (EOFError, OSError):  # the factory raised: the process exited before saying ready
-            ready = False
-        if not ready:
+            answer = self.conn.recv() if self.conn.poll(start_timeout) else None
+        except (EOFError, OSError):  # the process exited without a word (killed, or a native crash)
+            answer = None
+        if answer is None or answer[0] != "ready":
             self.kill()
+            if answer is not None and answer[0] == "failed":
+                raise WorkerStartError(f"worker could not build its state: {answer[1]}")
             raise WorkerStartError(f"worker did not start within {start_timeout} s "
                                    f"(exit code {self.proc.exitcode})")
 

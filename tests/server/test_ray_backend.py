@@ -129,7 +129,7 @@ async def test_timeout_kills_the_actor_and_a_broken_factory_is_a_start_error(clu
     broken = pool(factory="tests.server.worker_states:make_broken", args=(), keep_running=0, start_timeout=60)
     await broken.start()
     try:
-        with pytest.raises(WorkerStartError):
+        with pytest.raises(WorkerStartError, match="could not build its state: RuntimeError: this worker state"):
             await broken.submit(0, "a", "echo", 1)
     finally:
         await broken.close()

@@ -97,12 +97,21 @@ async def test_a_worker_that_cannot_start_is_a_typed_error_and_retried():
     pool = WorkerPool(1, "tests.server.worker_states:make_broken", (), keep_running=0, start_timeout=60)
     await pool.start()
     try:
-        for _ in range(2):  # each task tries to start the worker again
-            with pytest.raises(WorkerStartError):
+        for _ in range(2):  # each task tries to start the worker again; the error names the factory's failure
+            with pytest.raises(WorkerStartError, match="could not build its state: RuntimeError: this worker state"):
                 await pool.submit(0, "a", "echo", 1)
         assert pool.running() == [] and pool.restarts == 0
     finally:
         await pool.close()
+
+
+def test_a_start_failure_says_what_failed_and_what_to_do_about_device_memory():
+    from server.private.workers import start_failure
+
+    assert start_failure(ValueError("no plan at /x")) == "ValueError: no plan at /x"
+    oom = start_failure(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert oom.startswith("RuntimeError: CUDA out of memory") and "gpu_memory_utilization" in oom
+    assert len(start_failure(ValueError("x" * 10_000))) < 400
 
 
 async def test_eager_workers_start_with_the_pool_and_stay():

@@ -48,10 +48,11 @@ class Timeout:
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"Timeout.{name} must be a finite positive number, got {value!r}")
 
-    def to_httpx(self, read: float | None = None) -> httpx.Timeout:
-        """httpx's form; ``read`` overrides the read timeout (the private path's plan-derived waits)."""
-        return httpx.Timeout(connect=self.connect, read=self.read if read is None else read, write=self.write,
-                             pool=self.pool)
+    def to_httpx(self, read: float | None = None) -> tuple[float, float, float, float]:
+        """httpx's ``(connect, read, write, pool)`` form; ``read`` overrides the read timeout (the private
+        path's plan-derived waits). A plain tuple, not an ``httpx.Timeout``: a caller's ``http_client`` may
+        be an httpx2 client (Starlette's TestClient, openai's own), whose requests refuse httpx's class."""
+        return (self.connect, self.read if read is None else read, self.write, self.pool)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,6 +85,7 @@ def test_rollback_messages_are_checked_and_retry_safe(enc):
     from engine.model import DenseKVCache
 
     rt = runtime_of(enc)
+    rt.prepare()                       # on its own too, not only after another test generated
     ids = rt.tokenizer.encode(PROMPT)
     rt.open_session()
     backend = EncryptedBackend(rt, DenseKVCache(rt.model.config, rt.max_len()), StepStats())

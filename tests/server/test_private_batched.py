@@ -292,3 +292,32 @@ def test_malformed_full_uploads_are_refused_as_bad_ciphertext_as_seal_refuses_th
             continue
         assert lin.gpu.deserialize_fresh(payload) is None, name
     assert not seal_takes, seal_takes
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_full_upload_is_read_as_the_seal_path_reads_it(worker, seal_worker):
+    """On the device: the direct parse of a full upload is the SEAL path's device tensor, residue for residue,
+    and each malformed upload is refused by it (None: the worker then asks SEAL, which refuses too)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from fhe.backends.gpu.evaluator import GpuEvaluator
+    from fhe.backends.seal import hazmat as seal
+    from fhe.backends.seal import wire
+
+    rng = np.random.default_rng(6)
+    (fp, client), = _sessions((worker, seal_worker), 1)
+    ev = GpuEvaluator(worker.linear.params)
+    assert ev.device.type == "cuda"
+    for _ in range(3):
+        blob = _full(client, rng.normal(size=ev.params.slots))
+        got = ev.deserialize_fresh(wire.ciphertext_payload(blob, ev.params, client.fingerprint))
+        want = ev.deserialize(seal.to_bytes(wire.load_ciphertext(blob, client.kit, client.fingerprint)))
+        assert got.data.device.type == "cuda" and torch.equal(got.data, want.data) and got.scale == want.scale
+    for name, bad in _mutations(worker, client, blob).items():
+        try:
+            payload = wire.ciphertext_payload(bad, ev.params, client.fingerprint)
+        except Exception:  # noqa: BLE001 - refused by the envelope already
+            continue
+        assert ev.deserialize_fresh(payload) is None, name

@@ -21,11 +21,11 @@ if [ "${MODE:-full}" = full ]; then
     > $OUT/client_crypto.log 2>&1
   el "client_crypto rc=$?"; cat $OUT/client_crypto.log
   timeout $(left) python3 bench/private_e2e.py --device cuda \
-    --offload-plan fhe/data/smollm2-135m-instruct.offload.json --prompt-tokens 32 --max-tokens 64 \
+    --offload-plan fhe/data/smollm2-135m-instruct.offload.json --prompt-tokens 32 --max-tokens 64 ${E2E_ARGS} \
     --json $OUT/e2e.json --server-log $OUT/server.log > $OUT/e2e.log 2>&1
 else
   timeout $(left) python3 bench/private_e2e.py --device cuda \
-    --offload-plan fhe/data/smollm2-135m-instruct.offload.json --prompt-tokens 32 --max-tokens 16 \
+    --offload-plan fhe/data/smollm2-135m-instruct.offload.json --prompt-tokens 32 --max-tokens 16 ${E2E_ARGS} \
     --sessions 1,8 --session-tokens 12 --json $OUT/e2e.json --server-log $OUT/server.log > $OUT/e2e.log 2>&1
 fi
 el "e2e rc=$? $(date -u +%H:%M:%S)"

@@ -9,6 +9,14 @@ Per phase, one thread: SEAL's encoder, symmetric encryption, seeded serializatio
 answer parsing (``load_ciphertext``, SEAL's load and validity check) and decryption (with decoding). Then
 ``encrypt_to_wire`` and parse + decrypt of ``--count`` ciphertexts over a thread pool of each size:
 speed-up ~ threads where the calls release the GIL, ~1 where they hold it.
+
+Session 13 (issue 17) adds: full (unseeded) uploads — ``encrypt_to_wire(seeded=False)`` on the client, and on the
+server the gpu backend's direct parse (``GpuEvaluator.deserialize_fresh``, no SEAL) against the SEAL path the GPU
+worker took before (SEAL's load with seed expansion, SEAL's save, our parse), on this machine's torch device — and
+the SDK's forked crypto pool (``--processes 1,2,...``: a step of ``--count`` ciphertexts encrypted, then its
+answers parsed + decrypted, per ciphertext; 1 = one at a time in this process, the path before).
+
+    python bench/client_crypto.py [--count 36] [--threads 1,2] [--processes 1,2,4] [--json out.json]
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=64)
     ap.add_argument("--threads", default="1,2,4,8")
+    ap.add_argument("--processes", default="1,2")
     ap.add_argument("--json")
     args = ap.parse_args()
     c = CKKSClient(MLP_PARAMS, (1,))
@@ -54,8 +63,12 @@ def main() -> None:
         "encrypt_to_wire (all of the above + envelope)": _ms(lambda v: wire.encrypt_to_wire(c, v), vals),
         "load_ciphertext (parse + check)": _ms(lambda b: wire.load_ciphertext(b, kit, c.fingerprint), blobs),
         "decrypt + decode": _ms(c.decrypt, cts),
+        "encrypt_to_wire, full (unseeded) upload": _ms(lambda v: wire.encrypt_to_wire(c, v, seeded=False), vals),
     }
-    out = {"phases_ms": phases, "threads": []}
+    server, sizes = _server_parse(c, vals)
+    phases.update(server)
+    print(f"bytes per upload: {sizes}")
+    out = {"phases_ms": phases, "upload_bytes": sizes, "threads": [], "processes": _pool(c, vals, args.processes)}
     for name, ms in phases.items():
         print(f"{name}: {ms:.3f} ms")
     for k in (int(x) for x in args.threads.split(",")):
@@ -76,6 +89,79 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
+
+
+def _server_parse(c, vals) -> tuple[dict[str, float], dict[str, float]]:
+    """The GPU worker's parse of one upload, ms per ciphertext (synchronised): the SEAL path it took before
+    (seeded upload: SEAL's load, which expands c1, SEAL's save, our parse, the copy to the device) and the
+    direct parse of a full upload (:meth:`~fhe.backends.gpu.evaluator.GpuEvaluator.deserialize_fresh`)."""
+    import torch
+
+    from fhe import wire
+    from fhe.backends.gpu.evaluator import GpuEvaluator
+    from fhe.backends.seal import hazmat as seal
+
+    ev = GpuEvaluator(c.params)
+    sync = torch.cuda.synchronize if ev.device.type == "cuda" else (lambda: None)
+    seeded = [wire.encrypt_to_wire(c, v) for v in vals]
+    full = [wire.encrypt_to_wire(c, v, seeded=False) for v in vals]
+
+    def old(b):
+        ct = wire.load_ciphertext(b, c.kit, c.fingerprint, level=ev.top)
+        return ev.deserialize(seal.to_bytes(ct))
+
+    def new(b):
+        return ev.deserialize_fresh(wire.ciphertext_payload(b, c.params, c.fingerprint))
+
+    assert all(torch.equal(new(b).data, old(b).data) for b in full[:4])   # the same residues
+    for fn, items in ((old, seeded), (new, full)):
+        _ms(fn, items[:4])
+    out = {}
+    for name, fn, items in ((f"server: SEAL path, seeded upload ({ev.device.type})", old, seeded),
+                            (f"server: direct parse, full upload ({ev.device.type})", new, full)):
+        t = time.perf_counter()
+        for b in items:
+            fn(b)
+        sync()
+        out[name] = (time.perf_counter() - t) / len(items) * 1e3
+    return out, {"seeded": statistics.mean(len(b) for b in seeded), "full": statistics.mean(len(b) for b in full)}
+
+
+def _pool(c, vals, spec: str) -> list[dict]:
+    """A step of ``len(vals)`` ciphertexts through the forked crypto pool of each size (1: serial, in this
+    process): encryption (seeded, as a SEAL server asks, and full) and parse + decryption, ms per ciphertext."""
+    from client_sdk._crypto_pool import CryptoPool
+    from fhe import wire
+
+    blobs = [wire.encrypt_to_wire(c, v) for v in vals]
+    rows = []
+    for k in (int(x) for x in spec.split(",") if x):
+        pool = CryptoPool(c, k) if k > 1 else None
+        full_pool = CryptoPool(c, k, seeded=False) if k > 1 else None
+        enc = pool.encrypt if pool else (lambda vs: [wire.encrypt_to_wire(c, v) for v in vs])
+        enc_full = (full_pool.encrypt if full_pool else
+                    (lambda vs: [wire.encrypt_to_wire(c, v, seeded=False) for v in vs]))
+        dec = pool.decrypt if pool else (
+            lambda bs: [c.decrypt(wire.load_ciphertext(b, c.kit, c.fingerprint)) for b in bs])
+        try:
+            got = dec(blobs)                                                  # warm
+            assert all(np.array_equal(g, c.decrypt(wire.load_ciphertext(b, c.kit, c.fingerprint)))
+                       for g, b in zip(got[:4], blobs[:4], strict=False))
+            times = {"encrypt_ms_per_ct": [], "encrypt_full_ms_per_ct": [], "parse_decrypt_ms_per_ct": []}
+            for _ in range(3):
+                for key, fn, items in (("encrypt_ms_per_ct", enc, vals), ("encrypt_full_ms_per_ct", enc_full, vals),
+                                       ("parse_decrypt_ms_per_ct", dec, blobs)):
+                    t = time.perf_counter()
+                    fn(items)
+                    times[key].append((time.perf_counter() - t) / len(items) * 1e3)
+        finally:
+            for p in (pool, full_pool):
+                if p is not None:
+                    p.close()
+        row = {"processes": k, "ciphertexts": len(vals), **{k2: statistics.median(v) for k2, v in times.items()}}
+        rows.append(row)
+        print(json.dumps(row))
+    return rows
 
 
 if __name__ == "__main__":

@@ -173,15 +173,20 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
 class CryptoClock:
     """Seconds the client spends in CKKS encryption (with serialization) and in parsing + decrypting answers,
     accumulated in this process (the SDK's; the server is another process) by wrapping the key holder's
-    ``encrypt_bytes``/``decrypt`` and the wire's ``load_ciphertext`` for the run; :meth:`take` returns the
-    seconds since the last call. The rest of a token's client time is its clear layers (and Python)."""
+    ``decrypt``, the wire's ``encrypt_to_wire`` (encryption and serialization, seeded or full) and
+    ``load_ciphertext``, and the forked crypto pool's
+    ``encrypt``/``decrypt`` (wall time in this process: the children's work is not seen otherwise) for the run;
+    :meth:`take` returns the seconds since the last call. The rest of a token's client time is its clear layers
+    (and Python)."""
 
     def __init__(self) -> None:
+        from client_sdk._crypto_pool import CryptoPool
         from fhe import wire
         from fhe.backends.seal.keys import CKKSClient
 
         self.total, self._last, self._undo = 0.0, 0.0, []
-        for owner, name in ((CKKSClient, "encrypt_bytes"), (CKKSClient, "decrypt"), (wire, "load_ciphertext")):
+        for owner, name in ((wire, "encrypt_to_wire"), (CKKSClient, "decrypt"), (wire, "load_ciphertext"),
+                            (CryptoPool, "encrypt"), (CryptoPool, "decrypt")):
             self._wrap(owner, name)
 
     def _wrap(self, owner, name: str) -> None:
@@ -455,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-gpu-share", type=float, default=0.5,
                    help="with --device cuda: the plaintext engine's [engine] gpu_memory_utilization (the workers "
                         "get the rest of the card)")
+    p.add_argument("--crypto-processes", type=int, default=None,
+                   help="the SDK's forked processes for a step's CKKS work (PrivateRuntime.crypto_processes; "
+                        "default: the cores, at most 8; 1: one at a time, the path before session 13)")
     p.add_argument("--server-log", type=Path, help="copy the server's log (workers included) here at the end")
     args = p.parse_args(argv)
     counts = [int(k) for k in args.sessions.split(",") if k]
@@ -462,6 +470,11 @@ def main(argv: list[str] | None = None) -> int:
     from server.cli_demo import plan_with_layers, running_server
 
     prompt = exact_prompt(args.prompt_tokens)
+    if args.crypto_processes is not None:   # read by each PrivateRuntime this process makes
+        os.environ["CIPHERLM_CRYPTO_PROCESSES"] = str(args.crypto_processes)
+    from client_sdk._crypto_pool import default_processes
+
+    print(f"  client crypto processes: {default_processes()}", file=sys.stderr, flush=True)
     if args.device:  # the server subprocess reads [private] device from its environment (over the TOML file)
         os.environ["CIPHERLM_PRIVATE__DEVICE"] = args.device
     if args.device and args.device.startswith("cuda"):

@@ -53,6 +53,9 @@ class OffloadInfo:
     server_attention_linear: tuple[int, ...] = ()
     #: the layout of a step of >= 2 positions (``offload.mlp.chunk_layout``; absent in an older manifest: {})
     chunk_layout: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: how to upload ciphertexts (``offload.mlp.upload``): "seeded" (SEAL's seeded form; absent: an older or
+    #: SEAL-backed server) or "full" (unseeded: a GPU worker reads them straight into device tensors)
+    upload: str = "seeded"
 
     @classmethod
     def from_manifest(cls, d: Any) -> OffloadInfo | None:
@@ -62,12 +65,16 @@ class OffloadInfo:
             return None
         try:
             mlp = section["mlp"]
-            return cls(str(section["plan_hash"]), tuple(int(i) for i in section["server_mlp"]), dict(mlp["ckks"]),
+            info = cls(str(section["plan_hash"]), tuple(int(i) for i in section["server_mlp"]), dict(mlp["ckks"]),
                        tuple(int(s) for s in mlp["rotation_steps"]), int(mlp["max_blob_bytes"]),
                        tuple(int(i) for i in section.get("server_attention_linear", ())),
-                       dict(mlp.get("chunk_layout") or {}))
+                       dict(mlp.get("chunk_layout") or {}), str(mlp.get("upload", "seeded")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PrivateModeError(f"the server's offload manifest is malformed ({exc!r})") from exc
+        if info.upload not in ("seeded", "full"):
+            raise PrivateModeError(f"the server asks for uploads as {info.upload[:32]!r}, this SDK sends 'seeded' "
+                                   "or 'full': update the SDK")
+        return info
 
 
 class OffloadSession(proto.Session):
@@ -172,6 +179,8 @@ class OffloadClient:
                                    f"{info.chunk_layout or 'one position per ciphertext'}, this SDK as "
                                    f"{chunk_layout_manifest(self.chunks)}: update the SDK or the server")
         self.start = 0          # first position of the chunk the runtime's forward is running
+        self.seeded = info.upload != "full"
+        self.pool: Any = None   # the forked crypto pool (client_sdk._crypto_pool), made at the first big step
         self.ckks: Any = None
         self.fingerprint = ""
         self.upload_bytes = 0
@@ -200,6 +209,7 @@ class OffloadClient:
         from fhe.mlp import MLPClient
         from fhe.offload_attention import AttentionLinearClient
 
+        self.close_pool()   # its children hold the old key set
         self.ckks = CKKSClient(self.params, self.info.rotation_steps)
         upload = pack_key_upload(wire.dump_public_keys(self.ckks))
         self.fingerprint = hashlib.sha256(upload).hexdigest()
@@ -269,25 +279,47 @@ class OffloadClient:
             raise PrivateModeError(f"layer {layer} {part}: cannot encrypt NaN/inf")
         m = sh.positions
         rows = [v for c in range(0, t, m) for v in sh.pack(xs[c:c + m])]
-        outs = self._send(layer, part, rows, 1, count=t, n_out=sh.groups * -(-t // m))
-        vals = [self.ckks.decrypt(c[0]) for c in outs]
+        vals = self._send(layer, part, rows, 1, count=t, n_out=sh.groups * -(-t // m), decrypt=True)
         try:
             return np.concatenate([sh.unpack(vals[i * sh.groups:(i + 1) * sh.groups], min(m, t - c))
                                    for i, c in enumerate(range(0, t, m))])
         except ShapeError as exc:
             raise PrivateModeError(f"layer {layer} {part}: unusable server answer ({exc})") from exc
 
+    def _crypto_pool(self, n: int) -> Any:
+        """The forked crypto pool for a step of ``n`` ciphertexts, or None for the serial path (one ciphertext,
+        or ``crypto_processes`` 1)."""
+        procs = self.rt.crypto_processes
+        if n < 2 or procs <= 1:
+            return None
+        if self.pool is None or self.pool.processes != procs:
+            from client_sdk._crypto_pool import CryptoPool
+
+            self.close_pool()
+            self.pool = CryptoPool(self.ckks, procs, self.seeded)
+        return self.pool
+
+    def close_pool(self) -> None:
+        """End the crypto pool's children (a new key set, or the runtime's end)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
     def _send(self, layer: int, part: str, rows: list, per_position: int, count: int | None = None,
-              n_out: int | None = None) -> list[list]:
+              n_out: int | None = None, decrypt: bool = False) -> list:
         """Encrypt ``rows`` (one per position, or the chunk rows of ``count`` positions), run the step,
         return the decryptable answers in groups of ``per_position`` (``n_out`` answers: default
-        ``per_position`` per row)."""
+        ``per_position`` per row); ``decrypt``: the answers' decrypted values instead, in order. A step of
+        several ciphertexts encrypts (and, ``decrypt``, decrypts) over the forked crypto pool
+        (``PrivateRuntime.crypto_processes``)."""
         from fhe import wire
         from fhe.errors import FHEError
         from fhe.fingerprint import params_hash
 
         session, stats = self.rt.session, self.rt.current_stats
-        blobs = tuple(wire.encrypt_to_wire(self.ckks, r) for r in rows)
+        pool = self._crypto_pool(len(rows))
+        blobs = (tuple(pool.encrypt(rows)) if pool is not None else
+                 tuple(wire.encrypt_to_wire(self.ckks, r, seeded=self.seeded) for r in rows))
         call = session.mlp_call(layer, part, self.start, blobs, params_hash(self.params), count)
         t0 = time.perf_counter()
         reply = self.rt.exchange(call)
@@ -295,6 +327,11 @@ class OffloadClient:
         n_out = per_position * len(rows) if n_out is None else n_out
         out = session.mlp_result(reply, layer, part, self.start, n_out)
         try:
+            if decrypt:
+                pool = self._crypto_pool(len(out))
+                return (pool.decrypt(out) if pool is not None else
+                        [self.ckks.decrypt(wire.load_ciphertext(b, self.ckks.kit, self.ckks.fingerprint))
+                         for b in out])
             cts = [wire.load_ciphertext(b, self.ckks.kit, self.ckks.fingerprint) for b in out]
         except FHEError as exc:
             raise PrivateModeError(f"layer {layer} {part}: unusable server answer ({type(exc).__name__})") from exc

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from client_sdk import _protocol as proto
+from client_sdk._crypto_pool import default_processes
 from client_sdk._exceptions import PrivateModeError
 
 _REQUEST_IDS = itertools.count()
@@ -154,6 +155,11 @@ class PrivateRuntime:
         self.offload_info: Any = None
         self.offload: Any = None
         self.current_stats = StepStats()
+        #: Processes that encrypt and decrypt the ciphertexts of one offload step of several (a prefill chunk:
+        #: ~36 in, up to ~48 out), forked after the key set exists so that each inherits the secret key in
+        #: memory (never written or sent; ``client_sdk._crypto_pool``). 1: one at a time in this process (the
+        #: path before). Default: ``$CIPHERLM_CRYPTO_PROCESSES``, else this machine's cores, at most 8.
+        self.crypto_processes = default_processes()
         #: Draft tokens per speculative step for requests that do not say (``num_speculative_tokens``;
         #: 0: only requests that ask speculate). Needs a server that takes verify steps (manifest).
         self.num_speculative_tokens = 0

@@ -238,7 +238,7 @@ async def _start_linear(app: Any, cfg: PrivateSettings, model_dir: Path, offload
     check_fits(offload_plan, None, mcfg)
     root = state_dir(cfg)
     _open_state(app, cfg, root)
-    steps = OffloadSteps.of(offload_plan, cfg.offload_chunk_layout)
+    steps = OffloadSteps.of(offload_plan, cfg.offload_chunk_layout, cfg.gpu_backend)
     path, desc = await asyncio.to_thread(build_offload_bundle, model_dir, offload_plan, root)
     app.state.private_manifest = build_linear_manifest(app.state.metrics.model_name, steps, mcfg, desc, cfg)
     app.state.private_bundle_path = path
@@ -286,7 +286,7 @@ async def _offload(app: Any, cfg: PrivateSettings, model_dir: Path, plan: Any, r
     offload = _load_offload(cfg)
     mcfg = ModelConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
     check_fits(offload, plan, mcfg)
-    steps = OffloadSteps.of(offload, cfg.offload_chunk_layout)
+    steps = OffloadSteps.of(offload, cfg.offload_chunk_layout, cfg.gpu_backend)
     path, desc = await asyncio.to_thread(build_offload_bundle, model_dir, offload, root)
     man = app.state.private_manifest
     man["offload"] = {**steps.manifest(mcfg), "attention_key": True}

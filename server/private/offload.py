@@ -73,6 +73,9 @@ class OffloadSteps:
         chunks: per part, the chunk layout of a step of >= 2 positions (:mod:`fhe.interleaved`); None where
             the deployment turned it off (``[private] offload_chunk_layout = false``): such a step then carries
             one ciphertext per position, as a decode step does, and the workers hold 8x fewer plaintexts.
+        full_uploads: the workers evaluate on the gpu backend and read full (unseeded) uploads straight into
+            device tensors: the manifest then asks for them (``offload.mlp.upload = "full"``); seeded uploads
+            are still taken (through SEAL). False (SEAL workers): the manifest is what it was, seeded uploads.
     """
 
     plan: OffloadPlan
@@ -81,12 +84,13 @@ class OffloadSteps:
     attention_layers: tuple[int, ...] = ()
     attention_layout: AttentionLinearLayout | None = None
     chunks: dict[str, ChunkShape] | None = None
+    full_uploads: bool = False
 
     @classmethod
-    def of(cls, plan: OffloadPlan, chunks: bool = True) -> OffloadSteps:
+    def of(cls, plan: OffloadPlan, chunks: bool = True, full_uploads: bool = False) -> OffloadSteps:
         return cls(plan, plan.server_mlp, fresh_blob_limit(MLP_PARAMS), linear_attention_layers(plan),
                    attention_geometry(plan.model_config, MLP_PARAMS)[0],
-                   chunk_shapes(plan.model_config, MLP_PARAMS) if chunks else None)
+                   chunk_shapes(plan.model_config, MLP_PARAMS) if chunks else None, full_uploads)
 
     def blobs(self, part: str, count: int) -> tuple[int, int]:
         """(ciphertexts in, ciphertexts out) of a step of ``part`` over ``count`` positions: one position is one
@@ -169,7 +173,8 @@ class OffloadSteps:
                 "mlp": {"ckks": MLP_PARAMS.to_dict(), "backend": describe(MLP_PARAMS),
                         "rotation_steps": list(steps), "outputs_per_position": outputs,
                         "chunk_layout": chunk_layout_manifest(self.chunks),
-                        "max_blob_bytes": self.blob_limit}}
+                        "max_blob_bytes": self.blob_limit,
+                        **({"upload": "full"} if self.full_uploads else {})}}
 
 
 __all__ = ["OffloadSteps", "check_fits", "linear_attention_layers"]

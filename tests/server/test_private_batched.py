@@ -169,3 +169,155 @@ def _model(model_dir):
     from engine.loader import load_model
 
     return load_model(model_dir)
+
+
+# --- full (unseeded) uploads read straight into device tensors (issue 17, session 13) -------------------------
+def _full(client, values) -> bytes:
+    from fhe.backends.seal import wire
+
+    return wire.encrypt_to_wire(client, values, seeded=False)
+
+
+def _seal_parse(lin, keys, blob: bytes):
+    """The device ciphertext the SEAL path makes of ``blob`` (SEAL's load, the freshness check, SEAL's save,
+    our parse): what the gpu worker did with every upload before."""
+    from fhe.backends.seal import hazmat as seal
+    from fhe.backends.seal import wire
+
+    ct = wire.load_ciphertext(blob, keys.kit, keys.fingerprint, level=lin.gpu.top)
+    keys.check_input(ct)
+    return lin.gpu.deserialize(seal.to_bytes(ct))
+
+
+def test_a_full_upload_is_parsed_without_seal_into_the_tensors_seal_gives(worker, seal_worker, monkeypatch):
+    """A full upload goes straight to the device (SEAL's load is never called for it) as exactly the residues
+    and scale the SEAL path gives; a seeded one still goes through SEAL; the answers of a one-position and of
+    a chunk step on full uploads are the SEAL worker's, ciphertext for ciphertext."""
+    import torch
+
+    from fhe.backends.seal import wire
+    from server.private import compute
+
+    rng = np.random.default_rng(4)
+    (fp, client), = _sessions((worker, seal_worker), 1)
+    lin, keys = worker.linear, worker.linear.keys[fp]
+    slots = lin.params.slots
+    full = [_full(client, rng.normal(size=slots)) for _ in range(3)]
+    seeded = _blob(client, slots, rng)
+    want = [_seal_parse(lin, keys, b) for b in (*full, seeded)]
+    calls = []
+    real = wire.load_ciphertext
+    monkeypatch.setattr(compute.wire, "load_ciphertext", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = lin.inputs([*full, seeded], keys, lin.gpu.top)
+    assert len(calls) == 1                                   # the seeded one only
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.data, w.data) and g.scale == w.scale and g.data.dtype == w.data.dtype
+    monkeypatch.undo()
+    for part in ("mlp_up", "attn_o"):
+        one = [_full(client, np.resize(rng.normal(size=64), slots))]
+        assert ([_canonical(worker, fp, b) for b in worker.mlp_step(fp, 0, part, one)] ==
+                [_canonical(worker, fp, b) for b in seal_worker.mlp_step(fp, 0, part, one)])
+        sh = seal_worker.linear.part(0, part)[0].chunks.shapes[part]
+        chunk = [_full(client, v) for v in sh.pack(rng.normal(size=(sh.positions, sh.n_in)))]
+        assert ([_canonical(worker, fp, b) for b in worker.mlp_step(fp, 0, part, chunk, True)] ==
+                [_canonical(worker, fp, b) for b in seal_worker.mlp_step(fp, 0, part, chunk, True)])
+
+
+def _mutations(worker, client, blob: bytes) -> dict[str, bytes]:
+    """Full uploads that are each wrong in one way SEAL's load or the freshness check refuses."""
+    import struct
+
+    from fhe.backends.gpu import sealio
+    from fhe.backends.seal import wire
+
+    lin = worker.linear
+    params, n, top = lin.params, lin.params.poly_modulus_degree, lin.gpu.top
+    raw = sealio.read_ciphertext(wire.ciphertext_payload(blob, params, client.fingerprint), n, top)
+
+    def wrap(r, **patch) -> bytes:
+        payload = bytearray(sealio.write_ciphertext(r, compress=False))
+        for off, value in patch.values():
+            payload[16 + off:16 + off + len(value)] = value
+        return wire.pack_ciphertext(bytes(payload), params, client.fingerprint)
+
+    def data(arr):
+        return sealio.RawCiphertext(raw.parms_id, raw.scale, arr, raw.correction_factor)
+
+    over = raw.data.copy()
+    over[1, 0, 7] = lin.gpu.ctx.primes[0]                   # a residue equal to its prime
+    lower = raw.data[:, :top - 1].copy()                    # a valid ciphertext one level down
+    good = wrap(raw)
+    tail = sealio.write_ciphertext(raw, compress=False) + b"\0" * 8
+    tail = tail[:8] + len(tail).to_bytes(8, "little") + tail[16:]
+    return {
+        "bytes after the ciphertext": wire.pack_ciphertext(tail, params, client.fingerprint),
+        "residue >= prime": wrap(data(over)),
+        "not NTT form": wrap(raw, ntt=(32, b"\0")),
+        "correction factor 2": wrap(raw, corr=(32 + 1 + 8 * 4, struct.pack("<Q", 2))),
+        "other scale": wrap(sealio.RawCiphertext(raw.parms_id, raw.scale * 2, raw.data)),
+        "size 3": wrap(data(np.concatenate([raw.data, raw.data[:1]]))),
+        "lower level": wrap(sealio.RawCiphertext(lin.gpu.ctx.parms_ids[top - 1], raw.scale, lower)),
+        "parms_id of another level": wrap(sealio.RawCiphertext(lin.gpu.ctx.parms_ids[top - 1], raw.scale, raw.data)),
+        "truncated": good[:-8],
+        "other key set": wire.pack_ciphertext(wire.ciphertext_payload(good, params, client.fingerprint), params,
+                                              "ab" * 32),
+        "garbage in SEAL's frame": wire.pack_ciphertext(good[78:94] + b"\x17" * (len(good) - 94), params,
+                                                        client.fingerprint),
+    }
+
+
+def test_malformed_full_uploads_are_refused_as_bad_ciphertext_as_seal_refuses_them(worker, seal_worker):
+    """Each malformed full upload is refused by the direct parse (it then goes to SEAL, which refuses it too):
+    ``bad_ciphertext`` from the gpu worker, never another exception; the SEAL worker refuses the same bytes
+    the same way (a ciphertext not in NTT form included: SEAL's load takes it, the freshness check does not)."""
+    from fhe.backends.seal import wire
+
+    rng = np.random.default_rng(5)
+    (fp, client), = _sessions((worker, seal_worker), 1)
+    lin = worker.linear
+    blob = _full(client, rng.normal(size=lin.params.slots))
+    seal_takes = set()
+    for name, bad in _mutations(worker, client, blob).items():
+        with pytest.raises(TaskFailure) as err:
+            worker.mlp_step(fp, 0, "mlp_up", [bad])
+        assert err.value.code is WorkerCode.BAD_CIPHERTEXT, name
+        try:
+            seal_worker.mlp_step(fp, 0, "mlp_up", [bad])
+            seal_takes.add(name)
+        except TaskFailure as exc:
+            assert exc.code is WorkerCode.BAD_CIPHERTEXT, name
+        try:
+            payload = wire.ciphertext_payload(bad, lin.params, client.fingerprint)
+        except Exception:    # refused by the envelope already
+            continue
+        assert lin.gpu.deserialize_fresh(payload) is None, name
+    assert not seal_takes, seal_takes
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_full_upload_is_read_as_the_seal_path_reads_it(worker, seal_worker):
+    """On the device: the direct parse of a full upload is the SEAL path's device tensor, residue for residue,
+    and each malformed upload is refused by it (None: the worker then asks SEAL, which refuses too)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from fhe.backends.gpu.evaluator import GpuEvaluator
+    from fhe.backends.seal import hazmat as seal
+    from fhe.backends.seal import wire
+
+    rng = np.random.default_rng(6)
+    (fp, client), = _sessions((worker, seal_worker), 1)
+    ev = GpuEvaluator(worker.linear.params)
+    assert ev.device.type == "cuda"
+    for _ in range(3):
+        blob = _full(client, rng.normal(size=ev.params.slots))
+        got = ev.deserialize_fresh(wire.ciphertext_payload(blob, ev.params, client.fingerprint))
+        want = ev.deserialize(seal.to_bytes(wire.load_ciphertext(blob, client.kit, client.fingerprint)))
+        assert got.data.device.type == "cuda" and torch.equal(got.data, want.data) and got.scale == want.scale
+    for name, bad in _mutations(worker, client, blob).items():
+        try:
+            payload = wire.ciphertext_payload(bad, ev.params, client.fingerprint)
+        except Exception:  # noqa: BLE001 - refused by the envelope already
+            continue
+        assert ev.deserialize_fresh(payload) is None, name

@@ -168,3 +168,35 @@ def test_without_the_chunk_layout_steps_go_one_ciphertext_per_position(
         assert out.choices[0].text == generated.choices[0].text
     finally:
         next(served, None)
+
+
+@pytest.fixture(scope="module")
+def gpu_reference(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    # without the chunk layout a prefill step carries one ciphertext per position (the tiny model's chunks
+    # are one ciphertext each), so the pool has several to share
+    yield from _serve(tiny_model_dir, tmp_path_factory, device="cpu-reference", offload_chunk_layout=False)
+
+
+@pytest.mark.parametrize("processes", [2, 1])
+def test_a_gpu_worker_asks_for_full_uploads_and_pooled_client_crypto_keeps_the_tokens(gpu_reference, processes):
+    """Workers on the gpu backend (its torch-CPU reference here) publish ``offload.mlp.upload = "full"``: the SDK
+    uploads unseeded ciphertexts, which the worker reads without SEAL; with ``crypto_processes = 2`` the prefill's
+    multi-ciphertext steps encrypt in a forked pool (the chunk layout's also decrypt there:
+    ``tests/client_sdk/test_crypto_pool.py``). The greedy tokens are the plaintext model's
+    either way (and those of one process, the serial path)."""
+    man = gpu_reference["http"].get("/v1/private/manifest", headers=_auth()).json()
+    assert man["offload"]["mlp"]["upload"] == "full"
+    client = gpu_reference["client"]
+    from client_sdk._private import runtime_of
+
+    rt = runtime_of(client)
+    rt.crypto_processes = processes
+    if rt.offload is not None:
+        rt.offload.close_pool()
+    out = client.completions.create(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert rt.offload.seeded is False
+    assert (rt.offload.pool is not None) == (processes > 1)
+    want, _ = _plain_greedy(gpu_reference, rt.tokenizer.encode(PROMPT))
+    assert out.choices[0].text == rt.tokenizer.decode(want)
+    rt.offload.close_pool()

@@ -421,6 +421,27 @@ class GpuEvaluator(ParamsQueries):
                                          self.params.poly_modulus_degree, self.top)
         return self.from_raw(raw)
 
+    def deserialize_fresh(self, payload: bytes) -> GpuCiphertext | None:
+        """A client's fresh upload (the SEAL payload of a wire blob whose envelope was checked) read straight
+        into a device ciphertext, without SEAL's load and save: None where it is not a full (unseeded)
+        ciphertext this parser takes, and the caller then goes through SEAL (:meth:`deserialize`), which
+        refuses with a typed error what SEAL refuses.
+
+        What it accepts is what SEAL's load with ``is_valid_for`` and the worker's freshness check accept, no
+        more: one SEAL object of exactly its declared size (uncompressed or one zstd frame) with no byte after
+        the ciphertext, NTT form, size 2, ring degree N, the top level's parms_id, every residue below its
+        prime, correction factor 1, the default scale; its residues are SEAL's, bit for bit."""
+        try:
+            r = sealio.open_object(payload, 2 * self.top * self.params.poly_modulus_degree * 8 + 4096)
+            raw = sealio.read_ct_members(r, self.params.poly_modulus_degree)
+            if r.pos != len(r.buf) or raw.correction_factor != 1 or raw.data.shape[1] != self.top:
+                return None
+            if abs(raw.scale / self.scale - 1) > 1e-9:
+                return None
+            return self.from_raw(raw)
+        except (WireError, ShapeError):
+            return None
+
     def from_raw(self, raw: sealio.RawCiphertext) -> GpuCiphertext:
         size, lev, _ = raw.data.shape
         if self.ctx.parms_ids.get(lev) != raw.parms_id:

@@ -82,7 +82,10 @@ class ServerKeys:
         return self.kit.key_context(self.levels.relin).evaluator, self.relin
 
     def check_input(self, ct: seal.Ciphertext) -> None:
-        """A client input must be fresh: top level, size 2, default scale (LevelError otherwise)."""
+        """A client input must be fresh: top level, size 2, default scale (LevelError otherwise), in NTT form
+        (ShapeError: SEAL's load takes a CKKS ciphertext that is not, and its evaluator then fails mid-step)."""
+        if not ct.is_ntt_form():
+            raise ShapeError("input ciphertext is not in NTT form")
         if ct.size() != 2 or ct.coeff_modulus_size() != self.kit.top:
             raise LevelError(f"input ciphertext must be fresh (size 2, level {self.kit.top}), got "
                              f"size {ct.size()} level {ct.coeff_modulus_size()}")

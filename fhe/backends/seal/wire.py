@@ -106,9 +106,24 @@ def pack_ciphertext(payload: bytes, params: CKKSParams, fingerprint: str) -> byt
     return _pack("ciphertext", params, fingerprint, payload)
 
 
-def encrypt_to_wire(client: CKKSClient, values) -> bytes:
-    """Client: encrypt and serialize in SEAL's seeded form (about half the bytes of a full ciphertext)."""
-    return _pack("ciphertext", client.params, client.fingerprint, client.encrypt_bytes(values))
+def encrypt_to_wire(client: CKKSClient, values, *, seeded: bool = True) -> bytes:
+    """Client: encrypt and serialize in SEAL's seeded form (about half the bytes of a full ciphertext).
+
+    ``seeded=False``: the full ciphertext (c1 expanded, SEAL's zstd serialization, ~2x the bytes), for a
+    server whose GPU worker reads uploads straight into device tensors (manifest ``offload.mlp.upload =
+    "full"``: SEAL's seeded form derives c1 with SEAL's PRNG, which only SEAL itself expands). Cheaper on the
+    client too: no seed replacement, and SEAL's save of a full ciphertext is one zstd pass.
+    """
+    if seeded:
+        return _pack("ciphertext", client.params, client.fingerprint, client.encrypt_bytes(values))
+    return _pack("ciphertext", client.params, client.fingerprint, seal.to_bytes(client.encrypt(values)))
+
+
+def ciphertext_payload(data: bytes, params: CKKSParams, fingerprint: str, *, limit: int | None = None) -> bytes:
+    """The envelope checks of :func:`load_ciphertext` (size, magic, version, kind, length, parameter hash, key
+    fingerprint, SEAL's header) without SEAL's load: the SEAL payload, for a backend that parses it itself
+    (the gpu backend's :meth:`~fhe.backends.gpu.evaluator.GpuEvaluator.deserialize_fresh`)."""
+    return _unpack(data, "ciphertext", params, fingerprint, limit)
 
 
 def load_ciphertext(data: bytes, kit: seal.Kit, fingerprint: str, *, limit: int | None = None,

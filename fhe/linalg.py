@@ -301,12 +301,6 @@ class HybridMatvec:
         out_slots: [n_out] final slot of each output (must be valid heads, see :func:`hybrid_slots`).
         period: P >= n_in, a multiple of ``fold``.
         fold: c, the number of partial sums per output (power of two).
-        positions: m, the positions one ciphertext carries (block layout, :func:`pack_inputs`): position j's
-            input is replicated over its own block ``[j*B, (j+1)*B)`` (``B = S // m``), its outputs at
-            ``out_slots + j*B`` (:attr:`position_slots`). ``out_slots`` are then slots of one block and
-            must satisfy ``s + P <= B``, so no read leaves its block. The diagonals' offsets, hence the
-            rotations and the Galois keys, are those of the same product on one block; m = 1 is the
-            one-position layout, unchanged.
     """
 
     slots: int
@@ -314,20 +308,18 @@ class HybridMatvec:
     out_slots: np.ndarray
     period: int
     fold: int
-    positions: int = 1
     map: SlotMap = field(init=False)
 
     def __post_init__(self) -> None:
         n_out, n_in = self.weight.shape
-        p, c, m = self.period, self.fold, self.positions
+        p, c = self.period, self.fold
         if p < n_in or p % c or c & (c - 1):
             raise ShapeError(f"period {p} must be >= n_in {n_in} and a multiple of fold {c} (power of 2)")
-        if m < 1 or self.slots // m < p:
-            raise ShapeError(f"{m} positions of period {p} do not fit {self.slots} slots")
-        block = self.slots // m
-        cyclic = m == 1 and self.slots % p == 0
-        if len(self.out_slots) != n_out or (not cyclic and np.any(self.out_slots + p > block)):
-            raise ShapeError("every output slot s needs s + period <= slots / positions (or a period dividing S)")
+        if self.slots < p:
+            raise ShapeError(f"period {p} does not fit {self.slots} slots")
+        cyclic = self.slots % p == 0
+        if len(self.out_slots) != n_out or (not cyclic and np.any(self.out_slots + p > self.slots)):
+            raise ShapeError("every output slot s needs s + period <= slots (or a period dividing S)")
         w = p // c
         k, r = np.meshgrid(np.arange(c), np.arange(w), indexing="ij")
         kr = (k * w + r).ravel()                                     # [c*w]: read offset within the window
@@ -341,19 +333,7 @@ class HybridMatvec:
         b = math.isqrt(w - 1) + 1 if w > 1 else 1                     # babies 0..b-1, giants of b
         steps = Steps(0, 1, b, b, -(-w // b))
         dst, src, wt = dst.ravel()[keep], src.ravel()[keep], wt.ravel()[keep]
-        shift = (np.arange(m) * block)[:, None]                      # the same triples in every block
-        self.map = SlotMap(self.slots, np.mod((dst[None, :] + shift).ravel(), self.slots),
-                           np.mod((src[None, :] + shift).ravel(), self.slots), np.tile(wt, m), steps)
-
-    @property
-    def block(self) -> int:
-        """B = S // m, the slots of one position."""
-        return self.slots // self.positions
-
-    @property
-    def position_slots(self) -> np.ndarray:
-        """[m, n_out]: the output slots of each position."""
-        return self.out_slots[None, :] + (np.arange(self.positions) * self.block)[:, None]
+        self.map = SlotMap(self.slots, np.mod(dst, self.slots), np.mod(src, self.slots), wt, steps)
 
     @property
     def window(self) -> int:
@@ -397,19 +377,6 @@ def replicate_input(x: np.ndarray, slots: int, period: int) -> np.ndarray:
     v = np.zeros(period)
     v[: len(x)] = x
     return np.resize(v, slots)
-
-
-def pack_inputs(xs, slots: int, period: int, positions: int) -> np.ndarray:
-    """Client-side layout of a ``positions``-position matvec input: ``xs[j]`` replicated with ``period`` over
-    block j (``S // positions`` slots); fewer rows than ``positions`` leave the last blocks zero (a chunk's
-    tail). ``positions = 1`` is :func:`replicate_input`."""
-    if len(xs) > positions or len(xs) < 1:
-        raise ShapeError(f"{len(xs)} inputs for a {positions}-position layout")
-    block = slots // positions
-    v = np.zeros(slots)
-    for j, x in enumerate(xs):
-        v[j * block: (j + 1) * block] = replicate_input(np.asarray(x), block, period)
-    return v
 
 
 def pick_fold(slots: int, n_in: int, n_out: int) -> tuple[int, int]:

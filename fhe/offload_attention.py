@@ -34,46 +34,11 @@ from engine.model import DecoderLayer, causal_attention
 from fhe.errors import ShapeError
 from fhe.evaluator import Ciphertext, EvalKeys, Evaluator, KeyHolder, check_fresh
 from fhe.interleaved import ChunkProducts, chunk_rotation_steps, require_chunks
-from fhe.linalg import EncodedMatvec, HybridMatvec, hybrid_slots, pack_inputs, pick_fold, replicate_input
+from fhe.linalg import EncodedMatvec, HybridMatvec, replicate_input
 from fhe.mlp import MLP_PARAMS, _matvec, linear_step_evaluator
 from fhe.params import CKKSParams
 
 ATTENTION_PARTS = ("attn_qkv", "attn_o")
-#: most positions a chunk's attention linear step packs into one ciphertext
-MAX_PACK = 8
-
-
-def _packed_matvec(slots: int, weight: np.ndarray) -> HybridMatvec:
-    """The product a chunk of >= 2 positions runs: m positions per ciphertext (block layout), the largest
-    m <= :data:`MAX_PACK` whose outputs fit a block and whose plaintext products per position are no more
-    than the one-position product's (so only rotations, ciphertexts and bytes per position go down); the
-    one-position product itself (m = 1) when no m >= 2 qualifies. SmolLM2 at N = 8192: m = 2 for both."""
-    n_out, n_in = weight.shape
-    one = _matvec(slots, weight)
-    best = one
-    for m in range(2, min(MAX_PACK, slots // n_in) + 1):
-        try:
-            fold, period = pick_fold(slots // m, n_in, n_out)
-        except ShapeError:
-            break
-        if (period // fold) <= m * one.window:
-            best = HybridMatvec(slots, weight, hybrid_slots(slots // m, period, fold, n_out), period, fold, m)
-    return best
-
-
-@dataclass(frozen=True)
-class PackedLayout:
-    """A step's chunk layout: ``positions`` per ciphertext, input period, output slots [m, n_out]."""
-
-    positions: int
-    period: int
-    slots: np.ndarray
-
-    @classmethod
-    def of(cls, mv: HybridMatvec) -> PackedLayout:
-        return cls(mv.positions, mv.period, mv.position_slots)
-
-
 @dataclass(frozen=True)
 class AttentionLinearWeights:
     """The server's weights of one attention block, float64; the input RMSNorm gain folded into the
@@ -107,15 +72,6 @@ class AttentionLinearLayout:
     qkv_slots: np.ndarray        # [(Hq + 2 Hkv) D]: q, k, v outputs, in that order
     o_period: int
     o_slots: np.ndarray          # [hidden]
-    #: the layouts of a chunk of >= 2 positions (a decode step, one position, uses the fields above)
-    qkv_packed: PackedLayout
-    o_packed: PackedLayout
-
-    def positions_per_ciphertext(self, part: str, count: int) -> int:
-        """m of a step of ``part`` over ``count`` positions: 1 for one position, else the packed layout's."""
-        if count <= 1:
-            return 1
-        return (self.qkv_packed if part == "attn_qkv" else self.o_packed).positions
 
     @property
     def q_dim(self) -> int:
@@ -130,10 +86,9 @@ def _heads(cfg: ModelConfig) -> tuple[int, int, int, int]:
     return cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
 
 
-def _layout(slots: int, heads: tuple[int, int, int, int], qkv: HybridMatvec, o: HybridMatvec,
-            qkv_packed: HybridMatvec, o_packed: HybridMatvec) -> AttentionLinearLayout:
-    return AttentionLinearLayout(slots, *heads, qkv.period, qkv.out_slots, o.period, o.out_slots,
-                                 PackedLayout.of(qkv_packed), PackedLayout.of(o_packed))
+def _layout(slots: int, heads: tuple[int, int, int, int], qkv: HybridMatvec, o: HybridMatvec
+            ) -> AttentionLinearLayout:
+    return AttentionLinearLayout(slots, *heads, qkv.period, qkv.out_slots, o.period, o.out_slots)
 
 
 def _steps(slots: int, *mvs: HybridMatvec) -> set[int]:
@@ -159,16 +114,12 @@ class EncryptedAttentionLinear:
         w = AttentionLinearWeights.of(layer)
         slots = self.ev.slots
         self.matvec_qkv, self.matvec_o = _matvec(slots, w.qkv), _matvec(slots, w.o)
-        self.packed_qkv, self.packed_o = _packed_matvec(slots, w.qkv), _packed_matvec(slots, w.o)
-        self.layout = _layout(slots, _heads(cfg), self.matvec_qkv, self.matvec_o, self.packed_qkv, self.packed_o)
+        self.layout = _layout(slots, _heads(cfg), self.matvec_qkv, self.matvec_o)
         top = self.ev.top
         self._enc_qkv: EncodedMatvec = self.matvec_qkv.encode(self.ev, top)
         self._enc_o: EncodedMatvec = self.matvec_o.encode(self.ev, top)
-        # pack17's block layout (m positions per ciphertext), encoded on first use: the service sends steps of
-        # several positions in the chunk layout (``self.chunks``), so a worker normally never needs it
-        self._enc_packed: dict[str, EncodedMatvec] = {}
         self._bias = w.bias
-        self._bias_pt: dict[bool, object] = {}   # encoded on first use, at the product's output level and scale
+        self._bias_pt = None   # encoded on first use, at the product's output level and scale
         # a step of several positions (prefill chunk, verify step): the position-interleaved chunk layout
         self.chunks = (ChunkProducts(self.ev, {"attn_qkv": w.qkv, "attn_o": w.o},
                                      {"attn_qkv": w.bias} if w.bias is not None else None) if chunks else None)
@@ -176,55 +127,36 @@ class EncryptedAttentionLinear:
     @property
     def rotation_steps(self) -> set[int]:
         """Galois keys both steps need, one position or a chunk (the client generates exactly these)."""
-        return (_steps(self.ev.slots, self.matvec_qkv, self.matvec_o, self.packed_qkv, self.packed_o)
-                | chunk_rotation_steps(self.chunks))
+        return _steps(self.ev.slots, self.matvec_qkv, self.matvec_o) | chunk_rotation_steps(self.chunks)
 
     def chunk(self, part: str, cts: list[Ciphertext], keys: EvalKeys) -> list[Ciphertext]:
         """A multi-position ``attn_qkv`` (+ bias) or ``attn_o`` step in the chunk layout
         (:mod:`fhe.interleaved`): T fresh ciphertexts per chunk in, G per chunk out, at level 1."""
         return require_chunks(self.chunks)(part, cts, keys)
 
-    def encoded(self, part: str, packed: bool = False) -> EncodedMatvec:
-        """The encoded product of ``part`` (``attn_qkv`` / ``attn_o``): one position, or (``packed``) the block
-        layout of ``layout.qkv_packed`` / ``layout.o_packed`` — the one-position product itself when m = 1."""
-        one = self._enc_qkv if part == "attn_qkv" else self._enc_o
-        if not packed:
-            return one
-        if part not in self._enc_packed:
-            mv = self.packed_qkv if part == "attn_qkv" else self.packed_o
-            self._enc_packed[part] = one if mv.positions == 1 else mv.encode(self.ev, self.ev.top)
-        return self._enc_packed[part]
-
-    def qkv(self, ct: Ciphertext, keys: EvalKeys, packed: bool = False) -> Ciphertext:
-        """Fresh replicated x̂ -> ``[q; k; v]`` (+ bias) at level 1 (the smallest download); ``packed``: the
-        chunk layout (``layout.qkv_packed``: m positions in, m positions out)."""
+    def qkv(self, ct: Ciphertext, keys: EvalKeys) -> Ciphertext:
+        """Fresh replicated x̂ -> ``[q; k; v]`` (+ bias) at level 1 (the smallest download)."""
         check_fresh(self.ev, keys, ct)
-        out = self.encoded("attn_qkv", packed)(self.ev, ct, keys)
+        out = self._enc_qkv(self.ev, ct, keys)
         if self._bias is not None:
-            out = self.ev.add_plain(out, self._bias_plain(out, packed))
+            if self._bias_pt is None:
+                vals = np.zeros(self.ev.slots)
+                vals[self.layout.qkv_slots] = self._bias
+                self._bias_pt = self.ev.encode(vals, self.ev.level(out), self.ev.scale_of(out))
+            out = self.ev.add_plain(out, self._bias_pt)
         return self.ev.mod_switch(out, 1)
 
-    def o(self, ct: Ciphertext, keys: EvalKeys, packed: bool = False) -> Ciphertext:
-        """Fresh replicated mixture u [Hq D] -> ``Wo u`` at level 1 (``packed``: ``layout.o_packed``)."""
+    def o(self, ct: Ciphertext, keys: EvalKeys) -> Ciphertext:
+        """Fresh replicated mixture u [Hq D] -> ``Wo u`` at level 1."""
         check_fresh(self.ev, keys, ct)
-        return self.ev.mod_switch(self.encoded("attn_o", packed)(self.ev, ct, keys), 1)
-
-    def _bias_plain(self, like: Ciphertext, packed: bool):
-        if packed not in self._bias_pt:
-            vals = np.zeros(self.ev.slots)
-            if packed:
-                vals[self.layout.qkv_packed.slots] = self._bias[None, :]
-            else:
-                vals[self.layout.qkv_slots] = self._bias
-            self._bias_pt[packed] = self.ev.encode(vals, self.ev.level(like), self.ev.scale_of(like))
-        return self._bias_pt[packed]
+        return self.ev.mod_switch(self._enc_o(self.ev, ct, keys), 1)
 
 
 @functools.lru_cache(maxsize=8)
 def _geometry(slots: int, heads: tuple[int, int, int, int]) -> tuple[AttentionLinearLayout, tuple[int, ...]]:
     hidden, hq, hkv, d = heads
     wq, wo = np.zeros(((hq + 2 * hkv) * d, hidden)), np.zeros((hidden, hq * d))
-    mvs = (_matvec(slots, wq), _matvec(slots, wo), _packed_matvec(slots, wq), _packed_matvec(slots, wo))
+    mvs = (_matvec(slots, wq), _matvec(slots, wo))
     return _layout(slots, heads, *mvs), tuple(sorted(_steps(slots, *mvs)))
 
 
@@ -247,24 +179,22 @@ class AttentionLinearClient:
     layout: AttentionLinearLayout
     eps: float
 
-    def input_rows(self, h: torch.Tensor, packed: bool = False) -> list[np.ndarray]:
-        """Residual h [T, hidden] -> the RMS-normalized (no gain, float64) replicated inputs: one per position,
-        or (``packed``, a chunk) one per ``layout.qkv_packed.positions`` positions."""
+    def input_rows(self, h: torch.Tensor) -> list[np.ndarray]:
+        """Residual h [T, hidden] -> the RMS-normalized (no gain, float64) replicated inputs, one per position."""
         _check(h, self.layout.hidden)
         x = h.double()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self._rows("attn_qkv", x.numpy(), packed)
+        return [replicate_input(r, self.layout.slots, self.layout.qkv_period) for r in x.numpy()]
 
-    def mixture_rows(self, u: torch.Tensor, packed: bool = False) -> list[np.ndarray]:
-        """Mixture u [T, Hq D] -> the replicated inputs of the output projection (``packed``: as above)."""
+    def mixture_rows(self, u: torch.Tensor) -> list[np.ndarray]:
+        """Mixture u [T, Hq D] -> the replicated inputs of the output projection, one per position."""
         _check(u, self.layout.q_dim)
-        return self._rows("attn_o", u.double().numpy(), packed)
+        return [replicate_input(r, self.layout.slots, self.layout.o_period) for r in u.double().numpy()]
 
-    def split_qkv(self, values: list[np.ndarray], count: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Decrypted ``attn_qkv`` answers (one slot vector per position, or, with ``count``, per ciphertext of
-        a packed chunk of ``count`` positions) -> q [T, Hq, D], k, v [T, Hkv, D] (float64, before RoPE)."""
-        return self.split_rows(torch.from_numpy(self._values("attn_qkv", values, count)))
+    def split_qkv(self, values: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decrypted ``attn_qkv`` answers (one slot vector per position) -> q [T, Hq, D], k, v [T, Hkv, D]
+        (float64, before RoPE)."""
+        return self.split_rows(torch.from_numpy(np.stack([v[self.layout.qkv_slots] for v in values])))
 
     def split_rows(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[q; k; v]`` rows [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k, v [T, Hkv, D]."""
@@ -274,29 +204,10 @@ class AttentionLinearClient:
         return (q.reshape(t, lay.num_heads, lay.head_dim), k.reshape(t, lay.num_kv_heads, lay.head_dim),
                 v.reshape(t, lay.num_kv_heads, lay.head_dim))
 
-    def output(self, values: list[np.ndarray], count: int | None = None) -> torch.Tensor:
-        """Decrypted ``attn_o`` answers (``count``: as in :meth:`split_qkv`) -> the attention output
-        [T, hidden] (float64): add it to h."""
-        return torch.from_numpy(self._values("attn_o", values, count))
-
-    def _rows(self, part: str, x: np.ndarray, packed: bool) -> list[np.ndarray]:
-        lay = self.layout
-        if not packed:
-            period = lay.qkv_period if part == "attn_qkv" else lay.o_period
-            return [replicate_input(r, lay.slots, period) for r in x]
-        pk = lay.qkv_packed if part == "attn_qkv" else lay.o_packed
-        m = pk.positions
-        return [pack_inputs(x[i:i + m], lay.slots, pk.period, m) for i in range(0, len(x), m)]
-
-    def _values(self, part: str, values: list[np.ndarray], count: int | None) -> np.ndarray:
-        lay = self.layout
-        if count is None:
-            slots = lay.qkv_slots if part == "attn_qkv" else lay.o_slots
-            return np.stack([v[slots] for v in values])
-        pk = lay.qkv_packed if part == "attn_qkv" else lay.o_packed
-        if len(values) != -(-count // pk.positions):
-            raise ShapeError(f"{count} positions in {len(values)} ciphertexts of {pk.positions} positions each")
-        return np.concatenate([v[pk.slots] for v in values])[:count]
+    def output(self, values: list[np.ndarray]) -> torch.Tensor:
+        """Decrypted ``attn_o`` answers (one per position) -> the attention output [T, hidden] (float64): add
+        it to h."""
+        return torch.from_numpy(np.stack([v[self.layout.o_slots] for v in values]))
 
     def encrypt(self, rows: list[np.ndarray]) -> list[Ciphertext]:
         return [self.client.encrypt(r) for r in rows]
@@ -330,16 +241,14 @@ class ClientKV:
 def run_client_aided(server: EncryptedAttentionLinear, client: AttentionLinearClient, layer: DecoderLayer,
                      rope, h: torch.Tensor, positions: torch.Tensor, cache: ClientKV, keys: EvalKeys
                      ) -> torch.Tensor:
-    """A chunk of positions through the two steps in process (tests, benchmarks): h [T, hidden] ->
-    the attention output [T, hidden] (float64); ``rope`` is the model's :class:`RotaryEmbedding`."""
-    t = h.shape[0]
-    packed, count = t > 1, (t if t > 1 else None)     # a chunk packs; one position keeps its own layout
-    qkv = client.decrypt([server.qkv(ct, keys, packed) for ct in client.encrypt(client.input_rows(h, packed))])
-    q, k, v = client.split_qkv(qkv, count)
-    u = cache.attend(rope(q, positions), rope(k, positions), v).reshape(t, -1)
-    return client.output(client.decrypt([server.o(ct, keys, packed)
-                                         for ct in client.encrypt(client.mixture_rows(u, packed))]), count)
+    """A chunk of positions through the two steps in process (tests, benchmarks), one ciphertext per position
+    (the service's chunk layout is :meth:`EncryptedAttentionLinear.chunk`): h [T, hidden] -> the attention
+    output [T, hidden] (float64); ``rope`` is the model's :class:`RotaryEmbedding`."""
+    q, k, v = client.split_qkv(client.decrypt([server.qkv(ct, keys)
+                                               for ct in client.encrypt(client.input_rows(h))]))
+    u = cache.attend(rope(q, positions), rope(k, positions), v).reshape(h.shape[0], -1)
+    return client.output(client.decrypt([server.o(ct, keys) for ct in client.encrypt(client.mixture_rows(u))]))
 
 
-__all__ = ["ATTENTION_PARTS", "MAX_PACK", "AttentionLinearClient", "AttentionLinearLayout", "AttentionLinearWeights",
-           "ClientKV", "PackedLayout", "EncryptedAttentionLinear", "attention_geometry", "run_client_aided"]
+__all__ = ["ATTENTION_PARTS", "AttentionLinearClient", "AttentionLinearLayout", "AttentionLinearWeights", "ClientKV",
+           "EncryptedAttentionLinear", "attention_geometry", "run_client_aided"]

@@ -194,9 +194,9 @@ class PrivateCompute:
         if packed:   # several positions: the chunk layout, T ciphertexts per chunk in, G out
             return self.linear.chunk_blobs(fingerprint, layer, part, cts)
         if self.linear.gpu is not None:
-            return self.linear.run_batch([(fingerprint, cts)], layer, part, packed)[0]
+            return self.linear.run_batch([(fingerprint, cts)], layer, part)[0]
         return [wire.dump_ciphertext(c, self.linear.params, keys.fingerprint)
-                for c in self.linear.run(fingerprint, layer, part, cts, packed)]
+                for c in self.linear.run(fingerprint, layer, part, cts)]
 
     def mlp_step_batch(self, items: list[tuple]) -> list:
         """Several sessions' :meth:`mlp_step` calls of one (layer, part) and layout, each ``(fingerprint, layer,
@@ -208,8 +208,8 @@ class PrivateCompute:
         if (self.linear is None or self.linear.gpu is None or len({item[1:3] + item[4:] for item in items}) != 1
                 or items[0][4]):   # chunk-layout steps run one by one (no batched graph of them yet)
             return [_result_or_error(self.mlp_step, *item) for item in items]
-        _, layer, part, _, packed = items[0]
-        block, _ = self.linear.part(layer, part, packed)
+        _, layer, part, _, _ = items[0]
+        block, _ = self.linear.part(layer, part)
         out: list = [None] * len(items)
         ready = []   # (item index, fingerprint, parsed ciphertexts)
         for n, (fp, _, _, blobs, _) in enumerate(items):
@@ -219,7 +219,7 @@ class PrivateCompute:
                 ready.append((n, fp, self.linear.inputs(blobs, self.linear.keys[fp], block.ev.top)))
             except TaskFailure as exc:
                 out[n] = exc
-        results = (self.linear.run_batch([(fp, cts) for _, fp, cts in ready], layer, part, packed)
+        results = (self.linear.run_batch([(fp, cts) for _, fp, cts in ready], layer, part)
                    if ready else [])
         for (n, _, _), blobs in zip(ready, results, strict=True):
             out[n] = blobs
@@ -328,16 +328,16 @@ class _OffloadLinear:
         self.keys.pop(fingerprint, None)
         self.device_keys.pop(fingerprint, None)
 
-    def run(self, fingerprint: str, layer: int, part: str, cts: list, packed: bool = False) -> list:
-        """``part`` of ``layer`` on SEAL ciphertexts already checked by the wire; SEAL ciphertexts back
-        (``packed``: an attention part's chunk layout, several positions per ciphertext)."""
+    def run(self, fingerprint: str, layer: int, part: str, cts: list) -> list:
+        """``part`` of ``layer`` on SEAL ciphertexts already checked by the wire (one position each); SEAL
+        ciphertexts back."""
         keys = self.keys[fingerprint]
-        _, step = self.part(layer, part, packed)
+        _, step = self.part(layer, part)
         if self.gpu is None:
             return [c for ct in cts for c in step(ct, keys)]
         # uncompressed: SEAL loads it at once here (random residues compress 6–10 %; zstd cost both ways)
         return [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c, compress=False))
-                for row in self._on_device(layer, part, packed, cts, self.device_keys[fingerprint]) for c in row]
+                for row in self._on_device(layer, part, cts, self.device_keys[fingerprint]) for c in row]
 
     def run_chunks(self, fingerprint: str, layer: int, part: str, cts: list) -> list:
         """A multi-position step of ``part`` in the chunk layout on SEAL ciphertexts already checked by the
@@ -405,7 +405,7 @@ class _OffloadLinear:
         shape = (2, self.gpu.top, self.params.poly_modulus_degree)
         zero = GpuCiphertext(torch.zeros(shape, dtype=torch.int64, device=self.gpu.device), self.gpu.kit.scale)
         for layer, part in self.parts():
-            self._device_step(layer, part, False, [zero], keys)
+            self._device_step(layer, part, [zero], keys)
             block, _ = self.part(layer, part)
             if getattr(block, "chunks", None) is not None:
                 self._chunks_on_device(layer, part, [zero] * block.chunks.shapes[part].tiles, keys)
@@ -418,7 +418,7 @@ class _OffloadLinear:
         return ([(i, p) for i in sorted(self.attention) for p in ("attn_qkv", "attn_o")] +
                 [(i, p) for i in sorted(self.blocks) for p in ("mlp_up", "mlp_down")])
 
-    def run_batch(self, items: list[tuple[str, list]], layer: int, part: str, packed: bool = False) -> list[list]:
+    def run_batch(self, items: list[tuple[str, list]], layer: int, part: str) -> list[list]:
         """:meth:`run` for several sessions at once on the gpu backend, ``items`` = (fingerprint, checked SEAL
         ciphertexts) each: every position of every item is one row of one batch (one graph replay of the
         step, :class:`fhe.backends.gpu.step.StepGraphs`), each row under its session's device key set. Per
@@ -427,20 +427,20 @@ class _OffloadLinear:
         no SEAL load and zstd pass per result, 0.5 ms of a step's host time; docs/benchmarks.md, serving17)."""
         cts = [ct for _, item in items for ct in item]
         keys = [self.device_keys[fp] for fp, item in items for _ in item]
-        rows = iter(self._on_device(layer, part, packed, cts, keys))
+        rows = iter(self._on_device(layer, part, cts, keys))
         return [[wire.pack_ciphertext(self.gpu.serialize(c, compress=False), self.params, self.keys[fp].fingerprint)
                  for _ in item for c in next(rows)] for fp, item in items]
 
-    def _on_device(self, layer: int, part: str, packed: bool, cts: list, keys) -> list[list]:
-        """The step on the device for SEAL ciphertexts ``cts`` (SEAL parsed and checked the client's bytes;
+    def _on_device(self, layer: int, part: str, cts: list, keys) -> list[list]:
+        """The step on the device for checked ciphertexts ``cts`` (device ones from :meth:`inputs`, or SEAL ones:
         the device copies are ours) under ``keys`` (one device key set, or one per ciphertext): per input,
         its outputs. Ciphertexts of one shape and scale run as one batch, one graph replay."""
-        return self._device_step(layer, part, packed, [self.device(ct) for ct in cts], keys)
+        return self._device_step(layer, part, [self.device(ct) for ct in cts], keys)
 
-    def _device_step(self, layer: int, part: str, packed: bool, xs: list, keys) -> list[list]:
+    def _device_step(self, layer: int, part: str, xs: list, keys) -> list[list]:
         """:meth:`_on_device` on device ciphertexts."""
-        block, step = self.part(layer, part, packed)
-        fn, name = _batched(block, step), (layer, part, packed)   # the name must always mean the same plaintexts
+        block, step = self.part(layer, part)
+        fn, name = _batched(block, step), (layer, part)   # the name must always mean the same plaintexts
         if len({(x.data.shape, x.scale) for x in xs}) == 1:
             return self.graphs.run(name, fn, xs, keys)
         per_row = keys if isinstance(keys, list) else [keys] * len(xs)
@@ -456,14 +456,12 @@ class _OffloadLinear:
         layers = len(set(self.blocks) | set(self.attention))
         return {"weights": weights, "per_layer": weights // max(layers, 1), "key_set": key_set}
 
-    def part(self, layer: int, part: str, packed: bool = False):
-        """(block, run) of one checked step: ``run(ct, keys)`` -> the part's result ciphertexts (``packed``:
-        the attention parts' chunk layout; the MLP parts have one layout)."""
+    def part(self, layer: int, part: str):
+        """(block, run) of one checked one-position step: ``run(ct, keys)`` -> the part's result ciphertexts."""
         if part in ("attn_qkv", "attn_o"):
             block = self.attention[layer]
-            block.encoded(part, packed)   # encoded here, never inside a step's graph capture
             fn = block.qkv if part == "attn_qkv" else block.o
-            return block, lambda ct, k: [fn(ct, k, packed)]
+            return block, lambda ct, k: [fn(ct, k)]
         block = self.blocks[layer]
         return block, block.gate_up if part == "mlp_up" else (lambda ct, k: [block.down(ct, k)])
 
@@ -539,8 +537,7 @@ def _plaintext_nbytes(block) -> int:
     """Device bytes of an encoded linear block's diagonals: every EncodedMatvec's plaintexts, and the chunk
     layout's (``block.chunks``, when the block has it: ~2/3 of the total for SmolLM2)."""
     encoded = [v for name, v in vars(block).items() if name.startswith("_enc_")]
-    encoded = [e for v in encoded for e in (v if isinstance(v, list) else v.values() if isinstance(v, dict) else [v])]
-    encoded = list({id(e): e for e in encoded}.values())   # a packed product that is the one-position one
+    encoded = [e for v in encoded for e in (v if isinstance(v, list) else [v])]
     total = sum(pt.data.numel() * 8 for e in encoded for grp in e.encoded.plaintexts.values() for _, pt in grp)
     chunks = getattr(block, "chunks", None)
     if chunks is not None:

@@ -56,7 +56,7 @@ def test_worker_mlp_steps_on_the_gpu_reference_are_seals_bytes(tmp_path):
 
 def test_worker_attention_linear_steps_on_the_gpu_reference_are_seals_bytes(tmp_path):
     """attn_qkv (with the projections' bias: an add_plain on the device) and attn_o, same bytes as SEAL's."""
-    from fhe.linalg import pack_inputs, replicate_input
+    from fhe.linalg import replicate_input
 
     model = tiny_model(bias=True)
     seal_side, ours = _workers(model, tmp_path, "cpu-reference")
@@ -69,12 +69,6 @@ def test_worker_attention_linear_steps_on_the_gpu_reference_are_seals_bytes(tmp_
         cts = [client.encrypt(replicate_input(rng.normal(size=n), lay.slots, period)) for _ in range(2)]
         theirs, got = (w.run("fp", 1, part, cts) for w in (seal_side, ours))   # a step of two positions: a batch
         assert len(got) == 2 and [seal.to_bytes(c) for c in got] == [seal.to_bytes(c) for c in theirs], part
-    # a chunk's packed layout (m positions per ciphertext): the same map machinery, the same bytes
-    for part, n, pk in (("attn_qkv", lay.hidden, lay.qkv_packed), ("attn_o", lay.q_dim, lay.o_packed)):
-        assert pk.positions >= 2
-        ct = client.encrypt(pack_inputs(rng.normal(size=(pk.positions, n)), lay.slots, pk.period, pk.positions))
-        theirs, got = (w.run("fp", 1, part, [ct], packed=True) for w in (seal_side, ours))
-        assert [seal.to_bytes(c) for c in got] == [seal.to_bytes(c) for c in theirs], part
 
 
 @pytest.mark.gpu

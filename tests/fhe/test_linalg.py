@@ -6,14 +6,9 @@ import pytest
 from fhe.backends.seal.keys import CKKSClient
 from fhe.errors import LevelError, ShapeError
 from fhe.linalg import (
-    HybridMatvec,
     PlainMatrix,
     SlotMap,
     Steps,
-    hybrid_slots,
-    pack_inputs,
-    pick_fold,
-    replicate_input,
     rotate_sum,
     rotate_sum_steps,
 )
@@ -113,58 +108,3 @@ def test_rotate_sum_is_exact_for_any_count(rng, horner):
                                     horner=horner))
     want = sum(np.roll(x, -k * step) for k in range(count))
     assert np.abs(out[:step] - want[:step]).max() < 1e-5
-
-
-def _packed(rng, m: int, n_in: int = 100, n_out: int = 150):
-    """A hybrid product of ``m`` positions per ciphertext (block layout) and its one-position peer."""
-    w = rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)
-    block = P.slots // m
-    fold, period = pick_fold(block, n_in, n_out)
-    mv = HybridMatvec(P.slots, w, hybrid_slots(block, period, fold, n_out), period, fold, m)
-    return w, mv
-
-
-def test_packed_matvec_gives_each_position_its_own_product(rng):
-    """m = 3 positions in one ciphertext: every block's outputs are W x_j (within CKKS noise), equal to the
-    one-position product of the same x_j; a short chunk (2 of 3) leaves the last block zero; the map's
-    offsets, hence its Galois keys, are the one-block product's."""
-    w, mv = _packed(rng, 3)
-    one = HybridMatvec(mv.block, w, mv.out_slots, mv.period, mv.fold)
-    assert mv.rotation_steps == one.rotation_steps                         # same offsets, same keys
-    assert mv.map.num_diagonals == one.map.num_diagonals
-    xs = rng.standard_normal((3, 100))
-    single = PlainMatrix(_ev(), w.T)
-    client = _client(mv.rotation_steps | single.rotation_steps)
-    keys, ev = client.server_keys(), _ev()
-    enc = mv.encode(ev, ev.top)
-    for rows in (xs, xs[:2]):
-        got = client.decrypt(enc(ev, client.encrypt(pack_inputs(rows, P.slots, mv.period, 3)), keys))
-        per = got[mv.position_slots]
-        for j, x in enumerate(rows):
-            ref = single.extract(client.decrypt(single(client.encrypt(single.layout(x)), keys)))
-            assert np.abs(per[j] - w @ x).max() < 1e-4 and np.abs(per[j] - ref).max() < 1e-4
-        assert np.abs(per[len(rows):]).max(initial=0.0) < 1e-4
-    with pytest.raises(ShapeError):
-        pack_inputs(xs, P.slots, mv.period, 2)
-    with pytest.raises(ShapeError):          # outputs of a block must not read into the next one
-        late = mv.out_slots + (mv.block - mv.period + 1 - mv.out_slots.max())
-        HybridMatvec(P.slots, w, late, mv.period, mv.fold, 3)
-    assert np.array_equal(pack_inputs(xs[:1], P.slots, 100, 1), replicate_input(xs[0], P.slots, 100))
-
-
-def test_packed_matvec_on_the_gpu_reference_is_seals_bytes(rng):
-    """The packed product is an ordinary slot map: the gpu backend's torch-CPU code answers SEAL's residues."""
-    from fhe.backends.gpu import GpuEvaluator, sealio
-    from fhe.backends.seal import hazmat as seal
-
-    w, mv = _packed(rng, 2, 64, 90)
-    steps = tuple(sorted(mv.rotation_steps))
-    client = _client(steps)
-    ct = client.encrypt(pack_inputs(rng.standard_normal((2, 64)), P.slots, mv.period, 2))
-    sev = _ev()
-    theirs = mv.encode(sev, sev.top)(sev, ct, client.server_keys())
-    gev = GpuEvaluator(P, device="cpu")
-    ours = mv.encode(gev, gev.top)(gev, gev.deserialize(seal.to_bytes(ct)),
-                                   gev.load_keys(dict(client.public_blobs), steps))
-    raw = sealio.read_ciphertext(seal.to_bytes(theirs), P.poly_modulus_degree, gev.top)
-    assert np.array_equal(gev.to_raw(ours).data, raw.data) and ours.scale == raw.scale

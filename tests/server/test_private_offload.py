@@ -70,8 +70,8 @@ def generated(setup):
     old = root.level
     root.setLevel(logging.DEBUG)
 
-    def spy(self, values, count=None):
-        q, k, v = split(self, values, count)
+    def spy(self, values):
+        q, k, v = split(self, values)
         seen.append(k)
         return q, k, v
 

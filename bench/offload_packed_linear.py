@@ -1,14 +1,14 @@
 """Several positions per ciphertext in the offload plan's linear steps (issues 17/18, item 1): per part at
-SmolLM2-135M's shapes, the one-position hybrid product (today's layout) against the m-position block layout
-(:class:`fhe.linalg.HybridMatvec` with ``positions = m``), in the same run, on the SEAL backend at
+SmolLM2-135M's shapes, the one-position hybrid product (:class:`fhe.linalg.HybridMatvec`) against the
+position-interleaved chunk layout, in the same run, on the SEAL backend at
 :data:`fhe.mlp.MLP_PARAMS` (N = 8192, 4096 slots). Random weights (the cost does not depend on them).
 
 Per part and m: plaintext products and rotations per ciphertext and per position, server seconds per
 position (the encoded product + fold, median of ``--reps``), client encrypt + decrypt seconds per position,
-and fresh-up / level-1-down bytes per position. ``m`` runs over every value whose outputs fit one
-ciphertext; a part where only m = 1 fits says so. ``--chunk 4 8`` (issue 18 item 2) adds the
-position-interleaved chunk layout (:mod:`fhe.interleaved`: T tile ciphertexts in, G out per m positions) at
-those m, timed the same way.
+and fresh-up / level-1-down bytes per position. ``--chunk 4 8`` (issue 18 item 2) adds the chunk layout
+(:mod:`fhe.interleaved`: T tile ciphertexts in, G out per m positions) at those m, timed the same way.
+(pack17's m-position block layout, which this script also timed until session 13, was removed from
+``fhe.linalg``; its rows in docs/benchmarks.md stand as measured.)
 
     flock /tmp/cipherlm-bench.lock python bench/offload_packed_linear.py --chunk 4 8 \
         --out bench/results/offload_packed_linear.json
@@ -26,9 +26,8 @@ import numpy as np
 from fhe.backends import evaluator_for
 from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal.keys import CKKSClient
-from fhe.errors import ShapeError
 from fhe.interleaved import chunk_shape
-from fhe.linalg import HybridMatvec, hybrid_slots, pack_inputs, pick_fold, rotate_sum_steps
+from fhe.linalg import HybridMatvec, hybrid_slots, pick_fold, replicate_input, rotate_sum_steps
 from fhe.mlp import MLP_PARAMS
 
 #: (n_out, n_in) of SmolLM2-135M's four linear steps
@@ -37,14 +36,8 @@ PARTS = {"attn_qkv": (960, 576), "attn_o": (576, 576), "mlp_up": (3072, 576), "m
 
 def layouts(slots: int, n_in: int, n_out: int, rng) -> dict[int, HybridMatvec]:
     w = rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)
-    out = {}
-    for m in range(1, slots // n_in + 1):
-        try:
-            fold, period = pick_fold(slots // m, n_in, n_out)
-        except ShapeError:
-            continue
-        out[m] = HybridMatvec(slots, w, hybrid_slots(slots // m, period, fold, n_out), period, fold, m)
-    return out
+    fold, period = pick_fold(slots, n_in, n_out)
+    return {1: HybridMatvec(slots, w, hybrid_slots(slots, period, fold, n_out), period, fold)}
 
 
 def rotations(mv: HybridMatvec) -> int:
@@ -108,11 +101,11 @@ def main() -> None:
             srv, cli = [], []
             for _ in range(args.reps):
                 t0 = time.perf_counter()
-                ct = client.encrypt(pack_inputs(xs, ev.slots, mv.period, m))
+                ct = client.encrypt(replicate_input(xs[0], ev.slots, mv.period))
                 t1 = time.perf_counter()
                 res = ev.mod_switch(enc(ev, ct, keys), 1)
                 t2 = time.perf_counter()
-                got = client.decrypt(res)[mv.position_slots]
+                got = client.decrypt(res)[mv.out_slots[None, :]]
                 t3 = time.perf_counter()
                 srv.append(t2 - t1)
                 cli.append((t1 - t0) + (t3 - t2))
@@ -131,8 +124,6 @@ def main() -> None:
                   f" {row['down_bytes_per_position'] / 1e3:.0f} kB/pos  err {err:.1e}", flush=True)
         for m in args.chunk:
             rows.append(_chunk_row(ev, part, n_in, n_out, m, rng, args.reps))
-        if len(mvs) == 1:
-            print(f"{part:9s} only m = 1 fits: {n_out} outputs x {mvs[1].fold} partial sums already fill a block")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -92,9 +92,10 @@ def main() -> None:
 
 
 def _server_parse(c, vals) -> tuple[dict[str, float], dict[str, float]]:
-    """The GPU worker's parse of one upload, ms per ciphertext (synchronised): the SEAL path it took before
+    """The GPU worker's parse of one upload, ms per ciphertext (synchronised, median of 5): the SEAL path it took before
     (seeded upload: SEAL's load, which expands c1, SEAL's save, our parse, the copy to the device) and the
-    direct parse of a full upload (:meth:`~fhe.backends.gpu.evaluator.GpuEvaluator.deserialize_fresh`)."""
+    direct parse of a full upload (:meth:`~fhe.backends.gpu.evaluator.GpuEvaluator.deserialize_fresh`), one at a
+    time and a step's at once (``deserialize_fresh_many``, what the worker calls)."""
     import torch
 
     from fhe import wire
@@ -116,14 +117,26 @@ def _server_parse(c, vals) -> tuple[dict[str, float], dict[str, float]]:
     assert all(torch.equal(new(b).data, old(b).data) for b in full[:4])   # the same residues
     for fn, items in ((old, seeded), (new, full)):
         _ms(fn, items[:4])
+    def step(items):   # a step's uploads at once, as the worker parses them (threads, one device copy)
+        return ev.deserialize_fresh_many([wire.ciphertext_payload(b, c.params, c.fingerprint) for b in items])
+
+    assert all(torch.equal(x.data, new(b).data) for x, b in zip(step(full[:4]), full[:4], strict=True))
+    step(full[:4])
     out = {}
     for name, fn, items in ((f"server: SEAL path, seeded upload ({ev.device.type})", old, seeded),
-                            (f"server: direct parse, full upload ({ev.device.type})", new, full)):
-        t = time.perf_counter()
-        for b in items:
-            fn(b)
-        sync()
-        out[name] = (time.perf_counter() - t) / len(items) * 1e3
+                            (f"server: direct parse, full upload ({ev.device.type})", new, full),
+                            (f"server: direct parse of the step's uploads at once ({ev.device.type})", None, full)):
+        reps = []
+        for _ in range(5):
+            t = time.perf_counter()
+            if fn is None:
+                step(items)
+            else:
+                for b in items:
+                    fn(b)
+            sync()
+            reps.append((time.perf_counter() - t) / len(items) * 1e3)
+        out[name] = statistics.median(reps)
     return out, {"seeded": statistics.mean(len(b) for b in seeded), "full": statistics.mean(len(b) for b in full)}
 
 

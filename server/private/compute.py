@@ -290,17 +290,19 @@ class _OffloadLinear:
         """The client's ciphertexts of a linear step, parsed and checked fresh (any refusal is
         ``bad_ciphertext``, the client's fault). On SEAL: :meth:`PrivateCompute._inputs`, SEAL ciphertexts. On
         the gpu backend, device ciphertexts: a full (unseeded) upload is read straight into device tensors
-        (:meth:`~fhe.backends.gpu.evaluator.GpuEvaluator.deserialize_fresh`: the same residues and the same
-        refusals as SEAL's load, ~2.7 ms of host work less per ciphertext); a seeded one, which only SEAL's
-        PRNG expands, goes through SEAL as before."""
+        (:meth:`~fhe.backends.gpu.evaluator.GpuEvaluator.deserialize_fresh_many`: the same residues and the
+        same refusals as SEAL's load, ~2.7 ms of host work less per ciphertext; a step's uploads on a thread
+        pool, one device copy); a seeded one, which only SEAL's PRNG expands, goes through SEAL as before."""
         if self.gpu is None:
             return PrivateCompute._inputs(blobs, keys, top)
-        out = []
+        payloads = []
         for i, blob in enumerate(blobs):
             try:
-                x = self.gpu.deserialize_fresh(wire.ciphertext_payload(blob, self.params, keys.fingerprint))
+                payloads.append(wire.ciphertext_payload(blob, self.params, keys.fingerprint))
             except FHEError as exc:
                 raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"ciphertext {i}: {exc}"[:300]) from exc
+        out = self.gpu.deserialize_fresh_many(payloads)   # a step's uploads at once: threads, one device copy
+        for i, (blob, x) in enumerate(zip(blobs, out, strict=True)):
             if x is None:   # seeded (or anything else): SEAL parses and checks it, then the device copy is ours
                 try:
                     ct = wire.load_ciphertext(blob, keys.kit, keys.fingerprint, level=top)
@@ -309,7 +311,7 @@ class _OffloadLinear:
                     x = self.gpu.deserialize(seal.to_bytes(ct))
                 except FHEError as exc:
                     raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"ciphertext {i}: {exc}"[:300]) from exc
-            out.append(x)
+                out[i] = x
         return out
 
     def device(self, ct):

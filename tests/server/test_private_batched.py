@@ -276,7 +276,7 @@ def test_malformed_full_uploads_are_refused_as_bad_ciphertext_as_seal_refuses_th
     (fp, client), = _sessions((worker, seal_worker), 1)
     lin = worker.linear
     blob = _full(client, rng.normal(size=lin.params.slots))
-    seal_takes = set()
+    seal_takes, payloads = set(), []
     for name, bad in _mutations(worker, client, blob).items():
         with pytest.raises(TaskFailure) as err:
             worker.mlp_step(fp, 0, "mlp_up", [bad])
@@ -291,7 +291,11 @@ def test_malformed_full_uploads_are_refused_as_bad_ciphertext_as_seal_refuses_th
         except Exception:    # refused by the envelope already
             continue
         assert lin.gpu.deserialize_fresh(payload) is None, name
+        payloads.append(payload)
     assert not seal_takes, seal_takes
+    good = wire.ciphertext_payload(blob, lin.params, client.fingerprint)   # a step's uploads at once: the same
+    many = lin.gpu.deserialize_fresh_many([good, *payloads, good])
+    assert many[0] is not None and many[-1] is not None and not any(many[1:-1])
 
 
 @pytest.mark.gpu

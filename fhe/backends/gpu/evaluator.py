@@ -13,8 +13,11 @@ power-of-two keys).
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -431,16 +434,38 @@ class GpuEvaluator(ParamsQueries):
         more: one SEAL object of exactly its declared size (uncompressed or one zstd frame) with no byte after
         the ciphertext, NTT form, size 2, ring degree N, the top level's parms_id, every residue below its
         prime, correction factor 1, the default scale; its residues are SEAL's, bit for bit."""
+        return self.deserialize_fresh_many([payload])[0]
+
+    def deserialize_fresh_many(self, payloads: Sequence[bytes]) -> list[GpuCiphertext | None]:
+        """:meth:`deserialize_fresh` of a step's uploads at once: each one decompressed and checked on a thread
+        pool (zstd, the step's host cost, and numpy release the GIL), the accepted ones copied to the device
+        in one transfer."""
+        parsed = (list(_parse_pool().map(self._fresh_residues, payloads)) if len(payloads) > 1
+                  else [self._fresh_residues(p) for p in payloads])
+        out: list[GpuCiphertext | None] = [None] * len(parsed)
+        ok = [i for i, r in enumerate(parsed) if r is not None]
+        if ok:
+            data = torch.from_numpy(np.stack([parsed[i][0] for i in ok])).to(self.device)
+            for row, i in zip(data, ok, strict=True):
+                out[i] = GpuCiphertext(row, parsed[i][1])
+        return out
+
+    def _fresh_residues(self, payload: bytes) -> tuple[np.ndarray, float] | None:
+        """(int64 residues [2, top, N], scale) of a fresh full upload, or None (see :meth:`deserialize_fresh`)."""
         try:
             r = sealio.open_object(payload, 2 * self.top * self.params.poly_modulus_degree * 8 + 4096)
             raw = sealio.read_ct_members(r, self.params.poly_modulus_degree)
-            if r.pos != len(r.buf) or raw.correction_factor != 1 or raw.data.shape[1] != self.top:
-                return None
-            if abs(raw.scale / self.scale - 1) > 1e-9:
-                return None
-            return self.from_raw(raw)
         except (WireError, ShapeError):
             return None
+        size, lev, _ = raw.data.shape
+        if (r.pos != len(r.buf) or raw.correction_factor != 1 or lev != self.top or size != 2
+                or self.ctx.parms_ids.get(lev) != raw.parms_id
+                or not abs(raw.scale / self.scale - 1) <= 1e-9):   # (a NaN scale fails this test too)
+            return None
+        primes = np.asarray(self.ctx.primes[:lev], dtype=np.uint64).reshape(1, -1, 1)
+        if np.any(raw.data >= primes):
+            return None
+        return raw.data.astype(np.int64), float(raw.scale)
 
     def from_raw(self, raw: sealio.RawCiphertext) -> GpuCiphertext:
         size, lev, _ = raw.data.shape
@@ -464,6 +489,13 @@ class GpuEvaluator(ParamsQueries):
 def make_evaluator(params: CKKSParams) -> GpuEvaluator:
     """The backend factory :func:`fhe.backends.evaluator_for` calls (CUDA when available)."""
     return GpuEvaluator(params)
+
+
+
+@functools.cache
+def _parse_pool() -> ThreadPoolExecutor:
+    """Threads for parsing a step's uploads (:meth:`GpuEvaluator.deserialize_fresh_many`): the cores, up to 8."""
+    return ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="ckks-parse")
 
 
 __all__ = ["GpuCiphertext", "GpuEvaluator", "GpuPlaintext", "make_evaluator"]

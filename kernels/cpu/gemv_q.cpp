@@ -382,6 +382,14 @@ void decode_step(const at::Tensor& h, at::TensorList weights, int64_t num_layers
   const float scale = 1.f / std::sqrt(static_cast<float>(dim));
   std::vector<float> x, qkv, att, y, gu, scores(ctx), dx, sx;
   std::vector<int8_t> qx;
+  struct Layer {
+    const float *ln1, *ln2;
+    float *kc, *vc;
+    int64_t bs;
+    Lin qkv, o, gu, down;
+  };
+  // every layer is parsed and checked before anything is computed: a bad call changes neither h nor a cache
+  std::vector<Layer> layers;
   size_t i = 0;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     TORCH_CHECK(i + 4 <= weights.size(), "decode_step: too few weights for ", num_layers, " layers");
@@ -389,7 +397,7 @@ void decode_step(const at::Tensor& h, at::TensorList weights, int64_t num_layers
     i += 4;
     const Lin wqkv = lin_from(weights, i), wo = lin_from(weights, i), wgu = lin_from(weights, i),
               wd = lin_from(weights, i);
-    const int64_t bs = kc.size(1), inter = wgu.n / 2;
+    const int64_t bs = kc.size(1);
     TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
                 vc.is_contiguous() && kc.dim() == 4 && kc.size(2) == hkv && kc.size(3) == dim &&
                 vc.sizes() == kc.sizes(), "decode_step: caches must be contiguous fp32 [NB, BS, Hkv, D]");
@@ -397,31 +405,35 @@ void decode_step(const at::Tensor& h, at::TensorList weights, int64_t num_layers
     for (int64_t b = 0; b <= pos / bs; ++b)
       TORCH_CHECK(table[b] >= 0 && table[b] < kc.size(0), "decode_step: block ", table[b], " out of range");
     TORCH_CHECK(ln1.numel() == hid && ln2.numel() == hid && ln1.scalar_type() == at::kFloat &&
-                ln2.scalar_type() == at::kFloat && wqkv.k == hid && wqkv.n == (hq + 2 * hkv) * dim &&
-                wo.k == hq * dim && wo.n == hid && wgu.k == hid && wd.k == inter && wd.n == hid,
+                ln2.scalar_type() == at::kFloat && ln1.is_contiguous() && ln2.is_contiguous() && wqkv.k == hid &&
+                wqkv.n == (hq + 2 * hkv) * dim && wo.k == hq * dim && wo.n == hid && wgu.k == hid &&
+                wgu.n % 2 == 0 && wd.k == wgu.n / 2 && wd.n == hid,
                 "decode_step: layer ", layer, "'s shapes do not fit");
-    const int64_t kmax = std::max(hid, inter);
-    x.resize(kmax); qkv.resize(wqkv.n); att.resize(hq * dim); y.resize(hid); gu.resize(wgu.n);
-    qx.resize(kmax); dx.resize(kmax / QK + 1); sx.resize(kmax / QK + 1);
-    // attention half
-    rms_norm_row(hp, ln1.data_ptr<float>(), hid, static_cast<float>(eps), x.data());
-    lin_apply(wqkv, x.data(), 1, qkv.data(), qx.data(), dx.data(), sx.data());
-    rope_rows(qkv.data(), hq + hkv, dim, cs, sn);
-    const int64_t slot = table[pos / bs] * bs + pos % bs, row = hkv * dim;
-    float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
-    std::copy(qkv.data() + hq * dim, qkv.data() + (hq + hkv) * dim, kp + slot * row);
-    std::copy(qkv.data() + (hq + hkv) * dim, qkv.data() + (hq + 2 * hkv) * dim, vp + slot * row);
-    attend_one(qkv.data(), kp, vp, table, ctx, bs, hq, hkv, dim, scale, scores.data(), att.data());
-    lin_apply(wo, att.data(), 1, y.data(), qx.data(), dx.data(), sx.data());
-    for (int64_t j = 0; j < hid; ++j) hp[j] += y[j];
-    // MLP half
-    rms_norm_row(hp, ln2.data_ptr<float>(), hid, static_cast<float>(eps), x.data());
-    lin_apply(wgu, x.data(), 1, gu.data(), qx.data(), dx.data(), sx.data());
-    for (int64_t j = 0; j < inter; ++j) x[j] = silu(gu[j]) * gu[inter + j];
-    lin_apply(wd, x.data(), 1, y.data(), qx.data(), dx.data(), sx.data());
-    for (int64_t j = 0; j < hid; ++j) hp[j] += y[j];
+    layers.push_back({ln1.data_ptr<float>(), ln2.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                      bs, wqkv, wo, wgu, wd});
   }
   TORCH_CHECK(i == weights.size(), "decode_step: ", weights.size() - i, " weights left over");
+  for (const Layer& l : layers) {
+    const int64_t inter = l.gu.n / 2, kmax = std::max(hid, inter);
+    x.resize(kmax); qkv.resize(l.qkv.n); att.resize(hq * dim); y.resize(hid); gu.resize(l.gu.n);
+    qx.resize(kmax); dx.resize(kmax / QK + 1); sx.resize(kmax / QK + 1);
+    // attention half
+    rms_norm_row(hp, l.ln1, hid, static_cast<float>(eps), x.data());
+    lin_apply(l.qkv, x.data(), 1, qkv.data(), qx.data(), dx.data(), sx.data());
+    rope_rows(qkv.data(), hq + hkv, dim, cs, sn);
+    const int64_t slot = table[pos / l.bs] * l.bs + pos % l.bs, row = hkv * dim;
+    std::copy(qkv.data() + hq * dim, qkv.data() + (hq + hkv) * dim, l.kc + slot * row);
+    std::copy(qkv.data() + (hq + hkv) * dim, qkv.data() + (hq + 2 * hkv) * dim, l.vc + slot * row);
+    attend_one(qkv.data(), l.kc, l.vc, table, ctx, l.bs, hq, hkv, dim, scale, scores.data(), att.data());
+    lin_apply(l.o, att.data(), 1, y.data(), qx.data(), dx.data(), sx.data());
+    for (int64_t j = 0; j < hid; ++j) hp[j] += y[j];
+    // MLP half
+    rms_norm_row(hp, l.ln2, hid, static_cast<float>(eps), x.data());
+    lin_apply(l.gu, x.data(), 1, gu.data(), qx.data(), dx.data(), sx.data());
+    for (int64_t j = 0; j < inter; ++j) x[j] = silu(gu[j]) * gu[inter + j];
+    lin_apply(l.down, x.data(), 1, y.data(), qx.data(), dx.data(), sx.data());
+    for (int64_t j = 0; j < hid; ++j) hp[j] += y[j];
+  }
 }
 
 // the activation quantization alone (tests compare the kernels with a torch reference on these numbers)

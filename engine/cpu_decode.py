@@ -49,20 +49,25 @@ def linear_operands(mod: nn.Module | None) -> list[torch.Tensor] | None:
 class FusedDecode:
     """Every layer of a one-token step in one native call; see the module docstring."""
 
-    def __init__(self, model: LlamaForCausalLM, layer_weights: list[list[torch.Tensor]],
-                 cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, model: LlamaForCausalLM, layer_weights: list[list[torch.Tensor]], max_model_len: int) -> None:
         cfg = model.config
         self.model = model
         self.layer_weights = layer_weights  # per layer: ln1, ln2, then the linears' operands
-        self.cos, self.sin = cos, sin       # [max_model_len, D] fp32, RotaryEmbedding.cos_sin's values
+        self.max_model_len = max_model_len
+        self.cos = self.sin = None          # [positions, D] fp32, RotaryEmbedding.cos_sin's values (bind())
         self.num_layers, self.num_heads, self.num_kv_heads = (
             cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
         self.eps = float(model.model.layers[0].input_layernorm.eps)
-        self.max_len = cos.shape[0]
+        self.max_len = 0
         self._weights: list[torch.Tensor] | None = None  # the flat list with the KV pools, after bind()
 
     def bind(self, kv: PagedKVCache) -> None:
-        """Interleave the KV pools into the weight list (the pool is made after the model)."""
+        """Interleave the KV pools into the weight list (the pool is made after the model) and build RoPE's
+        tables for every position the pool can hold (at most ``max_model_len``)."""
+        self.max_len = min(self.max_model_len, kv.num_blocks * kv.block_size)
+        with torch.inference_mode():
+            cos, sin = self.model.rotary.cos_sin(torch.arange(self.max_len))
+        self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()
         flat = []
         for i, lw in enumerate(self.layer_weights):
             flat += [lw[0], lw[1], kv.k[i], kv.v[i], *lw[2:]]
@@ -102,9 +107,7 @@ def build(model: LlamaForCausalLM, max_model_len: int) -> FusedDecode | None:
     if reason is not None:
         log.info("fused CPU decode step off: %s", reason)
         return None
-    with torch.inference_mode():
-        cos, sin = model.rotary.cos_sin(torch.arange(max_model_len))
-    return FusedDecode(model, layers, cos.float().contiguous(), sin.float().contiguous())
+    return FusedDecode(model, layers, max_model_len)
 
 
 def _why_not(model: LlamaForCausalLM) -> str | None:

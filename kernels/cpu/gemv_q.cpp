@@ -326,39 +326,114 @@ inline float dot_row(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-// out [Hq, D] = softmax(q k^T * scale) v over context positions 0..ctx-1 (slots via the block table)
-void attend_one(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t ctx,
-                int64_t bs, int64_t hq, int64_t hkv, int64_t dim, float scale, float* scores, float* out) {
-  const int64_t grp = hq / hkv, row = hkv * dim;  // a pool slot holds Hkv rows of D
-  for (int64_t h = 0; h < hq; ++h) {
-    const int64_t kvh = h / grp;
-    const float* qh = q + h * dim;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < ctx; ++t) {
-      const int64_t slot = table[t / bs] * bs + t % bs;
-      const float s = dot_row(qh, kc + slot * row + kvh * dim, dim) * scale;
-      scores[t] = s;
-      mx = std::max(mx, s);
-    }
-    float sum = 0.f;
-    for (int64_t t = 0; t < ctx; ++t) {
-      scores[t] = std::exp(scores[t] - mx);
-      sum += scores[t];
-    }
-    const float inv = 1.f / sum;
-    float* oh = out + h * dim;
-    for (int64_t i = 0; i < dim; ++i) oh[i] = 0.f;
-    for (int64_t t = 0; t < ctx; ++t) {
-      const int64_t slot = table[t / bs] * bs + t % bs;
-      const float p = scores[t] * inv;
-      const float* vr = vc + slot * row + kvh * dim;
-      int64_t i = 0;
-      const __m256 pv = _mm256_set1_ps(p);
-      for (; i + 8 <= dim; i += 8)
-        _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(oh + i)));
-      for (; i < dim; ++i) oh[i] += p * vr[i];
+// exp of 8 floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp), for the softmax
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// s[0..n) := exp(s - max s); returns 1 / sum
+inline float softmax_row(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  const __m256 m8 = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m8));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum(acc);
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  return 1.f / sum;
+}
+
+// sc[t] = <q, k row t> * scale for the n rows k, k + row, ...: four rows at a time (four independent FMA chains)
+inline void scores_rows(const float* q, const float* k, int64_t row, int64_t n, int64_t dim, float scale, float* sc) {
+  int64_t o = 0;
+  if (dim % 8 == 0) {
+    for (; o + 4 <= n; o += 4) {
+      const float *k0 = k + o * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < dim; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+      }
+      sc[o] = hsum(a0) * scale;
+      sc[o + 1] = hsum(a1) * scale;
+      sc[o + 2] = hsum(a2) * scale;
+      sc[o + 3] = hsum(a3) * scale;
     }
   }
+  for (; o < n; ++o) sc[o] = dot_row(q, k + o * row, dim) * scale;
+}
+
+// out [Hq, D] = softmax(q k^T * scale) v over context positions 0..ctx-1, walking the block table block by
+// block. Per KV head, each of its G = Hq / Hkv query heads (heads kvh * G .. kvh * G + G - 1) scores four
+// K rows at a time; the probability-weighted V sum keeps 64 output columns in registers over the whole
+// context. KV heads are split over torch's threads. scores: room for Hq * ctx floats.
+void attend_one(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t ctx,
+                int64_t bs, int64_t hq, int64_t hkv, int64_t dim, float scale, float* scores, float* out) {
+  const int64_t grp = hq / hkv, row = hkv * dim, nblk = (ctx + bs - 1) / bs;
+  at::parallel_for(0, hkv, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t kvh = h0; kvh < h1; ++kvh) {
+      for (int64_t g = 0; g < grp; ++g) {
+        const float* qh = q + (kvh * grp + g) * dim;
+        float* sc = scores + (kvh * grp + g) * ctx;
+        float* oh = out + (kvh * grp + g) * dim;
+        for (int64_t b = 0; b < nblk; ++b) {
+          const int64_t t0 = b * bs;
+          scores_rows(qh, kc + table[b] * bs * row + kvh * dim, row, std::min(bs, ctx - t0), dim, scale, sc + t0);
+        }
+        const float inv = softmax_row(sc, ctx);
+        for (int64_t c = 0; c < dim; c += 64) {
+          const int64_t w = std::min<int64_t>(64, dim - c);
+          if (w == 64) {
+            __m256 a[8];
+            for (auto& r : a) r = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nblk; ++b) {
+              const int64_t t0 = b * bs, n = std::min(bs, ctx - t0);
+              const float* vb = vc + table[b] * bs * row + kvh * dim + c;
+              for (int64_t o = 0; o < n; ++o) {
+                const __m256 pv = _mm256_set1_ps(sc[t0 + o] * inv);
+                const float* vr = vb + o * row;
+                for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * j), a[j]);
+              }
+            }
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(oh + c + 8 * j, a[j]);
+          } else {
+            std::fill(oh + c, oh + c + w, 0.f);
+            for (int64_t b = 0; b < nblk; ++b) {
+              const int64_t t0 = b * bs, n = std::min(bs, ctx - t0);
+              const float* vb = vc + table[b] * bs * row + kvh * dim + c;
+              for (int64_t o = 0; o < n; ++o) {
+                const float p = sc[t0 + o] * inv;
+                for (int64_t i = 0; i < w; ++i) oh[c + i] += p * vb[o * row + i];
+              }
+            }
+          }
+        }
+      }
+    }
+  });
 }
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
@@ -380,7 +455,7 @@ void decode_step(const at::Tensor& h, at::TensorList weights, int64_t num_layers
   const float* cs = cos.data_ptr<float>() + pos * dim;
   const float* sn = sin.data_ptr<float>() + pos * dim;
   const float scale = 1.f / std::sqrt(static_cast<float>(dim));
-  std::vector<float> x, qkv, att, y, gu, scores(ctx), dx, sx;
+  std::vector<float> x, qkv, att, y, gu, scores(hq * ctx), dx, sx;
   std::vector<int8_t> qx;
   struct Layer {
     const float *ln1, *ln2;

@@ -64,11 +64,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @needs_native
-@pytest.mark.parametrize("variant", ["llama-mha", "llama-gqa", "llama3-rope-scaling"])
-def test_fused_steps_equal_unfused_steps_on_tiny_models(variant):
-    """Contexts across several blocks (block size 4), GQA and MHA, scaled RoPE; greedy = the dense reference."""
+@pytest.mark.parametrize("variant, length", [("llama-mha", 13), ("llama-gqa", 13), ("llama3-rope-scaling", 13),
+                                             ("llama-gqa", 150)])
+def test_fused_steps_equal_unfused_steps_on_tiny_models(variant, length):
+    """Contexts across several blocks (block size 4), GQA and MHA, scaled RoPE, a longer context; greedy = the
+    dense reference."""
     model = tiny_model(variant)
-    prompt = random_prompts([13])[0]
+    prompt = random_prompts([length])[0]
     ref = greedy_generate(tiny_model(variant), prompt, 20)
     engine = _engine(model)
     pairs = _instrument(engine)

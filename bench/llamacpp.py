@@ -134,21 +134,23 @@ def bandwidth(threads: int, repeats: int = 5) -> float:
     return best
 
 
-def engine_for(model, tok, threads: int, fused: bool, one_row: bool = True, native_gemv: bool = True):
+def engine_for(model, tok, threads: int, fused: bool, one_row: bool = True, native_gemv: bool = True,
+               fused_step: bool = True):
     from engine.engine_config import EngineConfig
     from engine.llm_engine import LLMEngine
 
     return LLMEngine(model, tok, EngineConfig(device="cpu", num_threads=threads, kv_cache_bytes=64 << 20,
                                               enable_prefix_caching=False, max_num_batched_tokens=512,
                                               cpu_fused_projections=fused, cpu_one_row_weights=one_row,
-                                              cpu_native_gemv=native_gemv))
+                                              cpu_native_gemv=native_gemv, cpu_fused_decode=fused_step))
 
 
-def load_ours(threads: int, unfused: bool, copy_gemv: bool = False):
+def load_ours(threads: int, unfused: bool, copy_gemv: bool = False, unfused_step: bool = False):
     """Our engines by row name; ``unfused`` adds each format as it ran before issue 19's CPU decode work
     (``cpu_fused_projections=False, cpu_one_row_weights=False``, its own model copy): before/after in one run;
     ``copy_gemv`` adds fp32 with one-row products through MKL over transposed copies (``cpu_native_gemv=False``,
-    the path before the native fp32 kernel)."""
+    the path before the native fp32 kernel); ``unfused_step`` adds each format with batch-1 decode steps through
+    the torch forward instead of the fused native step (``cpu_fused_decode=False``, its own model copy)."""
     from quant_cpu import load_formats
 
     from engine.tokenizer import Tokenizer
@@ -159,6 +161,10 @@ def load_ours(threads: int, unfused: bool, copy_gemv: bool = False):
     if copy_gemv:
         plain, _ = load_formats(["fp32"])
         engines["ours fp32 mkl-copy gemv"] = engine_for(plain["fp32"], tok, threads, True, native_gemv=False)
+    if unfused_step:
+        plain, _ = load_formats(["fp32", "q4_1"])
+        engines |= {f"ours {k} unfused step": engine_for(plain[k], tok, threads, True, fused_step=False)
+                    for k in ("fp32", "q4_1")}
     if unfused:
         plain, _ = load_formats(["fp32", "q4_1"])
         engines |= {f"ours {k} before": engine_for(plain[k], tok, threads, False, False) for k in ("fp32", "q4_1")}
@@ -194,8 +200,10 @@ def measure(args, tools: dict[str, Path], ggufs: dict[str, Path]) -> dict[str, d
 
     from kernels import cpu as native
 
-    engines, tok, models = load_ours(args.threads, args.unfused, args.copy_gemv)
+    engines, tok, models = load_ours(args.threads, args.unfused, args.copy_gemv, args.unfused_step)
     print(f"native CPU kernels: {'built' if native.available() else native.unavailable_reason()}", flush=True)
+    print("fused batch-1 decode step:", ", ".join(f"{k} {'on' if e.runner.fused_decode is not None else 'off'}"
+                                                 for k, e in engines.items()), flush=True)
     base = tok.encode(ppl_text())
     prompt, long_prompt = base[1000:1128], base[2000:2512]
     fid = logit_check(models["fp32"], models["q4_1"], base[3000:3000 + args.logit_steps])
@@ -247,6 +255,8 @@ def main() -> None:
                     default=Path(os.environ.get("CIPHERLM_LLAMACPP_BIN", DEFAULT_BIN)))
     ap.add_argument("--copy-gemv", action="store_true",
                     help="also fp32 with one-row products through MKL over transposed copies (cpu_native_gemv=False)")
+    ap.add_argument("--unfused-step", action="store_true",
+                    help="also our rows with batch-1 decode through the torch forward (cpu_fused_decode=False)")
     ap.add_argument("--unfused", action="store_true",
                     help="also our rows without fused products and one-row weight copies (before/after)")
     ap.add_argument("--logit-steps", type=int, default=64, help="teacher-forced steps of the Q4_1 logit check")

@@ -74,9 +74,10 @@ def backend_for(config: EngineConfig) -> str:
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The rank's engine config: its own GPU, eager decode (no CUDA graphs under TP yet)."""
+    """The rank's engine config: its own GPU, eager decode (no CUDA graphs under TP yet), and no fused CPU
+    decode step (a rank runs its shard's forward itself, not ``ModelRunner.execute``)."""
     device = f"cuda:{rank}" if config.resolved_device().startswith("cuda") else "cpu"
-    return dataclasses.replace(config, device=device, cuda_graphs=False)
+    return dataclasses.replace(config, device=device, cuda_graphs=False, cpu_fused_decode=False)
 
 
 def threads_per_rank(config: EngineConfig, world: int) -> int:

@@ -146,6 +146,10 @@ class EngineConfig:
             copies; where the native kernels do not load (no AVX2/FMA, no compiler) it falls back to those.
         cpu_fused_projections: on CPU, run each layer's q/k/v and gate/up as one product each
             (engine.cpu_linear.fuse_projections; fp32 packed or 4-bit weights; no weight stored twice).
+        cpu_fused_decode: on CPU, a step of one single-token query (batch-1 decode) runs every decoder
+            layer in one native call (``engine.cpu_decode``: norms, RoPE, K/V store, attention, SiLU and
+            residuals around the same one-row products); needs ``cpu_fused_projections`` and fp32 or Q4_1 /
+            Q8_0-shaped weights, and where the native kernels do not load the step runs unfused.
         weight_format: what the linears hold when a model is loaded from a path (engine.quant, CPU
             only): "fp32" (default: everything dequantized), "native" (a GGUF's Q4_1/Q8_0/Q4_K blocks or
             a ``cipherlm model quantize`` folder run as stored), "int8" (group-wise RTN at load),
@@ -188,6 +192,7 @@ class EngineConfig:
     cpu_one_row_weights: bool = True
     cpu_native_gemv: bool = True
     cpu_fused_projections: bool = True
+    cpu_fused_decode: bool = True
     weight_format: str = "fp32"
     weight_group_size: int = 32
     cuda_weight_format: str = "bf16"

@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from engine import cpu_decode
 from engine.config import ModelConfig
 from engine.cpu_linear import fuse_projections, pack_linears
 from engine.engine_config import EngineConfig
@@ -65,6 +66,9 @@ class ModelRunner:
                          native=config.cpu_native_gemv and native_kernels.available())
         if not self.is_cuda and config.cpu_fused_projections:  # one q/k/v and one gate/up product per layer
             fuse_projections(self.model)
+        # batch-1 decode steps: every layer in one native call (engine.cpu_decode); None: unfused
+        self.fused_decode = (cpu_decode.build(self.model, max_model_len)
+                             if not self.is_cuda and config.cpu_fused_decode else None)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -92,6 +96,8 @@ class ModelRunner:
         if num_blocks < 2:
             raise MemoryError(f"no room for a KV cache: {num_blocks} blocks fit")
         self.kv = PagedKVCache(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
+        if self.fused_decode is not None:
+            self.fused_decode.bind(self.kv)
         if self.is_cuda and cfg.cuda_graphs:
             self._capture_graphs(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
         return num_blocks
@@ -177,11 +183,21 @@ class ModelRunner:
         key = None if eager else self._graph_for(sched.scheduled)
         if key is not None:
             return self._run_graph(sched.scheduled, *key)
+        if self.fused_decode is not None and len(sched.scheduled) == 1 and sched.scheduled[0].num_query_tokens == 1:
+            return self._run_fused_decode(sched.scheduled[0])
         inputs = self.prepare(sched)
         backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim,
                                  cpu_decode=not self.is_cuda)
         h = self.model(inputs.input_ids, inputs.positions, backend)       # [T, hidden]
         return self.model.logits(h[inputs.logits_rows]), inputs.sampling  # [R, V]
+
+    def _run_fused_decode(self, s: ScheduledSeq) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """A step of one single-token query through the fused native step (engine.cpu_decode)."""
+        token, pos = s.seq.token_ids[s.start], s.start
+        if not s.num_logits_rows:  # a one-token prefill chunk that does not sample: store its K/V only
+            self.fused_decode.hidden(token, pos, s.seq.block_table)
+            return torch.empty(0, self.model_config.vocab_size), []
+        return self.fused_decode.logits(token, pos, s.seq.block_table), [s]
 
     # ---- CUDA graphs ------------------------------------------------------------------------------
     # Graphs are keyed (bucket b, drafts k). k = 0: a decode batch, b rows, through the decode kernel.

@@ -169,6 +169,7 @@ class Int4Linear(QuantLinear):
         self._kernel_scales = [p.kernel_scales() for p in planes]
         self._native_fn = None      # None: not looked at yet; False: not eligible (see _native)
         self._native_tensors: list[torch.Tensor] = []
+        self._native_operands: list[torch.Tensor] | None = None  # what the native kernel reads
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     def _native(self):
@@ -179,6 +180,11 @@ class Int4Linear(QuantLinear):
         if self._native_fn is None:
             self._native_fn = _native_product(self) or False
         return self._native_fn or None
+
+    def native_operands(self) -> list[torch.Tensor] | None:
+        """The native layout's tensors (``[qs, d, m]`` Q4_1, ``[qs, d]`` Q8_0; made now if not yet), as the
+        fused decode step (``kernels.cpu.decode_step``) takes them; None where :meth:`_native` is None."""
+        return self._native_operands if self._native() is not None else None
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
         out = None
@@ -219,7 +225,7 @@ def _native_product(layer: Int4Linear):
         p = planes[0]
         qs = native.q4_1_from_u(unpack_int4(p.packed))
         d, m = p.scale.contiguous(), p.offset.contiguous()
-        layer._native_tensors = [qs]
+        layer._native_tensors, layer._native_operands = [qs], [qs, d, m]
         return lambda x: native.q4_1_mm(x, qs, d, m)
     if len(planes) == 2 and planes[1].scale.dtype == torch.float16 and not planes[1].offset.float().any():
         hi, lo = planes
@@ -227,7 +233,7 @@ def _native_product(layer: Int4Linear):
         if not (torch.equal(hi.scale.float(), 16 * d.float()) and torch.equal(hi.offset.float(), -128 * d.float())):
             return None
         q = (16 * (unpack_int4(hi.packed).to(torch.int16) - 8) + unpack_int4(lo.packed)).to(torch.int8)
-        layer._native_tensors = [q]
+        layer._native_tensors, layer._native_operands = [q], [q, d]
         return lambda x: native.q8_0_mm(x, q, d)
     return None
 

@@ -9,7 +9,8 @@ milliseconds (the build takes ~20 s on the 2-core CI box). No ninja, no build st
 compiler is found, the build fails, or ``CIPHERLM_NATIVE=0``; the reason is in :func:`unavailable_reason`.
 
 Launchers (fp32 ``x [M, K]`` in, fp32 ``[M, N]`` out; the weight's layout as in the source's header):
-:func:`q4_1_mm`, :func:`q8_0_mm`, :func:`f32_mm`. The quantized ones have a pure-torch reference (``*_ref``) that the
+:func:`q4_1_mm`, :func:`q8_0_mm`, :func:`f32_mm`; and :func:`decode_step`, a whole batch-1 decode step over
+those products (``engine.cpu_decode``). The quantized ones have a pure-torch reference (``*_ref``) that the
 tests compare it with: the quantized kernels quantize the activations per block of 32 to int8 as
 llama.cpp does (:func:`quantize_q8`), so the reference is the dequantized weight times those dequantized
 activations, equal to float rounding.
@@ -115,6 +116,19 @@ def q8_0_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 def f32_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] fp32, for few rows M (decode): each weight row streamed once."""
     return torch.ops.cipherlm_cpu.f32_mm(_x(x), w)
+
+
+def decode_step(h: torch.Tensor, weights: list[torch.Tensor], num_layers: int, num_heads: int,
+                num_kv_heads: int, pos: int, block_table: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                eps: float) -> None:
+    """Every decoder layer of one token at position ``pos``, in place on ``h [1, hidden]`` fp32.
+
+    ``weights`` per layer: ``ln1, ln2, k_cache, v_cache`` (the paged pools ``[NB, BS, Hkv, D]`` fp32; the
+    token's K/V are stored at its slot through ``block_table``), then the q/k/v, o, gate/up and down linears,
+    each ``[w]`` fp32 ``[N, K]``, ``[qs, d, m]`` (Q4_1, as :func:`q4_1_mm`) or ``[qs, d]`` (Q8_0). ``cos`` /
+    ``sin`` ``[positions, D]``: RoPE's tables (row ``pos`` is used). See ``engine.cpu_decode``."""
+    torch.ops.cipherlm_cpu.decode_step(h, weights, num_layers, num_heads, num_kv_heads, pos, block_table,
+                                       cos, sin, eps)
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -191,61 +192,323 @@ void check_x(const at::Tensor& x, int64_t k) {
 
 constexpr int64_t GRAIN = 16;  // output rows per task
 
-at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+// One linear's weight as the kernels read it, in one of the three layouts of the header. The few-row
+// products below (q4_1_mm, q8_0_mm, f32_mm) and the fused decode step share it, so both run the same code.
+struct Lin {
+  enum Kind { F32, Q4_1, Q8_0 } kind;
+  int64_t n, k;
+  const float* w = nullptr;       // F32: [N, K]
+  const uint8_t* q4 = nullptr;    // Q4_1: qs [N, K/2]
+  const int8_t* q8 = nullptr;     // Q8_0: qs [N, K]
+  const at::Half* d = nullptr;    // Q4_1 / Q8_0: [N, K/32]
+  const at::Half* m = nullptr;    // Q4_1: [N, K/32]
+};
+
+Lin lin_f32(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.device().is_cpu(),
+              "w: contiguous fp32 CPU [N, K]");
+  Lin l{Lin::F32, w.size(0), w.size(1)};
+  l.w = w.data_ptr<float>();
+  return l;
+}
+
+Lin lin_q4_1(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
   const int64_t n = qs.size(0), k = qs.size(1) * 2, g = k / QK;
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && k % QK == 0, "qs: uint8 [N, K/2]");
   TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.is_contiguous() &&
               m.is_contiguous() && d.numel() == n * g && m.numel() == n * g, "d, m: fp16 [N, K/32]");
-  check_x(x, k);
-  const int64_t rows = x.size(0);
-  auto qx = at::empty({rows, k}, x.options().dtype(at::kChar));
-  auto dx = at::empty({rows, g}, x.options()), sx = at::empty({rows, g}, x.options());
-  quantize_rows(x.data_ptr<float>(), rows, k, qx.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
-  auto out = at::empty({rows, n}, x.options());
-  const uint8_t* pq = qs.data_ptr<uint8_t>();
-  const at::Half* pd = d.data_ptr<at::Half>();
-  const at::Half* pm = m.data_ptr<at::Half>();
-  const int8_t* px = qx.data_ptr<int8_t>();
-  const float *pdx = dx.data_ptr<float>(), *psx = sx.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  at::parallel_for(0, n, GRAIN, [&](int64_t n0, int64_t n1) {
-    q4_1_rows(pq, pd, pm, px, pdx, psx, po, n0, n1, rows, k, n);
-  });
-  return out;
+  Lin l{Lin::Q4_1, n, k};
+  l.q4 = qs.data_ptr<uint8_t>();
+  l.d = d.data_ptr<at::Half>();
+  l.m = m.data_ptr<at::Half>();
+  return l;
 }
 
-at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+Lin lin_q8_0(const at::Tensor& qs, const at::Tensor& d) {
   const int64_t n = qs.size(0), k = qs.size(1), g = k / QK;
   TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && k % QK == 0, "qs: int8 [N, K]");
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == n * g, "d: fp16 [N, K/32]");
-  check_x(x, k);
-  const int64_t rows = x.size(0);
-  auto qx = at::empty({rows, k}, x.options().dtype(at::kChar));
-  auto dx = at::empty({rows, g}, x.options()), sx = at::empty({rows, g}, x.options());
-  quantize_rows(x.data_ptr<float>(), rows, k, qx.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
-  auto out = at::empty({rows, n}, x.options());
-  const int8_t* pq = qs.data_ptr<int8_t>();
-  const at::Half* pd = d.data_ptr<at::Half>();
-  const int8_t* px = qx.data_ptr<int8_t>();
-  const float* pdx = dx.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  at::parallel_for(0, n, GRAIN, [&](int64_t n0, int64_t n1) {
-    q8_0_rows(pq, pd, px, pdx, po, n0, n1, rows, k, n);
-  });
+  Lin l{Lin::Q8_0, n, k};
+  l.q8 = qs.data_ptr<int8_t>();
+  l.d = d.data_ptr<at::Half>();
+  return l;
+}
+
+// A linear from a list of tensors starting at t[i] (its dtype says the layout: fp32 -> [w], uint8 ->
+// [qs, d, m], int8 -> [qs, d]); i moves past it.
+Lin lin_from(at::TensorList t, size_t& i) {
+  TORCH_CHECK(i < t.size(), "decode_step: the weight list ends inside a layer");
+  const auto dt = t[i].scalar_type();
+  if (dt == at::kFloat) return lin_f32(t[i++]);
+  if (dt == at::kByte) {
+    TORCH_CHECK(i + 3 <= t.size(), "decode_step: a q4_1 linear needs qs, d, m");
+    i += 3;
+    return lin_q4_1(t[i - 3], t[i - 2], t[i - 1]);
+  }
+  TORCH_CHECK(dt == at::kChar && i + 2 <= t.size(), "decode_step: a linear is fp32 [w], uint8 [qs, d, m] or int8 [qs, d]");
+  i += 2;
+  return lin_q8_0(t[i - 2], t[i - 1]);
+}
+
+// out [rows, n] = x [rows, k] @ W.T; qx/dx/sx: room for the quantized activations (quantized layouts)
+void lin_apply(const Lin& l, const float* x, int64_t rows, float* out, int8_t* qx, float* dx, float* sx) {
+  const int64_t n = l.n, k = l.k;
+  if (l.kind == Lin::F32) {
+    at::parallel_for(0, n, GRAIN, [&](int64_t n0, int64_t n1) { f32_rows(l.w, x, out, n0, n1, rows, k, n); });
+    return;
+  }
+  quantize_rows(x, rows, k, qx, dx, sx);
+  if (l.kind == Lin::Q4_1) {
+    at::parallel_for(0, n, GRAIN, [&](int64_t n0, int64_t n1) {
+      q4_1_rows(l.q4, l.d, l.m, qx, dx, sx, out, n0, n1, rows, k, n);
+    });
+  } else {
+    at::parallel_for(0, n, GRAIN, [&](int64_t n0, int64_t n1) { q8_0_rows(l.q8, l.d, qx, dx, out, n0, n1, rows, k, n); });
+  }
+}
+
+at::Tensor lin_mm(const Lin& l, const at::Tensor& x) {
+  check_x(x, l.k);
+  const int64_t rows = x.size(0), g = l.k / QK;
+  auto out = at::empty({rows, l.n}, x.options());
+  std::vector<int8_t> qx(l.kind == Lin::F32 ? 0 : rows * l.k);
+  std::vector<float> dx(rows * g), sx(rows * g);
+  lin_apply(l, x.data_ptr<float>(), rows, out.data_ptr<float>(), qx.data(), dx.data(), sx.data());
   return out;
 }
 
-at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.device().is_cpu(),
-              "w: contiguous fp32 CPU [N, K]");
-  const int64_t n = w.size(0), k = w.size(1);
-  check_x(x, k);
-  const int64_t rows = x.size(0);
-  auto out = at::empty({rows, n}, x.options());
-  const float *pw = w.data_ptr<float>(), *px = x.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  at::parallel_for(0, n, GRAIN, [&](int64_t n0, int64_t n1) { f32_rows(pw, px, po, n0, n1, rows, k, n); });
-  return out;
+at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+  return lin_mm(lin_q4_1(qs, d, m), x);
+}
+
+at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+  return lin_mm(lin_q8_0(qs, d), x);
+}
+
+at::Tensor f32_mm(const at::Tensor& x, const at::Tensor& w) { return lin_mm(lin_f32(w), x); }
+
+// ---- the fused batch-1 decode step (EngineConfig.cpu_fused_decode) -----------------------------------
+//
+// One call runs every decoder layer of one token (engine/cpu_decode.py): per layer
+//   x = rmsnorm(h) * ln1;  qkv = x @ Wqkv.T;  RoPE(q, k) (rotate-half, cos/sin rows of the position);
+//   store k, v at the position's slot of the paged pools [NB, BS, Hkv, D] (block table -> slot);
+//   attention of the Hq query heads over positions 0..pos (GQA: head h reads KV head h / (Hq / Hkv)),
+//   fp32 softmax;  h += attn @ Wo.T;  x = rmsnorm(h) * ln2;  gu = x @ Wgu.T;  a = silu(g) * u;  h += a @ Wd.T
+// with the products of lin_apply (the same code as the one-row products of the unfused path). RMSNorm
+// follows engine.model.RMSNorm: x * rsqrt(mean(x^2) + eps), then the gain.
+
+void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+// rotate-half RoPE of `heads` rows of D in place: out = x * cos + rot(x) * sin, rot(x) = cat(-x2, x1)
+void rope_rows(float* x, int64_t heads, int64_t dim, const float* cs, const float* sn) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* r = x + h * dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = r[i], b = r[i + half];
+      r[i] = a * cs[i] + (-b) * sn[i];
+      r[i + half] = b * cs[i + half] + a * sn[i + half];
+    }
+  }
+}
+
+inline float dot_row(const float* a, const float* b, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// exp of 8 floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp), for the softmax
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// s[0..n) := exp(s - max s); returns 1 / sum
+inline float softmax_row(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  const __m256 m8 = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m8));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum(acc);
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  return 1.f / sum;
+}
+
+// sc[t] = <q, k row t> * scale for the n rows k, k + row, ...: four rows at a time (four independent FMA chains)
+inline void scores_rows(const float* q, const float* k, int64_t row, int64_t n, int64_t dim, float scale, float* sc) {
+  int64_t o = 0;
+  if (dim % 8 == 0) {
+    for (; o + 4 <= n; o += 4) {
+      const float *k0 = k + o * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < dim; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+      }
+      sc[o] = hsum(a0) * scale;
+      sc[o + 1] = hsum(a1) * scale;
+      sc[o + 2] = hsum(a2) * scale;
+      sc[o + 3] = hsum(a3) * scale;
+    }
+  }
+  for (; o < n; ++o) sc[o] = dot_row(q, k + o * row, dim) * scale;
+}
+
+// out [Hq, D] = softmax(q k^T * scale) v over context positions 0..ctx-1, walking the block table block by
+// block. Per KV head, each of its G = Hq / Hkv query heads (heads kvh * G .. kvh * G + G - 1) scores four
+// K rows at a time; the probability-weighted V sum keeps 64 output columns in registers over the whole
+// context. KV heads are split over torch's threads. scores: room for Hq * ctx floats.
+void attend_one(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t ctx,
+                int64_t bs, int64_t hq, int64_t hkv, int64_t dim, float scale, float* scores, float* out) {
+  const int64_t grp = hq / hkv, row = hkv * dim, nblk = (ctx + bs - 1) / bs;
+  at::parallel_for(0, hkv, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t kvh = h0; kvh < h1; ++kvh) {
+      for (int64_t g = 0; g < grp; ++g) {
+        const float* qh = q + (kvh * grp + g) * dim;
+        float* sc = scores + (kvh * grp + g) * ctx;
+        float* oh = out + (kvh * grp + g) * dim;
+        for (int64_t b = 0; b < nblk; ++b) {
+          const int64_t t0 = b * bs;
+          scores_rows(qh, kc + table[b] * bs * row + kvh * dim, row, std::min(bs, ctx - t0), dim, scale, sc + t0);
+        }
+        const float inv = softmax_row(sc, ctx);
+        for (int64_t c = 0; c < dim; c += 64) {
+          const int64_t w = std::min<int64_t>(64, dim - c);
+          if (w == 64) {
+            __m256 a[8];
+            for (auto& r : a) r = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nblk; ++b) {
+              const int64_t t0 = b * bs, n = std::min(bs, ctx - t0);
+              const float* vb = vc + table[b] * bs * row + kvh * dim + c;
+              for (int64_t o = 0; o < n; ++o) {
+                const __m256 pv = _mm256_set1_ps(sc[t0 + o] * inv);
+                const float* vr = vb + o * row;
+                for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * j), a[j]);
+              }
+            }
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(oh + c + 8 * j, a[j]);
+          } else {
+            std::fill(oh + c, oh + c + w, 0.f);
+            for (int64_t b = 0; b < nblk; ++b) {
+              const int64_t t0 = b * bs, n = std::min(bs, ctx - t0);
+              const float* vb = vc + table[b] * bs * row + kvh * dim + c;
+              for (int64_t o = 0; o < n; ++o) {
+                const float p = sc[t0 + o] * inv;
+                for (int64_t i = 0; i < w; ++i) oh[c + i] += p * vb[o * row + i];
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// weights: per layer, in order: ln1 [H], ln2 [H], k_cache, v_cache ([NB, BS, Hkv, D] fp32), then the
+// q/k/v, o, gate/up and down linears (see lin_from). h [1, H] is updated in place.
+void decode_step(const at::Tensor& h, at::TensorList weights, int64_t num_layers, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t pos, at::IntArrayRef block_table,
+                 const at::Tensor& cos, const at::Tensor& sin, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == 1 && h.scalar_type() == at::kFloat && h.is_contiguous(),
+              "h: contiguous fp32 [1, hidden]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && pos < cos.size(0),
+              "cos, sin: contiguous fp32 [positions, D] covering pos");
+  const int64_t hid = h.size(1), hq = num_heads, hkv = num_kv_heads, dim = cos.size(1), ctx = pos + 1;
+  TORCH_CHECK(hq % hkv == 0 && pos >= 0, "decode_step: bad heads or position");
+  float* hp = h.data_ptr<float>();
+  const int64_t* table = block_table.data();
+  const float* cs = cos.data_ptr<float>() + pos * dim;
+  const float* sn = sin.data_ptr<float>() + pos * dim;
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  std::vector<float> x, qkv, att, y, gu, scores(hq * ctx), dx, sx;
+  std::vector<int8_t> qx;
+  struct Layer {
+    const float *ln1, *ln2;
+    float *kc, *vc;
+    int64_t bs;
+    Lin qkv, o, gu, down;
+  };
+  // every layer is parsed and checked before anything is computed: a bad call changes neither h nor a cache
+  std::vector<Layer> layers;
+  size_t i = 0;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    TORCH_CHECK(i + 4 <= weights.size(), "decode_step: too few weights for ", num_layers, " layers");
+    const at::Tensor &ln1 = weights[i], &ln2 = weights[i + 1], &kc = weights[i + 2], &vc = weights[i + 3];
+    i += 4;
+    const Lin wqkv = lin_from(weights, i), wo = lin_from(weights, i), wgu = lin_from(weights, i),
+              wd = lin_from(weights, i);
+    const int64_t bs = kc.size(1);
+    TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
+                vc.is_contiguous() && kc.dim() == 4 && kc.size(2) == hkv && kc.size(3) == dim &&
+                vc.sizes() == kc.sizes(), "decode_step: caches must be contiguous fp32 [NB, BS, Hkv, D]");
+    TORCH_CHECK(pos / bs < static_cast<int64_t>(block_table.size()), "decode_step: block table shorter than the context");
+    for (int64_t b = 0; b <= pos / bs; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < kc.size(0), "decode_step: block ", table[b], " out of range");
+    TORCH_CHECK(ln1.numel() == hid && ln2.numel() == hid && ln1.scalar_type() == at::kFloat &&
+                ln2.scalar_type() == at::kFloat && ln1.is_contiguous() && ln2.is_contiguous() && wqkv.k == hid &&
+                wqkv.n == (hq + 2 * hkv) * dim && wo.k == hq * dim && wo.n == hid && wgu.k == hid &&
+                wgu.n % 2 == 0 && wd.k == wgu.n / 2 && wd.n == hid,
+                "decode_step: layer ", layer, "'s shapes do not fit");
+    layers.push_back({ln1.data_ptr<float>(), ln2.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                      bs, wqkv, wo, wgu, wd});
+  }
+  TORCH_CHECK(i == weights.size(), "decode_step: ", weights.size() - i, " weights left over");
+  for (const Layer& l : layers) {
+    const int64_t inter = l.gu.n / 2, kmax = std::max(hid, inter);
+    x.resize(kmax); qkv.resize(l.qkv.n); att.resize(hq * dim); y.resize(hid); gu.resize(l.gu.n);
+    qx.resize(kmax); dx.resize(kmax / QK + 1); sx.resize(kmax / QK + 1);
+    // attention half
+    rms_norm_row(hp, l.ln1, hid, static_cast<float>(eps), x.data());
+    lin_apply(l.qkv, x.data(), 1, qkv.data(), qx.data(), dx.data(), sx.data());
+    rope_rows(qkv.data(), hq + hkv, dim, cs, sn);
+    const int64_t slot = table[pos / l.bs] * l.bs + pos % l.bs, row = hkv * dim;
+    std::copy(qkv.data() + hq * dim, qkv.data() + (hq + hkv) * dim, l.kc + slot * row);
+    std::copy(qkv.data() + (hq + hkv) * dim, qkv.data() + (hq + 2 * hkv) * dim, l.vc + slot * row);
+    attend_one(qkv.data(), l.kc, l.vc, table, ctx, l.bs, hq, hkv, dim, scale, scores.data(), att.data());
+    lin_apply(l.o, att.data(), 1, y.data(), qx.data(), dx.data(), sx.data());
+    for (int64_t j = 0; j < hid; ++j) hp[j] += y[j];
+    // MLP half
+    rms_norm_row(hp, l.ln2, hid, static_cast<float>(eps), x.data());
+    lin_apply(l.gu, x.data(), 1, gu.data(), qx.data(), dx.data(), sx.data());
+    for (int64_t j = 0; j < inter; ++j) x[j] = silu(gu[j]) * gu[inter + j];
+    lin_apply(l.down, x.data(), 1, y.data(), qx.data(), dx.data(), sx.data());
+    for (int64_t j = 0; j < hid; ++j) hp[j] += y[j];
+  }
 }
 
 // the activation quantization alone (tests compare the kernels with a torch reference on these numbers)
@@ -266,4 +529,6 @@ TORCH_LIBRARY(cipherlm_cpu, lib) {
   lib.def("q8_0_mm(Tensor x, Tensor qs, Tensor d) -> Tensor", &q8_0_mm);
   lib.def("f32_mm(Tensor x, Tensor w) -> Tensor", &f32_mm);
   lib.def("quantize_q8(Tensor x) -> Tensor[]", &quantize_q8);
+  lib.def("decode_step(Tensor(a!) h, Tensor[] weights, int num_layers, int num_heads, int num_kv_heads, "
+          "int pos, int[] block_table, Tensor cos, Tensor sin, float eps) -> ()", &decode_step);
 }

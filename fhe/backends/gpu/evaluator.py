@@ -445,13 +445,15 @@ class GpuEvaluator(ParamsQueries):
         out: list[GpuCiphertext | None] = [None] * len(parsed)
         ok = [i for i, r in enumerate(parsed) if r is not None]
         if ok:
-            data = torch.from_numpy(np.stack([parsed[i][0] for i in ok])).to(self.device)
+            # residues < primes < 2^62: the uint64 words read as int64 unchanged; np.stack is the one host copy
+            data = torch.from_numpy(np.stack([parsed[i][0] for i in ok]).view(np.int64)).to(self.device)
             for row, i in zip(data, ok, strict=True):
                 out[i] = GpuCiphertext(row, parsed[i][1])
         return out
 
     def _fresh_residues(self, payload: bytes) -> tuple[np.ndarray, float] | None:
-        """(int64 residues [2, top, N], scale) of a fresh full upload, or None (see :meth:`deserialize_fresh`)."""
+        """(uint64 residues [2, top, N], a view of the upload's bytes; scale) of a fresh full upload, or None
+        (see :meth:`deserialize_fresh`)."""
         try:
             r = sealio.open_object(payload, 2 * self.top * self.params.poly_modulus_degree * 8 + 4096)
             raw = sealio.read_ct_members(r, self.params.poly_modulus_degree)
@@ -465,7 +467,7 @@ class GpuEvaluator(ParamsQueries):
         primes = np.asarray(self.ctx.primes[:lev], dtype=np.uint64).reshape(1, -1, 1)
         if np.any(raw.data >= primes):
             return None
-        return raw.data.astype(np.int64), float(raw.scale)
+        return raw.data, float(raw.scale)
 
     def from_raw(self, raw: sealio.RawCiphertext) -> GpuCiphertext:
         size, lev, _ = raw.data.shape

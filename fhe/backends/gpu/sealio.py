@@ -44,10 +44,13 @@ class RawCiphertext:
 
 
 class _Reader:
-    def __init__(self, buf: bytes) -> None:
-        self.buf, self.pos = buf, 0
+    """Members of a SEAL object in order; ``take`` returns views of the buffer, not copies (a ciphertext's
+    residues are most of it: numpy reads them in place)."""
 
-    def take(self, n: int) -> bytes:
+    def __init__(self, buf: bytes | memoryview) -> None:
+        self.buf, self.pos = memoryview(buf), 0
+
+    def take(self, n: int) -> memoryview:
         if n < 0 or self.pos + n > len(self.buf):
             raise WireError("truncated SEAL object")
         out = self.buf[self.pos:self.pos + n]
@@ -73,7 +76,7 @@ def _header(r: _Reader) -> tuple[int, int]:
 
 def open_object(data: bytes, max_bytes: int) -> _Reader:
     """A reader over the members of a top-level SEAL object (decompressed, at most ``max_bytes``)."""
-    r = _Reader(bytes(data))
+    r = _Reader(data)
     compr, size = _header(r)
     if size != len(data):
         raise WireError(f"SEAL header says {size} bytes, got {len(data)}")

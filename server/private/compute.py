@@ -226,11 +226,11 @@ class PrivateCompute:
         return out
 
     @staticmethod
-    def _inputs(blobs: list[bytes], keys: ServerKeys, top: int) -> list:
+    def _inputs(blobs: list[bytes], keys: ServerKeys, top: int, first: int = 0) -> list:
         """The client's ciphertexts, parsed and checked fresh (level, size, scale): any refusal here is
-        the client's fault, and only here."""
+        the client's fault, and only here (``first``: the index of ``blobs[0]`` in the step, for the message)."""
         cts = []
-        for i, blob in enumerate(blobs):
+        for i, blob in enumerate(blobs, first):
             try:
                 ct = wire.load_ciphertext(blob, keys.kit, keys.fingerprint, level=top)
                 keys.check_input(ct)
@@ -302,16 +302,13 @@ class _OffloadLinear:
             except FHEError as exc:
                 raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"ciphertext {i}: {exc}"[:300]) from exc
         out = self.gpu.deserialize_fresh_many(payloads)   # a step's uploads at once: threads, one device copy
-        for i, (blob, x) in enumerate(zip(blobs, out, strict=True)):
+        for i, x in enumerate(out):
             if x is None:   # seeded (or anything else): SEAL parses and checks it, then the device copy is ours
+                (ct,) = PrivateCompute._inputs([blobs[i]], keys, top, first=i)
                 try:
-                    ct = wire.load_ciphertext(blob, keys.kit, keys.fingerprint, level=top)
-                    keys.check_input(ct)
-                    # SEAL's load takes a CKKS ciphertext not in NTT form; the device parse refuses it here
-                    x = self.gpu.deserialize(seal.to_bytes(ct))
+                    out[i] = self.device(ct)
                 except FHEError as exc:
                     raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"ciphertext {i}: {exc}"[:300]) from exc
-                out[i] = x
         return out
 
     def device(self, ct):

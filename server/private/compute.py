@@ -14,6 +14,7 @@ the inspector's verdict as data (:class:`server.keys.Inspection`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 
 import torch
@@ -28,7 +29,7 @@ from fhe.evaluator import check_fresh
 from fhe.interleaved import require_chunks
 from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import Plan
-from server.keys import Inspection, inspect_upload
+from server.keys import Inspection, inspect_upload_keys
 from server.private.codes import TaskFailure, WorkerCode
 
 
@@ -50,6 +51,9 @@ class PrivateCompute:
         self.max_key_bytes = 1 << 30
         self.keys: dict[str, ServerKeys] = {}
         self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
+        # the last PUBLIC upload this worker screened: (SHA-256 of its canonical bytes, the parsed keys), kept
+        # until the next load_key or inspection (at most one key set beyond the loaded ones)
+        self._screened: tuple[str, ServerKeys] | None = None
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
         self.linear = _OffloadLinear(model, offload_path, device, offload_chunks) if offload_path else None
         if self.linear is not None and offload_warm:   # worker start (key setup), not a session's first tokens
@@ -73,20 +77,36 @@ class PrivateCompute:
 
         With an offload plan, an upload whose public key names the MLP's parameters is screened at those
         (N differs, so no upload fits both): the verdict's ``params_hash`` says which key set it is."""
+        self._screened = None   # before parsing: never two screened key sets in memory
         if self.linear is not None and (self.params is None or self.linear.owns_upload(data, self.max_key_bytes)):
-            return inspect_upload(data, self.linear.params, self.linear.steps, max_bytes=self.max_key_bytes)
-        return inspect_upload(data, self.params, self.key_levels, max_bytes=self.max_key_bytes)
+            params, steps = self.linear.params, self.linear.steps
+        else:
+            params, steps = self.params, self.key_levels
+        inspection, keys = inspect_upload_keys(data, params, steps, max_bytes=self.max_key_bytes)
+        if keys is not None:
+            self._screened = (hashlib.sha256(inspection.canonical).hexdigest(), keys)
+        return inspection
 
     def load_key(self, fingerprint: str, data: bytes, key_set: str | None = None) -> None:
         """Parse a registered key set (screened when it was registered: a failure here is the server's)
         and keep it under its registry fingerprint. ``data`` is the registry's canonical re-serialization,
-        so the key-set fingerprint the client's ciphertexts name is ``key_set`` (None: from ``data``)."""
+        so the key-set fingerprint the client's ciphertexts name is ``key_set`` (None: from ``data``).
+
+        When this worker screened the upload last, and ``data`` are exactly the canonical bytes it wrote
+        from the parsed keys (same SHA-256, same key-set fingerprint, same parameters), those keys are kept
+        instead of parsing ``data`` again: registration then costs one SEAL parse, not two
+        (``bench/key_registration.py``)."""
+        screened, self._screened = self._screened, None
         blobs = parse_key_upload(data, len(data))  # the server's own bytes: unseeded, larger than the upload
-        if self.linear is not None and (self.params is None or self.linear.owns(blobs)):
-            self.linear.load_key(fingerprint, wire.load_server_keys(blobs, self.linear.params, self.linear.steps,
-                                                                 fingerprint=key_set))
+        linear = self.linear is not None and (self.params is None or self.linear.owns(blobs))
+        params, steps = (self.linear.params, self.linear.steps) if linear else (self.params, self.key_levels)
+        keys = _screened_keys(screened, data, params, key_set)
+        if keys is None:
+            keys = wire.load_server_keys(blobs, params, steps, fingerprint=key_set)
+        if linear:
+            self.linear.load_key(fingerprint, keys)
             return
-        self.keys[fingerprint] = wire.load_server_keys(blobs, self.params, self.key_levels, fingerprint=key_set)
+        self.keys[fingerprint] = keys
         if self.gpu is not None:   # expanded once onto the device (the service caps how many a worker holds)
             self.device_keys[fingerprint] = self.gpu.keys_from_server(self.keys[fingerprint])
 
@@ -522,6 +542,18 @@ def placeholder_keys(gpu, steps) -> object:
 
     return GpuKeys(gpu.params, zeros(), {galois_elt(s, gpu.params.slots): zeros() for s in steps}, tuple(steps),
                    "placeholder")
+
+
+def _screened_keys(screened: tuple[str, ServerKeys] | None, data: bytes, params: CKKSParams,
+                   key_set: str | None) -> ServerKeys | None:
+    """The keys :meth:`PrivateCompute.inspect_key` parsed, if ``data`` are exactly their canonical bytes
+    for ``params`` and name the same key set; else None (parse ``data``)."""
+    if screened is None:
+        return None
+    digest, keys = screened
+    if keys.params != params or key_set is None or keys.fingerprint != key_set:
+        return None
+    return keys if hashlib.sha256(data).hexdigest() == digest else None
 
 
 def _result_or_error(fn, *args):

@@ -52,7 +52,7 @@ class PrivateCompute:
         self.keys: dict[str, ServerKeys] = {}
         self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
         # the last PUBLIC upload this worker screened: (SHA-256 of its canonical bytes, the parsed keys), kept
-        # until the next load_key or inspection (at most one key set beyond the loaded ones)
+        # for load_screened_key until the next load or inspection (at most one key set beyond the loaded ones)
         self._screened: tuple[str, ServerKeys] | None = None
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
         self.linear = _OffloadLinear(model, offload_path, device, offload_chunks) if offload_path else None
@@ -90,20 +90,33 @@ class PrivateCompute:
     def load_key(self, fingerprint: str, data: bytes, key_set: str | None = None) -> None:
         """Parse a registered key set (screened when it was registered: a failure here is the server's)
         and keep it under its registry fingerprint. ``data`` is the registry's canonical re-serialization,
-        so the key-set fingerprint the client's ciphertexts name is ``key_set`` (None: from ``data``).
-
-        When this worker screened the upload last, and ``data`` are exactly the canonical bytes it wrote
-        from the parsed keys (same SHA-256, same key-set fingerprint, same parameters), those keys are kept
-        instead of parsing ``data`` again: registration then costs one SEAL parse, not two
-        (``bench/key_registration.py``)."""
-        screened, self._screened = self._screened, None
+        so the key-set fingerprint the client's ciphertexts name is ``key_set`` (None: from ``data``)."""
+        self._screened = None
         blobs = parse_key_upload(data, len(data))  # the server's own bytes: unseeded, larger than the upload
-        linear = self.linear is not None and (self.params is None or self.linear.owns(blobs))
-        params, steps = (self.linear.params, self.linear.steps) if linear else (self.params, self.key_levels)
-        keys = _screened_keys(screened, data, params, key_set)
-        if keys is None:
-            keys = wire.load_server_keys(blobs, params, steps, fingerprint=key_set)
-        if linear:
+        if self.linear is not None and (self.params is None or self.linear.owns(blobs)):
+            self._keep(fingerprint, wire.load_server_keys(blobs, self.linear.params, self.linear.steps,
+                                                          fingerprint=key_set))
+            return
+        self._keep(fingerprint, wire.load_server_keys(blobs, self.params, self.key_levels, fingerprint=key_set))
+
+    def load_screened_key(self, fingerprint: str, canonical_sha256: str, key_set: str) -> bool:
+        """Keep the key set this worker screened last under ``fingerprint``, without its bytes, if it is the
+        registered one: the SHA-256 of the canonical bytes written from it is the registry's
+        ``canonical_sha256`` and it names ``key_set``. False (nothing kept): send the stored bytes to
+        :meth:`load_key`. Registration then costs one SEAL parse, and the stored bytes are not read back,
+        decrypted and sent to the worker again (``bench/key_registration.py``)."""
+        screened, self._screened = self._screened, None
+        if screened is None or screened[0] != canonical_sha256 or screened[1].fingerprint != key_set:
+            return False
+        keys = screened[1]
+        if keys.params not in (self.params, self.linear.params if self.linear is not None else None):
+            return False
+        self._keep(fingerprint, keys)
+        return True
+
+    def _keep(self, fingerprint: str, keys: ServerKeys) -> None:
+        """Hold a parsed key set: an offload (MLP parameters) one in the linear steps, else for attention."""
+        if self.linear is not None and keys.params == self.linear.params:
             self.linear.load_key(fingerprint, keys)
             return
         self.keys[fingerprint] = keys
@@ -542,18 +555,6 @@ def placeholder_keys(gpu, steps) -> object:
 
     return GpuKeys(gpu.params, zeros(), {galois_elt(s, gpu.params.slots): zeros() for s in steps}, tuple(steps),
                    "placeholder")
-
-
-def _screened_keys(screened: tuple[str, ServerKeys] | None, data: bytes, params: CKKSParams,
-                   key_set: str | None) -> ServerKeys | None:
-    """The keys :meth:`PrivateCompute.inspect_key` parsed, if ``data`` are exactly their canonical bytes
-    for ``params`` and name the same key set; else None (parse ``data``)."""
-    if screened is None:
-        return None
-    digest, keys = screened
-    if keys.params != params or key_set is None or keys.fingerprint != key_set:
-        return None
-    return keys if hashlib.sha256(data).hexdigest() == digest else None
 
 
 def _result_or_error(fn, *args):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+from collections.abc import Mapping, Sequence
 
 import rfc8785
 
@@ -176,12 +177,17 @@ def _check_key_header(head: object) -> tuple[list[str], list[int]]:
     return names, sizes
 
 
-def pack_key_upload(blobs: dict[str, bytes]) -> bytes:
+def pack_key_upload(blobs: Mapping[str, bytes | Sequence[bytes]]) -> bytes:
     """One upload body from the public key blobs (``fhe.backends.seal.wire.dump_public_keys``), in
-    :func:`fhe.fingerprint.blob_order` (level-aware names such as ``galois_keys@12`` included)."""
+    :func:`fhe.fingerprint.blob_order` (level-aware names such as ``galois_keys@12`` included).
+
+    A blob may come as a sequence of pieces (``fhe.backends.seal.wire.canonical_parts``: envelope head,
+    payload), concatenated in the body's one copy."""
     names = blob_order(blobs)
-    head = rfc8785.dumps({"v": ENVELOPE_VERSION, "names": names, "sizes": [len(blobs[n]) for n in names]})
-    return _PREFIX.pack(KEY_MAGIC, ENVELOPE_VERSION, len(head)) + head + b"".join(blobs[n] for n in names)
+    parts = [(b,) if isinstance(b, (bytes, bytearray, memoryview)) else tuple(b) for b in (blobs[n] for n in names)]
+    head = rfc8785.dumps({"v": ENVELOPE_VERSION, "names": names,
+                          "sizes": [sum(len(p) for p in blob) for blob in parts]})
+    return b"".join([_PREFIX.pack(KEY_MAGIC, ENVELOPE_VERSION, len(head)), head, *(p for blob in parts for p in blob)])
 
 
 def parse_key_upload(body: bytes, max_total_bytes: int) -> dict[str, bytes]:

@@ -24,7 +24,7 @@ from ._errors import (
     UploadRefusedError,
 )
 from ._registry import KeyLease, KeyRecord, KeyRegistry, RegistryConfig
-from ._screen import EvalKeyInfo, Inspection, Verdict, inspect_upload, screen_evaluation_key
+from ._screen import EvalKeyInfo, Inspection, Verdict, inspect_upload, inspect_upload_keys, screen_evaluation_key
 from ._states import TRANSITIONS, KeyState, can_transition
 from ._storage import EvalKeyStorage
 
@@ -53,5 +53,6 @@ __all__ = [
     "Verdict",
     "can_transition",
     "inspect_upload",
+    "inspect_upload_keys",
     "screen_evaluation_key",
 ]

@@ -20,7 +20,7 @@ from typing import Any
 
 from ._errors import KeyTooLargeError, MalformedKeyError, SecretKeyUploadError
 
-__all__ = ["EvalKeyInfo", "Inspection", "Verdict", "inspect_upload", "screen_evaluation_key"]
+__all__ = ["EvalKeyInfo", "Inspection", "Verdict", "inspect_upload", "inspect_upload_keys", "screen_evaluation_key"]
 
 
 class Verdict(str, enum.Enum):
@@ -88,6 +88,15 @@ def inspect_upload(data: bytes, params: Any, rotation_steps: Iterable[int], *, m
         rotation_steps: the Galois rotations the server's plan uses.
         max_bytes: size limit of the whole upload.
     """
+    return inspect_upload_keys(data, params, rotation_steps, max_bytes=max_bytes)[0]
+
+
+def inspect_upload_keys(data: bytes, params: Any, rotation_steps: Iterable[int], *,
+                        max_bytes: int) -> tuple[Inspection, Any]:
+    """:func:`inspect_upload`, and the parsed :class:`fhe.backends.seal.keys.ServerKeys` of a ``PUBLIC``
+    verdict (None otherwise): the objects ``canonical`` was written from, so the worker that screened an
+    upload can keep them when the registry's record of those bytes is loaded there, instead of parsing its
+    own serialization again (``server.private.compute.PrivateCompute.load_screened_key``)."""
     from fhe.backends.seal import wire
     from fhe.envelope import EnvelopeError, pack_key_upload, parse_key_upload
     from fhe.errors import FHEError, KeyMismatchError, SecretKeyRefusedError
@@ -96,17 +105,18 @@ def inspect_upload(data: bytes, params: Any, rotation_steps: Iterable[int], *, m
     try:
         blobs = parse_key_upload(data, max_bytes)
     except EnvelopeError as exc:
-        return _not_an_upload(data, exc)
+        return _not_an_upload(data, exc), None
     try:
-        parsed = wire.parse_server_keys(blobs, params, rotation_steps)
+        keys = wire.parse_server_keys(blobs, params, rotation_steps, canonical=False).keys
     except SecretKeyRefusedError as exc:  # KeyRefusedError too: a blob outside the allow-list
-        return Inspection(Verdict.SECRET_KEY, reason=str(exc)[:200])
+        return Inspection(Verdict.SECRET_KEY, reason=str(exc)[:200]), None
     except KeyMismatchError as exc:
-        return Inspection(Verdict.MALFORMED, reason=f"key does not fit the plan: {exc}"[:200])
+        return Inspection(Verdict.MALFORMED, reason=f"key does not fit the plan: {exc}"[:200]), None
     except FHEError as exc:
-        return Inspection(Verdict.MALFORMED, reason=f"not a public-key upload: {exc}"[:200])
-    return Inspection(Verdict.PUBLIC, params_hash(params), canonical=pack_key_upload(parsed.canonical),
-                      key_set=parsed.keys.fingerprint)
+        return Inspection(Verdict.MALFORMED, reason=f"not a public-key upload: {exc}"[:200]), None
+    # canonical: re-serialized from the parsed objects, written into the body in one copy
+    return Inspection(Verdict.PUBLIC, params_hash(params), canonical=pack_key_upload(wire.canonical_parts(keys)),
+                      key_set=keys.fingerprint), keys
 
 
 def _not_an_upload(data: bytes, exc: Exception) -> Inspection:

@@ -14,6 +14,7 @@ the inspector's verdict as data (:class:`server.keys.Inspection`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 
 import torch
@@ -28,7 +29,7 @@ from fhe.evaluator import check_fresh
 from fhe.interleaved import require_chunks
 from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import Plan
-from server.keys import Inspection, inspect_upload
+from server.keys import Inspection, inspect_upload_keys
 from server.private.codes import TaskFailure, WorkerCode
 
 
@@ -50,6 +51,9 @@ class PrivateCompute:
         self.max_key_bytes = 1 << 30
         self.keys: dict[str, ServerKeys] = {}
         self.device_keys: dict[str, object] = {}   # fingerprint -> GpuKeys, with the gpu backend
+        # the last PUBLIC upload this worker screened: (SHA-256 of its canonical bytes, the parsed keys), kept
+        # for load_screened_key until the next load or inspection (at most one key set beyond the loaded ones)
+        self._screened: tuple[str, ServerKeys] | None = None
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
         self.linear = _OffloadLinear(model, offload_path, device, offload_chunks) if offload_path else None
         if self.linear is not None and offload_warm:   # worker start (key setup), not a session's first tokens
@@ -73,20 +77,49 @@ class PrivateCompute:
 
         With an offload plan, an upload whose public key names the MLP's parameters is screened at those
         (N differs, so no upload fits both): the verdict's ``params_hash`` says which key set it is."""
+        self._screened = None   # before parsing: never two screened key sets in memory
         if self.linear is not None and (self.params is None or self.linear.owns_upload(data, self.max_key_bytes)):
-            return inspect_upload(data, self.linear.params, self.linear.steps, max_bytes=self.max_key_bytes)
-        return inspect_upload(data, self.params, self.key_levels, max_bytes=self.max_key_bytes)
+            params, steps = self.linear.params, self.linear.steps
+        else:
+            params, steps = self.params, self.key_levels
+        inspection, keys = inspect_upload_keys(data, params, steps, max_bytes=self.max_key_bytes)
+        if keys is not None:
+            self._screened = (hashlib.sha256(inspection.canonical).hexdigest(), keys)
+        return inspection
 
     def load_key(self, fingerprint: str, data: bytes, key_set: str | None = None) -> None:
         """Parse a registered key set (screened when it was registered: a failure here is the server's)
         and keep it under its registry fingerprint. ``data`` is the registry's canonical re-serialization,
         so the key-set fingerprint the client's ciphertexts name is ``key_set`` (None: from ``data``)."""
+        self._screened = None
         blobs = parse_key_upload(data, len(data))  # the server's own bytes: unseeded, larger than the upload
         if self.linear is not None and (self.params is None or self.linear.owns(blobs)):
-            self.linear.load_key(fingerprint, wire.load_server_keys(blobs, self.linear.params, self.linear.steps,
-                                                                 fingerprint=key_set))
+            self._keep(fingerprint, wire.load_server_keys(blobs, self.linear.params, self.linear.steps,
+                                                          fingerprint=key_set))
             return
-        self.keys[fingerprint] = wire.load_server_keys(blobs, self.params, self.key_levels, fingerprint=key_set)
+        self._keep(fingerprint, wire.load_server_keys(blobs, self.params, self.key_levels, fingerprint=key_set))
+
+    def load_screened_key(self, fingerprint: str, canonical_sha256: str, key_set: str) -> bool:
+        """Keep the key set this worker screened last under ``fingerprint``, without its bytes, if it is the
+        registered one: the SHA-256 of the canonical bytes written from it is the registry's
+        ``canonical_sha256`` and it names ``key_set``. False (nothing kept): send the stored bytes to
+        :meth:`load_key`. Registration then costs one SEAL parse, and the stored bytes are not read back,
+        decrypted and sent to the worker again (``bench/key_registration.py``)."""
+        screened, self._screened = self._screened, None
+        if screened is None or screened[0] != canonical_sha256 or screened[1].fingerprint != key_set:
+            return False
+        keys = screened[1]
+        if keys.params not in (self.params, self.linear.params if self.linear is not None else None):
+            return False
+        self._keep(fingerprint, keys)
+        return True
+
+    def _keep(self, fingerprint: str, keys: ServerKeys) -> None:
+        """Hold a parsed key set: an offload (MLP parameters) one in the linear steps, else for attention."""
+        if self.linear is not None and keys.params == self.linear.params:
+            self.linear.load_key(fingerprint, keys)
+            return
+        self.keys[fingerprint] = keys
         if self.gpu is not None:   # expanded once onto the device (the service caps how many a worker holds)
             self.device_keys[fingerprint] = self.gpu.keys_from_server(self.keys[fingerprint])
 

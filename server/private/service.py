@@ -307,13 +307,24 @@ class PrivateService:
         self._key_used[slot] = self.sessions.now()
         if slot not in self._loaded:
             await self._make_room(worker, tenant, keep)
-            material = self.registry.load_material(lease)
-            await self.pool.submit(worker, tenant, "load_key", rec.fingerprint, material, rec.key_set)
+            await self._load(worker, tenant, lease)
             self._loaded.setdefault(slot, set())
         if lease.cancelled:  # revoked while it loaded: this registration owns nothing
             self._disown(_owner(rec), rec.fingerprint)
             raise PermissionDeniedError(f"key not usable: {lease.reason}", code="key_not_active")
         self._loaded[slot].add(_owner(rec))
+
+    async def _load(self, worker: int, tenant: str, lease: KeyLease) -> None:
+        """Load the lease's key set into ``worker``: the keys it parsed when it screened the upload, if it
+        still holds them (their canonical bytes hash to the record's ``stored_sha256``), else the stored
+        bytes (read, decrypted and integrity-checked by the registry) parsed there."""
+        rec = lease.record
+        lease.check()
+        if rec.stored_sha256 and rec.key_set and await self.pool.submit(
+                worker, tenant, "load_screened_key", rec.fingerprint, rec.stored_sha256, rec.key_set):
+            return
+        material = self.registry.load_material(lease)
+        await self.pool.submit(worker, tenant, "load_key", rec.fingerprint, material, rec.key_set)
 
     def _pick_worker(self, fp: str, need: int = 1) -> int:
         """A worker that already holds the key and has fewer than ``spill_sessions`` open sessions, else

@@ -61,6 +61,7 @@ KEYS = {
     "can_transition",
     "Verdict",
     "inspect_upload",
+    "inspect_upload_keys",
     "screen_evaluation_key",
 }
 

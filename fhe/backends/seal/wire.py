@@ -51,9 +51,12 @@ DEFAULT_LIMITS = {"ciphertext": 16 << 20, "public_key": 16 << 20, "relin_keys": 
 
 
 def _pack(kind: str, params: CKKSParams, fingerprint: str | None, payload: bytes) -> bytes:
+    return _head(kind, params, fingerprint, len(payload)) + payload
+
+
+def _head(kind: str, params: CKKSParams, fingerprint: str | None, length: int) -> bytes:
     fp = bytes.fromhex(fingerprint) if fingerprint else bytes(32)
-    return _HEAD.pack(MAGIC, WIRE_VERSION, KINDS[kind], bytes.fromhex(params_hash(params)), fp,
-                      len(payload)) + payload
+    return _HEAD.pack(MAGIC, WIRE_VERSION, KINDS[kind], bytes.fromhex(params_hash(params)), fp, length)
 
 
 def _unpack(data: bytes, kind: str, params: CKKSParams, fingerprint: str | None,
@@ -222,9 +225,19 @@ def parse_server_keys(blobs: Mapping[str, bytes], params: CKKSParams, rotation_s
     payloads = {name: _unpack(blobs[name], _kind(name), params, None, limits.get(_kind(name)))
                 for name in expected_blobs(levels)}
     keys = keys_from_payloads(payloads, seal.Kit(params), rotation_steps, fingerprint=fingerprint)
-    canon = ({name: _pack(_kind(name), params, None, seal.to_bytes(obj)) for name, obj in _objects(keys).items()}
-             if canonical else {})
+    canon = {name: b"".join(parts) for name, parts in canonical_parts(keys).items()} if canonical else {}
     return ParsedKeys(keys, canon)
+
+
+def canonical_parts(keys: ServerKeys) -> dict[str, tuple[bytes, bytes]]:
+    """Each loaded key object re-serialized by SEAL, as (envelope head, SEAL payload) by upload name: the
+    canonical blobs of :class:`ParsedKeys` in two pieces, so that a whole upload body is written with one
+    copy of the (hundreds of MB of) payloads (:func:`fhe.envelope.pack_key_upload` takes pieces)."""
+    out = {}
+    for name, obj in _objects(keys).items():
+        payload = seal.to_bytes(obj)
+        out[name] = (_head(_kind(name), keys.params, None, len(payload)), payload)
+    return out
 
 
 def _objects(keys: ServerKeys) -> dict[str, object]:

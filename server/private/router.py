@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from server.errors import NotFoundError, PermissionDeniedError, RequestTooLargeError
 from server.keys import KeyRecord, KeyTooLargeError
-from server.private.service import PrivateService
+from server.private.service import PrivateService, StepTimes
 from server.routers.deps import admit_request, admit_step, ensure_admitting
 from server.settings import PrivacyMode
 from server.tenants import Tenant, get_tenant
@@ -180,12 +180,14 @@ async def step(session_id: str, request: Request, tenant: TenantDep, svc: Privat
     svc.session_for(tenant.id, session_id)  # 404/410 before a byte of the body is read
     check_declared_size(request, svc.cfg.max_step_bytes, "step_too_large")
     limiter = admit_step(request, tenant)   # steps/min, not requests/min: a generation is thousands of steps
+    times = StepTimes()
     try:
-        out = await svc.step(tenant.id, session_id, await read_capped(request, svc.cfg.max_step_bytes,
-                                                                      "step_too_large"),
-                              request_id=_request_id(request))
+        body = await read_capped(request, svc.cfg.max_step_bytes, "step_too_large")
+        times.since("body_read", times.started)
+        out = await svc.step(tenant.id, session_id, body, request_id=_request_id(request), times=times)
     finally:
         limiter.release()
+    svc.record_times(times)
     return Response(out, media_type=OCTET)
 
 

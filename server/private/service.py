@@ -428,21 +428,22 @@ class PrivateService:
         return s
 
     async def step(self, tenant: str, sid: str, body: bytes, *, request_id: str | None = None,
-                   times: StepTimes | None = None) -> bytes:
+                   times: StepTimes | None = None, digest: str | None = None) -> bytes:
         """Run one step (a layer over ``count`` positions) and return the result envelope.
 
         Retry-safe: the same request again (same layer, positions and body bytes) gets the stored answer,
         or waits for the running one; the same positions with another body are a 409 ``step_mismatch``.
         A step, once running, runs to completion even if its client goes away (its answer is kept for
         the retry, and the worker's cache never gets ahead of the service's count). ``times``: filled with
-        the step's stage times (:meth:`record_times` observes them).
+        the step's stage times (:meth:`record_times` observes them). ``digest``: the SHA-256 hex digest of
+        ``body`` where the caller computed it while reading it (the router does), else computed here.
         """
         times = times or StepTimes()
         t0 = time.monotonic()
         s = self.session_for(tenant, sid)
         env = self._parse(body)
         if env.part != envelope.ATTENTION:
-            return await self._mlp_step(s, env, body, request_id or new_request_id(), times, t0)
+            return await self._mlp_step(s, env, body, request_id or new_request_id(), times, t0, digest)
         if s.lease is None:
             raise InvalidRequestError("this server's plan runs no attention block on ciphertexts (every server "
                                       "layer is a linear step)", code="bad_layer")
@@ -450,7 +451,7 @@ class PrivateService:
             return await self._rollback(s, env, hashlib.sha256(body).hexdigest(), request_id or new_request_id())
         self._check_step(s, env)
         t0 = times.since("envelope", t0)
-        digest = hashlib.sha256(body).hexdigest()
+        digest = digest or hashlib.sha256(body).hexdigest()
         times.since("digest", t0)
         prev = s.last_step.get(env.layer)
         # a rollback's positions are [keep, dropped], not a step's [start, count]: never "the same request"
@@ -475,7 +476,7 @@ class PrivateService:
         self.observe_stages(times.kind, times.stages)
 
     async def _mlp_step(self, s: Session, env: envelope.Envelope, body: bytes, request_id: str,
-                        times: StepTimes, t0: float) -> bytes:
+                        times: StepTimes, t0: float, digest: str | None = None) -> bytes:
         """An offload plan's MLP half: checked here (part, layer, key set, sizes: all 4xx), run stateless
         on a worker holding the MLP key set, retry-safe like an attention step (the answer is stored per
         (layer, part), and the same positions with another body are a 409)."""
@@ -483,7 +484,7 @@ class PrivateService:
             raise InvalidRequestError("this server's plan runs no linear offload step", code="bad_part")
         self.offload.check_step(s, env, self.cfg)
         t0 = times.since("envelope", t0)
-        digest, slot = hashlib.sha256(body).hexdigest(), (env.layer, env.part)
+        digest, slot = digest or hashlib.sha256(body).hexdigest(), (env.layer, env.part)
         times.since("digest", t0)
         prev = s.last_step.get(slot)
         same = None if prev is None else prev.same_request(env.positions, digest)
@@ -578,7 +579,7 @@ class PrivateService:
 
     def _parse(self, body: bytes) -> envelope.Envelope:
         try:
-            return envelope.parse(body, self.cfg.max_blob_bytes, self.cfg.max_step_bytes)
+            return envelope.parse(body, self.cfg.max_blob_bytes, self.cfg.max_step_bytes, views=True)
         except envelope.EnvelopeError as exc:
             if exc.too_large:
                 raise RequestTooLargeError(str(exc), code="step_too_large") from exc

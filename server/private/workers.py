@@ -32,6 +32,7 @@ import contextlib
 import importlib
 import logging
 import multiprocessing as mp
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -74,6 +75,95 @@ class TaskError(WorkerError):
         self.exc_type = exc_type
 
 
+#: A task argument (or an answer, or an element of a tuple answer) that is a list of byte strings of at least
+#: this many bytes in all crosses the pipe raw, after the pickled frame that names it (:class:`_Raw`): a prefill
+#: step's ~7 MB of uploads are then neither pickled nor unpickled (three copies, ~8 ms a step on the 2-core box;
+#: docs/benchmarks.md, ttft17), and arrive in one buffer the worker reads straight into.
+RAW_MIN_BYTES = 1 << 16
+
+
+class _Raw:
+    """In a pickled frame: a list of byte strings of these ``sizes``, sent raw right after the frame."""
+
+    __slots__ = ("sizes",)
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+
+def _blob_list(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(b, bytes | bytearray | memoryview) for b in value)
+            and sum(len(b) for b in value) >= RAW_MIN_BYTES)
+
+
+def split_raw(values: tuple) -> tuple[tuple, list]:
+    """``values`` with each large list of byte strings replaced by a :class:`_Raw` marker, and those byte strings
+    in order (to send with :func:`send_raw` after the frame)."""
+    out, raw = [], []
+    for v in values:
+        if _blob_list(v):
+            out.append(_Raw([len(b) for b in v]))
+            raw.extend(v)
+        else:
+            out.append(v)
+    return tuple(out), raw
+
+
+def send_raw(conn, raw: list) -> None:
+    """Write byte strings to the connection's socket as they are (the peer's :func:`recv_raw` reads them)."""
+    fd = conn.fileno()
+    for b in raw:
+        view = memoryview(b).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
+
+
+def recv_raw(conn, values: tuple) -> tuple:
+    """``values`` with each :class:`_Raw` marker replaced by its list of byte strings, read from the connection
+    into one buffer (read-only memoryviews of it: no copy after the socket's). EOFError if the peer went away."""
+    total = sum(sum(v.sizes) for v in values if isinstance(v, _Raw))
+    if not total:
+        return values
+    buf = memoryview(bytearray(total))
+    got, fd = 0, conn.fileno()
+    while got < total:
+        n = os.readv(fd, [buf[got:]])
+        if n == 0:
+            raise EOFError("the peer closed the connection inside a raw transfer")
+        got += n
+    buf, out, at = buf.toreadonly(), [], 0
+    for v in values:
+        if isinstance(v, _Raw):
+            blobs = []
+            for n in v.sizes:
+                blobs.append(buf[at:at + n])
+                at += n
+            v = blobs
+        out.append(v)
+    return tuple(out)
+
+
+def _send_task_answer(conn, status: str, payload: Any, timing: tuple) -> None:
+    """A task's answer: a list of byte strings, or a tuple holding some (a step's results), go raw."""
+    raw: list = []
+    if status == "ok" and isinstance(payload, list):
+        (payload,), raw = split_raw((payload,))
+    elif status == "ok" and isinstance(payload, tuple) and type(payload) is tuple:
+        payload, raw = split_raw(payload)
+    conn.send((status, payload, timing))
+    send_raw(conn, raw)
+
+
+def _recv_task_answer(conn) -> tuple[str, Any, tuple]:
+    status, payload, timing = conn.recv()
+    if isinstance(payload, _Raw):
+        (payload,) = recv_raw(conn, (payload,))
+    elif type(payload) is tuple:
+        payload = recv_raw(conn, payload)
+    return status, payload, timing
+
+
 def _worker_main(conn, factory: str, factory_args: tuple) -> None:
     """Worker process: build the state, then serve (method, args) until the pipe closes. A state that cannot
     be built is said on the pipe (``("failed", why)``) before the process exits with the exception."""
@@ -86,11 +176,12 @@ def _worker_main(conn, factory: str, factory_args: tuple) -> None:
     while True:
         try:
             method, args = conn.recv()
+            args = recv_raw(conn, args)
         except EOFError:
             return
         took_in = time.monotonic()   # CLOCK_MONOTONIC: one clock for every process of the machine
         status, payload = run_task(state, method, args)   # a BATCH task answers every item's outcome at once
-        conn.send((status, payload, (took_in, take_stages(state), time.monotonic())))
+        _send_task_answer(conn, status, payload, (took_in, take_stages(state), time.monotonic()))
 
 
 def take_stages(state: Any) -> dict[str, float]:
@@ -191,11 +282,13 @@ class _Worker:
         (:func:`note_stages`)."""
         try:
             sent = time.monotonic()
+            args, raw = split_raw(args)
             self.conn.send((method, args))
+            send_raw(self.conn, raw)
             if not self.conn.poll(timeout):
                 self.kill()
                 raise WorkerTimeoutError(f"task {method} exceeded {timeout} s; worker restarted")
-            status, payload, timing = self.conn.recv()
+            status, payload, timing = _recv_task_answer(self.conn)
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as exc:
             self.kill()
             raise WorkerCrashedError(f"worker died during {method}; its sessions were lost") from exc

@@ -125,3 +125,17 @@ async def test_a_task_submitted_with_a_stage_sink_gets_its_queue_wait_transfers_
     assert all(v >= 0 for v in stages.values())
     assert stages["queue_wait"] >= 0.15 and 0.1 <= stages["worker_rest"] < 1.0
     assert not pool._slots[0].stage_sinks
+
+
+async def test_large_blob_lists_cross_the_pipe_raw_both_ways_and_small_ones_pickled(pool):
+    """A list of byte strings of RAW_MIN_BYTES or more (a step's uploads) goes to the worker raw after the frame and
+    comes back the same way inside a tuple answer: the same bytes, in order, with the other arguments untouched; an
+    empty or small list is pickled as before (bytes back)."""
+    from server.private.workers import RAW_MIN_BYTES
+
+    blobs = [bytes([i]) * (RAW_MIN_BYTES // 3 + i) for i in range(5)]
+    views = [memoryview(b"".join(blobs))[: len(blobs[0])]] + blobs[1:]   # views of a body, as the service sends
+    tag, back, _ = await pool.submit(0, "a", "echo", views)
+    assert tag == "t" and [bytes(b) for b in back] == blobs
+    assert await pool.submit(0, "a", "echo", [b"ab", b"c"]) == ("t", [b"ab", b"c"], 2)
+    assert await pool.submit(0, "a", "echo", []) == ("t", [], 3)

@@ -92,9 +92,11 @@ class _Raw:
 
 
 def _blob_list(value: Any) -> bool:
+    """A list of byte strings to send raw: large ones, and any holding a memoryview (views of a request body,
+    which pickle cannot take)."""
     return (isinstance(value, list) and bool(value)
             and all(isinstance(b, bytes | bytearray | memoryview) for b in value)
-            and sum(len(b) for b in value) >= RAW_MIN_BYTES)
+            and (sum(len(b) for b in value) >= RAW_MIN_BYTES or any(isinstance(b, memoryview) for b in value)))
 
 
 def split_raw(values: tuple) -> tuple[tuple, list]:

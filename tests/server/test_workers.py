@@ -139,3 +139,6 @@ async def test_large_blob_lists_cross_the_pipe_raw_both_ways_and_small_ones_pick
     assert tag == "t" and [bytes(b) for b in back] == blobs
     assert await pool.submit(0, "a", "echo", [b"ab", b"c"]) == ("t", [b"ab", b"c"], 2)
     assert await pool.submit(0, "a", "echo", []) == ("t", [], 3)
+    small = memoryview(b"a small body")          # a small step's blobs are views too: raw, not pickled
+    tag, back, _ = await pool.submit(0, "a", "echo", [small[:7], small[8:]])
+    assert [bytes(b) for b in back] == [b"a small", b"body"]

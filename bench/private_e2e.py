@@ -140,6 +140,7 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
         toks, times, server_s = [], [], []
         bench_encrypted.tokens, bench_encrypted.split = toks, []
         clock = CryptoClock()
+        stages = [stage_sums(server.url)]   # the server's step-stage histograms: before, after token 1, at the end
         t0 = time.perf_counter()
         try:
             for tok in runtime.generate(ids, params):
@@ -155,12 +156,16 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
                       f"[steps {split['steps_s']:.3f} s, client crypto {crypto:.3f} s, client clear "
                       f"{split['clear_s']:.3f} s]", file=sys.stderr, flush=True)
                 if len(toks) == 1:
+                    stages.append(stage_sums(server.url))
                     print(f"  prefill steps by part (s, up, down, steps): {tok.stats.parts}", file=sys.stderr,
                           flush=True)
         finally:   # also on a timeout's SIGTERM: a throttled run must say so (the SDK retries 429s silently)
             clock.close()
             print(f"  refused by a tenant limit (429) so far: {rate_limited(server.url)}", file=sys.stderr,
                   flush=True)
+            stages.append(stage_sums(server.url))
+            bench_encrypted.stages = stage_split(stages, len(toks))
+            print(stage_table(bench_encrypted.stages), file=sys.stderr, flush=True)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     first, rest = toks[0].stats, [t.stats for t in toks[1:]]
     mode = "encrypted" if packed else "encrypted, token prefill"
@@ -221,6 +226,65 @@ def rate_limited(url: str) -> dict[str, float]:
         return {"unreadable": repr(exc)}
     rows = [line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("cipherlm:rate_limited_total{")]
     return {labels.removeprefix("cipherlm:rate_limited_total"): float(v) for labels, v in rows}
+
+
+STAGE_METRIC = "cipherlm:private_step_stage_seconds"
+
+
+def stage_sums(url: str) -> dict[tuple[str, str], list[float]]:
+    """The server's ``cipherlm:private_step_stage_seconds`` now: ``(stage, kind) -> [seconds, steps]`` (its ``_sum``
+    and ``_count``; {} where the server has no such metric or /metrics is unreadable)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[tuple[str, str], list[float]] = {}
+    for line in text.splitlines():
+        for suffix, k in (("_sum{", 0), ("_count{", 1)):
+            if line.startswith(STAGE_METRIC + suffix):
+                labels, value = line[len(STAGE_METRIC + suffix):].rsplit(" ", 1)
+                fields = dict(kv.split("=", 1) for kv in labels.rstrip("}").split(","))
+                key = (fields["stage"].strip('"'), fields["kind"].strip('"'))
+                out.setdefault(key, [0.0, 0.0])[k] = float(value)
+    return out
+
+
+def stage_split(snaps: list[dict], tokens: int) -> dict:
+    """Per stage, seconds and steps of the first token (its prefill: every step before token 1, whatever its kind)
+    and of the decode tokens after it, from :func:`stage_sums` snapshots (before, after token 1, at the end)."""
+    if len(snaps) < 2:
+        return {}
+
+    def diff(a: dict, b: dict) -> dict:
+        out: dict[str, list[float]] = {}
+        for key, (sec, n) in b.items():
+            was = a.get(key, [0.0, 0.0])
+            acc = out.setdefault(key[0], [0.0, 0.0])
+            acc[0] += sec - was[0]
+            acc[1] += n - was[1]
+        return out
+    return {"prefill": diff(snaps[0], snaps[1]), "decode": diff(snaps[1], snaps[-1]),
+            "decode_tokens": max(tokens - 1, 0)}
+
+
+def stage_table(split: dict) -> str:
+    """Where the server's step time went, by stage (``server.metrics.PRIVATE_STEP_STAGES``): the first token's
+    steps and the decode tokens'."""
+    if not split or not split.get("prefill"):
+        return "  (the server exported no step stages)"
+    from server.metrics import PRIVATE_STEP_STAGES
+
+    pre, dec, ntok = split["prefill"], split["decode"], split["decode_tokens"]
+    steps_pre = pre.get("total", [0, 0])[1] or 1
+    steps_dec = dec.get("total", [0, 0])[1] or 1
+    out = ["| server stage | token 1: s | token 1: ms / step | decode: s / token | decode: ms / step |",
+           "|---|---:|---:|---:|---:|"]
+    for st in PRIVATE_STEP_STAGES:
+        p, d = pre.get(st, [0.0, 0]), dec.get(st, [0.0, 0])
+        out.append(f"| {st} | {p[0]:.3f} | {1000 * p[0] / steps_pre:.2f} | "
+                   f"{(d[0] / ntok if ntok else 0):.3f} | {1000 * d[0] / steps_dec:.2f} |")
+    out.append(f"| steps | {steps_pre:.0f} | | {(steps_dec / ntok if ntok else 0):.0f} / token | |")
+    return "\n".join(out)
 
 
 def _one_session(url: str, api_key: str, key_id: str, cache_dir: str, prompt: str, max_tokens: int,
@@ -509,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  token prefill: server prefill {_s(tok_s[0])}", file=sys.stderr, flush=True)
             report = {"rows": [dataclasses.asdict(plain), dataclasses.asdict(enc)], "setup": dataclasses.asdict(setup),
                       "server_s": server_s, "split": bench_encrypted.split, "sessions": [],
+                      "server_stages": getattr(bench_encrypted, "stages", {}),
                       "rate_limited": rate_limited(server.url)}
             # the single-session results first: a run cut short in the concurrent sessions still reports them
             _report(args, report, [plain, enc, *extra], setup, server_s, n_prompt, enc, plain, command, n_server)
@@ -549,6 +614,8 @@ def _report(args, report: dict, rows: list[Row], setup, server_s, n_prompt, enc,
     if args.offload or args.offload_plan:
         print()
         print(part_table(bench_encrypted.tokens, n_server or len(setup.encrypted_layers)))
+    print()
+    print(stage_table(getattr(bench_encrypted, "stages", {})))
     sys.stdout.flush()
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -20,7 +20,12 @@ cipherlm:rate_limited_total                      counter    429s by limit
 cipherlm:plaintext_fallback_total                counter    encrypted tenants served in plaintext
 cipherlm:num_requests_running / _waiting         gauge      from engine.stats()
 cipherlm:kv_cache_usage_perc                     gauge      from engine.stats()
+cipherlm:private_step_stage_seconds              histogram  an encrypted step's time by stage and kind
 ===============================================  =========  =======================================
+
+``private_step_stage_seconds`` is labelled by ``stage`` (one of :data:`PRIVATE_STEP_STAGES`, a fixed list)
+and ``kind`` (``prefill``: a step of several positions; ``decode``: one position) only: no tenant, session,
+layer or byte of a body, so its series are bounded (``docs/operator-guide.md`` says what each stage covers).
 """
 
 from __future__ import annotations
@@ -35,6 +40,26 @@ from prometheus_client.registry import Collector
 PREFIX = "cipherlm:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
+#: encrypted steps: stages run ~0.1-100 ms each, a whole step up to seconds on a loaded CPU worker
+_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256,
+                  0.512, 1.0, 2.0, 4.0, 8.0, 16.0)
+#: The stages of one encrypted step, in the order they happen (server.private: router, service, workers, compute)
+PRIVATE_STEP_STAGES = (
+    "body_read",        # the request body streamed in (router.read_capped)
+    "envelope",         # envelope parse and the step's checks (session, key, layer, positions, sizes)
+    "digest",           # SHA-256 of the body (retry semantics)
+    "queue_wait",       # queued for the session's worker (behind other tasks)
+    "to_worker",        # the task handed to the worker process (serialization, the pipe, its read there)
+    "worker_parse",     # the worker parsing and checking the uploaded ciphertexts
+    "worker_compute",   # the evaluation itself
+    "worker_serialize",  # the results serialized for the wire
+    "worker_rest",      # the worker's other time on the task (all of it where a task does not split it)
+    "from_worker",      # the result back from the worker process (serialization, the pipe, its read here)
+    "pool_rest",        # the pool's own overhead around the call (thread hand-off, event-loop wake-up)
+    "result",           # the result envelope built
+    "total",            # the whole step in the server's handler, from the first byte read to the answer
+)
+PRIVATE_STEP_KINDS = ("prefill", "decode")
 _STAT_GAUGES = {  # engine.stats() field -> (metric name, help)
     "num_running": ("num_requests_running", "Requests running in the engine"),
     "num_waiting": ("num_requests_waiting", "Requests waiting for admission"),
@@ -100,6 +125,10 @@ class ServerMetrics:
         self.fallbacks = Counter(PREFIX + "plaintext_fallback", "Encrypted-mode requests served in plaintext",
                                  ["tenant"], registry=r)
 
+        self.private_step_stage = Histogram(PREFIX + "private_step_stage_seconds",
+                                            "Encrypted step time by stage (server side)", ["stage", "kind"],
+                                            buckets=_STAGE_BUCKETS, registry=r)
+
         self.registry.register(_EngineStatsCollector(self))
 
     def watch_engine(self, stats: Callable[[], Any] | None) -> None:
@@ -115,6 +144,16 @@ class ServerMetrics:
         self.cached_tokens.labels(*lab).inc(cached)
         for reason in finish_reasons:
             self.request_success.labels(*lab, reason or "unknown").inc()
+
+    def record_private_stages(self, kind: str, stages: dict[str, float]) -> None:
+        """Observe one encrypted step's stage times (seconds; ``kind`` ``prefill`` or ``decode``). Names outside
+        :data:`PRIVATE_STEP_STAGES` and kinds outside :data:`PRIVATE_STEP_KINDS` are dropped, so the label
+        sets stay the fixed ones whatever a caller passes."""
+        if kind not in PRIVATE_STEP_KINDS:
+            return
+        for stage, seconds in stages.items():
+            if stage in PRIVATE_STEP_STAGES:
+                self.private_step_stage.labels(stage, kind).observe(max(0.0, seconds))
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +32,32 @@ from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import Plan
 from server.keys import Inspection, inspect_upload_keys
 from server.private.codes import TaskFailure, WorkerCode
+
+
+class StageClock:
+    """The worker-side stage times of the task running now (``worker_parse``, ``worker_compute``,
+    ``worker_serialize``: ``server.metrics.PRIVATE_STEP_STAGES``), taken by the pool's worker loop after each task
+    (:meth:`PrivateCompute.take_stages`). Times only."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, float] = {}
+        self.t = time.monotonic()
+
+    def start(self) -> None:
+        self.t = time.monotonic()
+
+    def lap(self, stage: str, sync: Callable[[], None] | None = None) -> None:
+        """Add the time since the last lap to ``stage`` (``sync``: wait for the device first, so its queued work
+        is counted where it was queued)."""
+        if sync is not None:
+            sync()
+        now = time.monotonic()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - self.t
+        self.t = now
+
+    def take(self) -> dict[str, float]:
+        out, self.stages = self.stages, {}
+        return out
 
 
 class PrivateCompute:
@@ -55,9 +82,14 @@ class PrivateCompute:
         # for load_screened_key until the next load or inspection (at most one key set beyond the loaded ones)
         self._screened: tuple[str, ServerKeys] | None = None
         self.sessions: dict[str, tuple[str, dict[int, EncryptedKVCache]]] = {}
+        self.clock = StageClock()
         self.linear = _OffloadLinear(model, offload_path, device, offload_chunks) if offload_path else None
         if self.linear is not None and offload_warm:   # worker start (key setup), not a session's first tokens
             self.linear.warm()
+
+    def take_stages(self) -> dict[str, float]:
+        """The stage times of the last task (for the pool's worker loop: ``server.private.workers.take_stages``)."""
+        return self.clock.take()
 
     def _attention_blocks(self, model, plan: Plan, max_tokens: int, device: str, step_processes: int) -> None:
         plan.check_model(model)
@@ -221,15 +253,20 @@ class PrivateCompute:
         ``outputs_per_position`` ciphertexts, every other part one."""
         if self.linear is None or fingerprint not in self.linear.keys:
             raise TaskFailure(WorkerCode.KEY_NOT_LOADED, "offload key set not loaded in this worker")
-        keys = self.linear.keys[fingerprint]
+        keys, clock = self.linear.keys[fingerprint], self.clock
+        clock.start()
         block, _ = self.linear.part(layer, part)
         cts = self.linear.inputs(blobs, keys, block.ev.top)
+        clock.lap("worker_parse", self.linear.sync)
         if packed:   # several positions: the chunk layout, T ciphertexts per chunk in, G out
-            return self.linear.chunk_blobs(fingerprint, layer, part, cts)
+            return self.linear.chunk_blobs(fingerprint, layer, part, cts, clock)
         if self.linear.gpu is not None:
-            return self.linear.run_batch([(fingerprint, cts)], layer, part)[0]
-        return [wire.dump_ciphertext(c, self.linear.params, keys.fingerprint)
-                for c in self.linear.run(fingerprint, layer, part, cts)]
+            return self.linear.run_batch([(fingerprint, cts)], layer, part, clock)[0]
+        outs = self.linear.run(fingerprint, layer, part, cts)
+        clock.lap("worker_compute")
+        blobs = [wire.dump_ciphertext(c, self.linear.params, keys.fingerprint) for c in outs]
+        clock.lap("worker_serialize")
+        return blobs
 
     def mlp_step_batch(self, items: list[tuple]) -> list:
         """Several sessions' :meth:`mlp_step` calls of one (layer, part) and layout, each ``(fingerprint, layer,
@@ -245,6 +282,7 @@ class PrivateCompute:
         block, _ = self.linear.part(layer, part)
         out: list = [None] * len(items)
         ready = []   # (item index, fingerprint, parsed ciphertexts)
+        self.clock.start()
         for n, (fp, _, _, blobs, _) in enumerate(items):
             try:
                 if fp not in self.linear.keys:
@@ -252,7 +290,8 @@ class PrivateCompute:
                 ready.append((n, fp, self.linear.inputs(blobs, self.linear.keys[fp], block.ev.top)))
             except TaskFailure as exc:
                 out[n] = exc
-        results = (self.linear.run_batch([(fp, cts) for _, fp, cts in ready], layer, part)
+        self.clock.lap("worker_parse", self.linear.sync)
+        results = (self.linear.run_batch([(fp, cts) for _, fp, cts in ready], layer, part, self.clock)
                    if ready else [])
         for (n, _, _), blobs in zip(ready, results, strict=True):
             out[n] = blobs
@@ -344,6 +383,11 @@ class _OffloadLinear:
                     raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"ciphertext {i}: {exc}"[:300]) from exc
         return out
 
+    def sync(self) -> None:
+        """Wait for the device's queued work (CUDA only: a stage's time is then its own, not the next one's)."""
+        if self.gpu is not None and self.gpu.device.type == "cuda":
+            torch.cuda.synchronize(self.gpu.device)
+
     def device(self, ct):
         """A device ciphertext of ``ct`` (already one, or a SEAL ciphertext SEAL parsed and checked)."""
         from fhe.backends.gpu.evaluator import GpuCiphertext
@@ -382,18 +426,25 @@ class _OffloadLinear:
         return [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c, compress=False))
                 for c in self._chunks_on_device(layer, part, xs, self.device_keys[fingerprint])]
 
-    def chunk_blobs(self, fingerprint: str, layer: int, part: str, cts: list) -> list[bytes]:
+    def chunk_blobs(self, fingerprint: str, layer: int, part: str, cts: list,
+                    clock: StageClock | None = None) -> list[bytes]:
         """:meth:`run_chunks` as wire blobs; on the gpu backend the device serialization goes into the wire as is
         (as :meth:`run_batch` does: no SEAL load and zstd save per result, ~48 results per server layer of a
         32-position prefill)."""
-        keys = self.keys[fingerprint]
+        keys, clock = self.keys[fingerprint], clock or StageClock()
         if self.gpu is None:
-            return [wire.dump_ciphertext(c, self.params, keys.fingerprint)
-                    for c in self.run_chunks(fingerprint, layer, part, cts)]
+            outs = self.run_chunks(fingerprint, layer, part, cts)
+            clock.lap("worker_compute")
+            blobs = [wire.dump_ciphertext(c, self.params, keys.fingerprint) for c in outs]
+            clock.lap("worker_serialize")
+            return blobs
         outs = self._chunks_on_device(layer, part, [self.device(ct) for ct in cts],
                                       self.device_keys[fingerprint])
-        return [wire.pack_ciphertext(self.gpu.serialize(c, compress=False), self.params, keys.fingerprint)
-                for c in outs]
+        clock.lap("worker_compute", self.sync)
+        blobs = [wire.pack_ciphertext(self.gpu.serialize(c, compress=False), self.params, keys.fingerprint)
+                 for c in outs]
+        clock.lap("worker_serialize")
+        return blobs
 
     def _chunks_on_device(self, layer: int, part: str, xs: list, keys) -> list:
         """Device ciphertexts of a chunk-layout step (T per chunk, chunks in order) -> G per chunk, in order.
@@ -450,7 +501,8 @@ class _OffloadLinear:
         return ([(i, p) for i in sorted(self.attention) for p in ("attn_qkv", "attn_o")] +
                 [(i, p) for i in sorted(self.blocks) for p in ("mlp_up", "mlp_down")])
 
-    def run_batch(self, items: list[tuple[str, list]], layer: int, part: str) -> list[list]:
+    def run_batch(self, items: list[tuple[str, list]], layer: int, part: str,
+                  clock: StageClock | None = None) -> list[list]:
         """:meth:`run` for several sessions at once on the gpu backend, ``items`` = (fingerprint, checked SEAL
         ciphertexts) each: every position of every item is one row of one batch (one graph replay of the
         step, :class:`fhe.backends.gpu.step.StepGraphs`), each row under its session's device key set. Per
@@ -459,9 +511,13 @@ class _OffloadLinear:
         no SEAL load and zstd pass per result, 0.5 ms of a step's host time; docs/benchmarks.md, serving17)."""
         cts = [ct for _, item in items for ct in item]
         keys = [self.device_keys[fp] for fp, item in items for _ in item]
+        clock = clock or StageClock()
         rows = iter(self._on_device(layer, part, cts, keys))
-        return [[wire.pack_ciphertext(self.gpu.serialize(c, compress=False), self.params, self.keys[fp].fingerprint)
-                 for _ in item for c in next(rows)] for fp, item in items]
+        clock.lap("worker_compute", self.sync)
+        out = [[wire.pack_ciphertext(self.gpu.serialize(c, compress=False), self.params, self.keys[fp].fingerprint)
+                for _ in item for c in next(rows)] for fp, item in items]
+        clock.lap("worker_serialize")
+        return out
 
     def _on_device(self, layer: int, part: str, cts: list, keys) -> list[list]:
         """The step on the device for checked ciphertexts ``cts`` (device ones from :meth:`inputs`, or SEAL ones:

@@ -268,6 +268,7 @@ async def _serve(app: Any, cfg: PrivateSettings, root: Path, plan_hash: str, att
     await pool.start()
     svc = PrivateService(cfg, plan_hash, attention_layers, pool, registry, audit)
     pool.in_use = lambda worker: bool(svc.sessions.on_worker(worker))  # never idle-stop a session's worker
+    svc.observe_stages = app.state.metrics.record_private_stages
     app.state.private = svc
     app.state.private_metrics = PoolCollector(pool, cfg.backend, lambda w: len(svc.sessions.on_worker(w)))
     app.state.metrics.registry.register(app.state.private_metrics)

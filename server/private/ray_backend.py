@@ -216,6 +216,8 @@ class RayWorkerPool(SlotQueues):
         """One actor call; large bytes go through the object store by reference."""
         refs = []
         for a in args:
+            if isinstance(a, list) and any(isinstance(b, memoryview) for b in a):   # views of a request body
+                a = [bytes(b) if isinstance(b, memoryview) else b for b in a]
             if isinstance(a, bytes | bytearray) and len(a) >= OBJECT_STORE_MIN_BYTES:
                 a = await asyncio.to_thread(self._ray.put, a)
             refs.append(a)

@@ -17,7 +17,8 @@ grow past them either (``server.app.body_limit`` applies the same caps in the mi
 from __future__ import annotations
 
 import contextlib
-from typing import Annotated
+import hashlib
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse
@@ -25,7 +26,7 @@ from pydantic import BaseModel, Field
 
 from server.errors import NotFoundError, PermissionDeniedError, RequestTooLargeError
 from server.keys import KeyRecord, KeyTooLargeError
-from server.private.service import PrivateService
+from server.private.service import PrivateService, StepTimes
 from server.routers.deps import admit_request, admit_step, ensure_admitting
 from server.settings import PrivacyMode
 from server.tenants import Tenant, get_tenant
@@ -63,15 +64,20 @@ def check_declared_size(request: Request, cap: int, code: str) -> None:
         raise RequestTooLargeError(f"request body over {cap} bytes", code=code)
 
 
-async def read_capped(request: Request, cap: int, code: str) -> bytes:
+async def read_capped(request: Request, cap: int, code: str, digest: Any = None) -> bytes:
     """The request body, streamed and refused with 413 the moment it passes ``cap`` bytes (so a body with
-    no or a false Content-Length is never held past the cap)."""
-    buf = bytearray()
+    no or a false Content-Length is never held past the cap). The chunks are joined once at the end: one copy
+    of a multi-MB step body, not a growing buffer's copies and then a second one into ``bytes``. ``digest``: a
+    ``hashlib`` object fed each chunk as it arrives (while the client still sends the rest, and from the cache)."""
+    chunks, size = [], 0
     async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > cap:
+        size += len(chunk)
+        if size > cap:
             raise RequestTooLargeError(f"request body over {cap} bytes", code=code)
-    return bytes(buf)
+        chunks.append(chunk)
+        if digest is not None:
+            digest.update(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _request_id(request: Request) -> str | None:
@@ -180,12 +186,16 @@ async def step(session_id: str, request: Request, tenant: TenantDep, svc: Privat
     svc.session_for(tenant.id, session_id)  # 404/410 before a byte of the body is read
     check_declared_size(request, svc.cfg.max_step_bytes, "step_too_large")
     limiter = admit_step(request, tenant)   # steps/min, not requests/min: a generation is thousands of steps
+    times = StepTimes()
     try:
-        out = await svc.step(tenant.id, session_id, await read_capped(request, svc.cfg.max_step_bytes,
-                                                                      "step_too_large"),
-                              request_id=_request_id(request))
+        sha = hashlib.sha256()   # the step's digest (retry semantics), of exactly the bytes handed on
+        body = await read_capped(request, svc.cfg.max_step_bytes, "step_too_large", sha)
+        times.since("body_read", times.started)
+        out = await svc.step(tenant.id, session_id, body, request_id=_request_id(request), times=times,
+                             digest=sha.hexdigest())
     finally:
         limiter.release()
+    svc.record_times(times)
     return Response(out, media_type=OCTET)
 
 

@@ -21,7 +21,9 @@ import asyncio
 import hashlib
 import logging
 import secrets
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fhe import envelope
@@ -66,6 +68,31 @@ Owner = tuple[str, str, int]  # (tenant, key id, version): one registration of a
 Slot = tuple[int, str]        # (worker, fingerprint): one key set loaded in one worker
 
 
+@dataclass
+class StepTimes:
+    """One step's stage times on the server (``server.metrics.PRIVATE_STEP_STAGES``), filled by the router
+    (``body_read``), the service and the worker pool; ``kind`` is set once the step ran (a retry answered
+    from the stored answer ran nothing and is not recorded). Times only: never a byte of the body."""
+
+    started: float = field(default_factory=time.monotonic)
+    stages: dict[str, float] = field(default_factory=dict)
+    kind: str | None = None
+
+    def since(self, stage: str, t0: float) -> float:
+        """Note ``stage`` as the time since ``t0`` (``time.monotonic()``); returns now."""
+        now = time.monotonic()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - t0
+        return now
+
+    def ran(self, count: int) -> None:
+        self.kind = "decode" if count == 1 else "prefill"
+
+
+#: the stages of a worker call that the pool measures (the rest of the call is ``pool_rest``)
+_POOL_STAGES = ("queue_wait", "to_worker", "worker_parse", "worker_compute", "worker_serialize", "worker_rest",
+                "from_worker")
+
+
 def new_request_id() -> str:
     """A request id for requests that came without ``X-Request-Id``."""
     return "req_" + secrets.token_hex(12)
@@ -107,6 +134,9 @@ class PrivateService:
     #: The offload plan's MLP steps (``server.private.offload.OffloadSteps``; set by ``feature.start`` when
     #: ``[private] offload_plan`` is set); None: attention steps only (the partial plan).
     offload: Any = None
+    #: Told ``(kind, stages)`` for every step that ran (``server.metrics.ServerMetrics.record_private_stages``;
+    #: set by ``feature.start``); None: not recorded.
+    observe_stages: Callable[[str, dict[str, float]], None] | None = None
 
     def __init__(self, cfg: PrivateSettings, plan_hash: str, encrypted_layers: tuple[int, ...],
                  pool: WorkerBackend, registry: KeyRegistry, audit: Any,
@@ -408,25 +438,32 @@ class PrivateService:
             raise GoneError(f"session closed: {s.reason}", code="session_closed")
         return s
 
-    async def step(self, tenant: str, sid: str, body: bytes, *, request_id: str | None = None) -> bytes:
+    async def step(self, tenant: str, sid: str, body: bytes, *, request_id: str | None = None,
+                   times: StepTimes | None = None, digest: str | None = None) -> bytes:
         """Run one step (a layer over ``count`` positions) and return the result envelope.
 
         Retry-safe: the same request again (same layer, positions and body bytes) gets the stored answer,
         or waits for the running one; the same positions with another body are a 409 ``step_mismatch``.
         A step, once running, runs to completion even if its client goes away (its answer is kept for
-        the retry, and the worker's cache never gets ahead of the service's count).
+        the retry, and the worker's cache never gets ahead of the service's count). ``times``: filled with
+        the step's stage times (:meth:`record_times` observes them). ``digest``: the SHA-256 hex digest of
+        ``body`` where the caller computed it while reading it (the router does), else computed here.
         """
+        times = times or StepTimes()
+        t0 = time.monotonic()
         s = self.session_for(tenant, sid)
         env = self._parse(body)
         if env.part != envelope.ATTENTION:
-            return await self._mlp_step(s, env, body, request_id or new_request_id())
+            return await self._mlp_step(s, env, body, request_id or new_request_id(), times, t0, digest)
         if s.lease is None:
             raise InvalidRequestError("this server's plan runs no attention block on ciphertexts (every server "
                                       "layer is a linear step)", code="bad_layer")
         if env.kind == "rollback":
             return await self._rollback(s, env, hashlib.sha256(body).hexdigest(), request_id or new_request_id())
         self._check_step(s, env)
-        digest = hashlib.sha256(body).hexdigest()
+        t0 = times.since("envelope", t0)
+        digest = digest or hashlib.sha256(body).hexdigest()
+        times.since("digest", t0)
         prev = s.last_step.get(env.layer)
         # a rollback's positions are [keep, dropped], not a step's [start, count]: never "the same request"
         same = None if prev is None or prev.kind == "rollback" else prev.same_request(env.positions, digest)
@@ -437,19 +474,29 @@ class PrivateService:
         if same:
             return prev.answer if isinstance(prev.answer, bytes) else await asyncio.shield(prev.answer)
         self._check_next(s, env)
-        task = asyncio.ensure_future(self._advance(s, env, request_id or new_request_id()))
+        task = asyncio.ensure_future(self._advance(s, env, request_id or new_request_id(), times))
         s.last_step[env.layer] = StepRecord(env.positions, digest, task, env.kind)
         task.add_done_callback(lambda t, rec=s.last_step[env.layer]: self._step_done(s, env.layer, rec, prev, t))
         return await asyncio.shield(task)
 
-    async def _mlp_step(self, s: Session, env: envelope.Envelope, body: bytes, request_id: str) -> bytes:
+    def record_times(self, times: StepTimes) -> None:
+        """Hand a step's stage times to :attr:`observe_stages` (with ``total``: since ``times.started``), if it ran."""
+        if times.kind is None or self.observe_stages is None:
+            return
+        times.stages["total"] = time.monotonic() - times.started
+        self.observe_stages(times.kind, times.stages)
+
+    async def _mlp_step(self, s: Session, env: envelope.Envelope, body: bytes, request_id: str,
+                        times: StepTimes, t0: float, digest: str | None = None) -> bytes:
         """An offload plan's MLP half: checked here (part, layer, key set, sizes: all 4xx), run stateless
         on a worker holding the MLP key set, retry-safe like an attention step (the answer is stored per
         (layer, part), and the same positions with another body are a 409)."""
         if self.offload is None:
             raise InvalidRequestError("this server's plan runs no linear offload step", code="bad_part")
         self.offload.check_step(s, env, self.cfg)
-        digest, slot = hashlib.sha256(body).hexdigest(), (env.layer, env.part)
+        t0 = times.since("envelope", t0)
+        digest, slot = digest or hashlib.sha256(body).hexdigest(), (env.layer, env.part)
+        times.since("digest", t0)
         prev = s.last_step.get(slot)
         same = None if prev is None else prev.same_request(env.positions, digest)
         if same is False:
@@ -461,12 +508,12 @@ class PrivateService:
             s.mlp_lease.check()
         except KeyCancelledError as exc:
             raise PermissionDeniedError(f"MLP key no longer usable: {exc}", code="key_not_active") from exc
-        task = asyncio.ensure_future(self._run_mlp(s, env, request_id))
+        task = asyncio.ensure_future(self._run_mlp(s, env, request_id, times))
         s.last_step[slot] = StepRecord(env.positions, digest, task)
         task.add_done_callback(lambda t, rec=s.last_step[slot]: self._step_done(s, slot, rec, prev, t))
         return await asyncio.shield(task)
 
-    async def _run_mlp(self, s: Session, env: envelope.Envelope, request_id: str) -> bytes:
+    async def _run_mlp(self, s: Session, env: envelope.Envelope, request_id: str, times: StepTimes) -> bytes:
         """Any worker holding the MLP key set (the session's always does) runs the step; on the gpu backend,
         batched with the other sessions' steps of the same (layer, part) queued there (``batch_steps``)."""
         from server.private.offload import OffloadSteps
@@ -477,8 +524,9 @@ class PrivateService:
         batch = (("mlp_step", env.layer, env.part, packed) if self.cfg.gpu_backend and self.cfg.batch_steps > 1
                  else None)
         try:
-            blobs = await self.pool.submit(worker, s.tenant, "mlp_step", s.mlp_fingerprint, env.layer, env.part,
-                                           list(env.blobs), packed, batch=batch)
+            blobs = await self._timed(times, self.pool.submit(
+                worker, s.tenant, "mlp_step", s.mlp_fingerprint, env.layer, env.part, list(env.blobs), packed,
+                batch=batch, stages=times.stages))
         except TaskError as exc:
             if exc.code is WorkerCode.KEY_NOT_LOADED:
                 self._unload((worker, s.mlp_fingerprint))
@@ -486,8 +534,21 @@ class PrivateService:
         except WorkerError as exc:
             raise _lost_worker("the worker running this MLP step was lost; retry", "worker_lost") from exc
         self.sessions.touch(s)
-        return envelope.Envelope(s.id, s.mlp_fingerprint, env.layer, "result", env.positions, tuple(blobs),
-                                 env.backend, env.params, env.part).to_bytes()
+        t0 = time.monotonic()
+        out = envelope.Envelope(s.id, s.mlp_fingerprint, env.layer, "result", env.positions, tuple(blobs),
+                                env.backend, env.params, env.part).to_bytes()
+        times.since("result", t0)
+        times.ran(env.positions[1])
+        return out
+
+    @staticmethod
+    async def _timed(times: StepTimes, call: Any) -> Any:
+        """Await a worker call, noting as ``pool_rest`` its time outside the stages the pool measured."""
+        t0 = time.monotonic()
+        out = await call
+        measured = sum(times.stages.get(k, 0.0) for k in _POOL_STAGES)
+        times.stages["pool_rest"] = max(0.0, time.monotonic() - t0 - measured)
+        return out
 
     def _check_next(self, s: Session, env: envelope.Envelope) -> None:
         """A new step must continue the layer and run on a usable key."""
@@ -500,15 +561,19 @@ class PrivateService:
         except KeyCancelledError as exc:
             raise PermissionDeniedError(f"key no longer usable: {exc}", code="key_not_active") from exc
 
-    async def _advance(self, s: Session, env: envelope.Envelope, request_id: str) -> bytes:
+    async def _advance(self, s: Session, env: envelope.Envelope, request_id: str, times: StepTimes) -> bytes:
         """Run the step in the session's worker and move the layer on."""
         start, count = env.positions
-        blobs, nbytes = await self._run_step(s, env, request_id)
+        blobs, nbytes = await self._timed(times, self._run_step(s, env, request_id, times.stages))
         s.next_position[env.layer] = start + count
         s.nbytes = nbytes
         self.sessions.touch(s)
-        return envelope.Envelope(s.id, s.fingerprint, env.layer, "result", (start, count), tuple(blobs),
-                                 env.backend, env.params).to_bytes()
+        t0 = time.monotonic()
+        out = envelope.Envelope(s.id, s.fingerprint, env.layer, "result", (start, count), tuple(blobs),
+                                env.backend, env.params).to_bytes()
+        times.since("result", t0)
+        times.ran(count)
+        return out
 
     @staticmethod
     def _step_done(s: Session, layer: Any, rec: StepRecord, prev: StepRecord | None, task: asyncio.Future) -> None:
@@ -525,7 +590,7 @@ class PrivateService:
 
     def _parse(self, body: bytes) -> envelope.Envelope:
         try:
-            return envelope.parse(body, self.cfg.max_blob_bytes, self.cfg.max_step_bytes)
+            return envelope.parse(body, self.cfg.max_blob_bytes, self.cfg.max_step_bytes, views=True)
         except envelope.EnvelopeError as exc:
             if exc.too_large:
                 raise RequestTooLargeError(str(exc), code="step_too_large") from exc
@@ -571,20 +636,21 @@ class PrivateService:
             raise InvalidRequestError(f"{count} positions come in {-(-count // chunk)} packed ciphertexts "
                                       f"of {chunk}, got {blobs}", code="bad_step")
 
-    async def _run_step(self, s: Session, env: envelope.Envelope, request_id: str):
+    async def _run_step(self, s: Session, env: envelope.Envelope, request_id: str, stages: dict | None = None):
         start, count = env.positions
         blobs = list(env.blobs)
         if env.kind == "verify":
-            return await self._session_task(s, request_id, "step_verify", env.layer, start, blobs)
+            return await self._session_task(s, request_id, "step_verify", env.layer, start, blobs, stages=stages)
         if env.kind == "packed":
-            return await self._session_task(s, request_id, "step_packed", env.layer, start, count, blobs)
-        return await self._session_task(s, request_id, "step", env.layer, start, blobs)
+            return await self._session_task(s, request_id, "step_packed", env.layer, start, count, blobs,
+                                            stages=stages)
+        return await self._session_task(s, request_id, "step", env.layer, start, blobs, stages=stages)
 
-    async def _session_task(self, s: Session, request_id: str, method: str, *args):
+    async def _session_task(self, s: Session, request_id: str, method: str, *args, stages: dict | None = None):
         """``method(s.id, s.fingerprint, *args)`` on the worker holding ``s``: a session the worker no
         longer knows is marked lost; a lost worker is 503 ``session_lost``."""
         try:
-            return await self.pool.submit(s.worker, s.tenant, method, s.id, s.fingerprint, *args)
+            return await self.pool.submit(s.worker, s.tenant, method, s.id, s.fingerprint, *args, stages=stages)
         except TaskError as exc:
             if exc.code in (WorkerCode.SESSION_UNKNOWN, WorkerCode.SESSION_DESYNC):
                 s.state, s.reason = SessionState.LOST, "worker_lost"

@@ -32,6 +32,7 @@ import contextlib
 import importlib
 import logging
 import multiprocessing as mp
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -74,6 +75,97 @@ class TaskError(WorkerError):
         self.exc_type = exc_type
 
 
+#: A task argument (or an answer, or an element of a tuple answer) that is a list of byte strings of at least
+#: this many bytes in all crosses the pipe raw, after the pickled frame that names it (:class:`_Raw`): a prefill
+#: step's ~7 MB of uploads are then neither pickled nor unpickled (three copies, ~8 ms a step on the 2-core box;
+#: docs/benchmarks.md, ttft17), and arrive in one buffer the worker reads straight into.
+RAW_MIN_BYTES = 1 << 16
+
+
+class _Raw:
+    """In a pickled frame: a list of byte strings of these ``sizes``, sent raw right after the frame."""
+
+    __slots__ = ("sizes",)
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+
+def _blob_list(value: Any) -> bool:
+    """A list of byte strings to send raw: large ones, and any holding a memoryview (views of a request body,
+    which pickle cannot take)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(b, bytes | bytearray | memoryview) for b in value)
+            and (sum(len(b) for b in value) >= RAW_MIN_BYTES or any(isinstance(b, memoryview) for b in value)))
+
+
+def split_raw(values: tuple) -> tuple[tuple, list]:
+    """``values`` with each large list of byte strings replaced by a :class:`_Raw` marker, and those byte strings
+    in order (to send with :func:`send_raw` after the frame)."""
+    out, raw = [], []
+    for v in values:
+        if _blob_list(v):
+            out.append(_Raw([len(b) for b in v]))
+            raw.extend(v)
+        else:
+            out.append(v)
+    return tuple(out), raw
+
+
+def send_raw(conn, raw: list) -> None:
+    """Write byte strings to the connection's socket as they are (the peer's :func:`recv_raw` reads them)."""
+    fd = conn.fileno()
+    for b in raw:
+        view = memoryview(b).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
+
+
+def recv_raw(conn, values: tuple) -> tuple:
+    """``values`` with each :class:`_Raw` marker replaced by its list of byte strings, read from the connection
+    into one buffer (read-only memoryviews of it: no copy after the socket's). EOFError if the peer went away."""
+    total = sum(sum(v.sizes) for v in values if isinstance(v, _Raw))
+    if not total:
+        return values
+    buf = memoryview(bytearray(total))
+    got, fd = 0, conn.fileno()
+    while got < total:
+        n = os.readv(fd, [buf[got:]])
+        if n == 0:
+            raise EOFError("the peer closed the connection inside a raw transfer")
+        got += n
+    buf, out, at = buf.toreadonly(), [], 0
+    for v in values:
+        if isinstance(v, _Raw):
+            blobs = []
+            for n in v.sizes:
+                blobs.append(buf[at:at + n])
+                at += n
+            v = blobs
+        out.append(v)
+    return tuple(out)
+
+
+def _send_task_answer(conn, status: str, payload: Any, timing: tuple) -> None:
+    """A task's answer: a list of byte strings, or a tuple holding some (a step's results), go raw."""
+    raw: list = []
+    if status == "ok" and isinstance(payload, list):
+        (payload,), raw = split_raw((payload,))
+    elif status == "ok" and isinstance(payload, tuple) and type(payload) is tuple:
+        payload, raw = split_raw(payload)
+    conn.send((status, payload, timing))
+    send_raw(conn, raw)
+
+
+def _recv_task_answer(conn) -> tuple[str, Any, tuple]:
+    status, payload, timing = conn.recv()
+    if isinstance(payload, _Raw):
+        (payload,) = recv_raw(conn, (payload,))
+    elif type(payload) is tuple:
+        payload = recv_raw(conn, payload)
+    return status, payload, timing
+
+
 def _worker_main(conn, factory: str, factory_args: tuple) -> None:
     """Worker process: build the state, then serve (method, args) until the pipe closes. A state that cannot
     be built is said on the pipe (``("failed", why)``) before the process exits with the exception."""
@@ -86,9 +178,33 @@ def _worker_main(conn, factory: str, factory_args: tuple) -> None:
     while True:
         try:
             method, args = conn.recv()
+            args = recv_raw(conn, args)
         except EOFError:
             return
-        conn.send(run_task(state, method, args))   # a BATCH task answers every item's outcome at once
+        took_in = time.monotonic()   # CLOCK_MONOTONIC: one clock for every process of the machine
+        status, payload = run_task(state, method, args)   # a BATCH task answers every item's outcome at once
+        _send_task_answer(conn, status, payload, (took_in, take_stages(state), time.monotonic()))
+
+
+def take_stages(state: Any) -> dict[str, float]:
+    """The stage times (seconds) the state's last task noted (``state.take_stages()``; {} where it notes none)."""
+    take = getattr(state, "take_stages", None)
+    try:
+        return dict(take()) if take is not None else {}
+    except Exception:  # noqa: BLE001 - timing must never fail a task
+        return {}
+
+
+def note_stages(sink: dict[str, float] | None, sent: float, timing: tuple, back: float) -> None:
+    """Split one worker call (sent at ``sent``, answered at ``back``, both ``time.monotonic()``) into the stages of
+    ``server.metrics.PRIVATE_STEP_STAGES``, from the worker's ``timing`` ``(took_in, stages, answered)``."""
+    if sink is None:
+        return
+    took_in, stages, answered = timing
+    sink["to_worker"] = took_in - sent
+    sink.update(stages)
+    sink["worker_rest"] = (answered - took_in) - sum(stages.values())
+    sink["from_worker"] = back - answered
 
 
 def start_failure(exc: BaseException) -> str:
@@ -163,16 +279,22 @@ class _Worker:
             raise WorkerStartError(f"worker did not start within {start_timeout} s "
                                    f"(exit code {self.proc.exitcode})")
 
-    def call(self, method: str, args: tuple, timeout: float) -> Any:
+    def call(self, method: str, args: tuple, timeout: float, stages: dict[str, float] | None = None) -> Any:
+        """``state.method(*args)`` in the worker; ``stages``: filled with the call's stage times
+        (:func:`note_stages`)."""
         try:
+            sent = time.monotonic()
+            args, raw = split_raw(args)
             self.conn.send((method, args))
+            send_raw(self.conn, raw)
             if not self.conn.poll(timeout):
                 self.kill()
                 raise WorkerTimeoutError(f"task {method} exceeded {timeout} s; worker restarted")
-            status, payload = self.conn.recv()
+            status, payload, timing = _recv_task_answer(self.conn)
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as exc:
             self.kill()
             raise WorkerCrashedError(f"worker died during {method}; its sessions were lost") from exc
+        note_stages(stages, sent, timing, time.monotonic())
         if status == "error":
             raise TaskError(*payload)
         return payload
@@ -194,6 +316,7 @@ class _Slot:
     def __init__(self) -> None:
         self.queues: dict[str, collections.deque] = collections.OrderedDict()
         self.batch_keys: dict[asyncio.Future, Any] = {}   # queued items that may run batched, by future
+        self.stage_sinks: dict[asyncio.Future, tuple[dict, float]] = {}   # (stage times to fill, submitted at)
         self.wakeup = asyncio.Event()
         self.worker: _Worker | None = None
         self.pending = 0
@@ -265,16 +388,21 @@ class SlotQueues:
         return min(among or range(self.size), key=lambda i: (self._slots[i].pending, not self._slots[i].alive()))
 
     async def submit(self, worker: int, tenant: str, method: str, *args, timeout: float | None = None,
-                     batch: Any = None) -> Any:
+                     batch: Any = None, stages: dict[str, float] | None = None) -> Any:
         """Run ``state.method(*args)`` on worker ``worker`` (starting it if needed); cancel-safe before
         the task starts. ``batch``: a key; tasks with the same key queued together on a worker that batches
-        (``batch_limit`` > 1) run as one call (:func:`run_batch`), each still getting its own answer."""
+        (``batch_limit`` > 1) run as one call (:func:`run_batch`), each still getting its own answer.
+        ``stages``: filled with the task's stage times (``server.metrics.PRIVATE_STEP_STAGES``: queue wait,
+        transfers, the worker's own split) where the backend measures them (the process pool does)."""
         if self._closed:
             raise WorkerError("worker pool closed")
         fut = asyncio.get_running_loop().create_future()
         slot = self._slots[worker]
         if batch is not None:
             slot.batch_keys[fut] = batch
+        if stages is not None:   # the runner takes it when the task starts; gone with the task whatever happens
+            slot.stage_sinks[fut] = (stages, time.monotonic())
+            fut.add_done_callback(lambda f: slot.stage_sinks.pop(f, None))
         slot.put(tenant, (fut, method, args, timeout or self.task_timeout))
         return await fut
 
@@ -352,18 +480,30 @@ class WorkerPool(SlotQueues):
                 for fut, *_ in group:
                     _settle(fut, exc=WorkerCrashedError("the worker died before the task ran; its sessions were lost"))
                 continue
+            sinks = [self._queued_for(slot, item[0]) for item in group]
             if len(group) == 1:
                 fut, method, args, timeout, _ = group[0]
-                await self._execute(i, fut, method, args, timeout)
+                await self._execute(i, fut, method, args, timeout, sinks[0])
             else:
-                await self._execute_batch(i, group)
+                await self._execute_batch(i, group, sinks)
 
-    async def _execute(self, i: int, fut: asyncio.Future, method: str, args: tuple, timeout: float) -> None:
+    @staticmethod
+    def _queued_for(slot: _Slot, fut: asyncio.Future) -> dict[str, float] | None:
+        """The stage sink of a task being started (its queue wait noted), or None."""
+        sink = slot.stage_sinks.pop(fut, None)
+        if sink is None:
+            return None
+        stages, submitted = sink
+        stages["queue_wait"] = time.monotonic() - submitted
+        return stages
+
+    async def _execute(self, i: int, fut: asyncio.Future, method: str, args: tuple, timeout: float,
+                       stages: dict[str, float] | None = None) -> None:
         slot = self._slots[i]
         try:
             if slot.worker is None:
                 await self._spawn_into(i)
-            result = await asyncio.to_thread(slot.worker.call, method, args, timeout)
+            result = await asyncio.to_thread(slot.worker.call, method, args, timeout, stages)
         except WorkerStartError as exc:  # nothing was running: nothing lost; the next task tries again
             log.error("worker %d could not be started: %s", i, exc)
             _settle(fut, exc=exc)
@@ -376,15 +516,18 @@ class WorkerPool(SlotQueues):
             _settle(fut, result=result)
         slot.last_active = time.monotonic()
 
-    async def _execute_batch(self, i: int, group: list) -> None:
+    async def _execute_batch(self, i: int, group: list, sinks: list) -> None:
         """Several tasks of one method as one call (:data:`BATCH`); each future gets its own outcome, and a
-        lost worker fails them all, as it would one task."""
+        lost worker fails them all, as it would one task. Each task's stage times are the batch's."""
         futs, method = [item[0] for item in group], group[0][1]
         items, timeout = [item[2] for item in group], max(item[3] for item in group)
         self.batches[len(group)] += 1
-        outcomes = []
+        outcomes, stages = [], {}
         try:
-            outcomes = await self._batch_call(i, method, items, timeout)
+            outcomes = await self._batch_call(i, method, items, timeout, stages)
+            for sink in sinks:
+                if sink is not None:
+                    sink.update(stages)
         except WorkerStartError as exc:
             log.error("worker %d could not be started: %s", i, exc)
             outcomes = [exc] * len(futs)
@@ -403,12 +546,12 @@ class WorkerPool(SlotQueues):
                 _settle(fut, result=outcome[1])
         self._slots[i].last_active = time.monotonic()
 
-    async def _batch_call(self, i: int, method: str, items: list, timeout: float) -> list:
+    async def _batch_call(self, i: int, method: str, items: list, timeout: float, stages: dict | None = None) -> list:
         slot = self._slots[i]
         if slot.worker is None:
             await self._spawn_into(i)
         # the batch runs what its tasks would one by one: allow each its time (a bound for a hang, not a cost)
-        return await asyncio.to_thread(slot.worker.call, BATCH, (method, items), timeout * len(items))
+        return await asyncio.to_thread(slot.worker.call, BATCH, (method, items), timeout * len(items), stages)
 
     async def _idle(self, i: int) -> None:
         """Wait for a task; meanwhile notice a dead process and stop one idle past ``idle_stop_s``."""

@@ -85,6 +85,34 @@ def test_a_session_of_linear_steps_needs_no_attention_key_and_matches_the_plaint
     assert generated.choices[0].text == rt.tokenizer.decode(want)
 
 
+def test_each_step_that_ran_is_timed_by_stage_under_bounded_labels_and_nothing_of_the_session(setup, generated):
+    """``cipherlm:private_step_stage_seconds``: the prompt's multi-position steps as ``prefill``, the tokens' as
+    ``decode``, every stage of the worker's split among them (SEAL: parse, compute, serialize), the labels
+    ``stage`` and ``kind`` only, and no tenant, session, key id or fingerprint in any of its lines."""
+    from server.metrics import PRIVATE_STEP_STAGES
+
+    rt = setup["client"]._private
+    text = setup["http"].get("/metrics").text
+    lines = [ln for ln in text.splitlines() if ln.startswith("cipherlm:private_step_stage_seconds")]
+    counts = {ln.split("{", 1)[1].split("}", 1)[0]: float(ln.rsplit(" ", 1)[1])
+              for ln in lines if ln.startswith("cipherlm:private_step_stage_seconds_count")}
+    stages = {lab.split('stage="', 1)[1].rstrip('"') for lab in counts}
+    assert stages <= set(PRIVATE_STEP_STAGES)
+    assert {"body_read", "envelope", "digest", "queue_wait", "to_worker", "worker_parse", "worker_compute",
+            "worker_serialize", "from_worker", "result", "total"} <= stages
+    assert counts['kind="prefill",stage="total"'] >= 4 and counts['kind="decode",stage="total"'] >= 4
+    assert all(set(lab.replace('"', "").split(",")) <= {f"kind={k}" for k in ("prefill", "decode")} |
+               {f"stage={st}" for st in PRIVATE_STEP_STAGES} | {f"le={le}" for le in _les(lines)}
+               for lab in (ln.split("{", 1)[1].split("}", 1)[0] for ln in lines))
+    session = rt.session.id if rt.session is not None else None
+    secrets = [x for x in (KEYS["enc-a"], "enc-a", session, rt.offload.key_id, rt.offload.fingerprint) if x]
+    assert not any(x in ln for x in secrets for ln in lines)
+
+
+def _les(lines: list[str]) -> set[str]:
+    return {ln.split('le="', 1)[1].split('"', 1)[0] for ln in lines if 'le="' in ln}
+
+
 def test_naming_an_attention_key_or_sending_an_attention_step_is_a_400(setup, generated):
     from fhe.envelope import Envelope
 

@@ -91,7 +91,7 @@ def test_linear_steps_go_to_the_pool_with_a_batch_key_on_the_gpu_backend(service
 
     svc, calls = service(device=device), []
 
-    async def submit(worker, tenant, method, *args, batch=None, timeout=None):
+    async def submit(worker, tenant, method, *args, batch=None, timeout=None, stages=None):
         calls.append((method, batch))
         return [b"out"]
 

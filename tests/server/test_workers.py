@@ -107,3 +107,38 @@ async def test_queued_tasks_of_one_batch_key_run_as_one_call_each_with_its_own_a
     assert results[4][1] == "x"                                  # another tenant's task is not starved
     assert await pool.submit(0, "a", "batch_sizes") == [3]       # three at most: the fourth ran alone
     assert dict(pool.batches) == {3: 1}
+
+
+async def test_a_task_submitted_with_a_stage_sink_gets_its_queue_wait_transfers_and_worker_time(pool):
+    """``stages``: the queue wait behind another task, both transfers and the worker's own time (``worker_rest``,
+    the probe state notes no split of its own), each non-negative and the sleep inside ``worker_rest``; a task
+    cancelled in the queue leaves no sink behind."""
+    busy = asyncio.create_task(pool.submit(0, "a", "sleep", 0.3, "busy"))
+    await asyncio.sleep(0.05)
+    stages: dict[str, float] = {}
+    dropped = asyncio.create_task(pool.submit(0, "b", "echo", 1, stages={}))
+    await asyncio.sleep(0)
+    dropped.cancel()
+    assert await pool.submit(0, "a", "sleep", 0.1, "x", stages=stages) == "x"
+    await busy
+    assert set(stages) == {"queue_wait", "to_worker", "worker_rest", "from_worker"}
+    assert all(v >= 0 for v in stages.values())
+    assert stages["queue_wait"] >= 0.15 and 0.1 <= stages["worker_rest"] < 1.0
+    assert not pool._slots[0].stage_sinks
+
+
+async def test_large_blob_lists_cross_the_pipe_raw_both_ways_and_small_ones_pickled(pool):
+    """A list of byte strings of RAW_MIN_BYTES or more (a step's uploads) goes to the worker raw after the frame and
+    comes back the same way inside a tuple answer: the same bytes, in order, with the other arguments untouched; an
+    empty or small list is pickled as before (bytes back)."""
+    from server.private.workers import RAW_MIN_BYTES
+
+    blobs = [bytes([i]) * (RAW_MIN_BYTES // 3 + i) for i in range(5)]
+    views = [memoryview(b"".join(blobs))[: len(blobs[0])]] + blobs[1:]   # views of a body, as the service sends
+    tag, back, _ = await pool.submit(0, "a", "echo", views)
+    assert tag == "t" and [bytes(b) for b in back] == blobs
+    assert await pool.submit(0, "a", "echo", [b"ab", b"c"]) == ("t", [b"ab", b"c"], 2)
+    assert await pool.submit(0, "a", "echo", []) == ("t", [], 3)
+    small = memoryview(b"a small body")          # a small step's blobs are views too: raw, not pickled
+    tag, back, _ = await pool.submit(0, "a", "echo", [small[:7], small[8:]])
+    assert [bytes(b) for b in back] == [b"a small", b"body"]

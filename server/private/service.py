@@ -513,11 +513,13 @@ class PrivateService:
         task.add_done_callback(lambda t, rec=s.last_step[slot]: self._step_done(s, slot, rec, prev, t))
         return await asyncio.shield(task)
 
-    async def _run_mlp(self, s: Session, env: envelope.Envelope, request_id: str, times: StepTimes) -> bytes:
+    async def _run_mlp(self, s: Session, env: envelope.Envelope, request_id: str,
+                       times: StepTimes | None = None) -> bytes:
         """Any worker holding the MLP key set (the session's always does) runs the step; on the gpu backend,
         batched with the other sessions' steps of the same (layer, part) queued there (``batch_steps``)."""
         from server.private.offload import OffloadSteps
 
+        times = times or StepTimes()
         holders = [w for w, fp in self._loaded if fp == s.mlp_fingerprint] or [s.worker]
         worker = self.pool.least_loaded(holders)
         packed = OffloadSteps.packed(env, self.cfg.offload_chunk_layout)   # from the checked envelope and settings

@@ -135,7 +135,7 @@ def open_steps(client, monkeypatch):
     """The service answers every step of session ``ps_open`` at once (no worker: only admission is tested)."""
     svc = client.app.state.private
 
-    async def step(tenant, sid, body, *, request_id=None):
+    async def step(tenant, sid, body, *, request_id=None, times=None, digest=None):
         return b"result"
 
     monkeypatch.setattr(svc, "session_for", lambda tenant, sid: None)

@@ -512,9 +512,21 @@ class WorkerPool(SlotQueues):
             await self._lost(i, type(exc).__name__)
         except TaskError as exc:
             _settle(fut, exc=exc)
+        except Exception as exc:  # noqa: BLE001 - e.g. a task that cannot cross the pipe: the runner must live on
+            await self._unexpected(i, [fut], exc)
         else:
             _settle(fut, result=result)
         slot.last_active = time.monotonic()
+
+    async def _unexpected(self, i: int, futs: list, exc: Exception) -> None:
+        """A call failed in a way the pipe protocol does not name (a server bug): its tasks fail as a lost
+        worker's would, and the process is replaced, since what it read of the call is unknown. Without this
+        the worker's runner task would end and every later task of that worker would wait forever."""
+        log.error("worker %d: call failed unexpectedly (%s); replacing the worker", i, type(exc).__name__)
+        crash = WorkerCrashedError(f"the worker's call failed ({type(exc).__name__}); its sessions were lost")
+        for fut in futs:
+            _settle(fut, exc=crash)
+        await self._lost(i, type(exc).__name__)
 
     async def _execute_batch(self, i: int, group: list, sinks: list) -> None:
         """Several tasks of one method as one call (:data:`BATCH`); each future gets its own outcome, and a
@@ -537,6 +549,8 @@ class WorkerPool(SlotQueues):
             await self._lost(i, type(exc).__name__)
         except TaskError as exc:   # the batch itself failed (a server bug): every task with it
             outcomes = [exc] * len(futs)
+        except Exception as exc:  # noqa: BLE001 - see _unexpected
+            await self._unexpected(i, futs, exc)
         for fut, outcome in zip(futs, outcomes, strict=False):
             if isinstance(outcome, BaseException):
                 _settle(fut, exc=outcome)

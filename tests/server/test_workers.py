@@ -142,3 +142,11 @@ async def test_large_blob_lists_cross_the_pipe_raw_both_ways_and_small_ones_pick
     small = memoryview(b"a small body")          # a small step's blobs are views too: raw, not pickled
     tag, back, _ = await pool.submit(0, "a", "echo", [small[:7], small[8:]])
     assert [bytes(b) for b in back] == [b"a small", b"body"]
+
+
+async def test_a_call_that_cannot_cross_the_pipe_fails_typed_and_the_worker_serves_on(pool):
+    """An argument pickle refuses (a server bug) fails its task as a lost worker's, not the pool's runner:
+    before, the runner died and every later task of that worker waited forever."""
+    with pytest.raises(WorkerCrashedError, match="PicklingError|AttributeError|TypeError"):
+        await asyncio.wait_for(pool.submit(0, "a", "echo", lambda: 1), 30)
+    assert (await asyncio.wait_for(pool.submit(0, "a", "echo", 5), 60))[1] == 5

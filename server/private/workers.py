@@ -151,7 +151,7 @@ def _send_task_answer(conn, status: str, payload: Any, timing: tuple) -> None:
     raw: list = []
     if status == "ok" and isinstance(payload, list):
         (payload,), raw = split_raw((payload,))
-    elif status == "ok" and isinstance(payload, tuple) and type(payload) is tuple:
+    elif status == "ok" and type(payload) is tuple:   # a plain tuple only (not a NamedTuple)
         payload, raw = split_raw(payload)
     conn.send((status, payload, timing))
     send_raw(conn, raw)

@@ -104,14 +104,15 @@ BAD = [
 
 @pytest.mark.parametrize(("extra", "param", "words"), BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
 async def test_bad_structured_input_is_400_before_any_work(client, engine, extra, param, words):  # noqa: F811
-    before = engine.engine.prompt_tokens_total
+    before = engine.stats()     # the public stats: also what the engine-core process mode reports
     r = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 8, **extra},
                           headers=auth("plain"))
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and param in (err["param"] or "") and words in err["message"]
     assert "/project/" not in err["message"]
-    assert engine.engine.prompt_tokens_total == before and not engine.engine.requests   # nothing reached the engine
+    after = engine.stats()      # nothing reached the engine
+    assert after.prompt_tokens_total == before.prompt_tokens_total and after.num_running == after.num_waiting == 0
 
 
 # --- the official openai client against a live server ------------------------------------------------

@@ -52,6 +52,7 @@ class RequestResult:
     output_tokens: int = 0
     error: str = ""
     text_chunks: int = 0  # chunks whose text was not empty
+    chunks: int = 0       # chunks with a choice (several tokens each when the server coalesced them)
 
     @property
     def tpot(self) -> float | None:
@@ -90,6 +91,7 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str, prompt: str
                 # skipped special token): greedy random weights can repeat such a token for a whole stream,
                 # which the 2026-12-02 H200 runs counted as failed ("stream ended without a text chunk")
                 if event.get("choices"):
+                    res.chunks += 1
                     res.text_chunks += bool(event["choices"][0].get("text"))
                     if last is None:
                         res.ttft = now - start
@@ -152,6 +154,7 @@ def summarize(users: int, results: list[RequestResult], wall: float) -> dict:
             "req_per_s": len(ok) / wall, "out_tok_per_s": sum(r.output_tokens for r in ok) / wall,
             **{f"{name}_p{q}_ms": _pct(vals, q)
                for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)) for q in (50, 99)},
+            "chunks_per_token": sum(r.chunks for r in ok) / max(1, sum(r.output_tokens for r in ok)),
             "errors": sorted({r.error for r in results if not r.ok})[:3],
             "ok_without_text": sum(1 for r in ok if not r.text_chunks)}
 
@@ -159,13 +162,16 @@ def summarize(users: int, results: list[RequestResult], wall: float) -> dict:
 def markdown(rows: list[dict]) -> str:
     """The results as a markdown table."""
     head = ("| users | requests | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-            "| ITL p50 | ITL p99 |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "| ITL p50 | ITL p99 | API CPU µs/tok | core CPU µs/tok | client CPU µs/tok | chunks/tok |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         lines.append(f"| {r.get('engine', '')} {r['users']} | {r['requests'] - r['failed']} | {r['req_per_s']:.2f} "
                      f"| {r['out_tok_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} "
                      f"| {r['tpot_p50_ms']:.1f} "
-                     f"| {r['tpot_p99_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} |")
+                     f"| {r['tpot_p99_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} "
+                     f"| {r.get('api_cpu_us_per_token', 0):.0f} | {r.get('core_cpu_us_per_token', 0):.0f} "
+                     f"| {r.get('client_cpu_us_per_token', 0):.0f} | {r.get('chunks_per_token', 0):.2f} |")
     return "\n".join(lines) + "\n\n(latencies in ms)"
 
 
@@ -199,14 +205,58 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
     return proc, url, key
 
 
-async def bench(args: argparse.Namespace, url: str, key: str) -> list[dict]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far (Linux ``/proc``; 0.0 where unreadable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (the engine core, multiprocessing's helpers)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return kids
+
+
+class CpuMeter:
+    """CPU seconds spent by the API process, its children (the engine core) and this client per level."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        self.pid = server_pid
+        self.kids = child_pids(server_pid) if server_pid else []
+
+    def sample(self) -> tuple[float, float, float]:
+        if not self.pid:
+            return 0.0, 0.0, time.process_time()
+        return cpu_seconds(self.pid), sum(cpu_seconds(k) for k in self.kids), time.process_time()
+
+    @staticmethod
+    def per_token(row: dict, before: tuple, after: tuple) -> dict:
+        """µs of CPU per streamed output token, per process (the API's is what issue 19.4 cuts)."""
+        tokens = max(1.0, row["out_tok_per_s"] * row["wall_s"])
+        names = ("api", "core", "client")
+        return {f"{n}_cpu_us_per_token": (a - b) / tokens * 1e6 for n, b, a in zip(names, before, after)}
+
+
+async def bench(args: argparse.Namespace, url: str, key: str, server_pid: int | None = None) -> list[dict]:
     """Warm up, then every level in turn."""
     async with httpx.AsyncClient() as client:
         await one_request(client, url, key, "warm up", 4, args.timeout)
     rows = []
+    meter = CpuMeter(server_pid)
     for users in args.users:
+        before = meter.sample()
         row = await run_level(url, key, users, args.request_rate, args.duration, args.input_len,
                               args.output_len, args.timeout, args.seed)
+        row |= meter.per_token(row, before, meter.sample())
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
     return rows
@@ -262,7 +312,7 @@ def serve_once(args: argparse.Namespace, tmp: Path) -> list[dict]:
     else:
         proc, url, key = start_server(args, tmp)
     try:
-        rows = asyncio.run(bench(args, url, key))
+        rows = asyncio.run(bench(args, url, key, proc.pid if proc is not None else None))
     finally:
         if proc is not None:
             proc.terminate()

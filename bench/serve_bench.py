@@ -107,9 +107,9 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str, prompt: str
     return res
 
 
-async def run_level(url: str, key: str, users: int, rate: float, duration: float, input_len: int,
-                    output_len: int, timeout: float, seed: int) -> dict:
-    """One concurrency level: Poisson arrivals for ``duration`` s, at most ``users`` in flight."""
+async def _drive(url: str, key: str, users: int, rate: float, duration: float, input_len: int,
+                 output_len: int, timeout: float, seed: int) -> tuple[list[RequestResult], float, float]:
+    """Poisson arrivals for ``duration`` s, at most ``users`` in flight; (results, start, end) in time.time()."""
     rng = random.Random(seed)
     sem = asyncio.Semaphore(users)
     limits = httpx.Limits(max_connections=users + 4, max_keepalive_connections=users + 4)
@@ -123,7 +123,7 @@ async def run_level(url: str, key: str, users: int, rate: float, duration: float
 
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         tasks = []
-        t0 = time.perf_counter()
+        start, t0 = time.time(), time.perf_counter()
         while time.perf_counter() - t0 < duration:
             await sem.acquire()
             if time.perf_counter() - t0 >= duration:
@@ -132,8 +132,40 @@ async def run_level(url: str, key: str, users: int, rate: float, duration: float
             tasks.append(asyncio.create_task(worker(make_prompt(rng, input_len))))
             await asyncio.sleep(rng.expovariate(rate) if rate != float("inf") else 0)
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout)
-        wall = time.perf_counter() - t0
-    return summarize(users, results, wall)
+    return results, start, time.time()
+
+
+def _client_proc(*drive_args) -> tuple[list[dict], float, float, float]:
+    """One client process's share of a level (``--clients``): its results (as dicts: the script runs as
+    ``__main__``, whose classes do not unpickle across processes), span and CPU seconds."""
+    cpu = time.process_time()
+    results, start, end = asyncio.run(_drive(*drive_args))
+    return [dataclasses.asdict(r) for r in results], start, end, time.process_time() - cpu
+
+
+async def run_level(url: str, key: str, users: int, rate: float, duration: float, input_len: int,
+                    output_len: int, timeout: float, seed: int, clients: int = 1) -> dict:
+    """One concurrency level: Poisson arrivals for ``duration`` s, at most ``users`` in flight, from
+    ``clients`` processes (users and rate split between them; one Python client parsing every SSE event
+    of hundreds of streams runs out of CPU before a fast server does). ``client_cpu_s`` in the row."""
+    clients = max(1, min(clients, users))
+    if clients == 1:
+        cpu = time.process_time()
+        results, start, end = await _drive(url, key, users, rate, duration, input_len, output_len, timeout, seed)
+        return summarize(users, results, end - start) | {"client_cpu_s": time.process_time() - cpu}
+    import concurrent.futures
+    import multiprocessing
+
+    shares = [users // clients + (i < users % clients) for i in range(clients)]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(clients, mp_context=ctx) as pool:
+        loop = asyncio.get_running_loop()
+        parts = await asyncio.gather(*(
+            loop.run_in_executor(pool, _client_proc, url, key, u, rate * u / users, duration, input_len,
+                                 output_len, timeout, seed + i) for i, u in enumerate(shares)))
+    results = [RequestResult(**r) for part in parts for r in part[0]]
+    wall = max(p[2] for p in parts) - min(p[1] for p in parts)
+    return summarize(users, results, wall) | {"client_cpu_s": sum(p[3] for p in parts), "clients": clients}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -229,21 +261,21 @@ def child_pids(pid: int) -> list[int]:
 class CpuMeter:
     """CPU seconds spent by the API process, its children (the engine core) and this client per level."""
 
-    def __init__(self, server_pid: int | None) -> None:
+    def __init__(self, server_pid: int | None) -> None:  # the client's CPU comes with each level's row
         self.pid = server_pid
         self.kids = child_pids(server_pid) if server_pid else []
 
-    def sample(self) -> tuple[float, float, float]:
+    def sample(self) -> tuple[float, float]:
         if not self.pid:
-            return 0.0, 0.0, time.process_time()
-        return cpu_seconds(self.pid), sum(cpu_seconds(k) for k in self.kids), time.process_time()
+            return 0.0, 0.0
+        return cpu_seconds(self.pid), sum(cpu_seconds(k) for k in self.kids)
 
     @staticmethod
     def per_token(row: dict, before: tuple, after: tuple) -> dict:
         """µs of CPU per streamed output token, per process (the API's is what issue 19.4 cuts)."""
         tokens = max(1.0, row["out_tok_per_s"] * row["wall_s"])
-        names = ("api", "core", "client")
-        return {f"{n}_cpu_us_per_token": (a - b) / tokens * 1e6 for n, b, a in zip(names, before, after)}
+        spent = {"api": after[0] - before[0], "core": after[1] - before[1], "client": row["client_cpu_s"]}
+        return {f"{n}_cpu_us_per_token": v / tokens * 1e6 for n, v in spent.items()}
 
 
 async def bench(args: argparse.Namespace, url: str, key: str, server_pid: int | None = None) -> list[dict]:
@@ -255,7 +287,7 @@ async def bench(args: argparse.Namespace, url: str, key: str, server_pid: int | 
     for users in args.users:
         before = meter.sample()
         row = await run_level(url, key, users, args.request_rate, args.duration, args.input_len,
-                              args.output_len, args.timeout, args.seed)
+                              args.output_len, args.timeout, args.seed, args.clients)
         row |= meter.per_token(row, before, meter.sample())
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
@@ -336,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on one request and on a level's tail")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clients", type=int, default=1,
+                   help="client processes per level (users split between them); see client CPU µs/tok")
     p.add_argument("--engine-process", nargs="+", choices=("on", "off"), default=["on"],
                    help="engine core in its own process (on, the default) or a thread (off); both: one run each")
     p.add_argument("--offline", action="store_true", help="also run the offline engine at every level")

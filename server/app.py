@@ -69,8 +69,8 @@ class Lifecycle:
         self.draining = False
         self.closing = asyncio.Event()
 
-    async def until_cut(self, items: AsyncIterator[T],
-                        interrupt: Callable[[BaseException], None] | None = None) -> AsyncIterator[T]:
+    def until_cut(self, items: AsyncIterator[T],
+                  interrupt: Callable[[BaseException], None] | None = None) -> AsyncIterator[T]:
         """``items`` until :meth:`cut`; then :class:`ServiceUnavailableError` ``server_shutdown`` (a stream's
         generator turns it into its error event). However it ends, ``items`` is closed (which aborts the
         engine requests behind it) and no item is left pending.
@@ -79,9 +79,10 @@ class Lifecycle:
         ``OutputStream.interrupt``); with it the items are passed through as they are, and a cut calls it,
         instead of racing a future against every item (which costs a task per streamed chunk)."""
         if interrupt is not None:
-            async for item in self._interruptible(items, interrupt):
-                yield item
-            return
+            return self._interruptible(items, interrupt)
+        return self._raced(items)
+
+    async def _raced(self, items: AsyncIterator[T]) -> AsyncIterator[T]:
         closing = asyncio.ensure_future(self.closing.wait())
         nxt: asyncio.Future | None = None
         try:

@@ -219,6 +219,7 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
     engine = f'device = "{args.device}"' + (f"\nnum_threads = {args.threads}" if args.threads else "")
     settings = workdir / "bench-settings.toml"
     settings.write_text(f'host = "127.0.0.1"\nport = {port}\nengine_process = {str(args.process).lower()}\n'
+                        + (f"stream_interval = {args.stream_interval}\n" if args.stream_interval else "")
                         + (f'model = "{args.model}"\n' if args.model else "")
                         + f"[engine]\n{engine}\n"
                         + "[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\n"
@@ -349,7 +350,7 @@ def serve_once(args: argparse.Namespace, tmp: Path) -> list[dict]:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
-    label = "url" if args.url else ("process" if args.process else "thread")
+    label = args.label or ("url" if args.url else ("process" if args.process else "thread"))
     return [{**r, "engine": label} for r in rows]
 
 
@@ -368,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on one request and on a level's tail")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", help="the rows' engine column (default: process / thread / url)")
+    p.add_argument("--stream-interval", type=int,
+                   help="the server's stream_interval (tokens per chunk; unset: the server's default)")
     p.add_argument("--clients", type=int, default=1,
                    help="client processes per level (users split between them); see client CPU µs/tok")
     p.add_argument("--engine-process", nargs="+", choices=("on", "off"), default=["on"],

@@ -103,29 +103,41 @@ def _join(deltas: list[RequestDelta]) -> list[CompletionDelta]:
 
 class _Stream:
     """One request's inbox on the client side: raw step deltas (or an exception) appended by the loop's
-    batch handler, taken all at once by the consumer; at most one wake-up per batch."""
+    batch handler, taken all at once by the consumer; at most one wake-up per batch, and with
+    ``min_tokens`` > 1 (``OutputStream.coalesce``) none until that many new tokens, a finish or an error
+    are in (the first output never waits)."""
 
-    __slots__ = ("items", "waiter", "progress")
+    __slots__ = ("items", "waiter", "progress", "min_tokens", "pending", "delivered", "ready")
 
     def __init__(self, progress: _Progress) -> None:
         self.items: list = []
         self.waiter: asyncio.Future | None = None
         self.progress = progress
+        self.min_tokens = 1
+        self.pending = 0          # new tokens in ``items`` (counted only when min_tokens > 1)
+        self.delivered = False    # the consumer has taken an output
+        self.ready = False        # ``items`` holds something worth a wake-up
 
     def put(self, item) -> None:
         self.items.append(item)
+        if self.min_tokens > 1 and self.delivered and isinstance(item, tuple) and not item[1]:
+            self.pending += sum(len(c[2]) for c in item[4])
+            if self.pending < self.min_tokens:
+                return  # not worth a wake-up yet
+        self.ready = True
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     async def take(self) -> list:
-        while not self.items:
+        while not self.ready:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
             finally:
                 self.waiter = None
         items, self.items = self.items, []
+        self.pending, self.delivered, self.ready = 0, True, False
         return items
 
 
@@ -149,6 +161,11 @@ class OutputStream:
     def interrupt(self, exc: BaseException) -> None:
         """End the stream with ``exc`` after the outputs already received."""
         self._stream.put(exc)
+
+    def coalesce(self, min_tokens: int) -> None:
+        """After the first output, wake the consumer only once ``min_tokens`` new tokens (summed over the
+        completions), a finish or an error have come (the server's ``stream_interval``)."""
+        self._stream.min_tokens = max(1, int(min_tokens))
 
 
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:

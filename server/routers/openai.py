@@ -417,6 +417,10 @@ async def _event_stream(request: Request, job: _Job, started, decode, state: dic
     since the last one merged (so a client that is behind gets several steps' tokens in one chunk), and
     with ``interval`` > 1 a completion's tokens wait until that many have come (``stream_interval``)."""
     state["started"] = True
+    if interval > 1:
+        for _, gen in started:  # the engine's stream skips wake-ups that could not make a chunk
+            if hasattr(gen, "coalesce"):
+                gen.coalesce(interval)
     timing = _Timing(job, get_metrics(request))
     builder = ChunkBuilder(job.meta, decode)
     finals: list[RequestOutput | None] = [None] * len(started)

@@ -2,9 +2,10 @@
 
 The engine core (``engine.engine_core``) runs the model, scheduler, sampler and detokenizer in a spawned
 process; this side validates and admits requests (same errors, same moment: before any model work),
-sends them down a pipe from a sender thread, and reads the core's one message per engine step **in the
-event loop** (``add_reader`` on the pipe: no reader thread, so no wait for the GIL between the pipe and
-the loop, which at hundreds of streams held each step up by a switch interval or two). A step's batch
+writes them down a pipe and reads the core's one message per engine step **in the event loop**
+(``add_reader``/``add_writer`` on the non-blocking pipe, multiprocessing's framing: no reader or sender
+thread, so no GIL handed between threads per request and per step, which cost the API process about a
+fifth of its CPU and held batches up behind a busy loop by a switch interval). A step's batch
 costs the loop one append per request that moved (its raw delta) and one wake-up per waiting stream; the
 stream's consumer turns everything queued since its last wake-up into **one** :class:`RequestOutput`
 (cumulative ids and text rebuilt there), so a consumer that fell behind (a slow socket, a busy loop at
@@ -28,6 +29,7 @@ import struct
 import threading
 import time
 from collections.abc import AsyncIterator
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 from engine.config import ModelConfig
@@ -199,6 +201,7 @@ class ProcessAsyncLLM:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._rbuf = bytearray()   # bytes read from the pipe, not yet a whole message
+        self._wbuf = bytearray()   # framed messages the pipe did not take yet (the loop writes them)
         self._reading = False      # the pipe is registered with the loop's add_reader
         self._waiters: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
@@ -237,12 +240,14 @@ class ProcessAsyncLLM:
         self._info = msg[1]
         self._stats = self._info.stats
         self._validator = _Validator(self._info, self.config)
-        threading.Thread(target=self._sender, name="cipherlm-core-send", daemon=True).start()
         self._rbuf.clear()
+        self._wbuf.clear()
         try:
             self._loop.add_reader(self._conn.fileno(), self._on_readable)
             self._reading = True
-        except NotImplementedError:  # a loop without add_reader (Windows' proactor): a reader thread
+            os.set_blocking(self._conn.fileno(), False)  # the loop reads and writes; it must never block
+        except NotImplementedError:  # a loop without add_reader (Windows' proactor): two threads
+            threading.Thread(target=self._sender, name="cipherlm-core-send", daemon=True).start()
             threading.Thread(target=self._reader, name="cipherlm-core-recv", daemon=True).start()
 
     def _first_message(self) -> tuple:
@@ -258,8 +263,8 @@ class ProcessAsyncLLM:
         if self._proc is None:
             return
         self._stopping = True
-        self._outbox.put(("stop",))
-        self._outbox.put(None)  # ends the sender thread after the stop message
+        self._send(("stop",))
+        self._outbox.put(None)  # ends the sender thread (where there is one) after the stop message
         await self._reap()
         self._stop_reading()
         self._fail_all("the engine was shut down")
@@ -326,7 +331,7 @@ class ProcessAsyncLLM:
         stream = _Stream(_Progress(request.prompt_token_ids))
         self._streams[request_id] = stream
         self._adds_sent += 1
-        self._outbox.put(("add", request))
+        self._send(("add", request))
         return OutputStream(self._stream(request_id, stream), stream)
 
     async def abort(self, request_id: str) -> None:
@@ -349,7 +354,7 @@ class ProcessAsyncLLM:
         token = next(self._tokens)
         fut = self._loop.create_future()
         self._waiters[token] = fut
-        self._outbox.put((*msg, token))
+        self._send((*msg, token))
         await fut
 
     async def _stream(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -371,7 +376,7 @@ class ProcessAsyncLLM:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
             if not finished and not self._stopping and self._error is None:
-                self._outbox.put(("abort", request_id, -1))  # consumer left or was cancelled
+                self._send(("abort", request_id, -1))  # consumer left or was cancelled
 
     def _on_batch(self, batch: StepBatch) -> None:
         self._adds_seen, self._num_unscheduled = batch.adds_seen, batch.num_unscheduled
@@ -448,7 +453,37 @@ class ProcessAsyncLLM:
             self._reading = False
             with contextlib.suppress(OSError, ValueError):
                 self._loop.remove_reader(self._conn.fileno())
+                self._loop.remove_writer(self._conn.fileno())
             self._conn.close()
+
+    def _send(self, msg: tuple) -> None:
+        """A message to the core: written by the loop itself (no sender thread to hand the GIL to per
+        request), what the pipe does not take now is written when it is writable again."""
+        if not self._reading:
+            self._outbox.put(msg)  # the thread layout, or the pipe is already closed (then dropped)
+            return
+        data = ForkingPickler.dumps(msg)
+        header = struct.pack("!i", len(data)) if len(data) <= 0x7FFFFFFF else struct.pack("!iQ", -1, len(data))
+        pending = bool(self._wbuf)
+        self._wbuf += header
+        self._wbuf += data
+        if not pending:
+            self._on_writable()
+
+    def _on_writable(self) -> None:
+        fd = self._conn.fileno()
+        try:
+            sent = os.write(fd, self._wbuf)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._wbuf.clear()  # the core is gone; the reader reports it
+            return
+        del self._wbuf[:sent]
+        if self._wbuf:
+            self._loop.add_writer(fd, self._on_writable)
+        else:
+            self._loop.remove_writer(fd)
 
     def _reader(self) -> None:
         """The fallback for loops without ``add_reader``: a thread that hands each batch to the loop."""

@@ -190,3 +190,20 @@ async def test_an_interrupted_stream_ends_with_the_error_after_what_came():
         await llm.wait_idle()
         await collect(llm.generate([1, 2], GREEDY, "after"))
         assert llm.stats().num_running == 0
+
+
+async def test_a_busy_loop_gets_the_steps_it_missed_as_one_output():
+    # what serving at GPU speed relies on: while the loop is busy the core keeps stepping; the loop then
+    # reads every batch waiting in the pipe at once, and the stream's consumer gets one output with all
+    # their tokens (one SSE chunk), not one output per step
+    import time
+
+    async with ProcessAsyncLLM.from_model(tiny_model(), None, config()) as llm:
+        stream = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), "busy")
+        first = await anext(stream)
+        time.sleep(1.0)  # the loop does not run: the core's step batches pile up in the pipe
+        nxt = await anext(stream)
+        assert len(first.outputs[0].token_ids) == 1
+        assert len(nxt.outputs[0].delta_token_ids) > 5  # several steps, one output
+        assert nxt.outputs[0].token_ids == first.outputs[0].token_ids + nxt.outputs[0].delta_token_ids
+        await stream.aclose()

@@ -11,7 +11,7 @@
 #   $SITE  optional: extra pure-Python folders for PYTHONPATH (fastapi 0.165 imports opentelemetry-api)
 C=${CARRY:-$PWD/.carry/s14}
 WHL=${WHL:-$C/whl}; LIKE=${LIKE:-$C/like}; BASE_TAR=${BASE_TAR:-$C/base.tar}; SITE=${SITE:-$C/site}
-TMPD=${TMPD:-/tmp/s14}; OUT=${OUT:-$TMPD/out}; mkdir -p $OUT $TMPD; PY=${PY:-python3}  # MODEL_SET="--set ...", DEVICE=cpu: a smoke test off the GPU
+TMPD=${TMPD:-/tmp/serve19-s14}; OUT=${OUT:-$TMPD/out}; mkdir -p $OUT $TMPD; PY=${PY:-python3}  # MODEL_SET="--set ...", DEVICE=cpu: a smoke test off the GPU
 HERE=$PWD; T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( 285 - ($(date +%s) - T0) )); }

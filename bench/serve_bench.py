@@ -52,6 +52,7 @@ class RequestResult:
     output_tokens: int = 0
     error: str = ""
     text_chunks: int = 0  # chunks whose text was not empty
+    chunks: int = 0       # chunks with a choice (several tokens each when the server coalesced them)
 
     @property
     def tpot(self) -> float | None:
@@ -90,6 +91,7 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str, prompt: str
                 # skipped special token): greedy random weights can repeat such a token for a whole stream,
                 # which the 2026-12-02 H200 runs counted as failed ("stream ended without a text chunk")
                 if event.get("choices"):
+                    res.chunks += 1
                     res.text_chunks += bool(event["choices"][0].get("text"))
                     if last is None:
                         res.ttft = now - start
@@ -105,9 +107,9 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str, prompt: str
     return res
 
 
-async def run_level(url: str, key: str, users: int, rate: float, duration: float, input_len: int,
-                    output_len: int, timeout: float, seed: int) -> dict:
-    """One concurrency level: Poisson arrivals for ``duration`` s, at most ``users`` in flight."""
+async def _drive(url: str, key: str, users: int, rate: float, duration: float, input_len: int,
+                 output_len: int, timeout: float, seed: int) -> tuple[list[RequestResult], float, float]:
+    """Poisson arrivals for ``duration`` s, at most ``users`` in flight; (results, start, end) in time.time()."""
     rng = random.Random(seed)
     sem = asyncio.Semaphore(users)
     limits = httpx.Limits(max_connections=users + 4, max_keepalive_connections=users + 4)
@@ -121,7 +123,7 @@ async def run_level(url: str, key: str, users: int, rate: float, duration: float
 
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         tasks = []
-        t0 = time.perf_counter()
+        start, t0 = time.time(), time.perf_counter()
         while time.perf_counter() - t0 < duration:
             await sem.acquire()
             if time.perf_counter() - t0 >= duration:
@@ -130,8 +132,40 @@ async def run_level(url: str, key: str, users: int, rate: float, duration: float
             tasks.append(asyncio.create_task(worker(make_prompt(rng, input_len))))
             await asyncio.sleep(rng.expovariate(rate) if rate != float("inf") else 0)
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout)
-        wall = time.perf_counter() - t0
-    return summarize(users, results, wall)
+    return results, start, time.time()
+
+
+def _client_proc(*drive_args) -> tuple[list[dict], float, float, float]:
+    """One client process's share of a level (``--clients``): its results (as dicts: the script runs as
+    ``__main__``, whose classes do not unpickle across processes), span and CPU seconds."""
+    cpu = time.process_time()
+    results, start, end = asyncio.run(_drive(*drive_args))
+    return [dataclasses.asdict(r) for r in results], start, end, time.process_time() - cpu
+
+
+async def run_level(url: str, key: str, users: int, rate: float, duration: float, input_len: int,
+                    output_len: int, timeout: float, seed: int, clients: int = 1) -> dict:
+    """One concurrency level: Poisson arrivals for ``duration`` s, at most ``users`` in flight, from
+    ``clients`` processes (users and rate split between them; one Python client parsing every SSE event
+    of hundreds of streams runs out of CPU before a fast server does). ``client_cpu_s`` in the row."""
+    clients = max(1, min(clients, users))
+    if clients == 1:
+        cpu = time.process_time()
+        results, start, end = await _drive(url, key, users, rate, duration, input_len, output_len, timeout, seed)
+        return summarize(users, results, end - start) | {"client_cpu_s": time.process_time() - cpu}
+    import concurrent.futures
+    import multiprocessing
+
+    shares = [users // clients + (i < users % clients) for i in range(clients)]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(clients, mp_context=ctx) as pool:
+        loop = asyncio.get_running_loop()
+        parts = await asyncio.gather(*(
+            loop.run_in_executor(pool, _client_proc, url, key, u, rate * u / users, duration, input_len,
+                                 output_len, timeout, seed + i) for i, u in enumerate(shares)))
+    results = [RequestResult(**r) for part in parts for r in part[0]]
+    wall = max(p[2] for p in parts) - min(p[1] for p in parts)
+    return summarize(users, results, wall) | {"client_cpu_s": sum(p[3] for p in parts), "clients": clients}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -152,6 +186,7 @@ def summarize(users: int, results: list[RequestResult], wall: float) -> dict:
             "req_per_s": len(ok) / wall, "out_tok_per_s": sum(r.output_tokens for r in ok) / wall,
             **{f"{name}_p{q}_ms": _pct(vals, q)
                for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)) for q in (50, 99)},
+            "chunks_per_token": sum(r.chunks for r in ok) / max(1, sum(r.output_tokens for r in ok)),
             "errors": sorted({r.error for r in results if not r.ok})[:3],
             "ok_without_text": sum(1 for r in ok if not r.text_chunks)}
 
@@ -159,13 +194,16 @@ def summarize(users: int, results: list[RequestResult], wall: float) -> dict:
 def markdown(rows: list[dict]) -> str:
     """The results as a markdown table."""
     head = ("| users | requests | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-            "| ITL p50 | ITL p99 |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "| ITL p50 | ITL p99 | API CPU µs/tok | core CPU µs/tok | client CPU µs/tok | chunks/tok |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         lines.append(f"| {r.get('engine', '')} {r['users']} | {r['requests'] - r['failed']} | {r['req_per_s']:.2f} "
                      f"| {r['out_tok_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} "
                      f"| {r['tpot_p50_ms']:.1f} "
-                     f"| {r['tpot_p99_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} |")
+                     f"| {r['tpot_p99_ms']:.1f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} "
+                     f"| {r.get('api_cpu_us_per_token', 0):.0f} | {r.get('core_cpu_us_per_token', 0):.0f} "
+                     f"| {r.get('client_cpu_us_per_token', 0):.0f} | {r.get('chunks_per_token', 0):.2f} |")
     return "\n".join(lines) + "\n\n(latencies in ms)"
 
 
@@ -181,6 +219,7 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
     engine = f'device = "{args.device}"' + (f"\nnum_threads = {args.threads}" if args.threads else "")
     settings = workdir / "bench-settings.toml"
     settings.write_text(f'host = "127.0.0.1"\nport = {port}\nengine_process = {str(args.process).lower()}\n'
+                        + (f"stream_interval = {args.stream_interval}\n" if args.stream_interval else "")
                         + (f'model = "{args.model}"\n' if args.model else "")
                         + f"[engine]\n{engine}\n"
                         + "[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\n"
@@ -199,14 +238,58 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
     return proc, url, key
 
 
-async def bench(args: argparse.Namespace, url: str, key: str) -> list[dict]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far (Linux ``/proc``; 0.0 where unreadable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (the engine core, multiprocessing's helpers)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return kids
+
+
+class CpuMeter:
+    """CPU seconds spent by the API process, its children (the engine core) and this client per level."""
+
+    def __init__(self, server_pid: int | None) -> None:  # the client's CPU comes with each level's row
+        self.pid = server_pid
+        self.kids = child_pids(server_pid) if server_pid else []
+
+    def sample(self) -> tuple[float, float]:
+        if not self.pid:
+            return 0.0, 0.0
+        return cpu_seconds(self.pid), sum(cpu_seconds(k) for k in self.kids)
+
+    @staticmethod
+    def per_token(row: dict, before: tuple, after: tuple) -> dict:
+        """µs of CPU per streamed output token, per process (the API's is what issue 19.4 cuts)."""
+        tokens = max(1.0, row["out_tok_per_s"] * row["wall_s"])
+        spent = {"api": after[0] - before[0], "core": after[1] - before[1], "client": row["client_cpu_s"]}
+        return {f"{n}_cpu_us_per_token": v / tokens * 1e6 for n, v in spent.items()}
+
+
+async def bench(args: argparse.Namespace, url: str, key: str, server_pid: int | None = None) -> list[dict]:
     """Warm up, then every level in turn."""
     async with httpx.AsyncClient() as client:
         await one_request(client, url, key, "warm up", 4, args.timeout)
     rows = []
+    meter = CpuMeter(server_pid)
     for users in args.users:
+        before = meter.sample()
         row = await run_level(url, key, users, args.request_rate, args.duration, args.input_len,
-                              args.output_len, args.timeout, args.seed)
+                              args.output_len, args.timeout, args.seed, args.clients)
+        row |= meter.per_token(row, before, meter.sample())
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
     return rows
@@ -262,12 +345,12 @@ def serve_once(args: argparse.Namespace, tmp: Path) -> list[dict]:
     else:
         proc, url, key = start_server(args, tmp)
     try:
-        rows = asyncio.run(bench(args, url, key))
+        rows = asyncio.run(bench(args, url, key, proc.pid if proc is not None else None))
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
-    label = "url" if args.url else ("process" if args.process else "thread")
+    label = args.label or ("url" if args.url else ("process" if args.process else "thread"))
     return [{**r, "engine": label} for r in rows]
 
 
@@ -286,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on one request and on a level's tail")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", help="the rows' engine column (default: process / thread / url)")
+    p.add_argument("--stream-interval", type=int,
+                   help="the server's stream_interval (tokens per chunk; unset: the server's default)")
+    p.add_argument("--clients", type=int, default=1,
+                   help="client processes per level (users split between them); see client CPU µs/tok")
     p.add_argument("--engine-process", nargs="+", choices=("on", "off"), default=["on"],
                    help="engine core in its own process (on, the default) or a thread (off); both: one run each")
     p.add_argument("--offline", action="store_true", help="also run the offline engine at every level")

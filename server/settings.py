@@ -136,6 +136,10 @@ class Settings(BaseSettings):
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After sent with 503 while draining")
     engine_process: bool = Field(
         True, description="run the engine core in its own process (false: a thread of the API process)")
+    stream_interval: int = Field(
+        1, ge=1, le=1024, description="streamed responses: a chunk waits for this many new tokens of its "
+        "completion (the first chunk and the last never wait); 1: every step's tokens as they come, "
+        "coalesced only when the client's stream is behind")
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings,
                                       description="plaintext engine replicas (data parallel, on Ray)")
     private: PrivateSettings = Field(default_factory=PrivateSettings,
@@ -192,7 +196,7 @@ class Settings(BaseSettings):
         return tenant.limits or self.limits_default
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     """FastAPI dependency: the settings the app was created with (override in tests)."""
     return request.app.state.settings
 

@@ -132,7 +132,7 @@ def server_secret_bytes(settings: Settings) -> bytes:
     return secrets.token_bytes(32)
 
 
-def get_registry(request: Request, settings: SettingsDep) -> TenantRegistry:
+async def get_registry(request: Request, settings: SettingsDep) -> TenantRegistry:
     """FastAPI dependency: the registry of the current settings (rebuilt if the settings are swapped)."""
     registry: TenantRegistry | None = getattr(request.app.state, "tenant_registry", None)
     if registry is None or registry.settings is not settings:
@@ -155,7 +155,7 @@ def _bearer_key(request: Request) -> str | None:
     return api_key or None
 
 
-def get_tenant(request: Request, registry: Annotated[TenantRegistry, Depends(get_registry)]) -> Tenant:
+async def get_tenant(request: Request, registry: Annotated[TenantRegistry, Depends(get_registry)]) -> Tenant:
     """FastAPI dependency: the authenticated tenant (``Authorization: Bearer <key>``), else 401."""
     key = _bearer_key(request)
     if key is None:
@@ -199,7 +199,7 @@ def check_plaintext_access(tenant: Tenant, request: Request) -> bool:
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
 
 
-def require_plaintext_access(request: Request, tenant: TenantDep) -> Tenant:
+async def require_plaintext_access(request: Request, tenant: TenantDep) -> Tenant:
     """FastAPI dependency for plaintext endpoints: the tenant, after the privacy-mode check.
 
     A fallback is recorded later by the router (it needs the request id): see ``request.state.fallback``.

@@ -16,7 +16,7 @@ from server.settings import SettingsDep
 from server.tenants import FallbackEvent, Tenant
 
 
-def get_engine(request: Request):
+async def get_engine(request: Request):
     """The running engine (``AsyncLLM``); 503 while it is starting or gone."""
     engine = getattr(request.app.state, "engine", None)
     if engine is None:
@@ -29,7 +29,7 @@ def get_metrics(request: Request) -> ServerMetrics:
     return request.app.state.metrics
 
 
-def ensure_admitting(request: Request, settings: SettingsDep) -> None:
+async def ensure_admitting(request: Request, settings: SettingsDep) -> None:
     """503 + Retry-After once the server drains (SIGTERM): in-flight requests finish, new ones go away."""
     if request.app.state.lifecycle.draining:
         raise ServiceUnavailableError("the server is shutting down; retry on another replica",

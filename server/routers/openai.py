@@ -27,6 +27,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import openai_api
+from engine.core_client import merge_outputs
 from engine.errors import EngineError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -258,10 +259,14 @@ async def _abort_all(engine: Any, gens: list[tuple[str, AsyncIterator[RequestOut
 
 
 async def _one_stream(index: int, first: RequestOutput, gen, queue: asyncio.Queue) -> None:
-    async with contextlib.aclosing(gen):
-        await queue.put((index, first))
-        async for out in gen:
-            await queue.put((index, out))
+    try:
+        async with contextlib.aclosing(gen):
+            await queue.put((index, first))
+            async for out in gen:
+                await queue.put((index, out))
+    except Exception as exc:  # noqa: BLE001 - handed to the merged stream, which raises it
+        await queue.put((index, exc))
+        return
     await queue.put((index, None))
 
 
@@ -283,13 +288,27 @@ async def _merged(started) -> AsyncIterator[tuple[int, RequestOutput]]:
             if out is None:
                 live -= 1
                 continue
+            if isinstance(out, BaseException):
+                raise out  # one prompt's stream failed (the engine went away, a cut): the response fails
             yield index, out
-        for t in tasks:
-            t.result()  # re-raise a stream's error
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _interrupt(started):
+    """A callable that ends every prompt's engine stream with an error (a drain's cut), or None when the
+    engine's streams cannot be interrupted (then ``until_cut`` races each item against the cut)."""
+    interrupts = [getattr(gen, "interrupt", None) for _, gen in started]
+    if not interrupts or None in interrupts:
+        return None
+
+    def interrupt(exc: BaseException) -> None:
+        for each in interrupts:
+            each(exc)
+
+    return interrupt
 
 
 class _Timing:
@@ -299,6 +318,7 @@ class _Timing:
         self.job, self.metrics = job, metrics
         self.labels = (job.tenant.id, metrics.model_name)
         self.last: float | None = None
+        self._itl = None  # the ITL histogram's child for these labels, looked up once
 
     def tick(self, out: RequestOutput) -> None:
         if not any(c.delta_token_ids for c in out.outputs):
@@ -306,8 +326,9 @@ class _Timing:
         now = time.monotonic()
         if self.last is None:
             self.metrics.ttft.labels(*self.labels).observe(now - self.job.arrival)
+            self._itl = self.metrics.itl.labels(*self.labels)
         else:
-            self.metrics.itl.labels(*self.labels).observe(now - self.last)
+            self._itl.observe(now - self.last)
         self.last = now
 
     def finish(self, finals: list[RequestOutput]) -> None:
@@ -350,7 +371,7 @@ class _LogprobAccumulator:
 async def _collect(job: _Job, started, timing: _Timing, logprobs: bool, lifecycle) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(started)
     acc = _LogprobAccumulator()
-    async for index, out in lifecycle.until_cut(_merged(started)):  # SIGTERM cuts: 503 server_shutdown
+    async for index, out in lifecycle.until_cut(_merged(started), _interrupt(started)):  # SIGTERM: 503
         timing.tick(out)
         if logprobs:
             acc.add(index, out)
@@ -388,20 +409,34 @@ async def _respond_full(request: Request, job: _Job, started, decode) -> JSONRes
     return JSONResponse(full_response(job.meta, finals, decode))
 
 
-async def _event_stream(request: Request, job: _Job, started, decode, state: dict) -> AsyncIterator[bytes]:
-    """SSE body; cancelled by Starlette when the client goes away (which aborts the engine requests)."""
+async def _event_stream(request: Request, job: _Job, started, decode, state: dict,
+                        interval: int = 1) -> AsyncIterator[bytes]:
+    """SSE body; cancelled by Starlette when the client goes away (which aborts the engine requests).
+
+    One chunk per completion per engine output taken: the engine stream hands over everything that arrived
+    since the last one merged (so a client that is behind gets several steps' tokens in one chunk), and
+    with ``interval`` > 1 a completion's tokens wait until that many have come (``stream_interval``)."""
     state["started"] = True
+    if interval > 1:
+        for _, gen in started:  # the engine's stream skips wake-ups that could not make a chunk
+            if hasattr(gen, "coalesce"):
+                gen.coalesce(interval)
     timing = _Timing(job, get_metrics(request))
     builder = ChunkBuilder(job.meta, decode)
     finals: list[RequestOutput | None] = [None] * len(started)
+    held: dict[int, RequestOutput] = {}  # stream_interval: a prompt's outputs not sent yet
     try:
         for chunk in builder.first_chunks(len(started)):
             yield sse(chunk)
-        async for index, out in request.app.state.lifecycle.until_cut(_merged(started)):  # SIGTERM cuts
+        lifecycle = request.app.state.lifecycle
+        async for index, out in lifecycle.until_cut(_merged(started), _interrupt(started)):  # SIGTERM cuts
             timing.tick(out)
             finals[index] = out
-            for chunk in builder.chunks(index, out):
-                yield sse(chunk)
+            if interval > 1 and (out := _hold(held, index, out, interval)) is None:
+                continue
+            frame = builder.frames(index, out)
+            if frame:
+                yield frame
         if job.include_usage:
             yield sse(builder.usage_chunk(finals))
         yield sse("[DONE]")
@@ -410,6 +445,19 @@ async def _event_stream(request: Request, job: _Job, started, decode, state: dic
         yield sse(exc.body() if isinstance(exc, APIError) else from_engine_error(exc).body())
     finally:
         _settle(job, finals)
+
+
+def _hold(held: dict[int, RequestOutput], index: int, out: RequestOutput, interval: int) -> RequestOutput | None:
+    """``out`` joined to what prompt ``index`` held back, or None while every completion that moved has
+    fewer than ``interval`` new tokens (a first token, a finish and a logprobs-free empty delta never wait)."""
+    prev = held.pop(index, None)
+    if prev is not None:
+        out = merge_outputs(prev, out)
+    first = all(len(c.token_ids) == len(c.delta_token_ids) for c in out.outputs)
+    if out.finished or first or any(c.finished or len(c.delta_token_ids) >= interval for c in out.outputs):
+        return out
+    held[index] = out
+    return None
 
 
 class _GuardedStream(StreamingResponse):
@@ -449,7 +497,8 @@ async def _serve(body, request: Request, tenant: Tenant, settings: Settings, eng
     decode = _token_decoder(engine)
     if body.stream:
         state = {"started": False}
-        return _GuardedStream(_event_stream(request, job, started, decode, state), state, job, started,
+        stream = _event_stream(request, job, started, decode, state, settings.stream_interval)
+        return _GuardedStream(stream, state, job, started,
                               media_type="text/event-stream",
                               headers={"Cache-Control": "no-cache", "X-Request-Id": job.meta.id})
     return await _respond_full(request, job, started, decode)

@@ -2,12 +2,17 @@
 
 Choice indices: prompt ``i`` of a request with ``n`` completions per prompt owns choices
 ``i * n .. i * n + n - 1`` (OpenAI's convention for batched prompts).
+
+Streamed chunks without logprobs are written from per-response byte templates (the id, object, created
+and model serialized once; per chunk only the index, finish reason and the JSON-escaped text are joined
+in), byte for byte what ``json.dumps`` of the chunk dict gives; chunks with logprobs take the dict path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from json.encoder import encode_basestring_ascii as _json_str  # json.dumps' own escaping of a str (C)
 from typing import Any
 
 from engine.openai_api import chat_logprobs, completion_logprobs
@@ -80,6 +85,10 @@ class ChunkBuilder:
         self.meta = meta
         self._decode = decode
         self._finished: set[int] = set()
+        head = json.dumps(_chunk(meta, []), separators=(",", ":"), allow_nan=False)
+        # b'data: {"id":…,"model":…,"choices":[{"index":' + index + ',"logprobs":null,"finish_reason":'
+        self._head = ("data: " + head[:head.rindex('"choices":[')] + '"choices":[{"index":').encode()
+        self._key = ',"delta":' if meta.chat else ',"text":'
 
     def first_chunks(self, num_prompts: int) -> list[dict[str, Any]]:
         """Chat only: the opening chunk per choice announcing the assistant role."""
@@ -97,6 +106,29 @@ class ChunkBuilder:
             if choice is not None:
                 result.append(_chunk(self.meta, [choice]))
         return result
+
+    def frames(self, prompt_index: int, out: RequestOutput) -> bytes:
+        """The SSE bytes of :meth:`chunks` (empty when nothing moved), without building dicts when the
+        response has no logprobs."""
+        if self.meta.logprobs is not None:
+            return b"".join(sse(chunk) for chunk in self.chunks(prompt_index, out))
+        parts = []
+        for c in out.outputs:
+            index = prompt_index * self.meta.n + c.index
+            newly_finished = c.finished and index not in self._finished
+            if not (c.delta_text or c.delta_token_ids or newly_finished):
+                continue
+            if newly_finished:
+                self._finished.add(index)
+            reason = _finish_reason(c)
+            if self.meta.chat:
+                body = '{"content":' + _json_str(c.delta_text) + "}" if c.delta_text else "{}"
+            else:
+                body = _json_str(c.delta_text)
+            parts.append(self._head + (f'{index},"logprobs":null,"finish_reason":'
+                                       f'{"null" if reason is None else _json_str(reason)}'
+                                       f"{self._key}{body}}}]}}\n\n").encode())
+        return b"".join(parts)
 
     def _choice(self, index: int, c: CompletionOutput) -> dict[str, Any] | None:
         newly_finished = c.finished and index not in self._finished

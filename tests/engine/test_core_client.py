@@ -134,3 +134,76 @@ def test_merged_outputs_keep_every_delta():
     c = merged.outputs[0]
     assert (c.delta_token_ids, c.delta_text, c.token_ids, c.text) == ([7, 8], "ab", [7, 8], "ab")
     assert c.logprobs == [{7: -0.5}, {8: -0.5}] and merged.finished
+
+
+def test_steps_queued_behind_a_slow_consumer_come_as_one_output():
+    from engine.core_client import _Progress
+
+    progress = _Progress([1, 2])
+    first = progress.rebuild([("r", False, 0, None, [(0, "a", [7], [{7: -0.1}], None, None),
+                                                     (1, "x", [9], None, None, None)])])
+    assert first.outputs[0].token_ids == [7] and first.outputs[1].text == "x"
+    # three steps queued while the consumer was busy: one output, deltas joined, the last step's state
+    steps = [("r", False, 0, None, [(0, "b", [8], [{8: -0.2}], None, None), (1, "", [], None, None, None)]),
+             ("r", False, 0, None, [(0, "é", [5, 6], [{5: -0.3}, {6: -0.4}], None, None),
+                                    (1, "y", [10], None, "stop", "y")]),
+             ("r", True, 1, None, [(0, "", [4], [{4: -0.5}], "length", None)])]
+    out = progress.rebuild(steps)
+    c0, c1 = out.outputs
+    assert (c0.delta_text, c0.delta_token_ids, c0.text, c0.token_ids) == ("bé", [8, 5, 6, 4], "abé", [7, 8, 5, 6, 4])
+    assert c0.logprobs == [{8: -0.2}, {5: -0.3}, {6: -0.4}, {4: -0.5}] and c0.finish_reason == "length"
+    assert (c1.delta_text, c1.text, c1.finish_reason, c1.stop_reason) == ("y", "xy", "stop", "y")
+    assert out.finished and out.num_cached_tokens == 1
+
+
+def test_pipe_framing_is_multiprocessing_s():
+    import multiprocessing as mp
+    import os
+    import pickle
+
+    from engine.core_client import _frame
+
+    a, b = mp.Pipe()
+    msgs = [("step", list(range(n))) for n in (0, 3, 5000)]
+    for m in msgs:
+        a.send(m)
+    a.close()
+    raw = bytearray()
+    while chunk := os.read(b.fileno(), 1 << 16):
+        raw += chunk
+    got, pos = [], 0
+    assert _frame(raw[:3], 0) is None and _frame(raw[:-1], 0) is not None  # header incomplete / last one
+    while (found := _frame(raw, pos)) is not None:
+        got.append(pickle.loads(raw[found[0]:found[1]]))
+        pos = found[1]
+    assert got == msgs and pos == len(raw)
+
+
+async def test_an_interrupted_stream_ends_with_the_error_after_what_came():
+    async with ProcessAsyncLLM.from_model(tiny_model(), None, config()) as llm:
+        stream = llm.generate([1, 2, 3], ENDLESS, "cut")
+        await anext(stream)
+        stream.interrupt(RuntimeError("cut"))
+        with pytest.raises(RuntimeError, match="cut"):
+            async for _ in stream:
+                pass
+        await llm.wait_idle()
+        await collect(llm.generate([1, 2], GREEDY, "after"))
+        assert llm.stats().num_running == 0
+
+
+async def test_a_busy_loop_gets_the_steps_it_missed_as_one_output():
+    # what serving at GPU speed relies on: while the loop is busy the core keeps stepping; the loop then
+    # reads every batch waiting in the pipe at once, and the stream's consumer gets one output with all
+    # their tokens (one SSE chunk), not one output per step
+    import time
+
+    async with ProcessAsyncLLM.from_model(tiny_model(), None, config()) as llm:
+        stream = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), "busy")
+        first = await anext(stream)
+        time.sleep(1.0)  # the loop does not run: the core's step batches pile up in the pipe
+        nxt = await anext(stream)
+        assert len(first.outputs[0].token_ids) == 1
+        assert len(nxt.outputs[0].delta_token_ids) > 5  # several steps, one output
+        assert nxt.outputs[0].token_ids == first.outputs[0].token_ids + nxt.outputs[0].delta_token_ids
+        await stream.aclose()

@@ -86,6 +86,21 @@ async def test_streamed_completion_equals_full(client):
     assert events[-1]["choices"] == [] and events[-1]["usage"] == full["usage"]
 
 
+async def test_stream_interval_coalesces_chunks(engine, tiny_model_dir):  # noqa: F811
+    # stream_interval = 4: the first chunk at once, then chunks of >= 4 tokens, the last one shorter;
+    # the text is the non-streamed text whatever the chunking
+    app = create_app(make_settings(tiny_model_dir, stream_interval=4), engine)
+    body = {"prompt": "a b c", "max_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        full = (await c.post("/v1/completions", headers=auth("plain"), json=body)).json()["choices"][0]
+        events = _events((await c.post("/v1/completions", headers=auth("plain"),
+                                       json={**body, "stream": True})).text)
+    per_chunk = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events]
+    assert sum(per_chunk) == 10 and per_chunk[0] == 1 and all(k >= 4 for k in per_chunk[1:-1])
+    assert len(events) < 10 and "".join(e["choices"][0]["text"] for e in events) == full["text"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
 async def test_streamed_chat(client):
     body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
             "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 1}

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 _SPEC = importlib.util.spec_from_file_location(
     "serve_bench", Path(__file__).resolve().parents[2] / "bench" / "serve_bench.py")
@@ -53,3 +54,13 @@ def test_stream_without_token_chunks_and_in_band_error_fail_with_a_name():
                      {"error": {"message": "boom", "type": "server_error"}}]))
     assert not res.ok and res.error.startswith("in-band:") and res.text_chunks == 1
     assert serve_bench.summarize(1, [res], 1.0)["errors"] == [res.error]
+
+
+def test_cpu_per_token_per_process():
+    import os
+
+    assert serve_bench.cpu_seconds(os.getpid()) > 0 and serve_bench.cpu_seconds(2**22 + 7) == 0.0
+    row = {"out_tok_per_s": 1000.0, "wall_s": 2.0, "client_cpu_s": 0.2}
+    got = serve_bench.CpuMeter.per_token(row, (1.0, 3.0), (1.1, 3.4))
+    assert got == pytest.approx({"api_cpu_us_per_token": 50.0, "core_cpu_us_per_token": 200.0,
+                                 "client_cpu_us_per_token": 100.0})

@@ -75,10 +75,8 @@ class EvalKeyStorage:
         path = self.path(tenant, key_id, version)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         nonce = self._rng(_NONCE)
-        blob = (
-            _MAGIC + nonce + self._aead.encrypt(nonce, data, self._aad(tenant, key_id, version, fingerprint))
-        )
-        write_private(path, blob)
+        sealed = self._aead.encrypt(nonce, data, self._aad(tenant, key_id, version, fingerprint))
+        write_private(path, _MAGIC + nonce, sealed)   # not joined: one copy of hundreds of MB less
         return path
 
     def load(self, tenant: str, key_id: str, version: int, fingerprint: str, *, sha256: str | None = None) -> bytes:
@@ -95,7 +93,8 @@ class EvalKeyStorage:
             raise KeyNotFoundError(f"no stored material for {key_id} v{version}") from exc
         if not blob.startswith(_MAGIC) or len(blob) < len(_MAGIC) + _NONCE + 16:
             raise KeyIntegrityError(f"{path.name}: not a key file")
-        nonce, body = blob[len(_MAGIC) : len(_MAGIC) + _NONCE], blob[len(_MAGIC) + _NONCE :]
+        view = memoryview(blob)   # the body is hundreds of MB: decrypted from a view, not a sliced copy
+        nonce, body = blob[len(_MAGIC) : len(_MAGIC) + _NONCE], view[len(_MAGIC) + _NONCE :]
         try:
             data = self._aead.decrypt(nonce, body, self._aad(tenant, key_id, version, fingerprint))
         except InvalidTag:

@@ -6,7 +6,8 @@ What is checked here, at small parameters: the block's per-step level map is wha
 ciphertexts at <= L and gives bit-identical results to the full key when it is the full key's
 restriction; the upload carries exactly the plan's levels (a key at another level, an old upload
 without levels, a secret key: refused); level-aware keys are smaller. The shipped N = 32768 sizes are
-in the slow test at the end and in docs/benchmarks.md.
+in tests/fhe/test_attention.py (whose SmolLM2 block test runs on that key set: one key generation for
+both) and in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -293,22 +294,3 @@ def test_block_outputs_are_bit_identical_with_level_keys():
         cache = block.new_cache()
         outs[name] = [seal.to_bytes(c) for c in block.prefill(cache, cts, 0, keys)]
     assert outs["full"] == outs["levels"]
-
-
-@pytest.mark.slow
-def test_shipped_plan_level_keys_are_smaller_and_load():
-    """SmolLM2 shape at the shipped N = 32768 parameters: the level-aware upload passes the allow-list and
-    is well under the 829 MB of full keys (measured: docs/benchmarks.md). ~1-2 min on 2 cores."""
-    from engine.config import ModelConfig
-
-    cfg = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, head_dim=64)
-    params = ckks_params_for("sqexp", 6)
-    levels = required_key_levels(cfg, params, "sqexp", 6)
-    assert len(levels.steps) == 21 and levels.relin == 10 and levels.levels() == (12, 11, 10, 9, 2)
-    client = CKKSClient(params, levels.steps, levels=levels)
-    upload = wire.dump_public_keys(client)
-    total = sum(map(len, upload.values()))
-    assert total < 0.8 * 829e6, total
-    keys = wire.load_server_keys(upload, params, levels)
-    assert keys.levels == levels and keys.fingerprint == client.fingerprint

@@ -396,7 +396,7 @@ def part_table(toks: list, n_layers: int, server_layers: int = 28) -> str:
     """Per server layer and decode token, each part's mean cost; and x ``server_layers``."""
     rest = [t.stats for t in toks[1:]] or [toks[0].stats]
     rows = {}
-    for part in ("attn_qkv", "attn_o", "mlp_up", "mlp_down"):
+    for part in ("attn_qkv", "attn_o", "mlp_up", "mlp_down", "o_up", "down_qkv"):   # the last two: fused plans
         rows[part] = [statistics.mean(st.parts.get(part, [0, 0, 0, 0])[k] for st in rest) for k in range(4)]
     tot = [statistics.mean(getattr(st, f) for st in rest) for f in ("seconds", "bytes_up", "bytes_down", "steps")]
     approx = [tot[k] - sum(r[k] for r in rows.values()) for k in range(4)]

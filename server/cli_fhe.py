@@ -61,10 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--silu-margin", type=float, default=1.1, help="bound = margin * observed max |gate|")
     off.add_argument("--silu-max-error", type=float, default=0.05,
                      help="poly: a layer whose fit errs by more (max over calibration gates) stays client-aided")
-    off.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+    off.add_argument("--fused", action=argparse.BooleanOptionalAction, default=False,
                      help="fused linear steps (two round trips per server layer instead of four; docs/fhe.md "
-                          "§10): default on where the plan can fuse (softmax and SiLU client-aided, no q/k/v "
-                          "biases)")
+                          "§10; needs softmax and SiLU client-aided, no q/k/v biases); off by default for now")
     off.add_argument("--prompts", type=int, default=32, help="calibration prompts (poly SiLU fit)")
     off.add_argument("--max-new-tokens", type=int, default=24)
     off.add_argument("--model-id", default=None)
@@ -142,10 +141,7 @@ def _offload_plan(args: argparse.Namespace) -> int:
             print(f"poly SiLU on {len(keep)} layers; client-aided where the fit errs by more than "
                   f"{args.silu_max_error}: {sorted(set(polys) - set(keep))}")
             plan = with_poly_silu(plan, keep)
-        fused = args.fused
-        if fused is None:
-            fused = (args.softmax, args.silu) == ("client", "client") and not model.config.attention_bias
-        if fused:
+        if args.fused:   # opt-in until a fused prefill fits the envelope's 64 blobs (docs/fhe.md §10)
             plan = with_fused(plan)
         plan.check_attention_plan(attn)
         if attn is not None:

@@ -45,6 +45,8 @@ def test_the_shipped_28_layer_plan_runs_with_attention_as_linear_steps(shipped):
     check_fits(off, att, cfg)
     man = OffloadSteps.of(off).manifest(cfg)
     assert man["server_attention_linear"] == man["server_mlp"] == list(range(2, 30))
+    off = with_fused(off)        # the shipped plan is unfused (fused steps are opt-in); its fused twin:
+    man = OffloadSteps.of(off).manifest(cfg)
     assert off.fused and man["fused"] is True and man["round_trips_per_token"] == 57    # 1 + 28 + 27 + 1
     # 9 one-position (and pack17) steps, 9 more of the chunk layout, and the fused parts' two more (34 and 46, one
     # position; their chunk layout's are among the others')

@@ -52,12 +52,15 @@ def main() -> None:
     keys = placeholder_keys(lin.gpu, lin.steps)
     zero = GpuCiphertext(torch.zeros((2, lin.gpu.top, lin.params.poly_modulus_degree), dtype=torch.int64,
                                      device=lin.gpu.device), lin.gpu.kit.scale)
-    layer = min(lin.blocks)
-    for part in ("attn_qkv", "attn_o", "mlp_up", "mlp_down"):
+    first: dict[str, int] = {}   # each part the plan runs (a fused plan: attn_qkv, o_up, down_qkv, mlp_down), once
+    for layer, part in lin.parts():
+        first.setdefault(part, layer)
+    for part, layer in first.items():
         block, _ = lin.part(layer, part)
         tiles = block.chunks.shapes[part].tiles
-        one = _timed(lambda p=part: lin._device_step(layer, p, False, [zero], keys), sync)
-        chunk = _timed(lambda p=part, t=tiles: lin._chunks_on_device(layer, p, [zero] * (t * CHUNK_ROWS), keys), sync)
+        one = _timed(lambda p=part, li=layer: lin._device_step(li, p, [zero], keys), sync)
+        chunk = _timed(lambda p=part, li=layer, t=tiles: lin._chunks_on_device(li, p, [zero] * (t * CHUNK_ROWS), keys),
+                       sync)
         report["parts"][part] = {"decode_ms": one * 1e3, "chunk_step_32_ms": chunk * 1e3, "tiles": tiles}
         print(part, json.dumps(report["parts"][part]), flush=True)
     report["captures_after"] = lin.graphs.captures

@@ -396,7 +396,7 @@ def part_table(toks: list, n_layers: int, server_layers: int = 28) -> str:
     """Per server layer and decode token, each part's mean cost; and x ``server_layers``."""
     rest = [t.stats for t in toks[1:]] or [toks[0].stats]
     rows = {}
-    for part in ("attn_qkv", "attn_o", "mlp_up", "mlp_down"):
+    for part in ("attn_qkv", "attn_o", "mlp_up", "mlp_down", "o_up", "down_qkv"):   # the last two: fused plans
         rows[part] = [statistics.mean(st.parts.get(part, [0, 0, 0, 0])[k] for st in rest) for k in range(4)]
     tot = [statistics.mean(getattr(st, f) for st in rest) for f in ("seconds", "bytes_up", "bytes_down", "steps")]
     approx = [tot[k] - sum(r[k] for r in rows.values()) for k in range(4)]
@@ -498,6 +498,15 @@ def _plan_words(args) -> str:
     return "the shipped default plan" if args.layers == "all" else f"the first {args.layers} of the default plan"
 
 
+def _fused_plan(spec: str | None) -> bool:
+    """Whether ``--offload-plan`` names a fused plan (fhe.offload_fused)."""
+    if not spec:
+        return False
+    from fhe.offload import OffloadPlan, default_offload_path
+
+    return OffloadPlan.load(default_offload_path() if spec == "default" else Path(spec)).fused
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the markdown."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -521,14 +530,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="then K concurrent encrypted sessions for each K of this list (e.g. '1,4,8'; each client "
                         "in its own process with its own key set), same server: TPOT and aggregate tok/s")
     p.add_argument("--session-tokens", type=int, default=16, help="output tokens of each --sessions generation")
-    p.add_argument("--engine-gpu-share", type=float, default=0.5,
+    p.add_argument("--engine-gpu-share", type=float, default=None,
                    help="with --device cuda: the plaintext engine's [engine] gpu_memory_utilization (the workers "
-                        "get the rest of the card)")
+                        "get the rest of the card); default 0.5, or 0.12 for a fused --offload-plan (its worker "
+                        "holds ~1.85x the diagonals: ~57 GB for 28 layers, docs/fhe.md §10)")
     p.add_argument("--crypto-processes", type=int, default=None,
                    help="the SDK's forked processes for a step's CKKS work (PrivateRuntime.crypto_processes; "
                         "default: the cores, at most 8; 1: one at a time, the path before session 13)")
     p.add_argument("--server-log", type=Path, help="copy the server's log (workers included) here at the end")
     args = p.parse_args(argv)
+    if args.engine_gpu_share is None:
+        args.engine_gpu_share = 0.12 if _fused_plan(args.offload_plan) else 0.5
     counts = [int(k) for k in args.sessions.split(",") if k]
     command = "python bench/private_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv)
     from server.cli_demo import plan_with_layers, running_server

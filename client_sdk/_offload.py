@@ -18,6 +18,13 @@ Every layer whose attention the plan runs as linear steps (``softmax = client``,
    cache: the client's own data) and computes the exact causal softmax attention ``u`` as the model does;
 3. encrypts ``u`` replicated, sends an ``attn_o`` step, decrypts ``Wo u`` and adds it to ``h``.
 
+With ``offload.fused`` in the manifest (a fused plan, :mod:`fhe.offload_fused`) two consecutive parts are
+one step on the concatenated input ``[value; residual]``: ``o_up`` (attn_o + mlp_up) and ``down_qkv``
+(mlp_down + the next layer's attn_qkv), both computed by the server on the **unnormalized** residual; the
+client scales what it decrypts by ``rsqrt(mean(x²) + eps)`` of the residual it holds. The seams keep the
+second half of each fused answer (``[gate|up]``, the next layer's ``[q; k; v]``) until the next seam takes it:
+a run of n server layers costs 2n + 1 steps per token instead of 4n.
+
 The layouts come from the model's shapes (:func:`fhe.offload_steps.mlp_geometry`,
 :func:`fhe.offload_attention.attention_geometry`); the bundle holds no weight of a server part. Nothing
 here does I/O: calls go through the runtime's ``exchange``.
@@ -56,6 +63,8 @@ class OffloadInfo:
     #: how to upload ciphertexts (``offload.mlp.upload``): "seeded" (SEAL's seeded form; absent: an older or
     #: SEAL-backed server) or "full" (unseeded: a GPU worker reads them straight into device tensors)
     upload: str = "seeded"
+    #: fused linear steps (``offload.fused``; absent in an unfused or older manifest: False)
+    fused: bool = False
 
     @classmethod
     def from_manifest(cls, d: Any) -> OffloadInfo | None:
@@ -68,9 +77,15 @@ class OffloadInfo:
             info = cls(str(section["plan_hash"]), tuple(int(i) for i in section["server_mlp"]), dict(mlp["ckks"]),
                        tuple(int(s) for s in mlp["rotation_steps"]), int(mlp["max_blob_bytes"]),
                        tuple(int(i) for i in section.get("server_attention_linear", ())),
-                       dict(mlp.get("chunk_layout") or {}), str(mlp.get("upload", "seeded")))
+                       dict(mlp.get("chunk_layout") or {}), str(mlp.get("upload", "seeded")),
+                       section.get("fused", False))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PrivateModeError(f"the server's offload manifest is malformed ({exc!r})") from exc
+        if not isinstance(info.fused, bool):
+            raise PrivateModeError(f"the server's offload manifest is malformed (fused = {info.fused!r:.32})")
+        if info.fused and set(info.server_mlp) != set(info.server_attention_linear):
+            raise PrivateModeError("the server's fused offload plan does not run attention and MLP of every server "
+                                   "layer as linear steps")
         if info.upload not in ("seeded", "full"):
             raise PrivateModeError(f"the server asks for uploads as {info.upload[:32]!r}, this SDK sends 'seeded' "
                                    "or 'full': update the SDK")
@@ -153,6 +168,7 @@ class OffloadClient:
 
     def __init__(self, runtime: Any, info: OffloadInfo) -> None:
         from fhe.offload_attention import attention_geometry
+        from fhe.offload_fused import fused_geometry
         from fhe.offload_steps import (
             NO_CHUNK_LAYOUT,
             chunk_layout_manifest,
@@ -168,9 +184,13 @@ class OffloadClient:
         self.layout, _ = mlp_geometry(cfg, self.params)
         self.att_layout, _ = attention_geometry(cfg, self.params)
         # None: the server sends steps of several positions one ciphertext per position (offload_chunk_layout off)
-        self.chunks = None if info.chunk_layout == NO_CHUNK_LAYOUT else chunk_shapes(cfg, self.params)
+        self.chunks = (None if info.chunk_layout == NO_CHUNK_LAYOUT else
+                       chunk_shapes(cfg, self.params, fused=info.fused))
         steps = offload_rotation_steps(cfg, self.params, attention=bool(info.server_attention_linear),
-                                       mlp=bool(info.server_mlp), chunks=self.chunks is not None)
+                                       mlp=bool(info.server_mlp), chunks=self.chunks is not None, fused=info.fused)
+        # fused steps: per part its one-position layout, and the halves of answers a later seam takes
+        self.fused = fused_geometry(cfg, self.params)[0] if info.fused else None
+        self.pending: dict[tuple[str, int], torch.Tensor] = {}
         if steps != info.rotation_steps:
             raise PrivateModeError("the server's offload rotations do not match this model's shapes (a server "
                                    "older or newer than this SDK: chunk layouts differ)")
@@ -229,6 +249,8 @@ class OffloadClient:
         """h [T, hidden] (the residual after the layer's attention) -> the MLP's output [T, hidden]."""
         from fhe.linalg import replicate_input
 
+        if self.fused is not None:
+            return self._fused_mlp(layer, h)
         lay = self.layout
         x = self._normalized(h)
         if h.shape[0] > 1 and self.chunks is not None:   # several positions: the chunk layout
@@ -248,7 +270,9 @@ class OffloadClient:
         """h [T, hidden] (the residual before the layer) -> the attention output [T, hidden]."""
         half, t = self.att_half, h.shape[0]
         chunked = t > 1 and self.chunks is not None   # several positions (prefill, verify): the chunk layout
-        if chunked:
+        if self.fused is not None and layer - 1 in self.info.server_mlp:   # [q; k; v] came with down_qkv
+            q, k, v = half.split_rows(self._take(layer, "qkv", h))
+        elif chunked:
             x = self._normalized(h).numpy()
             q, k, v = half.split_rows(torch.from_numpy(self._send_chunks(layer, "attn_qkv", x)))
         else:
@@ -257,10 +281,65 @@ class OffloadClient:
         dtype = h.dtype if h.dtype.is_floating_point else torch.float32
         q, k, v = (t.to(dtype) for t in (q, k, v))
         u = backend.attend(layer, rope(q, positions), rope(k, positions), v)   # the client's own clear cache
+        if self.fused is not None:   # o_up: [Wo u; W_gu (h + Wo u)], the second half for this layer's MLP
+            y = self._send_fused(layer, "o_up", torch.cat([u.reshape(t, -1).double(), h.double()], -1))
+            hidden = h.shape[-1]
+            self.pending[("gate_up", layer)] = y[:, hidden:]
+            return y[:, :hidden]
         if chunked:
             return torch.from_numpy(self._send_chunks(layer, "attn_o", u.reshape(t, -1).double().numpy()))
         outs = self._send(layer, "attn_o", half.mixture_rows(u.reshape(t, -1)), 1)
         return half.output(half.decrypt([cts[0] for cts in outs]))
+
+    # -- fused steps ---------------------------------------------------------------------------------------
+    def _fused_mlp(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """A fused plan's MLP seam: h [T, hidden] (the residual after the attention) -> the MLP's output; the
+        gate and up projections came with ``o_up``; ``down_qkv`` also brings the next layer's [q; k; v] (plain
+        ``mlp_down`` after the last server layer of a run)."""
+        lay = self.layout
+        gu = self._take(layer, "gate_up", h)
+        a = torch.nn.functional.silu(gu[:, :lay.intermediate]) * gu[:, lay.intermediate:]
+        if layer + 1 not in self.info.server_attention_linear:
+            if h.shape[0] > 1 and self.chunks is not None:
+                return torch.from_numpy(self._send_chunks(layer, "mlp_down", a.numpy()))
+            from fhe.linalg import replicate_input
+
+            downs = self._send(layer, "mlp_down", [replicate_input(r.numpy(), lay.slots, lay.down_period)
+                                                   for r in a], 1)
+            return torch.stack([self.half.output(cts[0]) for cts in downs])
+        y = self._send_fused(layer, "down_qkv", torch.cat([a, h.double()], -1))
+        hidden = h.shape[-1]
+        self.pending[("qkv", layer + 1)] = y[:, hidden:]
+        return y[:, :hidden]
+
+    def _take(self, layer: int, what: str, h: torch.Tensor) -> torch.Tensor:
+        """The kept half of a fused answer for ``layer`` (unnormalized: W (x) for the residual x = h), scaled by
+        the client's ``rsqrt(mean(h²) + eps)`` -> float64 [T, n]."""
+        y = self.pending.pop((what, layer), None)
+        if y is None or y.shape[0] != h.shape[0]:
+            raise PrivateModeError(f"layer {layer}: fused steps out of order (no {what} for these positions)")
+        x = h.double()
+        return y * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.rt.model.config.rms_norm_eps)
+
+    def _send_fused(self, layer: int, part: str, xs: torch.Tensor) -> torch.Tensor:
+        """xs [T, n_in] (float64: the value and the residual, concatenated) through the fused ``part`` ->
+        y [T, n_out] (float64): the chunk layout for several positions, else one ciphertext per position in
+        (``outputs`` out)."""
+        if xs.shape[0] > 1 and self.chunks is not None:
+            return torch.from_numpy(self._send_chunks(layer, part, xs.numpy()))
+        import numpy as np
+
+        from fhe.errors import ShapeError
+
+        lay = self.fused[part]
+        if not torch.isfinite(xs).all():
+            raise PrivateModeError(f"layer {layer} {part}: cannot encrypt NaN/inf")
+        vals = self._send(layer, part, [lay.pack(r) for r in xs.numpy()], lay.outputs, decrypt=True)
+        try:
+            return torch.from_numpy(np.stack([lay.unpack(vals[i:i + lay.outputs])
+                                              for i in range(0, len(vals), lay.outputs)]))
+        except ShapeError as exc:
+            raise PrivateModeError(f"layer {layer} {part}: unusable server answer ({exc})") from exc
 
     def _normalized(self, h: torch.Tensor) -> torch.Tensor:
         """``h / rms(h)`` per row, float64, no gain (the server folds the gain into its weights)."""

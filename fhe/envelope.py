@@ -40,7 +40,8 @@ KINDS = ("prefill", "decode", "packed", "result", "verify", "rollback")
 #: Which part of a layer a step runs (docs/protocol.md, "Offload steps"); ``attention`` is the default and
 #: is left out of the header, so an attention step's bytes are what they were before parts existed.
 ATTENTION = "attention"
-PARTS = (ATTENTION, "attn_qkv", "attn_o", "mlp_up", "mlp_down")   # the last four: offload linear steps
+#: after it: the offload plan's linear steps, the last two those of a fused plan (:mod:`fhe.offload_fused`)
+PARTS = (ATTENTION, "attn_qkv", "attn_o", "mlp_up", "mlp_down", "o_up", "down_qkv")
 
 
 class EnvelopeError(ValueError):

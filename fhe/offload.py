@@ -110,6 +110,8 @@ class OffloadPlan:
     attention_plan_hash: str | None = None
     silu: Mapping[int, SiluPoly] = field(default_factory=dict)
     created_by: str = "cipherlm"
+    #: fused linear steps (:mod:`fhe.offload_fused`): two round trips per server layer instead of four
+    fused: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(sorted(self.layers, key=lambda p: p.index)))
@@ -121,6 +123,20 @@ class OffloadPlan:
             raise OffloadPlanError(f"SiLU polynomials for layers {sorted(self.silu)}, poly layers are {sorted(need)}")
         if self.approx_layers and not self.attention_plan_hash:
             raise OffloadPlanError("approximated attention needs the attention plan's hash")
+        if self.fused:
+            self._check_fused(cfg)
+
+    def _check_fused(self, cfg: ModelConfig) -> None:
+        """Fused steps need every server layer wholly linear steps (attention and MLP on the server, softmax
+        and SiLU client-aided) and a model without q/k/v biases (:mod:`fhe.offload_fused`)."""
+        bad = [p.index for p in self.layers if (p.attention == SERVER or p.mlp == SERVER)
+               and (p.attention, p.mlp, p.softmax, p.silu) != (SERVER, SERVER, "client", "client")]
+        if bad:
+            raise OffloadPlanError(f"fused steps need attention and MLP of every server layer on the server, "
+                                   f"softmax and SiLU client-aided; layers {bad} are not")
+        if cfg.attention_bias:
+            raise OffloadPlanError("fused steps need a model without q/k/v biases (they do not commute with the "
+                                   "client's RMS scaling)")
 
     @property
     def model_config(self) -> ModelConfig:
@@ -145,7 +161,25 @@ class OffloadPlan:
     @property
     def round_trips(self) -> int:
         """Exchanges per decoded token."""
+        if self.fused:
+            return len(self.linear_steps())
         return sum(p.round_trips for p in self.layers)
+
+    def linear_steps(self) -> tuple[tuple[int, str], ...]:
+        """Per token, the (layer, part) of every linear step in the order the client sends them: four per
+        layer (``attn_qkv``, ``attn_o``, ``mlp_up``, ``mlp_down`` where that part runs as a linear step), or,
+        fused, :func:`fhe.offload_fused.fused_step_order`."""
+        if self.fused:
+            from fhe.offload_fused import fused_step_order
+
+            return fused_step_order(self.server_mlp)
+        out: list[tuple[int, str]] = []
+        for p in self.layers:
+            if p.attention == SERVER and p.softmax == "client":
+                out += [(p.index, "attn_qkv"), (p.index, "attn_o")]
+            if p.mlp == SERVER:
+                out += [(p.index, "mlp_up"), (p.index, "mlp_down")]
+        return tuple(out)
 
     def check_attention_plan(self, plan: Plan | None) -> None:
         """OffloadPlanError unless ``plan`` is the named attention plan and covers every approx layer."""
@@ -161,7 +195,9 @@ class OffloadPlan:
         return {"format": FORMAT, "format_version": FORMAT_VERSION, "model_id": self.model_id,
                 "config": dict(self.config), "layers": [p.to_dict() for p in self.layers],
                 "attention_plan_hash": self.attention_plan_hash, "created_by": self.created_by,
-                "silu": {str(i): s.to_dict() for i, s in sorted(self.silu.items())}}
+                "silu": {str(i): s.to_dict() for i, s in sorted(self.silu.items())},
+                # only when on: an unfused plan's content (and hash) is what it was before fused steps
+                **({"fused": True} if self.fused else {})}
 
     @property
     def content_hash(self) -> str:
@@ -194,8 +230,11 @@ def _from_doc(doc: dict) -> OffloadPlan:
         layers = tuple(LayerPlacement(int(d["index"]), d["attention"], d["mlp"], d.get("softmax"), d.get("silu"))
                        for d in doc["layers"])
         silu = {int(i): SiluPoly.from_dict(s) for i, s in doc.get("silu", {}).items()}
+        fused = doc.get("fused", False)
+        if not isinstance(fused, bool):
+            raise OffloadPlanError(f"fused must be true or false, not {fused!r}")
         return OffloadPlan(doc["model_id"], doc["config"], layers, doc.get("attention_plan_hash"), silu,
-                           doc.get("created_by", "cipherlm"))
+                           doc.get("created_by", "cipherlm"), fused)
     except (KeyError, TypeError, ValueError, ParameterError) as exc:
         if isinstance(exc, OffloadPlanError):
             raise
@@ -204,11 +243,19 @@ def _from_doc(doc: dict) -> OffloadPlan:
 
 def offload_plan(cfg: ModelConfig, model_id: str, client_layers: int = 2, *, softmax: str = "approx",
                  silu: str = "client", attention_plan_hash: str | None = None,
-                 silu_polys: Mapping[int, SiluPoly] | None = None) -> OffloadPlan:
-    """Layers ``[0, client_layers)`` on the client, every later attention and MLP block on the server."""
+                 silu_polys: Mapping[int, SiluPoly] | None = None, fused: bool = False) -> OffloadPlan:
+    """Layers ``[0, client_layers)`` on the client, every later attention and MLP block on the server
+    (``fused``: as fused linear steps, :mod:`fhe.offload_fused`)."""
     layers = tuple(LayerPlacement(i) if i < client_layers else LayerPlacement(i, SERVER, SERVER, softmax, silu)
                    for i in range(cfg.num_hidden_layers))
-    return OffloadPlan(model_id, cfg.to_hf_dict(), layers, attention_plan_hash, dict(silu_polys or {}))
+    return OffloadPlan(model_id, cfg.to_hf_dict(), layers, attention_plan_hash, dict(silu_polys or {}),
+                       fused=fused)
+
+
+def with_fused(plan: OffloadPlan, fused: bool = True) -> OffloadPlan:
+    """``plan`` with fused linear steps on (or off): the same placements, another content hash."""
+    return OffloadPlan(plan.model_id, plan.config, plan.layers, plan.attention_plan_hash, plan.silu,
+                       plan.created_by, fused)
 
 
 def with_poly_silu(plan: OffloadPlan, polys: Mapping[int, SiluPoly]) -> OffloadPlan:
@@ -220,7 +267,8 @@ def with_poly_silu(plan: OffloadPlan, polys: Mapping[int, SiluPoly]) -> OffloadP
     layers = tuple(LayerPlacement(p.index, p.attention, p.mlp, p.softmax, "poly") if p.index in polys else p
                    for p in plan.layers)
     silu = {**{i: s for i, s in plan.silu.items() if i not in polys}, **polys}
-    return OffloadPlan(plan.model_id, plan.config, layers, plan.attention_plan_hash, silu, plan.created_by)
+    return OffloadPlan(plan.model_id, plan.config, layers, plan.attention_plan_hash, silu, plan.created_by,
+                       plan.fused)
 
 
 def partial_plan(cfg: ModelConfig, plan: Plan) -> OffloadPlan:
@@ -314,4 +362,4 @@ def cost_report(plan: OffloadPlan, context: int = 64) -> CostReport:
 
 
 __all__ = ["CLIENT", "SERVER", "CostReport", "LayerPlacement", "OffloadPlan", "OffloadPlanError", "cost_report",
-           "default_offload_path", "offload_plan", "partial_plan", "with_poly_silu"]
+           "default_offload_path", "offload_plan", "partial_plan", "with_fused", "with_poly_silu"]

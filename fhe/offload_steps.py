@@ -19,6 +19,10 @@ position-interleaved chunk layout instead (:mod:`fhe.interleaved`, :func:`chunk_
 
 Both kinds run at the same parameters under one key set whose Galois steps are the union of the parts'
 (:func:`offload_rotation_steps`).
+
+A fused plan (:mod:`fhe.offload_fused`) adds two parts, ``o_up`` and ``down_qkv`` (``[u; x]`` in, ``[Wo u;
+W_gu (x + Wo u)]`` out; ``[a; x']`` in, ``[W_down a; W_qkv (x' + W_down a)]`` out, both before the client's
+RMS scaling), laid out the same way by shapes: its key set holds the four parts' steps and theirs.
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ from engine.config import ModelConfig
 from fhe.interleaved import CHUNK_POSITIONS, ChunkShape, chunk_count, chunk_shape
 from fhe.mlp import MLP_PARAMS, MLPLayout, MLPWeights, _matvec, _up_matvecs
 from fhe.offload_attention import ATTENTION_PARTS, attention_geometry
+from fhe.offload_fused import FUSED_PARTS, fused_geometry, fused_shape
 from fhe.params import CKKSParams
 
 MLP_PARTS = ("mlp_up", "mlp_down")
-#: every part an offload key set runs (the envelope's ``part``; ``attention`` is the calibrated block)
+#: every part an unfused offload key set runs (the envelope's ``part``; ``attention`` is the calibrated block)
 OFFLOAD_PARTS = ATTENTION_PARTS + MLP_PARTS
+#: every linear part, fused plans' included
+LINEAR_PARTS = OFFLOAD_PARTS + FUSED_PARTS
 
 
 @functools.lru_cache(maxsize=8)
@@ -58,7 +65,10 @@ def mlp_geometry(cfg: ModelConfig, params: CKKSParams = MLP_PARAMS) -> tuple[MLP
 
 
 def part_shape(cfg: ModelConfig, part: str) -> tuple[int, int]:
-    """(n_out, n_in) of a linear part's product (``mlp_up``: gate and up stacked, one product)."""
+    """(n_out, n_in) of a linear part's product (``mlp_up``: gate and up stacked, one product; the fused
+    parts: :func:`fhe.offload_fused.fused_shape`)."""
+    if part in FUSED_PARTS:
+        return fused_shape(cfg, part)
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     h, i = cfg.hidden_size, cfg.intermediate_size
     shapes = {"attn_qkv": (q + 2 * kv, h), "attn_o": (h, q), "mlp_up": (2 * i, h), "mlp_down": (h, i)}
@@ -66,11 +76,12 @@ def part_shape(cfg: ModelConfig, part: str) -> tuple[int, int]:
 
 
 def chunk_shapes(cfg: ModelConfig, params: CKKSParams = MLP_PARAMS,
-                 positions: int = CHUNK_POSITIONS) -> dict[str, ChunkShape]:
-    """Per part, the chunk layout of a multi-position step (from shapes alone: client and server agree)."""
+                 positions: int = CHUNK_POSITIONS, *, fused: bool = False) -> dict[str, ChunkShape]:
+    """Per part, the chunk layout of a multi-position step (from shapes alone: client and server agree);
+    ``fused``: the fused parts' too."""
     slots = params.poly_modulus_degree // 2
     return {part: chunk_shape(slots, part_shape(cfg, part)[1], part_shape(cfg, part)[0], positions)
-            for part in OFFLOAD_PARTS}
+            for part in (LINEAR_PARTS if fused else OFFLOAD_PARTS)}
 
 
 def step_blobs(shape: ChunkShape, count: int) -> tuple[int, int]:
@@ -97,12 +108,15 @@ def chunk_layout_manifest(chunks: dict[str, ChunkShape] | None) -> dict:
 
 
 def offload_rotation_steps(cfg: ModelConfig, params: CKKSParams = MLP_PARAMS, *, attention: bool = True,
-                           mlp: bool = True, chunks: bool = True) -> tuple[int, ...]:
+                           mlp: bool = True, chunks: bool = True, fused: bool = False) -> tuple[int, ...]:
     """The Galois steps of the offload key set: the union of the attention linear steps' (when the plan has
     a server attention with ``softmax = client``) and the MLP's (when it has a server MLP), one position
-    and (``chunks``: where the server runs it) chunk layouts alike."""
+    and (``chunks``: where the server runs it) chunk layouts alike; ``fused``: the fused parts' too."""
     steps: set[int] = set()
-    shapes = chunk_shapes(cfg, params) if chunks else {}
+    shapes = chunk_shapes(cfg, params, fused=fused) if chunks else {}
+    if fused:
+        steps |= set(fused_geometry(cfg, params)[1])
+        steps |= {s for p in FUSED_PARTS if p in shapes for s in shapes[p].rotation_steps}
     if attention:
         steps |= set(attention_geometry(cfg, params)[1])
         steps |= {s for p in ATTENTION_PARTS if p in shapes for s in shapes[p].rotation_steps}
@@ -124,6 +138,6 @@ def outputs_per_position(layout: MLPLayout, part: str) -> int:
     return len(layout.up_slots) if part == "mlp_up" else 1
 
 
-__all__ = ["ATTENTION_PARTS", "MLP_PARTS", "NO_CHUNK_LAYOUT", "OFFLOAD_PARTS", "chunk_layout_manifest", "chunk_shapes",
+__all__ = ["ATTENTION_PARTS", "FUSED_PARTS", "LINEAR_PARTS", "MLP_PARTS", "NO_CHUNK_LAYOUT", "OFFLOAD_PARTS", "chunk_layout_manifest", "chunk_shapes",
            "fresh_blob_limit", "mlp_geometry", "offload_rotation_steps", "outputs_per_position", "part_shape",
            "step_blobs"]

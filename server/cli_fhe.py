@@ -61,6 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--silu-margin", type=float, default=1.1, help="bound = margin * observed max |gate|")
     off.add_argument("--silu-max-error", type=float, default=0.05,
                      help="poly: a layer whose fit errs by more (max over calibration gates) stays client-aided")
+    off.add_argument("--fused", action=argparse.BooleanOptionalAction, default=False,
+                     help="fused linear steps (two round trips per server layer instead of four; docs/fhe.md "
+                          "§10; needs softmax and SiLU client-aided, no q/k/v biases); off by default for now")
     off.add_argument("--prompts", type=int, default=32, help="calibration prompts (poly SiLU fit)")
     off.add_argument("--max-new-tokens", type=int, default=24)
     off.add_argument("--model-id", default=None)
@@ -122,7 +125,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _offload_plan(args: argparse.Namespace) -> int:
     from fhe.calibrate import chat_corpus, load_prompts
-    from fhe.offload import OffloadPlanError, offload_plan, with_poly_silu
+    from fhe.offload import OffloadPlanError, offload_plan, with_fused, with_poly_silu
     from fhe.offload_sim import fit_silu_polys
     from fhe.plan import Plan, PlanError
 
@@ -138,6 +141,8 @@ def _offload_plan(args: argparse.Namespace) -> int:
             print(f"poly SiLU on {len(keep)} layers; client-aided where the fit errs by more than "
                   f"{args.silu_max_error}: {sorted(set(polys) - set(keep))}")
             plan = with_poly_silu(plan, keep)
+        if args.fused:   # opt-in until a fused prefill fits the envelope's 64 blobs (docs/fhe.md §10)
+            plan = with_fused(plan)
         plan.check_attention_plan(attn)
         if attn is not None:
             attn.check_model(model)
@@ -223,6 +228,8 @@ def _offload_info(args: argparse.Namespace) -> int:
     for first, last, d in _placement_runs(plan):
         print(f"  layer{'s' if last > first else ''} {first}{f'-{last}' if last > first else ''}: {d}")
     print("client always: embedding, every RMSNorm (it holds the residual stream), final norm, head, sampling")
+    if plan.fused:
+        print("fused linear steps: attn_o+mlp_up (o_up) and mlp_down+next attn_qkv (down_qkv) as one step each")
     for i, poly in sorted(plan.silu.items()):
         print(f"  layer {i} silu: degree {poly.degree} on [-{poly.bound:.2f}, {poly.bound:.2f}]")
     _print_costs(plan, args.context)

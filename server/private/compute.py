@@ -28,6 +28,7 @@ from fhe.envelope import parse_key_upload
 from fhe.errors import FHEError, RollbackError, ShapeError
 from fhe.evaluator import check_fresh
 from fhe.interleaved import require_chunks
+from fhe.offload_fused import FUSED_PARTS
 from fhe.params import CKKSParams, KeyLevels
 from fhe.plan import Plan
 from server.keys import Inspection, inspect_upload_keys
@@ -340,13 +341,19 @@ class _OffloadLinear:
         plan = OffloadPlan.load(offload_path)
         self.params = MLP_PARAMS
         self.gpu = _gpu_evaluator(self.params, device, encoder=encoder or _plan_encoder(device))
-        self.blocks = {i: EncryptedMLP(model.model.layers[i], self.params, evaluator=self.gpu, chunks=chunks)
-                       for i in plan.server_mlp}
-        self.attention = {p.index: EncryptedAttentionLinear(model.model.layers[p.index], model.config, self.params,
-                                                            evaluator=self.gpu, chunks=chunks)
-                          for p in plan.layers if p.attention == "server" and p.softmax == "client"}
+        self.linear_steps = plan.linear_steps()   # (layer, part) in the order a token runs them
+        layers = model.model.layers
+        # a fused plan runs attn_qkv only on the first layer of a run and mlp_down only on its last: the
+        # four-step blocks exist only where one of their steps runs
+        mlp_at = {i for i, p in self.linear_steps if p in ("mlp_up", "mlp_down")}
+        att_at = {i for i, p in self.linear_steps if p in ("attn_qkv", "attn_o")}
+        self.blocks = {i: EncryptedMLP(layers[i], self.params, evaluator=self.gpu, chunks=chunks)
+                       for i in sorted(mlp_at)}
+        self.attention = {i: EncryptedAttentionLinear(layers[i], model.config, self.params, evaluator=self.gpu,
+                                                      chunks=chunks) for i in sorted(att_at)}
+        self.fused = _fused_blocks(layers, self.linear_steps, self.params, self.gpu, chunks)
         steps: set[int] = set()
-        for block in (*self.blocks.values(), *self.attention.values()):
+        for block in (*self.blocks.values(), *self.attention.values(), *self.fused.values()):
             steps |= block.rotation_steps
         self.steps = tuple(sorted(steps))
         self.keys: dict[str, ServerKeys] = {}
@@ -498,8 +505,7 @@ class _OffloadLinear:
 
     def parts(self) -> list[tuple[int, str]]:
         """Every (layer, part) this plan runs as a linear step."""
-        return ([(i, p) for i in sorted(self.attention) for p in ("attn_qkv", "attn_o")] +
-                [(i, p) for i in sorted(self.blocks) for p in ("mlp_up", "mlp_down")])
+        return list(self.linear_steps)
 
     def run_batch(self, items: list[tuple[str, list]], layer: int, part: str,
                   clock: StageClock | None = None) -> list[list]:
@@ -539,13 +545,17 @@ class _OffloadLinear:
         server layer) and of one loaded key set (0 on SEAL)."""
         if self.gpu is None:
             return {"weights": 0, "per_layer": 0, "key_set": 0}
-        weights = sum(_plaintext_nbytes(b) for b in (*self.blocks.values(), *self.attention.values()))
+        weights = sum(_plaintext_nbytes(b) for b in (*self.blocks.values(), *self.attention.values(),
+                                                     *self.fused.values()))
         key_set = next(iter(self.device_keys.values())).nbytes() if self.device_keys else 0
-        layers = len(set(self.blocks) | set(self.attention))
+        layers = len(set(self.blocks) | set(self.attention) | set(self.fused))
         return {"weights": weights, "per_layer": weights // max(layers, 1), "key_set": key_set}
 
     def part(self, layer: int, part: str):
         """(block, run) of one checked one-position step: ``run(ct, keys)`` -> the part's result ciphertexts."""
+        if part in FUSED_PARTS:
+            block = self.fused[layer]
+            return block, functools.partial(block.step, part)
         if part in ("attn_qkv", "attn_o"):
             block = self.attention[layer]
             fn = block.qkv if part == "attn_qkv" else block.o
@@ -570,6 +580,20 @@ class _OffloadLinear:
         except (FHEError, KeyError, ValueError):
             return False
         return True
+
+
+def _fused_blocks(layers, linear_steps, params, gpu, chunks: bool) -> dict:
+    """Per layer with fused steps (:mod:`fhe.offload_fused`), its :class:`~fhe.offload_fused.EncryptedFused`
+    holding that layer's ``o_up`` and/or ``down_qkv`` (the latter with the next layer's q/k/v)."""
+    from fhe.offload_fused import EncryptedFused, fused_weights
+
+    parts: dict[int, list[str]] = {}
+    for i, p in linear_steps:
+        if p in FUSED_PARTS:
+            parts.setdefault(i, []).append(p)
+    return {i: EncryptedFused({p: fused_weights(layers[i], p, layers[i + 1] if p == "down_qkv" else None)
+                               for p in ps}, params, evaluator=gpu, chunks=chunks)
+            for i, ps in sorted(parts.items())}
 
 
 def _batched(block, step):

@@ -24,8 +24,9 @@ from fhe.interleaved import ChunkShape
 from fhe.mlp import MLP_PARAMS
 from fhe.offload import OffloadPlan, OffloadPlanError
 from fhe.offload_attention import AttentionLinearLayout, attention_geometry
+from fhe.offload_fused import FUSED_PARTS, fused_geometry
 from fhe.offload_steps import (
-    ATTENTION_PARTS,
+    LINEAR_PARTS,
     MLP_PARTS,
     chunk_layout_manifest,
     chunk_shapes,
@@ -76,6 +77,8 @@ class OffloadSteps:
         full_uploads: the workers evaluate on the gpu backend and read full (unseeded) uploads straight into
             device tensors: the manifest then asks for them (``offload.mlp.upload = "full"``); seeded uploads
             are still taken (through SEAL). False (SEAL workers): the manifest is what it was, seeded uploads.
+        steps: every (layer, part) the plan runs as a linear step (:meth:`fhe.offload.OffloadPlan.linear_steps`:
+            four parts per layer, or a fused plan's ``attn_qkv`` / ``o_up`` / ``down_qkv`` / ``mlp_down``).
     """
 
     plan: OffloadPlan
@@ -85,12 +88,17 @@ class OffloadSteps:
     attention_layout: AttentionLinearLayout | None = None
     chunks: dict[str, ChunkShape] | None = None
     full_uploads: bool = False
+    steps: frozenset[tuple[int, str]] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            self.steps = frozenset(self.plan.linear_steps())
 
     @classmethod
     def of(cls, plan: OffloadPlan, chunks: bool = True, full_uploads: bool = False) -> OffloadSteps:
         return cls(plan, plan.server_mlp, fresh_blob_limit(MLP_PARAMS), linear_attention_layers(plan),
                    attention_geometry(plan.model_config, MLP_PARAMS)[0],
-                   chunk_shapes(plan.model_config, MLP_PARAMS) if chunks else None, full_uploads)
+                   chunk_shapes(plan.model_config, MLP_PARAMS, fused=plan.fused) if chunks else None, full_uploads)
 
     def blobs(self, part: str, count: int) -> tuple[int, int]:
         """(ciphertexts in, ciphertexts out) of a step of ``part`` over ``count`` positions: one position is one
@@ -126,13 +134,10 @@ class OffloadSteps:
         start, count = env.positions
         if env.session != s.id:
             raise InvalidRequestError("envelope names another session", code="session_mismatch")
-        if env.part not in MLP_PARTS + ATTENTION_PARTS:
+        if env.part not in LINEAR_PARTS:
             raise InvalidRequestError(f"part must be one of {envelope.PARTS}", code="bad_part")
-        what, layers = (("MLP", self.layers) if env.part in MLP_PARTS else
-                        ("attention run as linear steps", self.attention_layers))
-        if env.layer not in layers:
-            raise InvalidRequestError(f"layer {env.layer} has no server {what} in this plan {list(layers)}",
-                                      code="bad_layer")
+        if (env.layer, env.part) not in self.steps:
+            self._refuse_layer(env)
         self._check_key(s, env)
         if env.kind not in ("prefill", "decode") or not 1 <= count <= cfg.max_step_tokens:
             raise InvalidRequestError(f"a linear step carries 1..{cfg.max_step_tokens} positions", code="bad_step")
@@ -145,6 +150,18 @@ class OffloadSteps:
         if any(len(b) > self.blob_limit for b in env.blobs):
             raise RequestTooLargeError(f"an {env.part} ciphertext is at most {self.blob_limit} bytes",
                                        code="step_too_large")
+
+    def _refuse_layer(self, env: envelope.Envelope) -> None:
+        """400 ``bad_layer``: the plan runs no such step (another layer, or a fused plan's step on an unfused
+        server and the other way round)."""
+        if self.plan.fused or env.part in FUSED_PARTS:
+            kind = "fused" if self.plan.fused else "unfused (four steps per layer)"
+            raise InvalidRequestError(f"layer {env.layer} runs no {env.part} step: this server's plan is {kind} "
+                                      "(manifest: offload.fused)", code="bad_layer")
+        what, layers = (("MLP", self.layers) if env.part in MLP_PARTS else
+                        ("attention run as linear steps", self.attention_layers))
+        raise InvalidRequestError(f"layer {env.layer} has no server {what} in this plan {list(layers)}",
+                                  code="bad_layer")
 
     @staticmethod
     def _check_key(s: Any, env: envelope.Envelope) -> None:
@@ -163,10 +180,15 @@ class OffloadSteps:
         """The manifest's ``offload`` section: the plan, its hash, and the offload key set (``mlp``, the name
         it had when only MLPs ran there): parameters, Galois steps (the union of every linear part's)."""
         layout, _ = mlp_geometry(model_config, MLP_PARAMS)
+        fused = self.plan.fused
         steps = offload_rotation_steps(model_config, MLP_PARAMS, attention=bool(self.attention_layers),
-                                       mlp=bool(self.layers), chunks=self.chunks is not None)
+                                       mlp=bool(self.layers), chunks=self.chunks is not None, fused=fused)
         outputs = {"mlp_up": len(layout.up_slots), "mlp_down": 1, "attn_qkv": 1, "attn_o": 1}
+        if fused:
+            outputs |= {p: lay.outputs for p, lay in fused_geometry(model_config, MLP_PARAMS)[0].items()}
         return {"plan_hash": self.plan.content_hash, "plan": self.plan.metadata(),
+                # only on a fused plan: an unfused server's manifest is what it was (older SDKs read it)
+                **({"fused": True} if fused else {}),
                 "server_attention": list(self.plan.server_attention), "server_mlp": list(self.layers),
                 "server_attention_linear": list(self.attention_layers),
                 "round_trips_per_token": self.plan.round_trips,

@@ -193,6 +193,10 @@ def test_cli_offload_plan_writes_a_plan_for_the_model(tmp_path, capsys, default_
                  "--out", str(out)]) == 0
     plan = OffloadPlan.load(out)
     assert plan.server_mlp == tuple(range(2, 30)) and plan.silu == {}
+    assert not plan.fused and plan.round_trips == 112     # fused steps are opt-in (--fused)
+    assert main(["fhe", "offload-plan", "--model", str(default_model_dir), "--softmax", "client", "--fused",
+                 "--out", str(out)]) == 0
+    assert OffloadPlan.load(out).fused and OffloadPlan.load(out).round_trips == 57
     capsys.readouterr()
     # approximated attention needs an attention plan that covers every server layer: the 4-layer one does not
     from fhe.plan import default_plan_path
@@ -210,6 +214,7 @@ def test_the_shipped_offload_plan():
 
     plan = OffloadPlan.load(default_offload_path())
     assert plan.server_attention == plan.server_mlp == tuple(range(2, 30))
+    assert not plan.fused and plan.round_trips == 112         # fused steps are opt-in until prefill fits
     assert all(p.silu == "client" for p in plan.layers[2:])
     if plan.approx_layers:
         attn = default_offload_path().with_name("smollm2-135m-instruct.offload-attention.plan.json")

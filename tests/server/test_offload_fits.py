@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import ModelConfig
-from fhe.offload import CLIENT, SERVER, LayerPlacement, OffloadPlan, OffloadPlanError, default_offload_path
+from fhe.offload import CLIENT, SERVER, LayerPlacement, OffloadPlan, OffloadPlanError, default_offload_path, with_fused
 from fhe.plan import Plan
 from server.private.feature import default_plan_path
 from server.private.offload import OffloadSteps, check_fits
@@ -45,10 +45,19 @@ def test_the_shipped_28_layer_plan_runs_with_attention_as_linear_steps(shipped):
     check_fits(off, att, cfg)
     man = OffloadSteps.of(off).manifest(cfg)
     assert man["server_attention_linear"] == man["server_mlp"] == list(range(2, 30))
-    assert man["round_trips_per_token"] == 112
-    # 9 one-position (and pack17) steps, 9 more of the chunk layout
-    assert man["mlp"]["rotation_steps"] == list(offload_rotation_steps(cfg)) and len(man["mlp"]["rotation_steps"]) == 18
+    off = with_fused(off)        # the shipped plan is unfused (fused steps are opt-in); its fused twin:
+    man = OffloadSteps.of(off).manifest(cfg)
+    assert off.fused and man["fused"] is True and man["round_trips_per_token"] == 57    # 1 + 28 + 27 + 1
+    # 9 one-position (and pack17) steps, 9 more of the chunk layout, and the fused parts' two more (34 and 46, one
+    # position; their chunk layout's are among the others')
+    steps = offload_rotation_steps(cfg, fused=True)
+    assert man["mlp"]["rotation_steps"] == list(steps) and len(steps) == 20
+    assert set(offload_rotation_steps(cfg)) < set(steps)
     assert man["mlp"]["outputs_per_position"]["attn_qkv"] == man["mlp"]["outputs_per_position"]["attn_o"] == 1
+    assert man["mlp"]["outputs_per_position"]["o_up"] == 2 and man["mlp"]["outputs_per_position"]["down_qkv"] == 1
+    unfused = OffloadSteps.of(with_fused(off, False)).manifest(cfg)    # the four-step protocol, as before
+    assert "fused" not in unfused and unfused["round_trips_per_token"] == 112
+    assert len(unfused["mlp"]["rotation_steps"]) == 18
 
 
 def test_a_client_softmax_layer_runs_beside_calibrated_ones(shipped):

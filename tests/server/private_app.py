@@ -134,3 +134,30 @@ def greedy_with_gap(sim, ids: list[int], n: int) -> tuple[list[int], float]:
             out.append(tok)
             ids.append(tok)
     return out, gap
+
+
+def serve_offload_plan(model_dir: Path, tmp_path_factory, make_plan, name: str, **private):
+    """The app serving the offload plan ``make_plan(model.config)`` (linear steps only: no ``[private] plan``,
+    no attention key) with an encrypted-mode SDK client on it, as a generator for a fixture: yields
+    ``{"http", "client", "model", "off"}`` and closes the client's session after."""
+    from fastapi.testclient import TestClient
+
+    from client_sdk import Client
+    from client_sdk._private import runtime_of
+    from engine.loader import load_model
+    from server.app import create_app
+
+    model = load_model(model_dir)
+    folder = tmp_path_factory.mktemp("plans")
+    off = make_plan(model.config)
+    off_path = off.save(folder / f"{name}.offload.json")
+    settings = private_settings(model_dir, folder / "absent.plan.json", tmp_path_factory.mktemp("state"),
+                                offload_plan=str(off_path), max_step_tokens=8, **private)
+    settings.private.plan = None   # no [private] plan at all: no layer needs an attention key
+    with TestClient(create_app(settings), base_url="http://testserver") as http:
+        client = Client(api_key=KEYS["enc-a"], base_url="http://testserver", http_client=http,
+                        privacy="encrypted", max_retries=0)
+        runtime_of(client).cache_dir = tmp_path_factory.mktemp("client-cache")
+        yield {"http": http, "client": client, "model": model, "off": off}
+        if client._private is not None:
+            client._private.close_session()

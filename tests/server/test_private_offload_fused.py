@@ -12,9 +12,8 @@ import dataclasses
 
 import pytest
 
-from client_sdk import Client
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
-from tests.server.private_app import KEYS, greedy_with_gap, private_settings
+from tests.server.private_app import KEYS, greedy_with_gap, serve_offload_plan
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 3
@@ -22,27 +21,11 @@ PER_TOKEN = {"attn_qkv": 1, "o_up": 2, "down_qkv": 1, "mlp_down": 1}
 
 
 def _serve(model_dir, tmp_path_factory, fused: bool = True, **private):
-    from fastapi.testclient import TestClient
-
-    from client_sdk._private import runtime_of
-    from engine.loader import load_model
     from fhe.offload import offload_plan
-    from server.app import create_app
 
-    model = load_model(model_dir)
-    folder = tmp_path_factory.mktemp("plans")
-    off = offload_plan(model.config, "tiny", 0, softmax="client", fused=fused)
-    off_path = off.save(folder / "tiny-fused.offload.json")
-    settings = private_settings(model_dir, folder / "absent.plan.json", tmp_path_factory.mktemp("state"),
-                                offload_plan=str(off_path), max_step_tokens=8, **private)
-    settings.private.plan = None   # linear steps only
-    with TestClient(create_app(settings), base_url="http://testserver") as http:
-        client = Client(api_key=KEYS["enc-a"], base_url="http://testserver", http_client=http,
-                        privacy="encrypted", max_retries=0)
-        runtime_of(client).cache_dir = tmp_path_factory.mktemp("client-cache")
-        yield {"http": http, "client": client, "model": model, "off": off}
-        if client._private is not None:
-            client._private.close_session()
+    return serve_offload_plan(model_dir, tmp_path_factory,
+                              lambda cfg: offload_plan(cfg, "tiny", 0, softmax="client", fused=fused),
+                              "tiny-fused", **private)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from client_sdk import Client
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
-from tests.server.private_app import KEYS, greedy_with_gap, private_settings
+from tests.server.private_app import KEYS, greedy_with_gap, serve_offload_plan
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 3
@@ -22,28 +21,11 @@ MAX_TOKENS = 3
 
 def _serve(model_dir, tmp_path_factory, **private):
     """The app with the tiny all-linear offload plan, and an encrypted-mode SDK client on it."""
-    from fastapi.testclient import TestClient
-
-    from client_sdk._private import runtime_of
-    from engine.loader import load_model
     from fhe.offload import CLIENT, SERVER, LayerPlacement, OffloadPlan
-    from server.app import create_app
 
-    model = load_model(model_dir)
-    folder = tmp_path_factory.mktemp("plans")
     layers = (LayerPlacement(0, SERVER, SERVER, "client", "client"), LayerPlacement(1, SERVER, CLIENT, "client"))
-    off = OffloadPlan("tiny", model.config.to_hf_dict(), layers)
-    off_path = off.save(folder / "tiny-linear.offload.json")
-    settings = private_settings(model_dir, folder / "absent.plan.json", tmp_path_factory.mktemp("state"),
-                                offload_plan=str(off_path), max_step_tokens=8, **private)
-    settings.private.plan = None   # no [private] plan at all: no layer needs an attention key
-    with TestClient(create_app(settings), base_url="http://testserver") as http:
-        client = Client(api_key=KEYS["enc-a"], base_url="http://testserver", http_client=http,
-                        privacy="encrypted", max_retries=0)
-        runtime_of(client).cache_dir = tmp_path_factory.mktemp("client-cache")
-        yield {"http": http, "client": client, "model": model, "off": off}
-        if client._private is not None:
-            client._private.close_session()
+    return serve_offload_plan(model_dir, tmp_path_factory,
+                              lambda cfg: OffloadPlan("tiny", cfg.to_hf_dict(), layers), "tiny-linear", **private)
 
 
 @pytest.fixture(scope="module")

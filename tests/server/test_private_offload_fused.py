@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
-from tests.server.private_app import KEYS, greedy_with_gap, serve_offload_plan
+from tests.server.private_app import greedy_with_gap, headers, serve_offload_plan
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 3
@@ -39,10 +39,6 @@ def generated(setup):
                                               extra_body={"ignore_eos": True})
 
 
-def _auth() -> dict[str, str]:
-    return {"Authorization": f"Bearer {KEYS['enc-a']}"}
-
-
 def _plain_greedy(setup, ids: list[int]) -> tuple[list[int], float]:
     from fhe.offload_sim import OffloadSimulator
 
@@ -51,7 +47,7 @@ def _plain_greedy(setup, ids: list[int]) -> tuple[list[int], float]:
 
 def test_fused_steps_give_the_plaintext_models_tokens_in_five_round_trips_per_token(setup, generated):
     rt = setup["client"]._private
-    man = setup["http"].get("/v1/private/manifest", headers=_auth()).json()
+    man = setup["http"].get("/v1/private/manifest", headers=headers("enc-a")).json()
     assert man["offload"]["fused"] is True and man["offload"]["round_trips_per_token"] == 5
     assert man["plan_hash"] == setup["off"].content_hash and man["offload"]["plan"]["fused"] is True
     assert man["offload"]["mlp"]["outputs_per_position"]["o_up"] >= 1
@@ -91,17 +87,17 @@ def test_steps_of_the_other_protocol_are_a_400_and_an_sdk_that_differs_is_refuse
 
     rt, http, url = setup["client"]._private, setup["http"], "/v1/private/sessions"
     opened = http.post(url, json={"plan_hash": rt.manifest.plan_hash, "mlp_key_id": rt.offload.key_id},
-                       headers=_auth())
+                       headers=headers("enc-a"))
     assert opened.status_code == 201, opened.text
     sid = opened.json()["session_id"]
     for layer, part in ((0, "attn_o"), (0, "mlp_up"), (1, "down_qkv"), (1, "attn_qkv")):
         body = Envelope(sid, rt.offload.fingerprint, layer, "prefill", (0, 1), (b"\0" * 64,), "seal",
                         "", part).to_bytes()
         r = http.post(f"{url}/{sid}/steps", content=body,
-                      headers={**_auth(), "Content-Type": "application/octet-stream"})
+                      headers={**headers("enc-a"), "Content-Type": "application/octet-stream"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_layer", (part, r.text)
         assert "fused" in r.json()["error"]["message"]
-    assert http.delete(f"{url}/{sid}", headers=_auth()).status_code == 204
+    assert http.delete(f"{url}/{sid}", headers=headers("enc-a")).status_code == 204
     info = rt.offload.info
     with pytest.raises(PrivateModeError, match="update the SDK|do not match"):
         OffloadClient(rt, dataclasses.replace(info, fused=False))      # an SDK that does not fuse
@@ -115,7 +111,7 @@ def test_an_unfused_servers_manifest_is_what_it_was(tiny_model_dir, tmp_path_fac
     served = _serve(tiny_model_dir, tmp_path_factory, fused=False)
     plain = next(served)
     try:
-        man = plain["http"].get("/v1/private/manifest", headers=_auth()).json()
+        man = plain["http"].get("/v1/private/manifest", headers=headers("enc-a")).json()
         assert "fused" not in man["offload"] and "fused" not in man["offload"]["plan"]
         assert man["offload"]["round_trips_per_token"] == 8
         assert "o_up" not in man["offload"]["mlp"]["chunk_layout"]["parts"]
@@ -125,11 +121,11 @@ def test_an_unfused_servers_manifest_is_what_it_was(tiny_model_dir, tmp_path_fac
         assert out.usage.completion_tokens == 1 and not rt.offload.info.fused
         url = "/v1/private/sessions"
         sid = plain["http"].post(url, json={"plan_hash": rt.manifest.plan_hash, "mlp_key_id": rt.offload.key_id},
-                                 headers=_auth()).json()["session_id"]
+                                 headers=headers("enc-a")).json()["session_id"]
         body = Envelope(sid, rt.offload.fingerprint, 0, "prefill", (0, 1), (b"\0" * 64,), "seal", "",
                         "o_up").to_bytes()
         r = plain["http"].post(f"{url}/{sid}/steps", content=body,
-                               headers={**_auth(), "Content-Type": "application/octet-stream"})
+                               headers={**headers("enc-a"), "Content-Type": "application/octet-stream"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_layer", r.text
     finally:
         next(served, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
-from tests.server.private_app import KEYS, greedy_with_gap, serve_offload_plan
+from tests.server.private_app import KEYS, greedy_with_gap, headers, serve_offload_plan
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 3
@@ -39,10 +39,6 @@ def generated(setup):
                                               extra_body={"ignore_eos": True})
 
 
-def _auth() -> dict[str, str]:
-    return {"Authorization": f"Bearer {KEYS['enc-a']}"}
-
-
 def _plain_greedy(setup, ids: list[int]) -> tuple[list[int], float]:
     """The plaintext model's greedy tokens (the plan's simulator without noise: with no approximated layer
     it runs the plaintext model's functions exactly), and the smallest top-1 / top-2 logit gap on the way."""
@@ -54,10 +50,10 @@ def _plain_greedy(setup, ids: list[int]) -> tuple[list[int], float]:
 
 def test_a_session_of_linear_steps_needs_no_attention_key_and_matches_the_plaintext_model(setup, generated):
     rt = setup["client"]._private
-    man = setup["http"].get("/v1/private/manifest", headers=_auth()).json()
+    man = setup["http"].get("/v1/private/manifest", headers=headers("enc-a")).json()
     assert man["offload"]["attention_key"] is False and man["layers"]["encrypted_attention"] == []
     assert man["plan_hash"] == setup["off"].content_hash and rt.manifest.attention_key is False
-    keys = setup["http"].get("/v1/private/keys", headers=_auth()).json()["data"]
+    keys = setup["http"].get("/v1/private/keys", headers=headers("enc-a")).json()["data"]
     assert [k["key_id"] for k in keys] == [rt.offload.key_id]          # the offload key set alone
     assert rt.fingerprint is None and rt.upload_bytes == 0 and rt.offload.upload_bytes < 16 << 20
     ids = rt.tokenizer.encode(PROMPT)
@@ -101,18 +97,19 @@ def test_naming_an_attention_key_or_sending_an_attention_step_is_a_400(setup, ge
     rt, http, url = setup["client"]._private, setup["http"], "/v1/private/sessions"
     plan = rt.manifest.plan_hash
     r = http.post(url, json={"key_id": rt.offload.key_id, "mlp_key_id": rt.offload.key_id, "plan_hash": plan},
-                  headers=_auth())
+                  headers=headers("enc-a"))
     assert r.status_code == 400 and r.json()["error"]["code"] == "attention_key_unused", r.text
-    r = http.post(url, json={"plan_hash": plan}, headers=_auth())
+    r = http.post(url, json={"plan_hash": plan}, headers=headers("enc-a"))
     assert r.status_code == 400 and r.json()["error"]["code"] == "mlp_key_required", r.text
-    opened = http.post(url, json={"plan_hash": plan, "mlp_key_id": rt.offload.key_id}, headers=_auth())
+    opened = http.post(url, json={"plan_hash": plan, "mlp_key_id": rt.offload.key_id}, headers=headers("enc-a"))
     assert opened.status_code == 201 and opened.json()["key_id"] is None, opened.text
     sid = opened.json()["session_id"]
     assert opened.json()["mlp_key_fingerprint"] == rt.offload.fingerprint
     body = Envelope(sid, rt.offload.fingerprint, 0, "prefill", (0, 1), (b"\0" * 64,)).to_bytes()
-    r = http.post(f"{url}/{sid}/steps", content=body, headers={**_auth(), "Content-Type": "application/octet-stream"})
+    r = http.post(f"{url}/{sid}/steps", content=body,
+                  headers={**headers("enc-a"), "Content-Type": "application/octet-stream"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_layer", r.text
-    assert http.delete(f"{url}/{sid}", headers=_auth()).status_code == 204
+    assert http.delete(f"{url}/{sid}", headers=headers("enc-a")).status_code == 204
 
 
 def test_the_manifest_takes_verify_steps_and_speculation_keeps_the_output(setup, generated, monkeypatch):
@@ -123,7 +120,7 @@ def test_the_manifest_takes_verify_steps_and_speculation_keeps_the_output(setup,
     from engine.spec_decode import NgramProposer
 
     client, rt = setup["client"], setup["client"]._private
-    man = setup["http"].get("/v1/private/manifest", headers=_auth()).json()
+    man = setup["http"].get("/v1/private/manifest", headers=headers("enc-a")).json()
     assert man["limits"]["verify_steps"] is True and rt.manifest.verify_steps
 
     def greedy(k: int) -> str:
@@ -194,7 +191,7 @@ def test_a_gpu_worker_asks_for_full_uploads_and_pooled_client_crypto_keeps_the_t
     multi-ciphertext steps encrypt in a forked pool (the chunk layout's also decrypt there:
     ``tests/client_sdk/test_crypto_pool.py``). The greedy tokens are the plaintext model's
     either way (and those of one process, the serial path)."""
-    man = gpu_reference["http"].get("/v1/private/manifest", headers=_auth()).json()
+    man = gpu_reference["http"].get("/v1/private/manifest", headers=headers("enc-a")).json()
     assert man["offload"]["mlp"]["upload"] == "full"
     client = gpu_reference["client"]
     from client_sdk._private import runtime_of

@@ -256,12 +256,20 @@ class OffloadClient:
         if h.shape[0] > 1 and self.chunks is not None:   # several positions: the chunk layout
             gu = torch.from_numpy(self._send_chunks(layer, "mlp_up", x.numpy()))
             a = torch.nn.functional.silu(gu[:, :lay.intermediate]) * gu[:, lay.intermediate:]
+        else:
+            ups = self._send(layer, "mlp_up", [replicate_input(r.numpy(), lay.slots, lay.up_periods[0]) for r in x],
+                             len(lay.up_slots))
+            a = torch.stack([self.half.activation(cts) for cts in ups])
+        return self._mlp_down(layer, a)
+
+    def _mlp_down(self, layer: int, a: torch.Tensor) -> torch.Tensor:
+        """a [T, intermediate] (float64, ``silu(g) * u``) through an ``mlp_down`` step -> ``W_down a`` [T, hidden]."""
+        from fhe.linalg import replicate_input
+
+        if a.shape[0] > 1 and self.chunks is not None:
             return torch.from_numpy(self._send_chunks(layer, "mlp_down", a.numpy()))
-        ups = self._send(layer, "mlp_up", [replicate_input(r.numpy(), lay.slots, lay.up_periods[0]) for r in x],
-                         len(lay.up_slots))
-        acts = [self.half.activation(cts) for cts in ups]
-        downs = self._send(layer, "mlp_down", [replicate_input(a.numpy(), lay.slots, lay.down_period) for a in acts],
-                           1)
+        lay = self.layout
+        downs = self._send(layer, "mlp_down", [replicate_input(r.numpy(), lay.slots, lay.down_period) for r in a], 1)
         return torch.stack([self.half.output(cts[0]) for cts in downs])
 
     # -- one attention block as linear steps over the chunk's positions ------------------------------------
@@ -300,13 +308,7 @@ class OffloadClient:
         gu = self._take(layer, "gate_up", h)
         a = torch.nn.functional.silu(gu[:, :lay.intermediate]) * gu[:, lay.intermediate:]
         if layer + 1 not in self.info.server_attention_linear:
-            if h.shape[0] > 1 and self.chunks is not None:
-                return torch.from_numpy(self._send_chunks(layer, "mlp_down", a.numpy()))
-            from fhe.linalg import replicate_input
-
-            downs = self._send(layer, "mlp_down", [replicate_input(r.numpy(), lay.slots, lay.down_period)
-                                                   for r in a], 1)
-            return torch.stack([self.half.output(cts[0]) for cts in downs])
+            return self._mlp_down(layer, a)
         y = self._send_fused(layer, "down_qkv", torch.cat([a, h.double()], -1))
         hidden = h.shape[-1]
         self.pending[("qkv", layer + 1)] = y[:, hidden:]

@@ -120,11 +120,11 @@ class OffloadSession(proto.Session):
                           read_timeout=self.manifest.step_read_timeout(count, self.read_floor))
 
     def mlp_result(self, reply: proto.Reply, layer: int, part: str, start: int, n_out: int) -> tuple[bytes, ...]:
-        from fhe.envelope import parse
+        from fhe.envelope import MAX_BLOBS, parse
         from fhe.errors import FHEError
 
         try:
-            env = parse(reply.content, 1 << 30, 1 << 34)
+            env = parse(reply.content, 1 << 30, 1 << 34, max_blobs=max(n_out, MAX_BLOBS))
         except FHEError as exc:
             raise PrivateModeError(f"layer {layer} {part}: malformed result envelope ({exc})") from exc
         if env.layer != layer or env.part != part or env.positions[0] != start or len(env.blobs) != n_out:

@@ -242,11 +242,11 @@ class Session:
 
     def step_result(self, reply: Reply, layer: int, start: int, count: int) -> tuple[bytes, ...]:
         """The result envelope's ciphertexts; ``PrivateModeError`` if it answers another step."""
-        from fhe.envelope import parse
+        from fhe.envelope import MAX_BLOBS, parse
         from fhe.errors import FHEError
 
         try:
-            env = parse(reply.content, 1 << 30, 1 << 34)
+            env = parse(reply.content, 1 << 30, 1 << 34, max_blobs=max(count, MAX_BLOBS))
         except FHEError as exc:
             raise PrivateModeError(f"layer {layer}: malformed result envelope ({exc})") from exc
         if env.positions != (start, count) or env.layer != layer or len(env.blobs) != count:

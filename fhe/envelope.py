@@ -4,7 +4,7 @@ Layout of one message (request or response body)::
 
     magic  b"CLMF"            4 bytes
     version                   u8      (ENVELOPE_VERSION)
-    header length             u32 LE  (<= MAX_HEADER_BYTES)
+    header length             u32 LE  (<= header_limit(max_blobs))
     header                    canonical JSON (RFC 8785): session, key fingerprint, layer, kind,
                               positions [start, count], sizes [n_0, n_1, ...] of the blobs, and the
                               evaluator backend and parameter hash the blobs are made for (``backend``,
@@ -32,7 +32,11 @@ from fhe.fingerprint import blob_order
 MAGIC = b"CLMF"
 ENVELOPE_VERSION = 1
 MAX_HEADER_BYTES = 4096
+#: Blobs a message may carry unless the reader allows more (``parse(max_blobs=...)``): a server allows what
+#: its largest legal step carries (``max_step_tokens`` ciphertexts, or an offload step's chunk tiles).
 MAX_BLOBS = 64
+#: Header bytes each blob beyond MAX_BLOBS may add (its size as a JSON int and a comma).
+_BYTES_PER_SIZE = 16
 _PREFIX = struct.Struct("<4sBI")
 #: ``verify``: a speculative step (one ciphertext per position, the cache may be rolled back within it);
 #: ``rollback``: no blobs, positions ``[keep, dropped]``: the layer's cache back to ``keep`` positions.
@@ -87,9 +91,16 @@ class Envelope:
         return _PREFIX.size + len(rfc8785.dumps(self.header())) + sum(len(b) for b in self.blobs)
 
 
-def parse(body: bytes, max_blob_bytes: int, max_total_bytes: int, *, views: bool = False) -> Envelope:
+def header_limit(max_blobs: int = MAX_BLOBS) -> int:
+    """Header bytes allowed for a message of at most ``max_blobs`` blobs (MAX_HEADER_BYTES up to MAX_BLOBS)."""
+    return MAX_HEADER_BYTES + _BYTES_PER_SIZE * max(0, max_blobs - MAX_BLOBS)
+
+
+def parse(body: bytes, max_blob_bytes: int, max_total_bytes: int, *, views: bool = False,
+          max_blobs: int = MAX_BLOBS) -> Envelope:
     """Parse and bound-check a message; raises EnvelopeError before touching any blob.
 
+    ``max_blobs``: the most blobs the reader takes (the header's bound grows with it, :func:`header_limit`).
     ``views``: the blobs as read-only memoryviews of ``body`` instead of copies (the server's way: a prefill
     step's ~7 MB then reaches its worker without a copy here; ``body`` must then stay unchanged)."""
     if len(body) > max_total_bytes:
@@ -101,10 +112,10 @@ def parse(body: bytes, max_blob_bytes: int, max_total_bytes: int, *, views: bool
         raise EnvelopeError("not a cipherlm envelope (bad magic)")
     if version != ENVELOPE_VERSION:
         raise EnvelopeError(f"envelope version {version} not supported (expected {ENVELOPE_VERSION})")
-    if head_len > MAX_HEADER_BYTES or _PREFIX.size + head_len > len(body):
+    if head_len > header_limit(max_blobs) or _PREFIX.size + head_len > len(body):
         raise EnvelopeError(f"bad header length {head_len}")
     head = _load_header(body[_PREFIX.size:_PREFIX.size + head_len], "header is not valid JSON")
-    sizes = _check_header(head, max_blob_bytes)
+    sizes = _check_header(head, max_blob_bytes, max_blobs)
     offset = _PREFIX.size + head_len
     if offset + sum(sizes) != len(body):
         raise EnvelopeError(f"blob sizes {sizes} do not add up to the body length {len(body)}")
@@ -119,7 +130,7 @@ def parse(body: bytes, max_blob_bytes: int, max_total_bytes: int, *, views: bool
 
 def _load_header(raw: bytes, message: str) -> object:
     """JSON of a header; every failure (bad UTF-8, bad JSON, nesting too deep for the parser) is an
-    EnvelopeError. The header is at most MAX_HEADER_BYTES, but ``[`` x 4000 still exhausts Python's
+    EnvelopeError. The header is bounded (:func:`header_limit`), but ``[`` x 4000 still exhausts Python's
     recursion limit inside ``json.loads``, hence the RecursionError."""
     try:
         return json.loads(raw)
@@ -127,7 +138,7 @@ def _load_header(raw: bytes, message: str) -> object:
         raise EnvelopeError(message) from exc
 
 
-def _check_header(head: object, max_blob_bytes: int) -> list[int]:
+def _check_header(head: object, max_blob_bytes: int, max_blobs: int) -> list[int]:
     if not isinstance(head, dict):
         raise EnvelopeError("header must be a JSON object")
     types = {"v": int, "session": str, "key_fingerprint": str, "layer": int, "kind": str,
@@ -145,8 +156,8 @@ def _check_header(head: object, max_blob_bytes: int) -> list[int]:
     pos, sizes = head["positions"], head["sizes"]
     if len(pos) != 2 or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pos):
         raise EnvelopeError("positions must be [start, count] of non-negative ints")
-    if len(sizes) > MAX_BLOBS or not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
-        raise EnvelopeError(f"sizes must be at most {MAX_BLOBS} ints")
+    if len(sizes) > max_blobs or not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+        raise EnvelopeError(f"sizes must be at most {max_blobs} ints")
     for n in sizes:
         if n < 0:
             raise EnvelopeError("blob sizes must be non-negative")

@@ -141,7 +141,7 @@ def _offload_plan(args: argparse.Namespace) -> int:
             print(f"poly SiLU on {len(keep)} layers; client-aided where the fit errs by more than "
                   f"{args.silu_max_error}: {sorted(set(polys) - set(keep))}")
             plan = with_poly_silu(plan, keep)
-        if args.fused:   # opt-in until a fused prefill fits the envelope's 64 blobs (docs/fhe.md §10)
+        if args.fused:   # opt-in until a GPU A/B shows the gain end to end (docs/fhe.md §10)
             plan = with_fused(plan)
         plan.check_attention_plan(attn)
         if attn is not None:

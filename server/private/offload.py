@@ -110,6 +110,11 @@ class OffloadSteps:
             return count, count
         return step_blobs(self.chunks[part], count)
 
+    def max_inputs(self, count: int) -> int:
+        """The most ciphertexts a legal step of at most ``count`` positions carries (any part this server
+        runs): the envelope bound a server with ``max_step_tokens = count`` must accept."""
+        return max((self.blobs(part, count)[0] for part in {p for _, p in self.steps}), default=1)
+
     @staticmethod
     def packed(env: envelope.Envelope, chunk_layout: bool = True) -> bool:
         """Whether a checked step runs the chunk layout (any linear part over >= 2 positions, where the

@@ -590,9 +590,19 @@ class PrivateService:
             return
         s.last_step[layer] = StepRecord(rec.positions, rec.digest, task.result(), rec.kind)
 
+    def max_step_blobs(self) -> int:
+        """Ciphertexts the largest legal step carries: ``max_step_tokens`` (an attention prefill), or an
+        offload step's chunk tiles (a 64-position ``attn_qkv`` step of SmolLM2 carries 72), at least the
+        envelope's default bound."""
+        n = self.cfg.max_step_tokens
+        if self.offload is not None:
+            n = max(n, self.offload.max_inputs(n))
+        return max(n, envelope.MAX_BLOBS)
+
     def _parse(self, body: bytes) -> envelope.Envelope:
         try:
-            return envelope.parse(body, self.cfg.max_blob_bytes, self.cfg.max_step_bytes, views=True)
+            return envelope.parse(body, self.cfg.max_blob_bytes, self.cfg.max_step_bytes, views=True,
+                                  max_blobs=self.max_step_blobs())
         except envelope.EnvelopeError as exc:
             if exc.too_large:
                 raise RequestTooLargeError(str(exc), code="step_too_large") from exc

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fhe import envelope
 from fhe.envelope import MAGIC, Envelope, EnvelopeError, parse
 
 LIMITS = dict(max_blob_bytes=1 << 20, max_total_bytes=4 << 20)
@@ -106,3 +107,29 @@ def test_a_backend_or_parameter_mismatch_is_a_typed_error():
         check_backend("gpu", desc["params_hash"], name="seal", params=params)
     with pytest.raises(BackendMismatchError, match="N = 16384"):
         check_backend("seal", desc["params_hash"], name="seal", params=other)
+
+
+def test_a_reader_may_take_more_blobs_and_the_header_bound_grows_with_them():
+    """A server whose largest step carries more than MAX_BLOBS ciphertexts (an offload chunk step, a large
+    ``max_step_tokens``) passes its bound; the default still refuses such a message, and the header may
+    grow only by the sizes' share."""
+    n = 1000
+    body = Envelope("s", "fp", 0, "prefill", (0, n), tuple(bytes([i % 251]) * 10000 for i in range(n))).to_bytes()
+    head_len = int.from_bytes(body[5:9], "little")
+    assert head_len > envelope.MAX_HEADER_BYTES   # the sizes alone outgrow the default header bound
+    with pytest.raises(EnvelopeError, match="header length"):
+        parse(body, 1 << 20, 1 << 30)
+    with pytest.raises(EnvelopeError, match=f"at most {n - 1} ints"):
+        parse(body, 1 << 20, 1 << 30, max_blobs=n - 1)
+    env = parse(body, 1 << 20, 1 << 30, max_blobs=n)
+    assert len(env.blobs) == n and env.blobs[n - 1] == bytes([(n - 1) % 251]) * 10000
+    padded = _with_header_len(body, envelope.header_limit(n) + 1)
+    with pytest.raises(EnvelopeError, match="header length"):
+        parse(padded, 1 << 20, 1 << 30, max_blobs=n)
+
+
+def _with_header_len(body: bytes, head_len: int) -> bytes:
+    """``body`` with its header padded by JSON whitespace to ``head_len`` bytes."""
+    old = int.from_bytes(body[5:9], "little")
+    head = body[9:9 + old] + b" " * (head_len - old)
+    return body[:5] + head_len.to_bytes(4, "little") + head + body[9 + old:]

@@ -337,9 +337,14 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
     return res
 
 
+# EngineConfig.cuda_decode_fusions of the engine under test (--fusions; on is the engine's default)
+DECODE_FUSIONS = {"on": True}
+
+
 def build_llm(cfg: ModelConfig, model: LlamaForCausalLM) -> LLM:
     return LLM(model, engine_config=EngineConfig(device="cuda", max_num_seqs=256, max_num_batched_tokens=8192,
-                                                 gpu_memory_utilization=0.45, max_model_len=4096))
+                                                 gpu_memory_utilization=0.45, max_model_len=4096,
+                                                 cuda_decode_fusions=DECODE_FUSIONS["on"]))
 
 
 def switch_forward(llm: LLM, model) -> None:
@@ -443,13 +448,16 @@ def main() -> None:
     ap.add_argument("--hf-concurrency", help="concurrencies run with transformers (default: --concurrency)")
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="only take the batch-1 decode step apart")
+    ap.add_argument("--fusions", choices=("on", "off"), default="on",
+                    help="EngineConfig.cuda_decode_fusions of our engine (issue 19.2)")
     args = ap.parse_args()
+    DECODE_FUSIONS["on"] = args.fusions == "on"
     import transformers
 
     bw = copy_bandwidth()
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "transformers": transformers.__version__,
-           "copy_bandwidth_GBps": bw / 1e9, "results": []}
+           "copy_bandwidth_GBps": bw / 1e9, "decode_fusions": DECODE_FUSIONS["on"], "results": []}
     print(json.dumps(out), flush=True)
     if args.profile:
         out["profile"] = profile_main(args.shapes.split(","), bw)

@@ -157,6 +157,9 @@ class EngineConfig:
         weight_group_size: columns per scale of "int4" / "int8" (32, 64, 128 or 256).
         cuda_weight_format: what the layer GEMMs and the head read on CUDA: "bf16" (default) or "int4"
             (group-wise RTN of ``weight_group_size`` at load, decode rows through ``kernels.gemv_int4``).
+        cuda_decode_fusions: on CUDA, fold the RMSNorms and SiLU·mul into the prologue of the GEMV kernels
+            that run decode rows, and run RoPE + the K/V store as one kernel (``engine.fused``, issue 19.2);
+            False: the separate kernels of before (kept to compare in one run, docs/benchmarks.md).
         seed: seed of the generator used by requests without their own seed.
         speculative_method: "ngram" (prompt lookup, :mod:`engine.spec_decode`) or None (no request
             speculates; one that asks is refused).
@@ -196,6 +199,7 @@ class EngineConfig:
     weight_format: str = "fp32"
     weight_group_size: int = 32
     cuda_weight_format: str = "bf16"
+    cuda_decode_fusions: bool = True
     seed: int = 0
     speculative_method: str | None = "ngram"
     num_speculative_tokens: int = 0

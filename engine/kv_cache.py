@@ -120,6 +120,26 @@ class PagedAttention:
         self._store(k, v, kc, vc)
         if self.cpu_decode:
             return self._attend_cpu(q, k, v, kc, vc)
+        return self._attend_stored(layer, q)
+
+    def attend_qkv(self, layer: int, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+        """RoPE, K/V store and attention of a fused projection qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq, D]; on
+        the kernels' path RoPE and the store are one launch (``kernels.rope_store_kv``)."""
+        m, kc, vc = self.meta, self.cache.k[layer], self.cache.v[layer]
+        assert qkv.shape[0] == m.slot_mapping.shape[0], (qkv.shape, m.slot_mapping.shape)
+        if self.cpu_decode:  # the CPU path's own store and attention
+            d = kc.shape[-1]
+            q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=1)
+            t = qkv.shape[0]
+            q, k = kernels.rope(q.view(t, num_heads, d), k.view(t, num_kv_heads, d), cos, sin)
+            return self.attend(layer, q, k, v.view(t, num_kv_heads, d))
+        q = kernels.rope_store_kv(qkv, num_heads, num_kv_heads, cos, sin, kc, vc, m.slot_mapping)
+        return self._attend_stored(layer, q)
+
+    def _attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The kernels' attention of q [T, Hq, D] over the cache (this step's K/V already stored)."""
+        m, kc, vc = self.meta, self.cache.k[layer], self.cache.v[layer]
         nd = m.num_decode
         if nd == q.shape[0]:
             return kernels.paged_decode_attention(q, kc, vc, m.decode_block_tables, m.decode_context_lens,

@@ -169,7 +169,7 @@ def graph_replay_ms(llm: LLM, batch: int = 1, iters: int = 200) -> float:
     """GPU time of one replay of the decode graph of `batch` (no host work), median over `iters`."""
     runner = llm.engine.runner
     runner._decode_in.dev64[2].fill_(-1)  # padding slots: the replays write nothing into the pool
-    graph, _ = runner._graphs[(batch, 0)]
+    graph, _ = runner.decode_graph(batch, PROMPT_LEN + OUTPUT_LEN)  # the graph the timed decode replays
     for _ in range(10):
         graph.replay()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
@@ -237,7 +237,7 @@ def kernel_profile(llm: LLM, batch: int = 1, replays: int = 20, top: int = 25) -
 
     runner = llm.engine.runner
     runner._decode_in.dev64[2].fill_(-1)
-    graph, _ = runner._graphs[(batch, 0)]
+    graph, _ = runner.decode_graph(batch, PROMPT_LEN + OUTPUT_LEN)  # the graph the timed decode replays
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -337,14 +337,16 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
     return res
 
 
-# EngineConfig.cuda_decode_fusions of the engine under test (--fusions; on is the engine's default)
+# EngineConfig.cuda_decode_fusions and cuda_one_pass_decode_tokens of the engine under test (--fusions;
+# on is the engine's default: both)
 DECODE_FUSIONS = {"on": True}
 
 
 def build_llm(cfg: ModelConfig, model: LlamaForCausalLM) -> LLM:
     return LLM(model, engine_config=EngineConfig(device="cuda", max_num_seqs=256, max_num_batched_tokens=8192,
                                                  gpu_memory_utilization=0.45, max_model_len=4096,
-                                                 cuda_decode_fusions=DECODE_FUSIONS["on"]))
+                                                 cuda_decode_fusions=DECODE_FUSIONS["on"],
+                                                 cuda_one_pass_decode_tokens=512 if DECODE_FUSIONS["on"] else 0))
 
 
 def switch_forward(llm: LLM, model) -> None:
@@ -352,6 +354,7 @@ def switch_forward(llm: LLM, model) -> None:
     runner = llm.engine.runner
     runner.model = model
     runner._graphs.clear()
+    runner._one_pass.clear()
     runner._capture_graphs(1)
 
 
@@ -449,7 +452,8 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="only take the batch-1 decode step apart")
     ap.add_argument("--fusions", choices=("on", "off"), default="on",
-                    help="EngineConfig.cuda_decode_fusions of our engine (issue 19.2)")
+                    help="our engine with (on, its default) or without (off) the decode fusions and one-pass "
+                         "attention graphs of issue 19.2")
     args = ap.parse_args()
     DECODE_FUSIONS["on"] = args.fusions == "on"
     import transformers

@@ -9,7 +9,7 @@ Each layer GEMM alone, in CUDA graphs: ``bench/gemv_int4_gpu.py`` (which also ru
 
     python bench/int4_gpu.py --shapes llama3.2-1b --json bench/results/int4_gpu.json
     python bench/int4_gpu.py --shapes llama3.2-1b,qwen2.5-0.5b --profile   # + each row's kernels per step
-    python bench/int4_gpu.py --fusions off,on   # each row without and with the decode fusions (issue 19.2)
+    python bench/int4_gpu.py --variants off,fused,fused+1pass   # without / with the issue-19.2 fusions
 """
 
 from __future__ import annotations
@@ -52,16 +52,21 @@ def step_bytes(llm: LLM, cfg: ModelConfig) -> int:
     return total + cfg.hidden_size * 2 + kv_bytes(cfg)
 
 
-def engine_row(name: str, fmt: str, bw: float, profile: bool = False, fusions: bool = True) -> dict:
+# --variants: the issue-19.2 switches of each row (EngineConfig.cuda_decode_fusions, cuda_one_pass_decode_tokens)
+VARIANTS = {"off": (False, 0), "fused": (True, 0), "fused+1pass": (True, 512)}
+
+
+def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: str = "fused+1pass") -> dict:
     cfg = ModelConfig(**SHAPES[name])
+    fusions, one_pass = VARIANTS[variant]
     llm = LLM(random_model(cfg), engine_config=EngineConfig(
         device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3, max_model_len=4096, cuda_weight_format=fmt,
-        cuda_decode_fusions=fusions))
+        cuda_decode_fusions=fusions, cuda_one_pass_decode_tokens=one_pass))
     step = decode_step_time(llm, cfg.vocab_size)
     with torch.inference_mode():  # the runner's buffers are inference tensors
         replay = graph_replay_ms(llm, 1)
     nbytes = step_bytes(llm, cfg)
-    row = {"shape": name, "format": fmt, "fusions": fusions, "step_ms": step * 1e3, "tok_per_s": 1 / step, "replay_ms": replay,
+    row = {"shape": name, "format": fmt, "variant": variant, "step_ms": step * 1e3, "tok_per_s": 1 / step, "replay_ms": replay,
            "step_bytes": nbytes, "floor_ms_nominal": nbytes / NOMINAL_BW * 1e3, "floor_ms_measured": nbytes / bw * 1e3}
     row["share_nominal"] = row["floor_ms_nominal"] / row["step_ms"]
     row["replay_share_nominal"] = row["floor_ms_nominal"] / replay
@@ -79,15 +84,16 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama3.2-1b")
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="also the batch-1 graph's kernels, per row")
-    ap.add_argument("--fusions", default="on", help="EngineConfig.cuda_decode_fusions per row: on, off or off,on")
+    ap.add_argument("--variants", default="fused+1pass",
+                    help=f"issue-19.2 switches per row, comma-separated, of {sorted(VARIANTS)} (default: the engine's)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     res = {"copy_bw": bw, "engine": []}
     for name in args.shapes.split(","):
         for fmt in ("bf16", "int4"):
-            for fusions in args.fusions.split(","):
-                row = engine_row(name, fmt, bw, args.profile, fusions == "on")
+            for variant in args.variants.split(","):
+                row = engine_row(name, fmt, bw, args.profile, variant)
                 print(json.dumps(row), flush=True)
                 res["engine"].append(row)
     if args.json:

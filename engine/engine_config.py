@@ -160,6 +160,9 @@ class EngineConfig:
         cuda_decode_fusions: on CUDA, fold the RMSNorms and SiLU·mul into the prologue of the GEMV kernels
             that run decode rows, and run RoPE + the K/V store as one kernel (``engine.fused``, issue 19.2);
             False: the separate kernels of before (kept to compare in one run, docs/benchmarks.md).
+        cuda_one_pass_decode_tokens: on CUDA, decode batches of up to 8 sequences whose contexts all fit
+            this many tokens replay a graph whose attention is one pass per (sequence, KV head), without
+            the split-K reduce kernel (``engine.model_runner.ONE_PASS_MAX_BATCH``); 0: off (split-K only).
         seed: seed of the generator used by requests without their own seed.
         speculative_method: "ngram" (prompt lookup, :mod:`engine.spec_decode`) or None (no request
             speculates; one that asks is refused).
@@ -200,6 +203,7 @@ class EngineConfig:
     weight_group_size: int = 32
     cuda_weight_format: str = "bf16"
     cuda_decode_fusions: bool = True
+    cuda_one_pass_decode_tokens: int = 512
     seed: int = 0
     speculative_method: str | None = "ngram"
     num_speculative_tokens: int = 0
@@ -221,6 +225,8 @@ class EngineConfig:
         self.scheduler_config()   # and the scheduler's
         self.spec_config()        # and speculative decoding's
         self._check_graph_spec_tokens()
+        if self.cuda_one_pass_decode_tokens < 0:
+            raise ValueError(f"cuda_one_pass_decode_tokens must be >= 0, got {self.cuda_one_pass_decode_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:

@@ -84,6 +84,8 @@ class AttentionMetadata:
         prefill_cu_seqlens_q: [P + 1] int32 row offsets of the prefill chunks (from 0 at row num_decode).
         prefill_context_lens: [P] int32.
         prefill_max_q: longest prefill chunk (known on the host: no device sync in the launcher).
+        decode_partition: split-K partition of the decode attention in tokens (None: the kernel plans
+            one); the runner's one-pass graphs set it to their table width, so no reduce kernel runs.
     """
 
     slot_mapping: torch.Tensor
@@ -94,6 +96,7 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
     prefill_max_q: int = 0
+    decode_partition: int | None = None
 
 
 class PagedAttention:
@@ -143,14 +146,14 @@ class PagedAttention:
         nd = m.num_decode
         if nd == q.shape[0]:
             return kernels.paged_decode_attention(q, kc, vc, m.decode_block_tables, m.decode_context_lens,
-                                                  self.scale)
+                                                  self.scale, partition_size=m.decode_partition)
         prefill = kernels.paged_prefill_attention(q[nd:], kc, vc, m.prefill_block_tables,
                                                   m.prefill_cu_seqlens_q, m.prefill_context_lens, self.scale,
                                                   max_seqlen_q=m.prefill_max_q)
         if nd == 0:
             return prefill
         decode = kernels.paged_decode_attention(q[:nd], kc, vc, m.decode_block_tables,
-                                                m.decode_context_lens, self.scale)
+                                                m.decode_context_lens, self.scale, partition_size=m.decode_partition)
         return torch.cat([decode, prefill])
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:

@@ -89,16 +89,19 @@ def test_engine_runs_the_fused_forward_on_cuda():
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_decode_fusions_keep_the_greedy_tokens(fmt):
     """Issue 19.2: the engine with the decode fusions (norm / SiLU·mul in GEMV prologues, RoPE + K/V store in
-    one kernel) generates the tokens of the engine without them: batch-1 steps (one prompt at a time, the
-    fused GEMV rows) and a batch of several (cuBLAS rows, RoPE + store fused)."""
+    one kernel) and the one-pass attention graphs generates the tokens of the engine without them: batch-1
+    steps (one prompt at a time, the fused GEMV rows) and a batch of several (cuBLAS rows, RoPE + store
+    fused); contexts cross the one-pass limit (32 tokens here), so both graphs of a bucket run."""
     prompts = random_prompts([5, 17, 33, 40], seed=3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tokens = {}
     for fusions in (False, True):
         cfg = EngineConfig(device="cuda", gpu_memory_utilization=0.3, max_model_len=256, max_num_seqs=8,
-                           cuda_weight_format=fmt, cuda_decode_fusions=fusions)
+                           cuda_weight_format=fmt, cuda_decode_fusions=fusions,
+                           cuda_one_pass_decode_tokens=32 if fusions else 0)
         llm = LLM(tiny_model("llama-gqa"), engine_config=cfg)
         assert llm.engine.runner.model.decode_fusions == fusions
+        assert bool(llm.engine.runner._one_pass) == fusions
         one = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
         batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         tokens[fusions] = (one, batch)

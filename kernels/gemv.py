@@ -71,8 +71,9 @@ if HAS_TRITON:
     def _gemv_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, g_ptr, h_ptr, N, K, s_xm, s_wn, s_ym, s_rm, s_hm, eps,
         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr,
+        NORM: tl.constexpr,
     ):
-        # PROLOGUE (kernels._prologue): 0 none; 1/2 RMSNorm (2: of x + residual, h written); 3 SiLU·mul
+        # PROLOGUE (kernels._prologue): 0 none; 1/2 RMSNorm (NORM; 2: of x + residual, h written); 3 SiLU·mul
         m = tl.program_id(1).to(tl.int64)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
@@ -84,13 +85,13 @@ if HAS_TRITON:
             col_ok = cols < K
             x, sq = prologue_load(x_ptr + m * s_xm, r_ptr + m * s_rm, g_ptr, h_ptr + m * s_hm, cols, col_ok,
                                   K, tl.where(tl.program_id(0) == 0, K, 0), PROLOGUE, True)
-            if PROLOGUE == 1 or PROLOGUE == 2:
+            if NORM:
                 ss += sq * sq
             w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
                         eviction_policy="evict_first")  # each weight byte is read once: keep L2 for x
             acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
-        if PROLOGUE == 1 or PROLOGUE == 2:
+        if NORM:
             y *= tl.rsqrt(tl.sum(ss, 0) / K + eps)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -158,6 +159,7 @@ def _launch(x, weight, bias, out, tune: GemvTuning, prologue: int = _prologue.NO
         x, weight, bias if bias is not None else weight, out, r, gain if gain is not None else weight, h,
         n, k, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), h.stride(0), float(eps),
         HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, BLOCK_K=tune.block_k, PROLOGUE=prologue,
+        NORM=prologue in (_prologue.NORM, _prologue.ADD_NORM),
         num_warps=tune.num_warps, num_stages=tune.num_stages,
     )
 

@@ -171,11 +171,12 @@ if HAS_TRITON:
     @triton.jit
     def _gemv_int4_w32_kernel(
         x_ptr, q_ptr, so_ptr, b_ptr, y_ptr, r_ptr, g_ptr, h_ptr, N, K, s_xm, s_qn, s_sn, s_ym, s_rm, s_hm, eps,
+        ss_scale,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-        EVEN: tl.constexpr, X_PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr,
+        EVEN: tl.constexpr, X_PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr,
     ):
-        # PROLOGUE (kernels._prologue): 0 none; 1/2 RMSNorm (2: of x + residual, h written); 3 SiLU·mul
-        NORM: tl.constexpr = PROLOGUE == 1 or PROLOGUE == 2
+        # PROLOGUE (kernels._prologue): 0 none; 1/2 RMSNorm (NORM; 2: of x + residual, h written); 3 SiLU·mul.
+        # ss_scale: 1 / (K * the times each column's square is summed: BLOCK_N with x_per_row, else 1)
         W: tl.constexpr = GROUP // 8                      # words per group
         m = tl.program_id(1).to(tl.int64)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -233,7 +234,7 @@ if HAS_TRITON:
             acc += sc16 * tl.sum(dot, axis=2) + (of - sc16) * xsum
         y = tl.sum(acc, axis=1)
         if NORM:  # y = inv * W (h * g): the norm's scale applied once, after the weights
-            y *= tl.rsqrt(tl.sum(tl.sum(ss, 1), 0) / (K * (BLOCK_N if X_PER_ROW else 1)) + eps)
+            y *= tl.rsqrt(tl.sum(tl.sum(ss, 1), 0) * ss_scale + eps)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * s_ym + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
@@ -314,10 +315,11 @@ def _launch(x, qweight, scale_offset, bias, out, tune: GemvInt4W32Tuning, prolog
         x, qweight, scale_offset, bias if bias is not None else scale_offset, out,
         r, gain if gain is not None else scale_offset, h, n, k,
         x.stride(0), qweight.stride(0), scale_offset.stride(0), out.stride(0), r.stride(0), h.stride(0),
-        float(eps),
+        float(eps), 1.0 / (k * (tune.block_n if tune.x_per_row else 1)),
         GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, GROUPS=tune.groups,
         EVEN=n % tune.block_n == 0 and (k // group) % tune.groups == 0, X_PER_ROW=tune.x_per_row,
-        PROLOGUE=prologue, num_warps=tune.num_warps, num_stages=tune.num_stages,
+        PROLOGUE=prologue, NORM=prologue in (_prologue.NORM, _prologue.ADD_NORM),
+        num_warps=tune.num_warps, num_stages=tune.num_stages,
     )
 
 

@@ -67,7 +67,8 @@ def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: s
         replay = graph_replay_ms(llm, 1)
     nbytes = step_bytes(llm, cfg)
     row = {"shape": name, "format": fmt, "variant": variant, "step_ms": step * 1e3, "tok_per_s": 1 / step,
-           "replay_ms": replay, "step_bytes": nbytes, "floor_ms_nominal": nbytes / NOMINAL_BW * 1e3, "floor_ms_measured": nbytes / bw * 1e3}
+           "replay_ms": replay, "step_bytes": nbytes, "floor_ms_nominal": nbytes / NOMINAL_BW * 1e3,
+           "floor_ms_measured": nbytes / bw * 1e3}
     row["share_nominal"] = row["floor_ms_nominal"] / row["step_ms"]
     row["replay_share_nominal"] = row["floor_ms_nominal"] / replay
     if profile:  # where the batch-1 graph's time goes, kernel by kernel (torch.profiler over 20 replays)

@@ -337,16 +337,17 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
     return res
 
 
-# EngineConfig.cuda_decode_fusions and cuda_one_pass_decode_tokens of the engine under test (--fusions;
-# on is the engine's default: both)
+# the issue-19.2 switches of the engine under test (--fusions): on = the engine's defaults, off = none of
+# them (EngineConfig.cuda_fused_rope_store, cuda_gemv_prologues, cuda_one_pass_decode_tokens)
 DECODE_FUSIONS = {"on": True}
 
 
 def build_llm(cfg: ModelConfig, model: LlamaForCausalLM) -> LLM:
     return LLM(model, engine_config=EngineConfig(device="cuda", max_num_seqs=256, max_num_batched_tokens=8192,
                                                  gpu_memory_utilization=0.45, max_model_len=4096,
-                                                 cuda_decode_fusions=DECODE_FUSIONS["on"],
-                                                 cuda_one_pass_decode_tokens=512 if DECODE_FUSIONS["on"] else 0))
+                                                 **({} if DECODE_FUSIONS["on"] else dict(
+                                                     cuda_fused_rope_store=False, cuda_gemv_prologues=False,
+                                                     cuda_one_pass_decode_tokens=0))))
 
 
 def switch_forward(llm: LLM, model) -> None:
@@ -452,8 +453,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="only take the batch-1 decode step apart")
     ap.add_argument("--fusions", choices=("on", "off"), default="on",
-                    help="our engine with (on, its default) or without (off) the decode fusions and one-pass "
-                         "attention graphs of issue 19.2")
+                    help="our engine with its defaults (on) or without any of issue 19.2's fusions (off)")
     args = ap.parse_args()
     DECODE_FUSIONS["on"] = args.fusions == "on"
     import transformers

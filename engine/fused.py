@@ -8,12 +8,12 @@ attention), the O GEMM, add+RMSNorm, one gate/up GEMM, SiLU*mul and the down GEM
 built once per forward. A single-row batch (batch-1 decode) runs its layer GEMMs through
 ``kernels.gemv`` (weight-streaming, no split-K reduce kernel) rather than cuBLAS.
 
-Decode fusions (``decode_fusions``, ``EngineConfig.cuda_decode_fusions``, on by default): where a product
-runs as a GEMV kernel (one bf16 row, or up to ``INT4_GEMV_MAX_ROWS`` int4 rows), the RMSNorm before qkv and
-gate/up and the SiLU·mul before down run in that kernel's prologue (``kernels._prologue``); and on the paged
-backend RoPE and the K/V store are one launch (``kernels.rope_store_kv``), for every batch. A batch-1
-layer is then 5 launches (qkv, rope+store, attention, o, gate/up, down: 6 with the attention's reduce)
-instead of 10-11.
+Decode fusions (issue 19.2): on the paged backend RoPE and the K/V store are one launch
+(``kernels.rope_store_kv``, ``fused_rope_store`` = ``EngineConfig.cuda_fused_rope_store``, on by default), for
+every batch; with ``gemv_prologues`` (``EngineConfig.cuda_gemv_prologues``, off by default: slower on an H100 at
+the tunings measured, docs/benchmarks.md), where a product runs as a GEMV kernel (one bf16 row, or up to
+``INT4_GEMV_MAX_ROWS`` int4 rows), the RMSNorm before qkv and gate/up and the SiLU·mul before down run in that
+kernel's prologue (``kernels._prologue``).
 
 :func:`fuse_for_cuda` concatenates each layer's q/k/v and gate/up weights once, at load, and re-points the
 original parameters at row slices of the fused tensors, so no weight is stored twice and the wrapped model
@@ -116,12 +116,12 @@ class FusedLlama(nn.Module):
     """Same interface as :class:`LlamaForCausalLM` for the runner: ``forward`` and ``logits``."""
 
     def __init__(self, model: LlamaForCausalLM, use_gemv: bool = True, int4_group: int | None = None,
-                 decode_fusions: bool = True) -> None:
+                 gemv_prologues: bool = False, fused_rope_store: bool = True) -> None:
         super().__init__()
         self.base = model
         self.use_gemv = use_gemv  # single-row GEMMs through kernels.gemv (batch-1 decode) instead of cuBLAS
-        # RMSNorm / SiLU·mul in the prologue of the GEMV rows' kernels, RoPE + K/V store in one launch
-        self.decode_fusions = decode_fusions
+        self.gemv_prologues = gemv_prologues  # RMSNorm / SiLU·mul in the prologue of the GEMV rows' kernels
+        self.fused_rope_store = fused_rope_store  # RoPE + K/V store in one launch (paged backend)
         self.config = model.config
         self.fused = fuse_layer_weights(model)
         # int4 weights: decode rows through kernels.gemv_int4_w32; the head too (the embedding keeps its copy)
@@ -161,7 +161,7 @@ class FusedLlama(nn.Module):
     def _norm_linear(self, norm, h, residual, weight, bias=None):
         """(add +) RMSNorm then x @ weight^T (+ bias) -> (product [T, N], residual stream [T, hidden]); one
         launch where the product is a GEMV row (decode fusions), else the norm kernel then the product."""
-        if self.decode_fusions and self._gemv_rows(h, weight):
+        if self.gemv_prologues and self._gemv_rows(h, weight):
             if isinstance(weight, Int4Weight):
                 return kernels.gemv_int4_w32_rms_norm(h, norm.weight, norm.eps, weight.qweight,
                                                       weight.scale_offset, bias, residual=residual)
@@ -175,7 +175,7 @@ class FusedLlama(nn.Module):
     def _attend(self, attn, qkv, cos, sin, backend) -> torch.Tensor:
         """RoPE, K/V store and attention of a fused QKV projection [T, (Hq + 2 Hkv) * D] -> [T, Hq, D]."""
         attend_qkv = getattr(backend, "attend_qkv", None)  # the paged backend: RoPE + store in one launch
-        if self.decode_fusions and attend_qkv is not None:
+        if self.fused_rope_store and attend_qkv is not None:
             return attend_qkv(attn.layer_idx, qkv, attn.num_heads, attn.num_kv_heads, cos, sin)
         t, d = qkv.shape[0], attn.head_dim
         q = qkv[:, :self._q].view(t, attn.num_heads, d)
@@ -186,7 +186,7 @@ class FusedLlama(nn.Module):
 
     def _silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor | Int4Weight) -> torch.Tensor:
         """silu(gate) * up @ weight^T: one launch where the product is a GEMV row (decode fusions)."""
-        if self.decode_fusions and self._gemv_rows(gate_up, weight):
+        if self.gemv_prologues and self._gemv_rows(gate_up, weight):
             if isinstance(weight, Int4Weight):
                 return kernels.gemv_int4_w32_silu_mul(gate_up, weight.qweight, weight.scale_offset)
             return kernels.gemv_silu_mul(gate_up, weight)
@@ -226,7 +226,9 @@ def _reduce(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
 
 
 def fuse_for_cuda(model: LlamaForCausalLM, int4_group: int | None = None,
-                  decode_fusions: bool = True) -> FusedLlama:
+                  gemv_prologues: bool = False, fused_rope_store: bool = True) -> FusedLlama:
     """The model with the fused forward (the runner's choice on CUDA); ``int4_group``: int4 weights;
-    ``decode_fusions``: norms / SiLU·mul in the GEMV rows' prologues, RoPE + K/V store in one launch."""
-    return FusedLlama(model, int4_group=int4_group, decode_fusions=decode_fusions)
+    ``gemv_prologues``: norms / SiLU·mul in the GEMV rows' prologues; ``fused_rope_store``: RoPE + K/V store
+    in one launch."""
+    return FusedLlama(model, int4_group=int4_group, gemv_prologues=gemv_prologues,
+                      fused_rope_store=fused_rope_store)

@@ -66,7 +66,8 @@ class ModelRunner:
         self.model.rotary.inv_freq = rope_inv_freq(model.config).to(self.device)
         if self.is_cuda:  # fused QKV / gate-up weights and Triton norm/RoPE/SwiGLU kernels (engine.fused)
             int4 = config.weight_group_size if config.cuda_weight_format == "int4" else None
-            self.model = fuse_for_cuda(self.model, int4_group=int4, decode_fusions=config.cuda_decode_fusions)
+            self.model = fuse_for_cuda(self.model, int4_group=int4, gemv_prologues=config.cuda_gemv_prologues,
+                                       fused_rope_store=config.cuda_fused_rope_store)
         elif config.cpu_packed_weights:  # oneDNN-packed linears: no per-call weight re-pack (engine.cpu_linear)
             pack_linears(self.model, one_row_copies=config.cpu_one_row_weights,
                          native=config.cpu_native_gemv and native_kernels.available())

@@ -20,6 +20,23 @@ from ._common import HAS_TRITON, tl, triton
 
 NONE, NORM, ADD_NORM, SILU = 0, 1, 2, 3
 
+# (kernel "gemv" | "w32", prologue, N, K) -> a launch measured best here (bench/gemv_prologue_gpu.py records
+# its sweep); the launchers fall back to their defaults
+_TUNED: dict[tuple[str, int, int, int], object] = {}
+
+
+def set_tuning(kernel: str, prologue: int, n: int, k: int, tuning: object | None) -> None:
+    """Launch the ``kernel`` GEMV with ``prologue`` on an [N, K] weight with ``tuning`` (None: default)."""
+    if tuning is None:
+        _TUNED.pop((kernel, prologue, n, k), None)
+    else:
+        _TUNED[(kernel, prologue, n, k)] = tuning
+
+
+def tuned(kernel: str, prologue: int, n: int, k: int) -> object | None:
+    """The recorded launch of :func:`set_tuning`, or None."""
+    return _TUNED.get((kernel, prologue, n, k))
+
 if HAS_TRITON:
 
     @triton.jit

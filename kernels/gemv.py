@@ -222,7 +222,8 @@ def gemv_rms_norm(
     out = x.new_empty((m, n))
     h = torch.empty_like(x) if residual is not None else x
     kind = _prologue.ADD_NORM if residual is not None else _prologue.NORM
-    _launch(x, weight, bias, out, tuning or GemvTuning(), kind, residual, norm_weight, h, eps)
+    tune = tuning or _prologue.tuned("gemv", kind, n, x.shape[1]) or GemvTuning()
+    _launch(x, weight, bias, out, tune, kind, residual, norm_weight, h, eps)
     return out, h
 
 
@@ -252,5 +253,6 @@ def gemv_silu_mul(
     if not (m and use_triton(backend, *tensors)):
         return gemv_silu_mul_reference(gate_up, weight, bias)
     out = gate_up.new_empty((m, n))
-    _launch(gate_up, weight, bias, out, tuning or SILU_TUNING, _prologue.SILU)
+    tune = tuning or _prologue.tuned("gemv", _prologue.SILU, n, two_i // 2) or SILU_TUNING
+    _launch(gate_up, weight, bias, out, tune, _prologue.SILU)
     return out

@@ -355,14 +355,14 @@ def gemv_int4_w32_rms_norm(
     """
     check_norm_args(x, norm_weight, residual)
     m, n, k, group = _check(x, qweight, scale_offset, bias)
-    tune = _tune(tuning, n, k, group)
+    kind = _prologue.ADD_NORM if residual is not None else _prologue.NORM
+    tune = _tune(tuning or _prologue.tuned("w32", kind, n, k), n, k, group)
     tensors = [x, qweight, scale_offset, norm_weight] + [t for t in (bias, residual) if t is not None]
     if not (m and use_triton(backend, *tensors)):
         h = x if residual is None else x + residual
         return gemv_int4_w32_reference(rms_norm_reference(h, norm_weight, eps), qweight, scale_offset, bias), h
     out = x.new_empty((m, n))
     h = torch.empty_like(x) if residual is not None else x
-    kind = _prologue.ADD_NORM if residual is not None else _prologue.NORM
     _launch(x, qweight, scale_offset, bias, out, tune, kind, residual, norm_weight, h, eps)
     return out, h
 
@@ -390,7 +390,7 @@ def gemv_int4_w32_silu_mul(
     if two_i % 2:
         raise KernelInputError(f"gate_up must have an even number of columns, got {two_i}")
     m, n, k, group = _check(gate_up[:, :two_i // 2], qweight, scale_offset, bias)
-    tune = _tune(tuning, n, k, group)
+    tune = _tune(tuning or _prologue.tuned("w32", _prologue.SILU, n, k), n, k, group)
     tensors = [gate_up, qweight, scale_offset] + ([bias] if bias is not None else [])
     if not (m and use_triton(backend, *tensors)):
         return gemv_int4_w32_reference(silu_mul_reference(gate_up), qweight, scale_offset, bias)

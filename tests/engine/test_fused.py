@@ -107,8 +107,8 @@ def test_decode_fusions_compute_the_unfused_function(int4):
     ids = torch.tensor(random_prompts([21], seed=4)[0])
     chunks = [13, 1, 1, 6]
     group = 16 if int4 else None
-    on = FusedLlama(copy.deepcopy(model), int4_group=group, decode_fusions=True)
-    off = FusedLlama(copy.deepcopy(model), int4_group=group, decode_fusions=False)
+    on = FusedLlama(copy.deepcopy(model), int4_group=group, gemv_prologues=True, fused_rope_store=True)
+    off = FusedLlama(copy.deepcopy(model), int4_group=group, gemv_prologues=False, fused_rope_store=False)
     torch.testing.assert_close(_paged_logits(on, ids, chunks), _paged_logits(off, ids, chunks), rtol=0, atol=0)
     if not int4:  # and the reference model's function
         torch.testing.assert_close(_paged_logits(on, ids, chunks), our_logits(model, ids, chunks),

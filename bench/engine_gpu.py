@@ -169,7 +169,7 @@ def graph_replay_ms(llm: LLM, batch: int = 1, iters: int = 200) -> float:
     """GPU time of one replay of the decode graph of `batch` (no host work), median over `iters`."""
     runner = llm.engine.runner
     runner._decode_in.dev64[2].fill_(-1)  # padding slots: the replays write nothing into the pool
-    graph, _ = runner._graphs[(batch, 0)]
+    graph, _ = runner.decode_graph(batch, PROMPT_LEN + OUTPUT_LEN)  # the graph the timed decode replays
     for _ in range(10):
         graph.replay()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
@@ -237,7 +237,7 @@ def kernel_profile(llm: LLM, batch: int = 1, replays: int = 20, top: int = 25) -
 
     runner = llm.engine.runner
     runner._decode_in.dev64[2].fill_(-1)
-    graph, _ = runner._graphs[(batch, 0)]
+    graph, _ = runner.decode_graph(batch, PROMPT_LEN + OUTPUT_LEN)  # the graph the timed decode replays
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -337,9 +337,17 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
     return res
 
 
+# the issue-19.2 switches of the engine under test (--fusions): on = the engine's defaults, off = none of
+# them (EngineConfig.cuda_fused_rope_store, cuda_gemv_prologues, cuda_one_pass_decode_tokens)
+DECODE_FUSIONS = {"on": True}
+
+
 def build_llm(cfg: ModelConfig, model: LlamaForCausalLM) -> LLM:
     return LLM(model, engine_config=EngineConfig(device="cuda", max_num_seqs=256, max_num_batched_tokens=8192,
-                                                 gpu_memory_utilization=0.45, max_model_len=4096))
+                                                 gpu_memory_utilization=0.45, max_model_len=4096,
+                                                 **({} if DECODE_FUSIONS["on"] else dict(
+                                                     cuda_fused_rope_store=False, cuda_gemv_prologues=False,
+                                                     cuda_one_pass_decode_tokens=0))))
 
 
 def switch_forward(llm: LLM, model) -> None:
@@ -347,6 +355,7 @@ def switch_forward(llm: LLM, model) -> None:
     runner = llm.engine.runner
     runner.model = model
     runner._graphs.clear()
+    runner._one_pass.clear()
     runner._capture_graphs(1)
 
 
@@ -443,13 +452,16 @@ def main() -> None:
     ap.add_argument("--hf-concurrency", help="concurrencies run with transformers (default: --concurrency)")
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="only take the batch-1 decode step apart")
+    ap.add_argument("--fusions", choices=("on", "off"), default="on",
+                    help="our engine with its defaults (on) or without any of issue 19.2's fusions (off)")
     args = ap.parse_args()
+    DECODE_FUSIONS["on"] = args.fusions == "on"
     import transformers
 
     bw = copy_bandwidth()
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "transformers": transformers.__version__,
-           "copy_bandwidth_GBps": bw / 1e9, "results": []}
+           "copy_bandwidth_GBps": bw / 1e9, "decode_fusions": DECODE_FUSIONS["on"], "results": []}
     print(json.dumps(out), flush=True)
     if args.profile:
         out["profile"] = profile_main(args.shapes.split(","), bw)

@@ -157,6 +157,15 @@ class EngineConfig:
         weight_group_size: columns per scale of "int4" / "int8" (32, 64, 128 or 256).
         cuda_weight_format: what the layer GEMMs and the head read on CUDA: "bf16" (default) or "int4"
             (group-wise RTN of ``weight_group_size`` at load, decode rows through ``kernels.gemv_int4``).
+        cuda_fused_rope_store: on CUDA, RoPE of q/k and the K/V store run as one kernel
+            (``kernels.rope_store_kv``, issue 19.2; measured faster, docs/benchmarks.md); False: two kernels.
+        cuda_gemv_prologues: on CUDA, fold the RMSNorms and SiLU·mul into the prologue of the GEMV kernels
+            that run decode rows (``engine.fused``, issue 19.2). Off by default: on an H100 the prologue
+            GEMVs at the default tunings cost more than the launches they save (docs/benchmarks.md).
+        cuda_one_pass_decode_tokens: on CUDA, decode batches of up to 8 sequences whose contexts all fit
+            this many tokens replay a graph whose attention is one pass per (sequence, KV head), without
+            the split-K reduce kernel (``engine.model_runner.ONE_PASS_MAX_BATCH``); 0 (default): off (split-K
+            only; the one-pass graphs measured slower at 129-384-token contexts on an H100).
         seed: seed of the generator used by requests without their own seed.
         speculative_method: "ngram" (prompt lookup, :mod:`engine.spec_decode`) or None (no request
             speculates; one that asks is refused).
@@ -196,6 +205,9 @@ class EngineConfig:
     weight_format: str = "fp32"
     weight_group_size: int = 32
     cuda_weight_format: str = "bf16"
+    cuda_fused_rope_store: bool = True
+    cuda_gemv_prologues: bool = False
+    cuda_one_pass_decode_tokens: int = 0
     seed: int = 0
     speculative_method: str | None = "ngram"
     num_speculative_tokens: int = 0
@@ -217,6 +229,8 @@ class EngineConfig:
         self.scheduler_config()   # and the scheduler's
         self.spec_config()        # and speculative decoding's
         self._check_graph_spec_tokens()
+        if self.cuda_one_pass_decode_tokens < 0:
+            raise ValueError(f"cuda_one_pass_decode_tokens must be >= 0, got {self.cuda_one_pass_decode_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:

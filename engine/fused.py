@@ -8,6 +8,13 @@ attention), the O GEMM, add+RMSNorm, one gate/up GEMM, SiLU*mul and the down GEM
 built once per forward. A single-row batch (batch-1 decode) runs its layer GEMMs through
 ``kernels.gemv`` (weight-streaming, no split-K reduce kernel) rather than cuBLAS.
 
+Decode fusions (issue 19.2): on the paged backend RoPE and the K/V store are one launch
+(``kernels.rope_store_kv``, ``fused_rope_store`` = ``EngineConfig.cuda_fused_rope_store``, on by default), for
+every batch; with ``gemv_prologues`` (``EngineConfig.cuda_gemv_prologues``, off by default: slower on an H100 at
+the tunings measured, docs/benchmarks.md), where a product runs as a GEMV kernel (one bf16 row, or up to
+``INT4_GEMV_MAX_ROWS`` int4 rows), the RMSNorm before qkv and gate/up and the SiLU·mul before down run in that
+kernel's prologue (``kernels._prologue``).
+
 :func:`fuse_for_cuda` concatenates each layer's q/k/v and gate/up weights once, at load, and re-points the
 original parameters at row slices of the fused tensors, so no weight is stored twice and the wrapped model
 still runs its own (reference) forward on the same weights.
@@ -108,10 +115,13 @@ def quantize_layer_weights(model: LlamaForCausalLM, fused: list[FusedLayerWeight
 class FusedLlama(nn.Module):
     """Same interface as :class:`LlamaForCausalLM` for the runner: ``forward`` and ``logits``."""
 
-    def __init__(self, model: LlamaForCausalLM, use_gemv: bool = True, int4_group: int | None = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, use_gemv: bool = True, int4_group: int | None = None,
+                 gemv_prologues: bool = False, fused_rope_store: bool = True) -> None:
         super().__init__()
         self.base = model
         self.use_gemv = use_gemv  # single-row GEMMs through kernels.gemv (batch-1 decode) instead of cuBLAS
+        self.gemv_prologues = gemv_prologues  # RMSNorm / SiLU·mul in the prologue of the GEMV rows' kernels
+        self.fused_rope_store = fused_rope_store  # RoPE + K/V store in one launch (paged backend)
         self.config = model.config
         self.fused = fuse_layer_weights(model)
         # int4 weights: decode rows through kernels.gemv_int4_w32; the head too (the embedding keeps its copy)
@@ -141,23 +151,52 @@ class FusedLlama(nn.Module):
 
     def _layer(self, layer, w: FusedLayerWeights, h, residual, cos, sin, backend):
         """One decoder layer on (layer input h, residual stream) -> (MLP output, residual stream)."""
-        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        if residual is None:
-            x, residual = kernels.rms_norm(h, norm1.weight, norm1.eps), h
-        else:
-            x, residual = kernels.add_rms_norm(h, residual, norm1.weight, norm1.eps)
         attn = layer.self_attn
-        t, d = x.shape[0], attn.head_dim
-        qkv = self._linear(x, w.qkv, w.qkv_bias)            # [T, (Hq + 2 Hkv) * D]
+        qkv, residual = self._norm_linear(layer.input_layernorm, h, residual, w.qkv, w.qkv_bias)
+        o = self._attend(attn, qkv, cos, sin, backend)      # [T, Hq, D]
+        h = _reduce(attn.o_proj, self._linear(o.reshape(o.shape[0], -1), w.o))
+        gate_up, residual = self._norm_linear(layer.post_attention_layernorm, h, residual, w.gate_up)
+        return _reduce(layer.mlp.down_proj, self._silu_linear(gate_up, w.down)), residual
+
+    def _norm_linear(self, norm, h, residual, weight, bias=None):
+        """(add +) RMSNorm then x @ weight^T (+ bias) -> (product [T, N], residual stream [T, hidden]); one
+        launch where the product is a GEMV row (decode fusions), else the norm kernel then the product."""
+        if self.gemv_prologues and self._gemv_rows(h, weight):
+            if isinstance(weight, Int4Weight):
+                return kernels.gemv_int4_w32_rms_norm(h, norm.weight, norm.eps, weight.qweight,
+                                                      weight.scale_offset, bias, residual=residual)
+            return kernels.gemv_rms_norm(h, norm.weight, norm.eps, weight, bias, residual=residual)
+        if residual is None:
+            x, residual = kernels.rms_norm(h, norm.weight, norm.eps), h
+        else:
+            x, residual = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self._linear(x, weight, bias), residual
+
+    def _attend(self, attn, qkv, cos, sin, backend) -> torch.Tensor:
+        """RoPE, K/V store and attention of a fused QKV projection [T, (Hq + 2 Hkv) * D] -> [T, Hq, D]."""
+        attend_qkv = getattr(backend, "attend_qkv", None)  # the paged backend: RoPE + store in one launch
+        if self.fused_rope_store and attend_qkv is not None:
+            return attend_qkv(attn.layer_idx, qkv, attn.num_heads, attn.num_kv_heads, cos, sin)
+        t, d = qkv.shape[0], attn.head_dim
         q = qkv[:, :self._q].view(t, attn.num_heads, d)
         k = qkv[:, self._q:self._q + self._kv].view(t, attn.num_kv_heads, d)
         v = qkv[:, self._q + self._kv:].view(t, attn.num_kv_heads, d)
         q, k = kernels.rope(q, k, cos, sin)
-        o = backend.attend(attn.layer_idx, q, k, v)         # [T, Hq, D]
-        h = _reduce(attn.o_proj, self._linear(o.reshape(t, -1), w.o))
-        x, residual = kernels.add_rms_norm(h, residual, norm2.weight, norm2.eps)
-        act = kernels.silu_mul(self._linear(x, w.gate_up))  # [T, I]
-        return _reduce(layer.mlp.down_proj, self._linear(act, w.down)), residual
+        return backend.attend(attn.layer_idx, q, k, v)
+
+    def _silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor | Int4Weight) -> torch.Tensor:
+        """silu(gate) * up @ weight^T: one launch where the product is a GEMV row (decode fusions)."""
+        if self.gemv_prologues and self._gemv_rows(gate_up, weight):
+            if isinstance(weight, Int4Weight):
+                return kernels.gemv_int4_w32_silu_mul(gate_up, weight.qweight, weight.scale_offset)
+            return kernels.gemv_silu_mul(gate_up, weight)
+        return self._linear(kernels.silu_mul(gate_up), weight)
+
+    def _gemv_rows(self, x: torch.Tensor, weight: torch.Tensor | Int4Weight) -> bool:
+        """Whether x's rows go through a GEMV kernel (not cuBLAS / a dequantized copy) for this weight."""
+        if isinstance(weight, Int4Weight):
+            return x.shape[0] <= INT4_GEMV_MAX_ROWS
+        return self.use_gemv and x.shape[0] == 1 and x.is_cuda
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor | Int4Weight,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,6 +225,10 @@ def _reduce(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
     return partial if reduce is None else reduce(partial)
 
 
-def fuse_for_cuda(model: LlamaForCausalLM, int4_group: int | None = None) -> FusedLlama:
-    """The model with the fused forward (the runner's choice on CUDA); ``int4_group``: int4 weights."""
-    return FusedLlama(model, int4_group=int4_group)
+def fuse_for_cuda(model: LlamaForCausalLM, int4_group: int | None = None,
+                  gemv_prologues: bool = False, fused_rope_store: bool = True) -> FusedLlama:
+    """The model with the fused forward (the runner's choice on CUDA); ``int4_group``: int4 weights;
+    ``gemv_prologues``: norms / SiLU·mul in the GEMV rows' prologues; ``fused_rope_store``: RoPE + K/V store
+    in one launch."""
+    return FusedLlama(model, int4_group=int4_group, gemv_prologues=gemv_prologues,
+                      fused_rope_store=fused_rope_store)

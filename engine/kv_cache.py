@@ -84,6 +84,8 @@ class AttentionMetadata:
         prefill_cu_seqlens_q: [P + 1] int32 row offsets of the prefill chunks (from 0 at row num_decode).
         prefill_context_lens: [P] int32.
         prefill_max_q: longest prefill chunk (known on the host: no device sync in the launcher).
+        decode_partition: split-K partition of the decode attention in tokens (None: the kernel plans
+            one); the runner's one-pass graphs set it to their table width, so no reduce kernel runs.
     """
 
     slot_mapping: torch.Tensor
@@ -94,6 +96,7 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
     prefill_max_q: int = 0
+    decode_partition: int | None = None
 
 
 class PagedAttention:
@@ -120,17 +123,37 @@ class PagedAttention:
         self._store(k, v, kc, vc)
         if self.cpu_decode:
             return self._attend_cpu(q, k, v, kc, vc)
+        return self._attend_stored(layer, q)
+
+    def attend_qkv(self, layer: int, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+        """RoPE, K/V store and attention of a fused projection qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq, D]; on
+        the kernels' path RoPE and the store are one launch (``kernels.rope_store_kv``)."""
+        m, kc, vc = self.meta, self.cache.k[layer], self.cache.v[layer]
+        assert qkv.shape[0] == m.slot_mapping.shape[0], (qkv.shape, m.slot_mapping.shape)
+        if self.cpu_decode:  # the CPU path's own store and attention
+            d = kc.shape[-1]
+            q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=1)
+            t = qkv.shape[0]
+            q, k = kernels.rope(q.view(t, num_heads, d), k.view(t, num_kv_heads, d), cos, sin)
+            return self.attend(layer, q, k, v.view(t, num_kv_heads, d))
+        q = kernels.rope_store_kv(qkv, num_heads, num_kv_heads, cos, sin, kc, vc, m.slot_mapping)
+        return self._attend_stored(layer, q)
+
+    def _attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The kernels' attention of q [T, Hq, D] over the cache (this step's K/V already stored)."""
+        m, kc, vc = self.meta, self.cache.k[layer], self.cache.v[layer]
         nd = m.num_decode
         if nd == q.shape[0]:
             return kernels.paged_decode_attention(q, kc, vc, m.decode_block_tables, m.decode_context_lens,
-                                                  self.scale)
+                                                  self.scale, partition_size=m.decode_partition)
         prefill = kernels.paged_prefill_attention(q[nd:], kc, vc, m.prefill_block_tables,
                                                   m.prefill_cu_seqlens_q, m.prefill_context_lens, self.scale,
                                                   max_seqlen_q=m.prefill_max_q)
         if nd == 0:
             return prefill
         decode = kernels.paged_decode_attention(q[:nd], kc, vc, m.decode_block_tables,
-                                                m.decode_context_lens, self.scale)
+                                                m.decode_context_lens, self.scale, partition_size=m.decode_partition)
         return torch.cat([decode, prefill])
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:

@@ -5,7 +5,9 @@ sequence with several query tokens (prefill chunks, and verify steps that score 
 context) through the varlen path. A sequence may yield several logits rows (``ScheduledSeq.num_logits_rows``:
 the last rows of its query). On GPU the weights and KV cache are bf16, the forward is the fused one of
 ``engine.fused``, decode-only steps replay CUDA graphs captured for batch buckets (1, 2, 4, 8, 16, 24, 32,
-... up to ``cuda_graph_max_batch``) and verify steps (decodes carrying up to ``k`` drafts each, for the
+... up to ``cuda_graph_max_batch``; buckets up to ``ONE_PASS_MAX_BATCH`` also get a twin whose attention runs
+one pass, without the split-K reduce kernel, replayed when every context fits
+``EngineConfig.cuda_one_pass_decode_tokens``) and verify steps (decodes carrying up to ``k`` drafts each, for the
 ``k`` of ``EngineConfig.verify_graph_tokens``) replay graphs captured for the buckets up to the batch that
 still speculates; other steps run eagerly. On CPU everything is fp32 and eager.
 """
@@ -28,6 +30,10 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 from kernels import cpu as native_kernels
 
 log = logging.getLogger(__name__)
+
+# decode buckets up to this batch also get a graph whose attention is one pass per (sequence, KV head) for
+# contexts up to EngineConfig.cuda_one_pass_decode_tokens; wider batches already fill the GPU unsplit
+ONE_PASS_MAX_BATCH = 8
 
 
 @dataclasses.dataclass
@@ -60,7 +66,8 @@ class ModelRunner:
         self.model.rotary.inv_freq = rope_inv_freq(model.config).to(self.device)
         if self.is_cuda:  # fused QKV / gate-up weights and Triton norm/RoPE/SwiGLU kernels (engine.fused)
             int4 = config.weight_group_size if config.cuda_weight_format == "int4" else None
-            self.model = fuse_for_cuda(self.model, int4_group=int4)
+            self.model = fuse_for_cuda(self.model, int4_group=int4, gemv_prologues=config.cuda_gemv_prologues,
+                                       fused_rope_store=config.cuda_fused_rope_store)
         elif config.cpu_packed_weights:  # oneDNN-packed linears: no per-call weight re-pack (engine.cpu_linear)
             pack_linears(self.model, one_row_copies=config.cpu_one_row_weights,
                          native=config.cpu_native_gemv and native_kernels.available())
@@ -76,6 +83,10 @@ class ModelRunner:
         # (bucket, drafts k) -> graph and its logits [bucket * (k + 1), V] (k = 0: decode batches)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._verify_cu: dict[int, torch.Tensor] = {}  # k -> constant cu_seqlens of the verify graphs
+        # bucket -> decode graph with one-pass attention (no split-K reduce), for contexts <= _one_pass_tokens
+        self._one_pass: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        bs = self.block_size
+        self._one_pass_tokens = min(config.cuda_one_pass_decode_tokens, self.max_blocks_per_seq * bs) // bs * bs
 
     @property
     def is_cuda(self) -> bool:
@@ -229,12 +240,16 @@ class ModelRunner:
         try:
             for b in reversed(graph_buckets(max_batch)):
                 pool = self._capture(b, 0, pool)
+            if self._one_pass_tokens:
+                for b in reversed([b for b in graph_buckets(max_batch) if b <= ONE_PASS_MAX_BATCH]):
+                    pool = self._capture(b, 0, pool, one_pass=True)
             for k in reversed(ks):
                 for b in reversed(graph_buckets(vmax)):
                     pool = self._capture(b, k, pool)
         except RuntimeError as exc:  # a kernel that syncs with the host cannot be captured
             log.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
             self._graphs.clear()
+            self._one_pass.clear()
 
     def _static_inputs(self, max_batch: int, verify_max_batch: int) -> tuple[int, ...]:
         """Allocate the graphs' input buffers (decode batches up to ``max_batch``, verify batches up to
@@ -255,11 +270,17 @@ class ModelRunner:
                                               device=dev)
         return ks
 
-    def _static_step(self, b: int, k: int) -> tuple[torch.Tensor, torch.Tensor, PagedAttention]:
-        """The (b, k) step over the static buffers: input ids [b(k+1)], positions, attention backend."""
+    def _static_step(self, b: int, k: int, one_pass: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                                             PagedAttention]:
+        """The (b, k) step over the static buffers: input ids [b(k+1)], positions, attention backend;
+        ``one_pass``: a decode step whose tables stop at ``_one_pass_tokens``, attended in one partition."""
         q, inp = k + 1, self._verify_in if k else self._decode_in
         ids, pos, slots = inp.dev64[0, :b * q], inp.dev64[1, :b * q], inp.dev64[2, :b * q]
-        if k == 0:
+        if k == 0 and one_pass:
+            tokens = self._one_pass_tokens
+            meta = AttentionMetadata(slots, b, inp.tables[:b, :tokens // self.block_size], inp.lens[:b],
+                                     decode_partition=tokens)
+        elif k == 0:
             meta = AttentionMetadata(slots, b, inp.tables[:b], inp.lens[:b])
         else:
             meta = AttentionMetadata(slots, 0, prefill_block_tables=inp.tables[:b],
@@ -267,10 +288,10 @@ class ModelRunner:
                                      prefill_context_lens=inp.lens[:b], prefill_max_q=q)
         return ids, pos, PagedAttention(self.kv, meta, self.model_config.head_dim)
 
-    def _capture(self, b: int, k: int, pool):
-        """Capture the (b, k) step; return the memory pool to share."""
+    def _capture(self, b: int, k: int, pool, one_pass: bool = False):
+        """Capture the (b, k) step (``one_pass``: its one-pass-attention twin); return the memory pool."""
         inp = self._verify_in if k else self._decode_in
-        ids, pos, backend = self._static_step(b, k)
+        ids, pos, backend = self._static_step(b, k, one_pass)
         backend.meta.slot_mapping.fill_(-1)
         inp.lens.fill_(k + 1)  # every sequence a padding one: k + 1 rows over k + 1 (harmless) slots of block 0
         self.model.logits(self.model(ids, pos, backend))  # warm up (Triton JIT)
@@ -280,13 +301,26 @@ class ModelRunner:
             out = self.model.logits(self.model(ids, pos, backend))  # [b * (k + 1), V]
             if k:  # verify graphs write one shared buffer: its size does not grow with buckets and ks
                 out = self._verify_logits[:out.shape[0]].copy_(out)
-        self._graphs[(b, k)] = (graph, out)
+        if one_pass:
+            self._one_pass[b] = (graph, out)
+        else:
+            self._graphs[(b, k)] = (graph, out)
         return graph.pool()
+
+    def decode_graph(self, b: int, max_context: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The captured decode graph (and its logits) for bucket ``b`` when the longest context is
+        ``max_context`` tokens: the one-pass twin where the context fits it."""
+        if b in self._one_pass and max_context <= self._one_pass_tokens:
+            return self._one_pass[b]
+        return self._graphs[(b, 0)]
 
     def _run_graph(self, scheduled: list[ScheduledSeq], b: int, k: int) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """A decode or verify step through the captured (b, k) graph."""
         rows = self._stage(scheduled, b, k)
-        graph, out = self._graphs[(b, k)]
+        if k:
+            graph, out = self._graphs[(b, k)]
+        else:
+            graph, out = self.decode_graph(b, max(s.start for s in scheduled) + 1)
         graph.replay()
         sampling = [s for s in scheduled if s.samples]
         if not sampling:  # no token is read back this step: sync so the pinned mirrors can be refilled

@@ -6,13 +6,23 @@ a ValueError) and runs the Triton kernel on CUDA tensors when Triton imports, th
 """
 
 from .errors import BackendUnavailableError, KernelError, KernelInputError
-from .gemv import GemvTuning, gemv, gemv_reference
+from .gemv import (
+    GemvTuning,
+    gemv,
+    gemv_reference,
+    gemv_rms_norm,
+    gemv_rms_norm_reference,
+    gemv_silu_mul,
+    gemv_silu_mul_reference,
+)
 from .gemv_int4 import GemvInt4Tuning, dequantize_int4_rows, gemv_int4, gemv_int4_reference, pack_int4_rows
 from .gemv_int4_w32 import (
     GemvInt4W32Tuning,
     dequantize_int4_w32,
     gemv_int4_w32,
     gemv_int4_w32_reference,
+    gemv_int4_w32_rms_norm,
+    gemv_int4_w32_silu_mul,
     repack_int4_w32,
     set_tuning_int4_w32,
     tuning_int4_w32,
@@ -21,6 +31,7 @@ from .paged_decode import paged_decode_attention, paged_decode_attention_referen
 from .paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from .rope import rope, rope_reference
+from .rope_store_kv import rope_store_kv, rope_store_kv_reference
 from .silu_mul import silu_mul, silu_mul_reference
 from .store_kv import store_kv, store_kv_reference
 
@@ -29,6 +40,10 @@ __all__ = [
     "GemvTuning",
     "gemv",
     "gemv_reference",
+    "gemv_rms_norm",
+    "gemv_rms_norm_reference",
+    "gemv_silu_mul",
+    "gemv_silu_mul_reference",
     "GemvInt4Tuning",
     "dequantize_int4_rows",
     "gemv_int4",
@@ -38,6 +53,8 @@ __all__ = [
     "dequantize_int4_w32",
     "gemv_int4_w32",
     "gemv_int4_w32_reference",
+    "gemv_int4_w32_rms_norm",
+    "gemv_int4_w32_silu_mul",
     "repack_int4_w32",
     "set_tuning_int4_w32",
     "tuning_int4_w32",
@@ -53,6 +70,8 @@ __all__ = [
     "rms_norm_reference",
     "rope",
     "rope_reference",
+    "rope_store_kv",
+    "rope_store_kv_reference",
     "silu_mul",
     "silu_mul_reference",
     "store_kv",

@@ -26,6 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from . import _prologue
 from ._common import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -39,9 +40,16 @@ from ._common import (
     use_triton,
 )
 from .errors import KernelInputError
+from .gemv import check_norm_args
+from .rms_norm import rms_norm_reference
+from .silu_mul import silu_mul_reference
+
+if HAS_TRITON:
+    from ._prologue import prologue_load
 
 __all__ = ["GemvInt4W32Tuning", "dequantize_int4_w32", "gemv_int4_w32", "gemv_int4_w32_reference",
-           "repack_int4_w32", "set_tuning_int4_w32", "tuning_int4_w32"]
+           "gemv_int4_w32_rms_norm", "gemv_int4_w32_silu_mul", "repack_int4_w32", "set_tuning_int4_w32",
+           "tuning_int4_w32"]
 
 GROUP_SIZES = (16, 32, 64, 128)  # power-of-two words per group (tl.arange) and at least 2 of them
 SCALE_DTYPES = (torch.float16, torch.bfloat16)
@@ -162,10 +170,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_int4_w32_kernel(
-        x_ptr, q_ptr, so_ptr, b_ptr, y_ptr, N, K, s_xm, s_qn, s_sn, s_ym,
+        x_ptr, q_ptr, so_ptr, b_ptr, y_ptr, r_ptr, g_ptr, h_ptr, N, K, s_xm, s_qn, s_sn, s_ym, s_rm, s_hm, eps,
+        ss_scale,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-        EVEN: tl.constexpr, X_PER_ROW: tl.constexpr,
+        EVEN: tl.constexpr, X_PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr,
     ):
+        # PROLOGUE (kernels._prologue): 0 none; 1/2 RMSNorm (NORM; 2: of x + residual, h written); 3 SiLU·mul.
+        # ss_scale: 1 / (K * the times each column's square is summed: BLOCK_N with x_per_row, else 1)
         W: tl.constexpr = GROUP // 8                      # words per group
         m = tl.program_id(1).to(tl.int64)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -174,8 +185,10 @@ if HAS_TRITON:
         g_off = tl.arange(0, GROUPS)
         w_off = tl.arange(0, W)
         n_groups = K // GROUP
-        x_row = x_ptr + m * s_xm
+        x_row, r_row, h_row = x_ptr + m * s_xm, r_ptr + m * s_rm, h_ptr + m * s_hm
+        first = tl.where(tl.program_id(0) == 0, K, 0)  # columns of h this program writes (ADD_NORM)
         acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+        ss = tl.zeros([GROUPS, W], dtype=tl.float32)  # the norm's sum of squares (x_per_row: BLOCK_N times)
         for g0 in range(0, n_groups, GROUPS):
             gi = g0 + g_off                                               # [G]
             g_ok = gi < n_groups
@@ -191,21 +204,21 @@ if HAS_TRITON:
             if X_PER_ROW:  # x in the words' [BN, G, W] layout: no layout conversion, no barrier
                 xs3 = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
                 for i in tl.static_range(8):
-                    x_ptrs = x_row + (col0 + i * W)[None, :, :] + 0 * rows[:, None, None]
-                    if EVEN:
-                        xi3 = tl.load(x_ptrs).to(tl.float32)
-                    else:
-                        xi3 = tl.load(x_ptrs, mask=g_ok[None, :, None], other=0.0).to(tl.float32)
+                    cols3 = (col0 + i * W)[None, :, :] + 0 * rows[:, None, None]
+                    xi3, sq3 = prologue_load(x_row, r_row, g_ptr, h_row, cols3, g_ok[None, :, None], K, first,
+                                             PROLOGUE, not EVEN)
+                    if NORM:
+                        ss += tl.sum(sq3 * sq3, axis=0)
                     dot += _nibble_as_float(words, i) * xi3
                     xs3 += xi3
                 xsum = tl.sum(xs3, axis=2)                                # [BN, G]
             else:
                 xs = tl.zeros([GROUPS, W], dtype=tl.float32)
                 for i in tl.static_range(8):
-                    if EVEN:
-                        xi = tl.load(x_row + col0 + i * W).to(tl.float32)
-                    else:
-                        xi = tl.load(x_row + col0 + i * W, mask=g_ok[:, None], other=0.0).to(tl.float32)
+                    xi, sq = prologue_load(x_row, r_row, g_ptr, h_row, col0 + i * W, g_ok[:, None], K, first,
+                                           PROLOGUE, not EVEN)
+                    if NORM:
+                        ss += sq * sq
                     dot += _nibble_as_float(words, i) * xi[None, :, :]
                     xs += xi
                 xsum = tl.sum(xs, axis=1)[None, :]                        # [1, G]
@@ -220,6 +233,8 @@ if HAS_TRITON:
             sc16 = 16.0 * sc
             acc += sc16 * tl.sum(dot, axis=2) + (of - sc16) * xsum
         y = tl.sum(acc, axis=1)
+        if NORM:  # y = inv * W (h * g): the norm's scale applied once, after the weights
+            y *= tl.rsqrt(tl.sum(tl.sum(ss, 1), 0) * ss_scale + eps)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * s_ym + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
@@ -279,19 +294,106 @@ def gemv_int4_w32(
     else:
         check_tensor("out", out, 2, (x.dtype,))
         check_shape("out", out, (m, n))
-    tune = tuning or tuning_int4_w32(n, k, group)
-    if tune.groups & (tune.groups - 1) or tune.block_n & (tune.block_n - 1):
-        raise KernelInputError(f"tuning block_n and groups must be powers of two, got {tune}")
+    tune = _tune(tuning, n, k, group)
     tensors = [x, qweight, scale_offset] + ([bias] if bias is not None else [])
     if not (m and use_triton(backend, *tensors)):
         return out.copy_(gemv_int4_w32_reference(x, qweight, scale_offset, bias))
+    _launch(x, qweight, scale_offset, bias, out, tune)
+    return out
+
+
+def _launch(x, qweight, scale_offset, bias, out, tune: GemvInt4W32Tuning, prologue: int = _prologue.NONE,
+            residual=None, gain=None, h_out=None, eps: float = 0.0) -> None:
+    """The kernel over x [M, K] (SILU: gate/up [M, 2K]) and the w32 weight [N, K] -> out [M, N]."""
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    group = k // scale_offset.shape[1]
     # shape: x [M, K], qweight [N, K/8], scale_offset [N, K/group, 2] -> out [M, N]
     assert qweight.shape == (n, k // 8) and scale_offset.shape == (n, k // group, 2)
-    _gemv_int4_w32_kernel[(cdiv(n, tune.block_n), m)](
-        x, qweight, scale_offset, bias if bias is not None else scale_offset, out, n, k,
-        x.stride(0), qweight.stride(0), scale_offset.stride(0), out.stride(0),
+    r = residual if residual is not None else x
+    h = h_out if h_out is not None else out
+    _gemv_int4_w32_kernel[(cdiv(n, tune.block_n), x.shape[0])](
+        x, qweight, scale_offset, bias if bias is not None else scale_offset, out,
+        r, gain if gain is not None else scale_offset, h, n, k,
+        x.stride(0), qweight.stride(0), scale_offset.stride(0), out.stride(0), r.stride(0), h.stride(0),
+        float(eps), 1.0 / (k * (tune.block_n if tune.x_per_row else 1)),
         GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, GROUPS=tune.groups,
         EVEN=n % tune.block_n == 0 and (k // group) % tune.groups == 0, X_PER_ROW=tune.x_per_row,
+        PROLOGUE=prologue, NORM=prologue in (_prologue.NORM, _prologue.ADD_NORM),
         num_warps=tune.num_warps, num_stages=tune.num_stages,
     )
+
+
+# ---- with a fused prologue (kernels._prologue): RMSNorm before qkv / gate_up, SiLU·mul before down ----------
+
+def _tune(tuning: GemvInt4W32Tuning | None, n: int, k: int, group: int) -> GemvInt4W32Tuning:
+    tune = tuning or tuning_int4_w32(n, k, group)
+    if tune.groups & (tune.groups - 1) or tune.block_n & (tune.block_n - 1):
+        raise KernelInputError(f"tuning block_n and groups must be powers of two, got {tune}")
+    return tune
+
+
+def gemv_int4_w32_rms_norm(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    qweight: torch.Tensor,
+    scale_offset: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    tuning: GemvInt4W32Tuning | None = None,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(h) @ W^T + bias with h = x (+ residual) and W in the w32 layout, in one launch.
+
+    Args:
+        x, norm_weight, eps, residual: as :func:`kernels.gemv_rms_norm`.
+        qweight, scale_offset, bias, tuning, backend: as :func:`gemv_int4_w32`.
+
+    Returns:
+        (y [M, N], h [M, K]): h is the new residual stream (x itself when no residual is given).
+    """
+    check_norm_args(x, norm_weight, residual)
+    m, n, k, group = _check(x, qweight, scale_offset, bias)
+    kind = _prologue.ADD_NORM if residual is not None else _prologue.NORM
+    tune = _tune(tuning or _prologue.tuned("w32", kind, n, k), n, k, group)
+    tensors = [x, qweight, scale_offset, norm_weight] + [t for t in (bias, residual) if t is not None]
+    if not (m and use_triton(backend, *tensors)):
+        h = x if residual is None else x + residual
+        return gemv_int4_w32_reference(rms_norm_reference(h, norm_weight, eps), qweight, scale_offset, bias), h
+    out = x.new_empty((m, n))
+    h = torch.empty_like(x) if residual is not None else x
+    _launch(x, qweight, scale_offset, bias, out, tune, kind, residual, norm_weight, h, eps)
+    return out, h
+
+
+def gemv_int4_w32_silu_mul(
+    gate_up: torch.Tensor,
+    qweight: torch.Tensor,
+    scale_offset: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    tuning: GemvInt4W32Tuning | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """silu(gate) * up @ W^T + bias, W in the w32 layout, in one launch (a SwiGLU MLP's down projection).
+
+    Args:
+        gate_up: [M, 2I] fused gate/up rows, gate first.
+        qweight, scale_offset, bias, tuning, backend: as :func:`gemv_int4_w32` (K = I).
+
+    Returns:
+        [M, N] in gate_up's dtype.
+    """
+    check_tensor("gate_up", gate_up, 2, FLOAT_DTYPES)
+    two_i = gate_up.shape[1]
+    if two_i % 2:
+        raise KernelInputError(f"gate_up must have an even number of columns, got {two_i}")
+    m, n, k, group = _check(gate_up[:, :two_i // 2], qweight, scale_offset, bias)
+    tune = _tune(tuning or _prologue.tuned("w32", _prologue.SILU, n, k), n, k, group)
+    tensors = [gate_up, qweight, scale_offset] + ([bias] if bias is not None else [])
+    if not (m and use_triton(backend, *tensors)):
+        return gemv_int4_w32_reference(silu_mul_reference(gate_up), qweight, scale_offset, bias)
+    out = gate_up.new_empty((m, n))
+    _launch(gate_up, qweight, scale_offset, bias, out, tune, _prologue.SILU)
     return out

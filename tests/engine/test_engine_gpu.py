@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -17,8 +19,6 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def _release_gpu_memory():
     """Engines size their KV pool from free memory: free the previous test's pool first."""
-    import gc
-
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -84,3 +84,55 @@ def test_engine_runs_the_fused_forward_on_cuda():
     llm = LLM(tiny_model("llama-gqa"), engine_config=EngineConfig(device="cuda", gpu_memory_utilization=0.3,
                                                                   max_model_len=256, max_num_seqs=8))
     assert isinstance(llm.engine.runner.model, FusedLlama)
+
+
+ALL_FUSIONS = dict(cuda_fused_rope_store=True, cuda_gemv_prologues=True, cuda_one_pass_decode_tokens=32)
+NO_FUSIONS = dict(cuda_fused_rope_store=False, cuda_gemv_prologues=False, cuda_one_pass_decode_tokens=0)
+
+
+def _engine(switches: dict, **kw) -> LLM:
+    cfg = EngineConfig(device="cuda", gpu_memory_utilization=0.3, max_model_len=256, max_num_seqs=8, **switches,
+                       **kw)
+    return LLM(tiny_model("llama-gqa"), engine_config=cfg)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_decode_fusions_keep_the_greedy_tokens(fmt):
+    """Issue 19.2: the engine with every decode fusion (norm / SiLU·mul in GEMV prologues, RoPE + K/V store
+    in one kernel, one-pass attention graphs) generates the tokens of the engine without them, in fp32
+    (bf16 rounds the normed row differently, and a random tiny model has near-ties: see the bf16 test
+    below): batch-1 steps (one prompt at a time, the fused GEMV rows) and a batch of several (cuBLAS rows,
+    RoPE + store fused); contexts cross the one-pass limit (32 tokens here), so both graphs of a bucket run."""
+    prompts = random_prompts([5, 17, 33, 40], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = []
+    for switches in (NO_FUSIONS, ALL_FUSIONS):
+        llm = _engine(switches, dtype="float32", cuda_weight_format=fmt)
+        assert llm.engine.runner.model.gemv_prologues == switches["cuda_gemv_prologues"]
+        assert bool(llm.engine.runner._one_pass) == bool(switches["cuda_one_pass_decode_tokens"])
+        one = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        tokens.append((one, batch))
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert tokens[0] == tokens[1]
+
+
+def test_decode_fusions_bf16_logprobs_close():
+    """bf16: the first decode step's top-5 log-probs with every fusion on are those without, to bf16 precision."""
+    prompt = random_prompts([40], seed=4)[0]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=5)
+    got = []
+    for switches in (NO_FUSIONS, ALL_FUSIONS):
+        llm = _engine(switches)
+        got.append(llm.generate([prompt], params)[0].outputs[0])
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert got[0].token_ids[0] == got[1].token_ids[0]  # the prefill's token: no prologue on that path
+    off, on = got[0].logprobs[1], got[1].logprobs[1]  # the first decode step (batch-1 graph)
+    scale = max(abs(v) for v in off.values())
+    for tok in set(off) & set(on):
+        assert abs(on[tok] - off[tok]) < 2e-2 * scale
+    assert len(set(off) & set(on)) >= 4

@@ -63,6 +63,8 @@ def test_component_configs_validate_on_construction():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_batched_tokens=0)
     assert EngineConfig(block_size=8).cache_config().block_size == 8
+    with pytest.raises(ValueError, match="cuda_one_pass_decode_tokens"):
+        EngineConfig(cuda_one_pass_decode_tokens=-1)
 
 
 @torch.inference_mode()

@@ -70,3 +70,46 @@ def test_int4_fused_forward_is_the_dequantized_model():
     assert not torch.equal(want, our_logits(model, ids, chunks))  # int4 is not the bf16/fp32 model
     n, k = fused.fused[0].qkv.qweight.shape[0], model.config.hidden_size
     assert fused.fused[0].qkv.nbytes() == n * k // 2 + 2 * 2 * n * k // 16  # nibbles + fp16 scale, offset
+
+
+def _paged_logits(model, ids: torch.Tensor, chunks: list[int], block_size: int = 4) -> torch.Tensor:
+    """Logits of every position, fed in chunks through the paged cache's kernels path (one sequence:
+    a one-token chunk is a decode row, a longer one a prefill chunk)."""
+    from engine.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
+
+    cfg = model.config
+    blocks = -(-ids.numel() // block_size)
+    cache = PagedKVCache(cfg, blocks, block_size, torch.float32, "cpu")
+    table = torch.arange(blocks, dtype=torch.int32)[None, :]
+    out, start = [], 0
+    for n in chunks:
+        end = start + n
+        slots = torch.arange(start, end)
+        ctx = torch.tensor([end], dtype=torch.int32)
+        if n == 1:
+            meta = AttentionMetadata(slots, 1, table, ctx)
+        else:
+            meta = AttentionMetadata(slots, 0, prefill_block_tables=table,
+                                     prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                                     prefill_context_lens=ctx, prefill_max_q=n)
+        h = model(ids[start:end], torch.arange(start, end), PagedAttention(cache, meta, cfg.head_dim))
+        out.append(model.logits(h))
+        start = end
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("int4", [False, True])
+@torch.inference_mode()
+def test_decode_fusions_compute_the_unfused_function(int4):
+    """The decode fusions (norm / SiLU·mul GEMV prologues, RoPE + store in one launch) on CPU run their
+    torch references, which are the unfused ops: the same logits through the paged cache."""
+    model = tiny_model("qwen2-bias-tied", seed=3)
+    ids = torch.tensor(random_prompts([21], seed=4)[0])
+    chunks = [13, 1, 1, 6]
+    group = 16 if int4 else None
+    on = FusedLlama(copy.deepcopy(model), int4_group=group, gemv_prologues=True, fused_rope_store=True)
+    off = FusedLlama(copy.deepcopy(model), int4_group=group, gemv_prologues=False, fused_rope_store=False)
+    torch.testing.assert_close(_paged_logits(on, ids, chunks), _paged_logits(off, ids, chunks), rtol=0, atol=0)
+    if not int4:  # and the reference model's function
+        torch.testing.assert_close(_paged_logits(on, ids, chunks), our_logits(model, ids, chunks),
+                                   rtol=1e-5, atol=1e-5)

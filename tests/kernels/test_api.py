@@ -26,6 +26,8 @@ def test_exported_members():
         "GemvInt4Tuning", "dequantize_int4_rows", "gemv_int4", "gemv_int4_reference", "pack_int4_rows",
         "GemvInt4W32Tuning", "dequantize_int4_w32", "gemv_int4_w32", "gemv_int4_w32_reference",
         "repack_int4_w32", "set_tuning_int4_w32", "tuning_int4_w32",
+        "gemv_rms_norm", "gemv_rms_norm_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
+        "gemv_int4_w32_rms_norm", "gemv_int4_w32_silu_mul", "rope_store_kv", "rope_store_kv_reference",
     ])
     for name in kernels.__all__:
         assert getattr(kernels, name).__module__.startswith("kernels.")

@@ -85,7 +85,8 @@ class NTTTables:
     def build(cls, primes: list[int], n: int, device: torch.device | str = "cpu") -> NTTTables:
         fwd, inv = zip(*(_tables(q, n) for q in primes), strict=True)
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-        sh = lambda rows: torch.from_numpy(np.stack([shoup(r, q) for r, q in zip(rows, primes, strict=True)])).to(device)  # noqa: E731
+        sh = lambda rows: torch.from_numpy(  # noqa: E731
+            np.stack([shoup(r, q) for r, q in zip(rows, primes, strict=True)])).to(device)
         return cls(t(primes).view(-1, 1), t(list(fwd)), t(list(inv)),
                    t([pow(n, -1, q) for q in primes]).view(-1, 1), sh(fwd), sh(inv))
 

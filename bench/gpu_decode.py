@@ -34,10 +34,12 @@ from pathlib import Path
 import torch
 
 #: backend switches per variant: (module, attribute) -> value
+_SWITCHES = (("fhe.backends.gpu.triton_ops", "SHOUP"), ("fhe.backends.gpu.triton_ops", "FEWER"),
+             ("fhe.backends.gpu.evaluator", "ASYNC_ENCODE"))
 VARIANTS = {
-    "main": {("fhe.backends.gpu.triton_ops", "SHOUP"): False, ("fhe.backends.gpu.evaluator", "ASYNC_ENCODE"): False},
-    "shoup": {("fhe.backends.gpu.triton_ops", "SHOUP"): True, ("fhe.backends.gpu.evaluator", "ASYNC_ENCODE"): False},
-    "new": {("fhe.backends.gpu.triton_ops", "SHOUP"): True, ("fhe.backends.gpu.evaluator", "ASYNC_ENCODE"): True},
+    "main": dict.fromkeys(_SWITCHES, False),
+    "shoup": dict(zip(_SWITCHES, (True, False, False), strict=True)),
+    "new": dict.fromkeys(_SWITCHES, True),
 }
 
 

@@ -61,6 +61,7 @@ def test_triton_ntt_matches_the_torch_reference(shoup, monkeypatch):
     from fhe.backends.gpu import triton_ops
 
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)                  # Shoup's twiddle products or _mulmod's
+    monkeypatch.setattr(triton_ops, "FEWER", shoup)                  # N^-1 in the INTT's last stage, or a kernel
     params = ckks_params_for("sqexp", 6)
     cpu, gpu = GpuEvaluator(params, device="cpu"), GpuEvaluator(params, device="cuda")
     q = cpu.ctx.tables.primes
@@ -75,6 +76,7 @@ def test_every_operation_at_n8192(shoup, monkeypatch):
     from fhe.backends.gpu import triton_ops
 
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)
+    monkeypatch.setattr(triton_ops, "FEWER", shoup)
     _check(CKKSParams(8192, (60, 40, 40, 60), 40), (1, 5, 4093))
 
 
@@ -83,6 +85,7 @@ def test_key_switching_at_the_shipped_parameters(shoup, monkeypatch):
     from fhe.backends.gpu import triton_ops
 
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)
+    monkeypatch.setattr(triton_ops, "FEWER", shoup)
     _check(ckks_params_for("sqexp", 6), (1, 64))
 
 

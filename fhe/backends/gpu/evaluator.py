@@ -190,7 +190,8 @@ class GpuEvaluator(ParamsQueries):
         fits = [True] * len(dense) if host_fits else (coeffs.abs().amax(dim=-1) < 2.0 ** 62).tolist()
         tab = self.ctx.level(level).data
         ints = torch.round(coeffs).to(torch.int64)
-        residues = ntt(torch.remainder(ints[:, None, :].expand(len(dense), level, n), tab.primes), tab)  # [K, L, N]
+        residues = ntt(torch.remainder(ints[:, None, :].expand(len(dense), level, n), tab.primes), tab,
+                       inplace=True)                                                      # [K, L, N]
         return [GpuPlaintext(residues[i], float(scale)) if ok
                 else self.encode(dense[i].detach().cpu().double().numpy(), level, scale) for i, ok in enumerate(fits)]
 
@@ -218,7 +219,7 @@ class GpuEvaluator(ParamsQueries):
             return None
         coeffs = torch.round(coeffs).to(torch.int64)
         tab = self.ctx.level(level).data
-        residues = ntt(torch.remainder(coeffs.expand(level, n), tab.primes), tab)
+        residues = ntt(torch.remainder(coeffs.expand(level, n), tab.primes), tab, inplace=True)
         return GpuPlaintext(residues, float(scale))
 
     # --- arithmetic -------------------------------------------------------------------------------

@@ -101,14 +101,18 @@ class NTTTables:
         return NTTTables(*(x.to(device) for x in self._fields()))
 
 
-def ntt(x: torch.Tensor, tab: NTTTables) -> torch.Tensor:
-    """Forward negacyclic NTT of ``x [..., P, N]`` (coefficients mod each row's prime) -> SEAL's NTT form."""
+def ntt(x: torch.Tensor, tab: NTTTables, inplace: bool = False) -> torch.Tensor:
+    """Forward negacyclic NTT of ``x [..., P, N]`` (coefficients mod each row's prime) -> SEAL's NTT form.
+    ``inplace``: ``x`` is a temporary the caller drops, which the CUDA kernels may transform in place (with
+    ``triton_ops.FEWER``); the torch reference ignores it."""
     *lead, p, n = x.shape
     assert tab.roots.shape == (p, n), (tab.roots.shape, x.shape)
     if x.is_cuda:
         from fhe.backends.gpu import triton_ops
 
-        return triton_ops.ntt_(x.clone(memory_format=torch.contiguous_format), tab.roots, tab.primes.view(-1),
+        own = inplace and triton_ops.FEWER and x.is_contiguous()
+        return triton_ops.ntt_(x if own else x.clone(memory_format=torch.contiguous_format), tab.roots,
+                               tab.primes.view(-1),
                                inverse=False, roots_shoup=tab.roots_shoup)
     q = tab.primes.view(p, 1, 1)
     qf = q.to(torch.float64)

@@ -29,6 +29,10 @@ LOCAL_WARPS = 4
 #: 16: a key switch is NTT butterflies above all, and they were bound by that arithmetic, not by memory).
 #: Both give the canonical residue, so the transforms are the same bit for bit. False: the first version.
 SHOUP = True
+#: Fewer passes per transform (issue 16): an INTT's N^-1 is multiplied in its last butterfly stage instead of a
+#: kernel of its own, and :func:`fhe.backends.gpu.ntt.ntt` of a temporary (the key switch's expanded digits,
+#: the rounding's tail) transforms it in place instead of copying it first. The same residues. False: as before.
+FEWER = True
 
 
 @triton.jit
@@ -65,8 +69,8 @@ def _twiddle(v, w, ws, q, qinv, SHOUP: tl.constexpr):
 
 
 @triton.jit
-def _ntt_stage(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, SHOUP: tl.constexpr,
-               BLOCK: tl.constexpr):
+def _ntt_stage(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, SHOUP: tl.constexpr,
+               SCALE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(1)
     p = row % P
     q = tl.load(q_ptr + p)
@@ -88,6 +92,10 @@ def _ntt_stage(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr,
         d = u - v
         d = tl.where(d < 0, d + q, d)
         d = _twiddle(d, w, ws, q, qinv, SHOUP)
+        if SCALE:                                                    # the INTT's last stage: times N^-1 too
+            ni = tl.load(ninv_ptr + p) + tl.zeros((BLOCK,), tl.int64)
+            s = _mulmod(s, ni, q, qinv)
+            d = _mulmod(d, ni, q, qinv)
     else:                                                            # Cooley-Tukey (Harvey's order)
         t = _twiddle(v, w, ws, q, qinv, SHOUP)
         s = u + t
@@ -407,15 +415,17 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
     if inverse and local > 1:
         _ntt_local[(rows, n // local)](x, roots, ws, primes, p, n, s0, LOGN=logn, INVERSE=True, SHOUP=shoup,
                                        HALF=local // 2, num_warps=LOCAL_WARPS)
-    _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, s0 if local > 1 else logn)
+    folded = _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, s0 if local > 1 else logn,
+                         n_inv if FEWER else None)
     if not inverse and local > 1:
         _ntt_local[(rows, n // local)](x, roots, ws, primes, p, n, s0, LOGN=logn, INVERSE=False, SHOUP=shoup,
                                        HALF=local // 2, num_warps=LOCAL_WARPS)
-    return x if n_inv is None else mulmod_rows(x, n_inv, primes)
+    return x if n_inv is None or folded else mulmod_rows(x, n_inv, primes)
 
 
-def _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, upto) -> None:
-    """Stages 0..upto-1 one launch each (two with :data:`RADIX4`), in the transform's order."""
+def _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, upto, n_inv=None) -> bool:
+    """Stages 0..upto-1 one launch each (two with :data:`RADIX4`), in the transform's order. ``n_inv``
+    (inverse only): multiplied in by the last launch where that is a one-stage one; returns whether it was."""
     grid = (triton.cdiv(n // 2, BLOCK), rows)
     stages = [(1 << s, n >> (s + 1)) for s in range(upto)]
     order = list(reversed(stages)) if inverse else stages
@@ -425,8 +435,11 @@ def _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, upto) -> None:
             m, gap = order[0]
             _ntt_stage2[grid4](x, roots, primes, p, n, m, gap, INVERSE=inverse, BLOCK=BLOCK)
             order = order[2:]
-    for m, gap in order:
-        _ntt_stage[grid](x, roots, ws, primes, p, n, m, gap, INVERSE=inverse, SHOUP=shoup, BLOCK=BLOCK)
+    for i, (m, gap) in enumerate(order):
+        scale = inverse and n_inv is not None and i == len(order) - 1
+        _ntt_stage[grid](x, roots, ws, n_inv if scale else primes, primes, p, n, m, gap, INVERSE=inverse,
+                         SHOUP=shoup, SCALE=scale, BLOCK=BLOCK)
+    return bool(order) and inverse and n_inv is not None
 
 
 def mulmod_rows(a: torch.Tensor, b: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,12 @@ def _relin(kit, c, server):
     return out
 
 
-def test_triton_ntt_matches_the_torch_reference():
+@pytest.mark.parametrize("shoup", [False, True])
+def test_triton_ntt_matches_the_torch_reference(shoup, monkeypatch):
+    from fhe.backends.gpu import triton_ops
+
+    monkeypatch.setattr(triton_ops, "SHOUP", shoup)                  # Shoup's twiddle products or _mulmod's
+    monkeypatch.setattr(triton_ops, "FEWER", shoup)                  # N^-1 in the INTT's last stage, or a kernel
     params = ckks_params_for("sqexp", 6)
     cpu, gpu = GpuEvaluator(params, device="cpu"), GpuEvaluator(params, device="cuda")
     q = cpu.ctx.tables.primes
@@ -66,11 +71,21 @@ def test_triton_ntt_matches_the_torch_reference():
     assert torch.equal(intt(want.cuda(), gpu.ctx.tables).cpu(), x)
 
 
-def test_every_operation_at_n8192():
+@pytest.mark.parametrize("shoup", [False, True])
+def test_every_operation_at_n8192(shoup, monkeypatch):
+    from fhe.backends.gpu import triton_ops
+
+    monkeypatch.setattr(triton_ops, "SHOUP", shoup)
+    monkeypatch.setattr(triton_ops, "FEWER", shoup)
     _check(CKKSParams(8192, (60, 40, 40, 60), 40), (1, 5, 4093))
 
 
-def test_key_switching_at_the_shipped_parameters():
+@pytest.mark.parametrize("shoup", [False, True])
+def test_key_switching_at_the_shipped_parameters(shoup, monkeypatch):
+    from fhe.backends.gpu import triton_ops
+
+    monkeypatch.setattr(triton_ops, "SHOUP", shoup)
+    monkeypatch.setattr(triton_ops, "FEWER", shoup)
     _check(ckks_params_for("sqexp", 6), (1, 64))
 
 

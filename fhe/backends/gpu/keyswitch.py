@@ -27,7 +27,7 @@ def decompose(t: torch.Tensor, lt: LevelTables) -> tuple[torch.Tensor, torch.Ten
     """``t [L, N]`` NTT form -> (digits d [L, N] coefficient form, D [L, L+1, N] NTT form in every prime)."""
     d = intt(t, lt.data)                                              # [L, N] in [0, q_J)
     expanded = torch.remainder(d.unsqueeze(1), lt.ext.primes)        # [L, L+1, N]
-    return d, ntt(expanded, lt.ext)
+    return d, ntt(expanded, lt.ext, inplace=True)
 
 
 def inner_product(D: torch.Tensor, key: torch.Tensor, lt: LevelTables) -> torch.Tensor:

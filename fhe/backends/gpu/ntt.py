@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fhe.backends.gpu.modarith import addmod, mulmod, submod
@@ -61,39 +62,58 @@ def _tables(q: int, n: int) -> tuple[list[int], list[int]]:
     return fwd, inv
 
 
+def shoup(values: list[int], q: int) -> np.ndarray:
+    """Shoup's companions ``floor(w 2^64 / q)`` of twiddles ``w < q`` as int64 words (the uint64 bits): with
+    them ``a w mod q`` is one 64-bit high product, two wrapping products and one correction (the Triton
+    butterflies' :func:`fhe.backends.gpu.triton_ops._mulmod_shoup`), exact for q < 2^63."""
+    return np.array([(w << 64) // q for w in values], dtype=np.uint64).view(np.int64)
+
+
 @dataclass
 class NTTTables:
-    """Twiddles of several primes, stacked: ``[P, N]`` int64 (P primes, one row each)."""
+    """Twiddles of several primes, stacked: ``[P, N]`` int64 (P primes, one row each), with their Shoup
+    companions (:func:`shoup`), which the CUDA kernels multiply with."""
 
     primes: torch.Tensor        # [P, 1]
     roots: torch.Tensor         # [P, N]  psi^bitrev order
     inv_roots: torch.Tensor     # [P, N]
     n_inv: torch.Tensor         # [P, 1]  N^-1 mod q
+    roots_shoup: torch.Tensor   # [P, N]  floor(root 2^64 / q), uint64 bits
+    inv_roots_shoup: torch.Tensor  # [P, N]
 
     @classmethod
     def build(cls, primes: list[int], n: int, device: torch.device | str = "cpu") -> NTTTables:
         fwd, inv = zip(*(_tables(q, n) for q in primes), strict=True)
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        sh = lambda rows: torch.from_numpy(  # noqa: E731
+            np.stack([shoup(r, q) for r, q in zip(rows, primes, strict=True)])).to(device)
         return cls(t(primes).view(-1, 1), t(list(fwd)), t(list(inv)),
-                   t([pow(n, -1, q) for q in primes]).view(-1, 1))
+                   t([pow(n, -1, q) for q in primes]).view(-1, 1), sh(fwd), sh(inv))
+
+    def _fields(self) -> tuple[torch.Tensor, ...]:
+        return (self.primes, self.roots, self.inv_roots, self.n_inv, self.roots_shoup, self.inv_roots_shoup)
 
     def take(self, rows: list[int] | slice) -> NTTTables:
         """The tables of a sub-chain (rows of the stacked tensors)."""
-        return NTTTables(self.primes[rows], self.roots[rows], self.inv_roots[rows], self.n_inv[rows])
+        return NTTTables(*(x[rows] for x in self._fields()))
 
     def to(self, device: torch.device | str) -> NTTTables:
-        return NTTTables(*(x.to(device) for x in (self.primes, self.roots, self.inv_roots, self.n_inv)))
+        return NTTTables(*(x.to(device) for x in self._fields()))
 
 
-def ntt(x: torch.Tensor, tab: NTTTables) -> torch.Tensor:
-    """Forward negacyclic NTT of ``x [..., P, N]`` (coefficients mod each row's prime) -> SEAL's NTT form."""
+def ntt(x: torch.Tensor, tab: NTTTables, inplace: bool = False) -> torch.Tensor:
+    """Forward negacyclic NTT of ``x [..., P, N]`` (coefficients mod each row's prime) -> SEAL's NTT form.
+    ``inplace``: ``x`` is a temporary the caller drops, which the CUDA kernels may transform in place (with
+    ``triton_ops.FEWER``); the torch reference ignores it."""
     *lead, p, n = x.shape
     assert tab.roots.shape == (p, n), (tab.roots.shape, x.shape)
     if x.is_cuda:
         from fhe.backends.gpu import triton_ops
 
-        return triton_ops.ntt_(x.clone(memory_format=torch.contiguous_format), tab.roots, tab.primes.view(-1),
-                               inverse=False)
+        own = inplace and triton_ops.FEWER and x.is_contiguous()
+        return triton_ops.ntt_(x if own else x.clone(memory_format=torch.contiguous_format), tab.roots,
+                               tab.primes.view(-1),
+                               inverse=False, roots_shoup=tab.roots_shoup)
     q = tab.primes.view(p, 1, 1)
     qf = q.to(torch.float64)
     m, gap = 1, n // 2
@@ -114,8 +134,8 @@ def intt(x: torch.Tensor, tab: NTTTables) -> torch.Tensor:
         from fhe.backends.gpu import triton_ops
 
         return triton_ops.ntt_(x.clone(memory_format=torch.contiguous_format), tab.inv_roots, tab.primes.view(-1),
-                               inverse=True,
-                               n_inv=tab.n_inv.view(-1).contiguous())
+                               inverse=True, n_inv=tab.n_inv.view(-1).contiguous(),
+                               roots_shoup=tab.inv_roots_shoup)
     q = tab.primes.view(p, 1, 1)
     qf = q.to(torch.float64)
     m, gap = n // 2, 1

@@ -89,7 +89,7 @@ def drop_last_rounded(x: torch.Tensor, keep: NTTTables, last: NTTTables, inv_las
 
         if triton_ops.FUSED:                                            # the same steps, 2 kernels + the NTT
             primes = keep.primes.view(-1).contiguous()
-            temp = ntt(triton_ops.round_tail(tail.contiguous(), primes, ql), keep)
+            temp = ntt(triton_ops.round_tail(tail.contiguous(), primes, ql), keep, inplace=True)
             return triton_ops.sub_scale(x.contiguous(), temp, inv_last.view(-1).contiguous(), primes)
     tail = addmod(tail, torch.full_like(tail, half), last.primes)
     q = keep.primes                                                     # [R, 1]

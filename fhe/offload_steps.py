@@ -138,6 +138,6 @@ def outputs_per_position(layout: MLPLayout, part: str) -> int:
     return len(layout.up_slots) if part == "mlp_up" else 1
 
 
-__all__ = ["ATTENTION_PARTS", "FUSED_PARTS", "LINEAR_PARTS", "MLP_PARTS", "NO_CHUNK_LAYOUT", "OFFLOAD_PARTS", "chunk_layout_manifest", "chunk_shapes",
-           "fresh_blob_limit", "mlp_geometry", "offload_rotation_steps", "outputs_per_position", "part_shape",
-           "step_blobs"]
+__all__ = ["ATTENTION_PARTS", "FUSED_PARTS", "LINEAR_PARTS", "MLP_PARTS", "NO_CHUNK_LAYOUT", "OFFLOAD_PARTS",
+           "chunk_layout_manifest", "chunk_shapes", "fresh_blob_limit", "mlp_geometry", "offload_rotation_steps",
+           "outputs_per_position", "part_shape", "step_blobs"]

@@ -18,7 +18,6 @@ from fhe.offload import OffloadPlan, OffloadPlanError, offload_plan, with_fused
 from fhe.offload_attention import AttentionLinearWeights
 from fhe.offload_fused import (
     FUSED_PARTS,
-    EncryptedFused,
     fused_geometry,
     fused_shape,
     fused_step_order,

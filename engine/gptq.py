@@ -149,8 +149,8 @@ def _hessians(model: LlamaForCausalLM, li: int, hs: list[torch.Tensor]) -> dict[
 
     def hook(name):
         def add(_mod, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()   # [rows, K]
-            acc[name][0] += x.T @ x
+            x = args[0].reshape(-1, args[0].shape[-1]).float()    # [rows, K]
+            acc[name][0] += (x.T @ x).double()                    # one sequence in fp32, the sum in fp64
             acc[name][1] += x.shape[0]
         return add
 
@@ -222,3 +222,17 @@ def calibration_ids(token_ids: list[int], samples: int, seq_len: int) -> list[li
         raise QuantError(f"calibration text has {len(token_ids)} tokens, need {samples} x {seq_len}")
     stride = len(token_ids) // samples
     return [token_ids[i * stride:i * stride + seq_len] for i in range(samples)]
+
+
+def quantize_to_folder(model: LlamaForCausalLM, tokenizer, spec: QuantSpec, folder: str | Path,
+                       calib_text: str | None = None, samples: int = 16, seq_len: int = 256,
+                       log=None) -> dict[str, IntWeights]:
+    """Quantize ``model`` in place by ``spec`` (GPTQ calibrated on ``samples`` x ``seq_len`` tokens of
+    ``calib_text``, default :func:`default_calibration_text`) and write it as a GPTQ/AWQ folder."""
+    calib = None
+    if spec.method == "gptq":
+        ids = tokenizer.encode(calib_text if calib_text is not None else default_calibration_text())
+        calib = calibration_ids(ids, samples, seq_len)
+    layers = quantize_layers(model, spec, calib, log)
+    save_layout_folder(model, layers, spec, folder)
+    return layers

@@ -211,6 +211,9 @@ def read_layers(state: dict[str, torch.Tensor], qcfg: dict, source: str) -> dict
     for prefix in [k.removesuffix(".qweight") for k in list(state) if k.endswith(".qweight")]:
         try:
             iw = read_gptq(state, prefix, bits, g, v1) if method == "gptq" else read_awq(state, prefix, g)
+            if iw.q.shape[1] % g:  # the layouts allow a ragged last group; Int4Linear's groups are whole
+                raise UnsupportedModelError(f"{source}: {prefix}: quantization_config.group_size = {g} does "
+                                            f"not divide in_features {iw.q.shape[1]}")
             out[prefix] = iw.to_linear(kind=f"{method}-{bits}bit")
         except (KeyError, QuantError, RuntimeError) as exc:
             raise ModelLoadError(f"{source}: {method} layer {prefix}: {exc}") from exc

@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--formats", default="fp32,q4_1,int8,int8-channel,int4,int4-g64")
-    ap.add_argument("--calib-samples", type=int, default=16, help="GPTQ calibration sequences")
+    ap.add_argument("--calib-samples", type=int, default=128, help="GPTQ calibration sequences")
     ap.add_argument("--calib-len", type=int, default=256, help="tokens per calibration sequence")
     args = ap.parse_args()
     from engine.threads import configure

@@ -225,7 +225,7 @@ def calibration_ids(token_ids: list[int], samples: int, seq_len: int) -> list[li
 
 
 def quantize_to_folder(model: LlamaForCausalLM, tokenizer, spec: QuantSpec, folder: str | Path,
-                       calib_text: str | None = None, samples: int = 16, seq_len: int = 256,
+                       calib_text: str | None = None, samples: int = 128, seq_len: int = 256,
                        log=None) -> dict[str, IntWeights]:
     """Quantize ``model`` in place by ``spec`` (GPTQ calibrated on ``samples`` x ``seq_len`` tokens of
     ``calib_text``, default :func:`default_calibration_text`) and write it as a GPTQ/AWQ folder."""

@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="--method gptq: columns by decreasing Hessian diagonal (static groups)")
     quant.add_argument("--calib-file", default=None,
                        help="--method gptq: calibration text (default: Python's pydoc reference topics)")
-    quant.add_argument("--calib-samples", type=int, default=16, help="--method gptq: sequences")
+    quant.add_argument("--calib-samples", type=int, default=128, help="--method gptq: sequences")
     quant.add_argument("--calib-len", type=int, default=256, help="--method gptq: tokens per sequence")
     quant.set_defaults(func=_quantize)
 

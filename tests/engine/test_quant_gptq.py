@@ -103,8 +103,8 @@ def test_folder_round_trips_to_the_quantized_weights(tmp_path, layout, method, b
 def test_gptq_beats_rtn_on_the_layer_output():
     gen = torch.Generator().manual_seed(1)
     # correlated inputs (as activations are: few directions carry most of the energy), uneven scales
-    x = torch.randn(2048, 32, generator=gen) @ torch.randn(32, 256, generator=gen) + 0.1 * torch.randn(2048, 256, generator=gen)
-    x = x * torch.linspace(0.2, 2.0, 256)
+    x = torch.randn(2048, 32, generator=gen) @ torch.randn(32, 256, generator=gen)
+    x = (x + 0.1 * torch.randn(2048, 256, generator=gen)) * torch.linspace(0.2, 2.0, 256)
     w = torch.randn(128, 256, generator=gen) * 0.05
     h = 2 * x.double().T @ x.double() / x.shape[0]
     ref = x @ w.T

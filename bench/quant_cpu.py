@@ -6,7 +6,8 @@ tied embedding/head run natively; ``int8``: group-wise (32) RTN; ``int8-channel`
 checkpoints that :mod:`engine.gptq` writes from the fp32 model and the loader reads back natively, named
 ``LAYOUT-METHOD-gGROUP``: ``gptq-rtn-g64`` (GPTQ's symmetric grid, round-to-nearest), ``gptq-g64``
 (GPTQ calibrated on ``--calib-samples`` x ``--calib-len`` tokens of Python's pydoc reference topics —
-apart from the chat prompts and the perplexity text), ``gptq-act-g64`` (with act-order), ``awq-rtn-g64``
+apart from the chat prompts and the perplexity text — each piece a user message in the chat template;
+``gptq-text-g64``: the plain text), ``gptq-act-g64`` (with act-order), ``awq-rtn-g64``
 (AWQ GEMM layout, AWQ's asymmetric grid, round-to-nearest); their embedding/head stay fp32):
 
 * quality against the fp32 model — mean KL(fp32 || format) and greedy (top-1) agreement, teacher-forced
@@ -56,7 +57,8 @@ def write_layout(name: str, fp32_dir: Path, out: Path, tok, calib_samples: int, 
 
     folder = out / name
     t0 = time.process_time()
-    quantize_to_folder(load_model(fp32_dir), tok, layout_spec(name), folder, None, calib_samples, calib_len)
+    chat = "text" not in name.split("-")  # gptq-text-g64: calibrated on the plain text
+    quantize_to_folder(load_model(fp32_dir), tok, layout_spec(name), folder, None, calib_samples, calib_len, chat)
     print(f"# {name}: written in {time.process_time() - t0:.0f} CPU-s", flush=True)
     return folder
 

@@ -49,6 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="--method gptq: calibration text (default: Python's pydoc reference topics)")
     quant.add_argument("--calib-samples", type=int, default=128, help="--method gptq: sequences")
     quant.add_argument("--calib-len", type=int, default=256, help="--method gptq: tokens per sequence")
+    quant.add_argument("--calib-plain", action="store_true",
+                       help="--method gptq: calibrate on the plain text, not wrapped in the chat template")
     quant.set_defaults(func=_quantize)
 
     gen = sub.add_parser("generate", help="generate text on the CPU (streams to the terminal)",
@@ -156,7 +158,7 @@ def _quantize_layout(args: argparse.Namespace, path: Path, out: Path, tok):
                      sym=args.format == "gptq" and not args.asym, act_order=args.act_order)
     text = Path(args.calib_file).expanduser().read_text() if args.calib_file else None
     quantize_to_folder(model, tok, spec, out, text, args.calib_samples, args.calib_len,
-                       log=lambda m: print(m, file=sys.stderr))
+                       chat=not args.calib_plain, log=lambda m: print(m, file=sys.stderr))
     return model
 
 

@@ -2,7 +2,13 @@
 
 Per weight format (``fp32``: the dequantized default; ``q4_1``: the GGUF's Q4_1 blocks and its Q8_0
 tied embedding/head run natively; ``int8``: group-wise (32) RTN; ``int8-channel``: per-channel RTN;
-``int4``/``int4-g64``: group-wise RTN of the fp32 weights, the head at group-wise int8):
+``int4``/``int4-g64``: group-wise RTN of the fp32 weights, the head at group-wise int8; GPTQ/AWQ
+checkpoints that :mod:`engine.gptq` writes from the fp32 model and the loader reads back natively, named
+``LAYOUT-METHOD-gGROUP``: ``gptq-rtn-g64`` (GPTQ's symmetric grid, round-to-nearest), ``gptq-g64``
+(GPTQ calibrated on ``--calib-samples`` x ``--calib-len`` tokens of Python's pydoc reference topics —
+apart from the chat prompts and the perplexity text — each piece a user message in the chat template;
+``gptq-text-g64``: the plain text), ``gptq-act-g64`` (with act-order), ``awq-rtn-g64``
+(AWQ GEMM layout, AWQ's asymmetric grid, round-to-nearest); their embedding/head stay fp32):
 
 * quality against the fp32 model — mean KL(fp32 || format) and greedy (top-1) agreement, teacher-forced
   on every position of held-out chat prompts plus the fp32 model's greedy continuations, and perplexity
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +39,31 @@ PROMPTS = [
 ]
 
 
-def load_formats(names: list[str]):
+def layout_spec(name: str):
+    """``gptq-rtn-g64`` / ``gptq-g64`` (calibrated) / ``gptq-act-g64`` / ``awq-rtn-g64`` -> its QuantSpec."""
+    from engine.gptq import QuantSpec
+
+    parts = name.split("-")
+    group = int(parts[-1].removeprefix("g"))
+    layout, rest = parts[0], parts[1:-1]
+    return QuantSpec(layout=layout, method="rtn" if "rtn" in rest else "gptq", group_size=group,
+                     sym=layout == "gptq", act_order="act" in rest)
+
+
+def write_layout(name: str, fp32_dir: Path, out: Path, tok, calib_samples: int, calib_len: int) -> Path:
+    """Quantize the fp32 model into a GPTQ/AWQ folder the way ``cipherlm model quantize`` does; return it."""
+    from engine.gptq import quantize_to_folder
+    from engine.loader import load_model
+
+    folder = out / name
+    t0 = time.process_time()
+    chat = "text" not in name.split("-")  # gptq-text-g64: calibrated on the plain text
+    quantize_to_folder(load_model(fp32_dir), tok, layout_spec(name), folder, None, calib_samples, calib_len, chat)
+    print(f"# {name}: written in {time.process_time() - t0:.0f} CPU-s", flush=True)
+    return folder
+
+
+def load_formats(names: list[str], tok, out: Path, calib_samples: int, calib_len: int):
     from engine.default_model import default_model_dir, pull_native
     from engine.loader import load_model
 
@@ -40,7 +71,10 @@ def load_formats(names: list[str]):
     spec = {"fp32": (fp32_dir, "fp32", 32), "q4_1": (pull_native(), "native", 32),
             "int8": (fp32_dir, "int8", 32), "int8-channel": (fp32_dir, "int8-channel", 32),
             "int4": (fp32_dir, "int4", 32), "int4-g64": (fp32_dir, "int4", 64)}
-    return {n: load_model(spec[n][0], weight_format=spec[n][1], group_size=spec[n][2]) for n in names}, fp32_dir
+    for n in names:
+        if n.startswith(("gptq-", "awq-")):  # written by our quantizer, loaded back through the loader
+            spec[n] = (write_layout(n, fp32_dir, out, tok, calib_samples, calib_len), "native", 32)
+    return {n: load_model(spec[n][0], weight_format=spec[n][1], group_size=spec[n][2]) for n in names}
 
 
 def resident_bytes(model) -> int:
@@ -160,6 +194,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--formats", default="fp32,q4_1,int8,int8-channel,int4,int4-g64")
+    ap.add_argument("--calib-samples", type=int, default=128, help="GPTQ calibration sequences")
+    ap.add_argument("--calib-len", type=int, default=256, help="tokens per calibration sequence")
     args = ap.parse_args()
     from engine.threads import configure
 
@@ -172,14 +208,20 @@ def main() -> None:
     names = args.formats.split(",")
     if names[0] != "fp32":
         raise SystemExit("the first format must be fp32 (the reference)")
-    models, fp32_dir = load_formats(names)
-    tok = Tokenizer.from_folder(fp32_dir)
+    from engine.default_model import default_model_dir
+
+    tok = Tokenizer.from_folder(default_model_dir())
+    with tempfile.TemporaryDirectory(prefix="quant_cpu-") as out:
+        models = load_formats(names, tok, Path(out), args.calib_samples, args.calib_len)
     q = quality(models, tok)
     engines = {k: engine_for(m, tok, args.threads) for k, m in models.items()}
     mem = {k: resident_bytes(e.runner.model) for k, e in engines.items()}
     base = tok.encode(ppl_text())
     prompt, long_prompt = base[1000:1128], base[2000:2512]
-    dec, pre = speed(engines, prompt, long_prompt, args.new_tokens, args.repeats)
+    if args.repeats:
+        dec, pre = speed(engines, prompt, long_prompt, args.new_tokens, args.repeats)
+    else:  # quality and memory only
+        dec, pre = dict.fromkeys(names, float("nan")), dict.fromkeys(names, float("nan"))
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
           f"{args.threads} thread(s), decode {args.new_tokens} tokens after a {len(prompt)}-token prompt, "
           f"prefill {len(long_prompt)} tokens, median of {args.repeats}")

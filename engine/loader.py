@@ -8,8 +8,9 @@ tokenizer files. A GGUF file is dequantized on load through transformers' GGUF r
 
 * ``fp32`` (default) — everything dequantized to fp32, as before;
 * ``native`` — quantized tensors stay as stored: a GGUF's Q4_1 / Q8_0 / Q4_K blocks (read with
-  ``gguf.GGUFReader``, decoded into ``engine.quant`` layers without an fp32 copy), or a folder written by
-  :func:`save_quantized_folder` (``cipherlm model quantize``); an fp32 source stays fp32;
+  ``gguf.GGUFReader``, decoded into ``engine.quant`` layers without an fp32 copy), a folder written by
+  :func:`save_quantized_folder` (``cipherlm model quantize``), or a GPTQ / AWQ (GEMM) checkpoint
+  (``engine.gptq_awq``: its integers straight into the int4 layers); an fp32 source stays fp32;
 * ``int8`` / ``int8-channel`` / ``int4`` — load fp32, then round-to-nearest quantize every linear
   (``engine.quant``; int4 keeps the head at int8).
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from engine import gptq_awq
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.model import LlamaForCausalLM
@@ -122,10 +124,15 @@ def load_hf_folder(folder: str | Path, dtype: torch.dtype = torch.float32,
     qcfg = json.loads(cfg_path.read_text()).get("quantization_config")
     if not qcfg:
         return build_model(cfg, state, str(folder), dtype)
-    if qcfg.get("quant_method") != QUANT_METHOD:
-        raise UnsupportedModelError(f"{folder}: quantization {qcfg.get('quant_method')!r} is not supported "
-                                    f"(this loader reads {QUANT_METHOD!r} folders)")
-    model = build_quantized(cfg, state, quantized_layers(state, qcfg.get("layers", {}), str(folder)), str(folder))
+    method = qcfg.get("quant_method")
+    if method == QUANT_METHOD:
+        layers = quantized_layers(state, qcfg.get("layers", {}), str(folder))
+    elif method in gptq_awq.METHODS:
+        layers = gptq_awq.read_layers(state, qcfg, str(folder))
+    else:
+        raise UnsupportedModelError(f"{folder}: quantization {method!r} is not supported (this loader reads "
+                                    f"{QUANT_METHOD!r}, {', '.join(map(repr, gptq_awq.METHODS))} folders)")
+    model = build_quantized(cfg, state, layers, str(folder))
     return model if native else dequantize_model(model)
 
 

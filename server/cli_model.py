@@ -30,11 +30,27 @@ def register(sub: argparse._SubParsersAction) -> None:
                             formatter_class=DefaultsHelpFormatter)
     quant.add_argument("model", help="'default', a model folder or a .gguf file")
     quant.add_argument("out", help="folder to write (config.json with quantization_config + safetensors)")
-    quant.add_argument("--format", choices=("int4", "int8", "int8-channel", "native"), default="int4",
+    quant.add_argument("--format", choices=("int4", "int8", "int8-channel", "native", "gptq", "awq"),
+                       default="int4",
                        help="int4: group-wise RTN (head int8); int8: group-wise RTN; int8-channel: "
-                            "per-channel RTN; native: a GGUF's blocks as stored")
-    quant.add_argument("--group-size", type=int, choices=(32, 64, 128, 256), default=32,
-                       help="int4 / int8 columns per scale")
+                            "per-channel RTN; native: a GGUF's blocks as stored; gptq / awq: those "
+                            "safetensors layouts (decoder linears; embedding and head unquantized)")
+    quant.add_argument("--group-size", type=int, choices=(32, 64, 128, 256), default=None,
+                       help="columns per scale (default: 32 for int4/int8; gptq/awq: 128, or the largest "
+                            "of 64/32 that divides the model's widths)")
+    quant.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
+                       help="gptq/awq formats: round-to-nearest, or GPTQ calibrated on --calib-file")
+    quant.add_argument("--bits", type=int, choices=(4, 8), default=4, help="gptq format: bits per weight")
+    quant.add_argument("--asym", action="store_true",
+                       help="gptq format: zero point per group (written as checkpoint_format gptq_v2)")
+    quant.add_argument("--act-order", action="store_true",
+                       help="--method gptq: columns by decreasing Hessian diagonal (static groups)")
+    quant.add_argument("--calib-file", default=None,
+                       help="--method gptq: calibration text (default: Python's pydoc reference topics)")
+    quant.add_argument("--calib-samples", type=int, default=128, help="--method gptq: sequences")
+    quant.add_argument("--calib-len", type=int, default=256, help="--method gptq: tokens per sequence")
+    quant.add_argument("--calib-plain", action="store_true",
+                       help="--method gptq: calibrate on the plain text, not wrapped in the chat template")
     quant.set_defaults(func=_quantize)
 
     gen = sub.add_parser("generate", help="generate text on the CPU (streams to the terminal)",
@@ -116,13 +132,34 @@ def _quantize(args: argparse.Namespace) -> int:
     from engine.tokenizer import Tokenizer
 
     path = resolve_model(args.model)
-    model = load_model(path, weight_format=args.format, group_size=args.group_size)
     out = Path(args.out).expanduser()
-    save_quantized_folder(model, out)
-    (Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_folder(path)).save(out)
+    tok = Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_folder(path)
+    if args.format in ("gptq", "awq"):
+        model = _quantize_layout(args, path, out, tok)
+    else:
+        model = load_model(path, weight_format=args.format, group_size=args.group_size or 32)
+        save_quantized_folder(model, out)
+    tok.save(out)
     print(f"{out}: {args.format} weights, {weight_bytes(model)['total'] / 1e6:.1f} MB resident "
           f"(run it with weight_format='native')")
     return 0
+
+
+def _quantize_layout(args: argparse.Namespace, path: Path, out: Path, tok):
+    """A GPTQ / AWQ folder (engine.gptq): the model loaded in fp32, its decoder linears quantized."""
+    from engine.gptq import QuantSpec, quantize_to_folder
+    from engine.loader import load_model
+
+    model = load_model(path)
+    dims = (model.config.hidden_size, model.config.intermediate_size)
+    # 128 as GPTQ/AWQ default to, or the largest group that divides the model's widths (SmolLM2: 576 -> 64)
+    group = args.group_size or max(g for g in (32, 64, 128) if all(d % g == 0 for d in dims))
+    spec = QuantSpec(layout=args.format, method=args.method, bits=args.bits, group_size=group,
+                     sym=args.format == "gptq" and not args.asym, act_order=args.act_order)
+    text = Path(args.calib_file).expanduser().read_text() if args.calib_file else None
+    quantize_to_folder(model, tok, spec, out, text, args.calib_samples, args.calib_len,
+                       chat=not args.calib_plain, log=lambda m: print(m, file=sys.stderr))
+    return model
 
 
 def _tensor_count(state: dict) -> str:

@@ -180,6 +180,6 @@ def test_bad_formats_are_typed_errors(tmp_path):
     with pytest.raises(ModelLoadError, match="weight_format"):
         load_model(tmp_path, weight_format="q2")
     cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(cfg | {"quantization_config": {"quant_method": "awq"}}))
-    with pytest.raises(UnsupportedModelError, match="awq"):
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"quantization_config": {"quant_method": "bitsandbytes"}}))
+    with pytest.raises(UnsupportedModelError, match="bitsandbytes"):
         load_model(tmp_path)

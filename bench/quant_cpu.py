@@ -18,7 +18,13 @@ apart from the chat prompts and the perplexity text — each piece a user messag
   oneDNN packed copies of the fp32 path, quantized data with its scales and the kernels' scale copies);
 * single-request decode tokens per CPU-second (``time.process_time``; (n+1)-token minus 1-token
   generation of a 128-token prompt, greedy, EOS ignored) and prefill of 512 tokens per CPU-second,
-  through ``LLMEngine`` at ``--threads`` (median of ``--repeats``, formats interleaved).
+  through ``LLMEngine`` at ``--threads`` (median of ``--repeats``, formats interleaved);
+* with ``--offline C1,C2,..``: offline throughput at each concurrency C — C requests of a 128-token prompt
+  and ``--new-tokens`` greedy tokens each, all admitted at once (``max_num_seqs`` = C), output tokens per
+  CPU-second and per wall second of the whole job (prefill included), median of ``--repeats``, formats
+  interleaved; the quantized layers run their decode kernels up to ``KERNEL_MAX_ROWS`` rows per product and
+  dequantize above it, so these rows show where that cut sits against fp32 (``FORMAT@R`` in ``--formats``
+  runs a format with its kernels up to R rows instead, e.g. ``q4_1@16``: the cut before 2026-12-06).
 
     flock /tmp/cipherlm-bench.lock python bench/quant_cpu.py [--threads 1] [--repeats 3]
 """
@@ -72,9 +78,16 @@ def load_formats(names: list[str], tok, out: Path, calib_samples: int, calib_len
             "int8": (fp32_dir, "int8", 32), "int8-channel": (fp32_dir, "int8-channel", 32),
             "int4": (fp32_dir, "int4", 32), "int4-g64": (fp32_dir, "int4", 64)}
     for n in names:
+        n = n.partition("@")[0]
         if n.startswith(("gptq-", "awq-")):  # written by our quantizer, loaded back through the loader
             spec[n] = (write_layout(n, fp32_dir, out, tok, calib_samples, calib_len), "native", 32)
-    return {n: load_model(spec[n][0], weight_format=spec[n][1], group_size=spec[n][2]) for n in names}
+    models = {}
+    for n in names:  # NAME@R: that format with its kernels up to R rows per product (the old cut beside the new)
+        base, _, rows = n.partition("@")
+        models[n] = load_model(spec[base][0], weight_format=spec[base][1], group_size=spec[base][2])
+        if rows:
+            set_kernel_max_rows(models[n], int(rows))
+    return models
 
 
 def resident_bytes(model) -> int:
@@ -99,12 +112,16 @@ def resident_bytes(model) -> int:
     return sum(seen.values())
 
 
-def force_kernels(model) -> None:
+def set_kernel_max_rows(model, rows: int) -> None:
     from engine.quant import QuantLinear
 
     for m in model.modules():
         if isinstance(m, QuantLinear):
-            m.kernel_max_rows = 1 << 30
+            m.kernel_max_rows = rows
+
+
+def force_kernels(model) -> None:
+    set_kernel_max_rows(model, 1 << 30)
 
 
 def logits_of(model, ids: list[int]):
@@ -157,11 +174,12 @@ def ppl_text() -> str:
     return path.read_text()
 
 
-def engine_for(model, tok, threads: int):
+def engine_for(model, tok, threads: int, max_seqs: int = 1):
     from engine.engine_config import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    return LLMEngine(model, tok, EngineConfig(device="cpu", num_threads=threads, kv_cache_bytes=64 << 20,
+    return LLMEngine(model, tok, EngineConfig(device="cpu", num_threads=threads,
+                                              kv_cache_bytes=max(64 << 20, max_seqs * (1 << 20) * 12),
                                               enable_prefix_caching=False, max_num_batched_tokens=512))
 
 
@@ -188,6 +206,26 @@ def speed(engines: dict, prompt: list[int], long_prompt: list[int], n: int, repe
     return {k: statistics.median(v) for k, v in dec.items()}, {k: statistics.median(v) for k, v in pre.items()}
 
 
+def offline(engines: dict, base: list[int], n: int, concurrency: list[int], repeats: int):
+    """{(format, C): (output tokens per CPU-second, per wall second)}, median of ``repeats``."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    rows: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in range(repeats + 1):  # round 0 warms every format at every C (not kept)
+        for c in concurrency:
+            for name, eng in engines.items():
+                for i in range(c):  # distinct prompts: no prefix-cache hits (prefix caching is off anyway)
+                    eng.add_request(f"o{r}-{c}-{name}-{i}", base[3000 + 7 * i:3128 + 7 * i], params)
+                t0, w0 = time.process_time(), time.perf_counter()
+                while eng.has_unfinished_requests():
+                    eng.step()
+                cpu, wall = time.process_time() - t0, time.perf_counter() - w0
+                if r:
+                    rows.setdefault((name, c), []).append((c * n / cpu, c * n / wall))
+    return {k: (statistics.median(a for a, _ in v), statistics.median(b for _, b in v)) for k, v in rows.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -196,6 +234,8 @@ def main() -> None:
     ap.add_argument("--formats", default="fp32,q4_1,int8,int8-channel,int4,int4-g64")
     ap.add_argument("--calib-samples", type=int, default=128, help="GPTQ calibration sequences")
     ap.add_argument("--calib-len", type=int, default=256, help="tokens per calibration sequence")
+    ap.add_argument("--offline", default="", help="concurrencies of the offline-throughput rows (e.g. 8,32)")
+    ap.add_argument("--no-quality", action="store_true", help="skip the quality columns (speed only)")
     args = ap.parse_args()
     from engine.threads import configure
 
@@ -213,8 +253,10 @@ def main() -> None:
     tok = Tokenizer.from_folder(default_model_dir())
     with tempfile.TemporaryDirectory(prefix="quant_cpu-") as out:
         models = load_formats(names, tok, Path(out), args.calib_samples, args.calib_len)
-    q = quality(models, tok)
-    engines = {k: engine_for(m, tok, args.threads) for k, m in models.items()}
+    nan = dict(kl=float("nan"), agree=float("nan"), positions=0, ppl=float("nan"), ppl_tokens=0)
+    q = {k: nan for k in names} if args.no_quality else quality(models, tok)
+    concurrency = [int(c) for c in args.offline.split(",") if c]
+    engines = {k: engine_for(m, tok, args.threads, max(concurrency, default=1)) for k, m in models.items()}
     mem = {k: resident_bytes(e.runner.model) for k, e in engines.items()}
     base = tok.encode(ppl_text())
     prompt, long_prompt = base[1000:1128], base[2000:2512]
@@ -232,6 +274,16 @@ def main() -> None:
         print(f"| {k} | {mem[k] / 1e6:.1f} | {dec[k]:.1f} ({dec[k] / dec['fp32']:.2f}x) | {pre[k]:.0f} "
               f"({pre[k] / pre['fp32']:.2f}x) | {q[k]['kl']:.5f} | {100 * q[k]['agree']:.1f} % "
               f"| {q[k]['positions']} | {q[k]['ppl']:.3f} ({q[k]['ppl_tokens']} tokens) |")
+    if concurrency:
+        rows = offline(engines, base, args.new_tokens, concurrency, args.repeats)
+        print(f"\n# offline: C requests x (128-token prompt + {args.new_tokens} tokens), output tok/CPU-s "
+              f"(tok/s wall), ratio to fp32 at the same C")
+        print("| format | " + " | ".join(f"C = {c}" for c in concurrency) + " |")
+        print("|---|" + "---|" * len(concurrency))
+        for k in names:
+            cells = [f"{rows[k, c][0]:.1f} ({rows[k, c][1]:.1f}) {rows[k, c][0] / rows['fp32', c][0]:.2f}x"
+                     for c in concurrency]
+            print(f"| {k} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -16,11 +16,17 @@ Formats (``WEIGHT_FORMATS``), all weight-only (activations stay fp32 between lay
 The matmul: torch's packed CPU kernels. ``aten._weight_int4pack_mm_for_cpu`` (AVX-512, group-wise
 scales and zero points in bf16, activations in bf16) runs a one-row product of a SmolLM2 MLP projection
 in ~50 us at one thread where the oneDNN-packed fp32 weight takes ~180 us; ``aten._weight_int8pack_mm``
-(per-channel bf16 scales) ~50 us. Both kernels are *slower* than fp32 oneDNN past a few rows (11 vs
-5.5 ms at 512 rows), so products of more than :data:`KERNEL_MAX_ROWS` rows (prefill) dequantize the
-weight to fp32 for the call and use the fp32 GEMM: prefill keeps fp32 speed and exact fp32 numbers, and
-the fp32 copy lives only for that call. Decode rows go through the kernel: their numbers differ from the
-dequantized fp32 model by the bf16 rounding of activations and scales (measured in docs/benchmarks.md).
+(per-channel bf16 scales) ~50 us. Both kernels are *slower* than an fp32 GEMM on an fp32 weight past a few
+rows (11 vs 5.5 ms at 512 rows) — but a quantized layer has no fp32 weight: its many-row products
+dequantize it first (~5.5 ms for one SmolLM2 layer's seven linears, ~350 ms for the 49152 x 576 Q8_0 head,
+at one thread), so the kernels win up to ~64-128 rows once that is counted (docs/benchmarks.md, "Offline
+throughput with quantized weights"). Products of up to :data:`KERNEL_MAX_ROWS` = 64 rows (decode batches,
+short prefill chunks) run on the kernels — :mod:`kernels.cpu`'s (int8 activations, as llama.cpp) up to
+:data:`NATIVE_MAX_ROWS` = 16 rows where the layer has that layout, torch's (bf16 activations: faster than
+the native ones past a few rows on the measured box, and closer to fp32) above; more rows (long prefill
+chunks) dequantize the weight to fp32 for the call and use the fp32 GEMM, with exact fp32 numbers, the fp32
+copy living only for that call. Kernel rows differ from the dequantized fp32 model by the rounding of
+activations and scales (measured in docs/benchmarks.md).
 
 The kernels' packed layout (``_convert_weight_to_int4pack_for_cpu``, innerKTiles 1): ``[N, K/2]`` uint8,
 flat index ``b * 32K + k * 32 + j`` for row ``64 b + j`` (low nibble) and row ``64 b + 32 + j`` (high
@@ -48,7 +54,8 @@ import torch.nn.functional as F
 from torch import nn
 
 WEIGHT_FORMATS = ("fp32", "native", "int8", "int8-channel", "int4")
-KERNEL_MAX_ROWS = 16
+KERNEL_MAX_ROWS = 64  # rows per product on the kernels; more dequantize (see the module docstring)
+NATIVE_MAX_ROWS = 16  # of those, rows on kernels.cpu's int8-activation kernels; more on torch's bf16 ones
 _ROW_BLOCK = 64  # packing takes rows in multiples of 64 (the layout's blocks: packed_row_block())
 
 
@@ -123,7 +130,7 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= self.kernel_max_rows:
-            native = self._native()
+            native = self._native() if x2.shape[0] <= NATIVE_MAX_ROWS else None
             out = native(x2) if native is not None else self._kernel(x2.to(torch.bfloat16)).float()
             if self.bias is not None:
                 out = out + self.bias

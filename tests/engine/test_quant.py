@@ -118,11 +118,12 @@ def test_quantized_model_prefill_is_the_dequantized_model_exactly():
         if isinstance(mod, Q.QuantLinear) and not name.startswith("model.embed"):
             ref.get_submodule(name).weight.data = mod.dequantize()
     ref.model.embed_tokens.weight = ref.lm_head.weight
-    ids = torch.randint(0, 256, (40,))
-    pos = torch.arange(40)
+    n = Q.KERNEL_MAX_ROWS + 1  # a prefill chunk past the kernels' rows: the dequantized fp32 GEMM
+    ids = torch.randint(0, 256, (n,))
+    pos = torch.arange(n)
     with torch.inference_mode():
-        got = model.logits(model(ids, pos, DenseKVCache(model.config, 40)))
-        want = ref.logits(ref(ids, pos, DenseKVCache(ref.config, 40)))
+        got = model.logits(model(ids, pos, DenseKVCache(model.config, n)))
+        want = ref.logits(ref(ids, pos, DenseKVCache(ref.config, n)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

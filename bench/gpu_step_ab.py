@@ -71,6 +71,9 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    from fhe.backends.gpu import whole_step
+
+    whole_step.CAPTURE_AFTER = 1            # the steady state: a step's graph captured at its first use
     from bench.gpu_attention import load_layer
     from bench.gpu_sessions import _fill, _random_ct
     from fhe.attention import EncryptedAttentionLayer

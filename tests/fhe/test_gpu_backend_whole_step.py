@@ -10,6 +10,7 @@ import torch
 
 from fhe.backends.gpu import GpuEvaluator
 from fhe.backends.gpu.shadow import ShadowEvaluator
+from fhe.backends.gpu.whole_step import CAPTURE_AFTER
 from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal.keys import CKKSClient
 from fhe.errors import ShapeError
@@ -64,12 +65,14 @@ def _check_steps(device: str) -> GpuEvaluator:
         got = ev.run_step(_body(pos), cts, keys)
         want = _body(pos)(ref, rcts, rkeys)
         assert _same(got, want, ev) and got[1] is cts[1]          # the pass-through is the input itself
-    assert ev.whole_steps.replays == 3 and ev.whole_steps.fallbacks == 0
+    ws = ev.whole_steps
+    assert ws.replays + ws.eager == 3 and ws.fallbacks == 0
     return ev
 
 
 def test_whole_steps_on_the_cpu_reference_are_the_eager_steps():
-    _check_steps("cpu")
+    ws = _check_steps("cpu").whole_steps
+    assert ws.eager == 3 and ws.replays == ws.captures == 0         # no graphs off CUDA
 
 
 def test_a_zero_digit_falls_back_to_the_eager_step():
@@ -111,7 +114,9 @@ def test_a_step_that_encodes_otherwise_than_its_shadow_is_refused():
 def test_whole_step_graphs_on_cuda_are_the_eager_steps():
     ev = _check_steps("cuda")
     ws = ev.whole_steps
-    assert ws.captures == 1 and len(ws) == 1 and ws.key_copies == 1
+    # the signature's first uses run eagerly (fed), the CAPTURE_AFTER-th is captured and replayed
+    assert (ws.eager, ws.captures, ws.replays) == (CAPTURE_AFTER - 1, 1, 3 - CAPTURE_AFTER + 1)
+    assert len(ws) == 1 and ws.key_copies == 1
     # another session (own keys and inputs) on the same evaluator: the same graph, its keys copied in
     ref = GpuEvaluator(P, device="cuda", step_graphs=False)
     client = CKKSClient(P, STEPS)
@@ -151,5 +156,5 @@ def test_attention_decode_steps_as_graphs_are_the_eager_steps():
         outs.append([ev.serialize(c) for c in cache.k_blocks + cache.v_blocks])
         if on:
             ws = ev.whole_steps
-            assert ws.replays == len(inputs) and ws.captures < len(inputs)   # positions share graphs
+            assert ws.replays + ws.eager == len(inputs) and 1 <= ws.captures < ws.replays  # positions share graphs
     assert outs[0] == outs[2] and outs[1] == outs[3]

@@ -10,7 +10,8 @@ outputs``, any code that reaches the device only through the evaluator — as on
    scale and rotation step; the plaintexts read but not encoded, by identity).
 2. **Encode.** Those values are encoded for real (batched per level and scale, ``encode_many``: the same
    residues as ``encode``) and copied into the graph's static plaintexts.
-3. **Replay** the graph of (key set, signature), captured on first use: ``body`` warmed up, then captured
+3. **Replay** the graph of (key shapes, signature), captured on its :data:`CAPTURE_AFTER`-th use (before, the
+   same fed run without a graph): ``body`` warmed up, then captured
    on the real evaluator with its key-switch graphs off (the same kernels: the plain launches are what the
    graphs replay) and its encodes answered from the static plaintexts in order. Inputs (the fresh
    ciphertext, the session's cache blocks) are copied into static buffers shared by the key set's graphs,
@@ -48,6 +49,10 @@ STEP_GRAPHS = True
 #: Graphs kept per evaluator (a layer's decode steps have ~2 signatures per cache block count; least recently
 #: used dropped beyond this).
 MAX_GRAPHS = 256
+#: A signature is captured on its CAPTURE_AFTER-th use, and runs eagerly (the same fed run, no graph) before:
+#: a capture costs ~0.65 s (H100, shipped plan) and saves 0-70 ms a step, so steps that occur once per session
+#: (a cache block's first and last rows) are not captured until other sessions repeat them.
+CAPTURE_AFTER = 3
 
 #: ``body(ev, inputs, keys) -> outputs``: a step, every device operation through ``ev``, inputs left unchanged
 StepBody = Callable[[object, list, object], Sequence]
@@ -83,8 +88,10 @@ class WholeSteps:
         self._graphs: dict[tuple, _Graph] = {}          # (key shapes, signature) -> graph, least recently used first
         self._slots: dict[tuple, _Slot] = {}            # (kind, index, shape) -> static buffer
         self._keys: dict[tuple, _StaticKeys] = {}       # key shapes -> static key set
-        #: counters the benchmark and the tests read
+        self._seen: dict[tuple, int] = {}               # signature -> uses while not captured
+        #: counters the benchmark and the tests read (eager: fed runs without a graph)
         self.replays = 0
+        self.eager = 0
         self.captures = 0
         self.fallbacks = 0
         self.key_copies = 0
@@ -101,17 +108,27 @@ class WholeSteps:
         outs = tuple(o.uid - 1 if isinstance(o, ShadowCiphertext) and o.uid <= len(inputs) else None
                      for o in souts)
         pts = self._encode(sh.encodes)
-        if not self.cuda:
-            return self._eager_fed(body, inputs, pts, keys, sh.hoisted, outs)
-        static = self._static_keys(keys)
         sig = (self._key_shapes(keys), sh.signature(), outs)
         g = self._graphs.pop(sig, None)
+        if g is None and (not self.cuda or self._count(sig) < CAPTURE_AFTER):
+            return self._eager_fed(body, inputs, pts, keys, sh.hoisted, outs)
         if g is None:
-            g = self._capture(body, inputs, pts, static.keys, sh, outs)
+            self._seen.pop(sig, None)
+            g = self._capture(body, inputs, pts, self._static_keys(keys).keys, sh, outs)
             while len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.pop(next(iter(self._graphs)))
+        else:
+            self._static_keys(keys)
         self._graphs[sig] = g                                          # most recently used last
         return self._replay(g, body, inputs, pts, keys)
+
+    def _count(self, sig: tuple) -> int:
+        """Uses of ``sig`` so far, this one included (the counts are bounded like the graphs)."""
+        n = self._seen.pop(sig, 0) + 1
+        while len(self._seen) >= 4 * MAX_GRAPHS:
+            self._seen.pop(next(iter(self._seen)))
+        self._seen[sig] = n
+        return n
 
     # --- encodes ------------------------------------------------------------------------------------------
     def _encode(self, requests) -> list:
@@ -154,7 +171,7 @@ class WholeSteps:
         if flag is not None and bool(flag):
             self.fallbacks += 1
             return list(body(self.ev, inputs, keys))
-        self.replays += 1
+        self.eager += 1
         return [inputs[o] if isinstance(o, int) else o for o in res]
 
     # --- static buffers -----------------------------------------------------------------------------------

@@ -158,3 +158,16 @@ def test_attention_decode_steps_as_graphs_are_the_eager_steps():
             ws = ev.whole_steps
             assert ws.replays + ws.eager == len(inputs) and 1 <= ws.captures < ws.replays  # positions share graphs
     assert outs[0] == outs[2] and outs[1] == outs[3]
+
+
+def test_an_input_relabelled_in_the_step_is_a_new_output():
+    (ev, keys, cts), _ = _setup("cpu")
+
+    def relabel(ev_, cts_, keys_):
+        ev_.set_scale(cts_[1], 2.0 * ev_.scale_of(cts_[1]))
+        return [cts_[0], cts_[1]]
+
+    got = ev.run_step(relabel, cts, keys)
+    assert got[0] is cts[0] and got[1] is not cts[1]
+    assert got[1].scale == 2.0 * cts[1].scale and torch.equal(got[1].data, cts[1].data)
+    assert cts[1].scale == ev.scale                              # the caller's input is left alone

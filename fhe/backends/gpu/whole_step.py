@@ -160,7 +160,10 @@ class WholeSteps:
                 raise ShapeError("a captured step encodes fewer plaintexts than its shadow run did")
         finally:
             ev._feed = ev._zero_flag = None
-        passed = [next((j for j, w in enumerate(wrapped) if o is w), None) for o in res]
+        # passed through: the very input, unchanged (an input relabelled or replaced in place is a new output,
+        # as the shadow's new uid says; its residues then come out of the graph like any other output's)
+        passed = [next((j for j, w in enumerate(wrapped)
+                        if o is w and o.data is data[j] and o.scale == inputs[j].scale), None) for o in res]
         if passed != list(outs):
             raise ShapeError("a step's outputs pass other inputs through than its shadow run's")
         return [o if j is None else j for o, j in zip(res, passed, strict=True)]

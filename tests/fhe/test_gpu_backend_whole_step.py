@@ -171,3 +171,32 @@ def test_an_input_relabelled_in_the_step_is_a_new_output():
     assert got[0] is cts[0] and got[1] is not cts[1]
     assert got[1].scale == 2.0 * cts[1].scale and torch.equal(got[1].data, cts[1].data)
     assert cts[1].scale == ev.scale                              # the caller's input is left alone
+
+
+@pytest.mark.heavy
+def test_attention_steps_through_run_step_on_the_cpu_reference_are_the_eager_steps():
+    """The block's wiring (its step as a function of ciphertexts, the cache rebuilt from the outputs) through the
+    CPU reference's fed run: 3 tokens (the first token's own path, then rolls into its block); ~4 min here."""
+    from fhe.attention import BlockClient, EncryptedAttentionLayer, required_rotation_steps
+    from fhe.params import ckks_params_for
+    from tests.fhe.test_attention import calibrated_plan, layer_input, tiny_model
+
+    model = tiny_model(bias=True)
+    cfg = model.config
+    x = layer_input(model, 1, torch.arange(3) % 7 + 3)
+    plan = calibrated_plan(model, 1, x, "2quad")
+    params = ckks_params_for("2quad", plan.approx.squarings)
+    steps = required_rotation_steps(cfg, params, "2quad", plan.approx.squarings)
+    client = CKKSClient(params, steps)
+    inputs = BlockClient.for_model(client, cfg, "2quad", plan.approx.squarings).encrypt_input(x)
+    outs = []
+    for on in (False, True):
+        ev = GpuEvaluator(params, device="cpu", step_graphs=on)
+        keys = ev.load_keys(dict(client.public_blobs), steps)
+        block = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, cfg, params, max_tokens=64,
+                                        evaluator=ev)
+        cache = block.new_cache()
+        got = block.prefill(cache, [ev.deserialize(seal.to_bytes(c)) for c in inputs], 0, keys)
+        outs.append(([ev.serialize(o) for o in got], [ev.serialize(c) for c in cache.k_blocks + cache.v_blocks],
+                     cache.length))
+    assert outs[0] == outs[1] and ev.whole_steps.eager == len(inputs)

@@ -26,11 +26,12 @@ set, the step runs again eagerly (which rotates one by one there).
 
 Keys are static too, as for the offload steps (:mod:`fhe.backends.gpu.step`): one static key set per key
 shapes, which a session's keys are copied into when another session's were there last (the shipped set is
-1.32 GB: ~1 ms on an H100), so a graph serves every session's steps of its signature and is captured once
-per evaluator, not per session. Static input and plaintext buffers are shared by all graphs (one per input
-or encode position and shape: replays run one at a time), outputs are per graph in one memory pool. At most
-:data:`MAX_GRAPHS` graphs (least recently used dropped). Off CUDA (``GpuEvaluator(..., step_graphs=True)``
-on the CPU reference) the same shadow run, encodes and fed run happen without a graph: what CI checks.
+1.32 GB: ~0.8 ms of copy at an H100's bandwidth, estimated), so a graph serves every session's steps of its
+signature and is captured once per evaluator, not per session. Static input and plaintext buffers are shared
+by all graphs (one per input or encode position and shape: replays run one at a time), outputs are per graph
+in one memory pool. At most :data:`MAX_GRAPHS` graphs (least recently used dropped). Off CUDA
+(``GpuEvaluator(..., step_graphs=True)`` on the CPU reference) the same shadow run, encodes and fed run happen
+without a graph: what CI checks.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
     python3 bench/gpu_decode.py --weights .carry/smollm2 --variants main,new --out decode.json
 
-Each variant is a set of the backend's switches (``VARIANTS``: ``main`` = the code path as merged before
-session 16, ``new`` = with this branch's changes); each gets a fresh evaluator, a fresh device copy of the same
+Each variant is a set of the backend's switches (``VARIANTS``: ``s15`` = the code path as merged before
+session 16, ``main`` = session 16's (Shoup's products, fewer passes, the sync-free encode), ``new`` = with
+session 17's whole-step graphs too: a decode step is one CUDA graph replay, fhe/backends/gpu/whole_step.py);
+each gets a fresh evaluator, a fresh device copy of the same
 keys (graphs are captured per key set, so a switch never replays another variant's kernels) and the same
 inputs, at the shipped plan's parameters (N = 32768) on SmolLM2 layer ``--layer``'s real attention weights
 (exported by ``bench/gpu_attention.py --export``), on-device encoder. Per variant:
@@ -12,8 +14,12 @@ inputs, at the shipped plan's parameters (N = 32768) on SmolLM2 layer ``--layer`
   on values), median of ``--repeat``, synchronized;
 * ``profile_128``: one step at context 128 under torch's profiler (kernels, their summed device time) and
   the host syncs it makes (``torch.cuda.set_sync_debug_mode``);
-* ``prefill_s``: ``--prefill`` tokens one after another (``block.prefill``), as gpu_attention.py times it;
-* ``sessions``: S sessions at context 128 stepped one after another (tokens/s per layer);
+* ``prefill_s``: ``--prefill`` tokens one after another (``block.prefill``), as gpu_attention.py times it, the
+  second time (``prefill_s_first``: the first, with its graph captures);
+* ``sessions``: S sessions at context 128 stepped one after another (tokens/s per layer), each with its own
+  key set object (the same tensors: a whole-step graph copies the keys into its static ones at every switch,
+  as it would for real sessions); one round to warm up, then the median of 3;
+* ``whole_steps``: the graph counters (captures and their seconds, replays, key copies);
 * ``keyswitch_ms``: rotate and relinearize at the top level and at level 5 (median of 20).
 
 ``same_as_main``: every variant's outputs (the decode step at each context, the prefill's) equal the
@@ -35,10 +41,10 @@ import torch
 
 #: backend switches per variant: (module, attribute) -> value
 _SWITCHES = (("fhe.backends.gpu.triton_ops", "SHOUP"), ("fhe.backends.gpu.triton_ops", "FEWER"),
-             ("fhe.backends.gpu.evaluator", "ASYNC_ENCODE"))
+             ("fhe.backends.gpu.evaluator", "ASYNC_ENCODE"), ("fhe.backends.gpu.whole_step", "STEP_GRAPHS"))
 VARIANTS = {
-    "main": dict.fromkeys(_SWITCHES, False),
-    "shoup": dict(zip(_SWITCHES, (True, False, False), strict=True)),
+    "s15": dict.fromkeys(_SWITCHES, False),
+    "main": dict(zip(_SWITCHES, (True, True, True, False), strict=True)),
     "new": dict.fromkeys(_SWITCHES, True),
 }
 
@@ -122,21 +128,32 @@ def run_variant(variant: str, setup: dict, args) -> dict:
             print(f"[{variant}] profile @128: {json.dumps(res['profile_128'])}", flush=True)
     if args.prefill:
         cts = [ev.deserialize(b) for b in setup["prefill_bytes"]]
+        res["prefill_s_first"] = round(_median_ms(lambda: block.prefill(block.new_cache(), cts, 0, keys), 1) / 1e3, 3)
         outs["prefill"] = torch.stack([o.data for o in block.prefill(block.new_cache(), cts, 0, keys)])
         res["prefill_s"] = round(_median_ms(lambda: block.prefill(block.new_cache(), cts, 0, keys), 1) / 1e3, 3)
-        print(f"[{variant}] prefill {args.prefill}: {res['prefill_s']:.2f} s", flush=True)
+        print(f"[{variant}] prefill {args.prefill}: {res['prefill_s']:.2f} s (first {res['prefill_s_first']:.2f} s)",
+              flush=True)
     res["sessions"] = []
     for s in [int(v) for v in args.sessions.split(",") if v]:
         caches = [_fill(block, 127) for _ in range(s)]
+        snaps = [(list(c.k_blocks), list(c.v_blocks), c.length) for c in caches]
+        own = [_own_keys(keys) for _ in range(s)]
 
-        def round_(caches=caches):
-            for cache in caches:
-                block.forward(cache, ct, 127, keys)
+        def round_(caches=caches, snaps=snaps, own=own):
+            for cache, snap, k in zip(caches, snaps, own, strict=True):
+                cache.k_blocks, cache.v_blocks, cache.length = list(snap[0]), list(snap[1]), snap[2]
+                block.forward(cache, ct, 127, k)
 
-        sec = _median_ms(round_, 1) / 1e3
+        round_()
+        sec = _median_ms(round_, 3) / 1e3
         res["sessions"].append({"sessions": s, "tokens_per_s_per_layer": round(s / sec, 2)})
         print(f"[{variant}] {s} sessions: {s / sec:.1f} tokens/s per layer", flush=True)
-        del caches
+        del caches, snaps, own
+    ws = ev.whole_steps
+    if ws is not None:
+        res["whole_steps"] = {"graphs": len(ws), "captures": ws.captures, "capture_s": round(ws.capture_s, 2),
+                              "replays": ws.replays, "fallbacks": ws.fallbacks, "key_copies": ws.key_copies}
+        print(f"[{variant}] whole steps: {json.dumps(res['whole_steps'])}", flush=True)
     res["keyswitch_ms"] = keyswitch(ev, keys, block)
     print(f"[{variant}] key switching: {json.dumps(res['keyswitch_ms'])}", flush=True)
     res["_outs"] = outs
@@ -164,6 +181,13 @@ def keyswitch(ev, keys, block) -> dict:
     return out
 
 
+def _own_keys(keys):
+    """Another key set object on the same device tensors (a session's own keys, without their memory)."""
+    from fhe.backends.gpu.keys import GpuKeys
+
+    return GpuKeys(keys.params, keys.relin, dict(keys.galois), keys.rotation_steps, keys.fingerprint)
+
+
 def _has(keys, step: int, lev: int) -> bool:
     try:
         keys.galois_key(step, lev)
@@ -184,6 +208,9 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    from fhe.backends.gpu import whole_step
+
+    whole_step.CAPTURE_AFTER = 1            # the steady state: a step's graph captured at its first use
     from bench.gpu_attention import load_layer
     from fhe.attention import BlockClient
     from fhe.backends.seal import hazmat as seal
@@ -214,7 +241,7 @@ def main() -> None:
         outs = r.pop("_outs")
         if v == "main":
             ref = outs
-        if "main" in res["variants"] or v == "main":
+        if "main" in res["variants"] or v == "main":  # (run main first: its outputs are the reference)
             r["same_as_main"] = {k: bool(torch.equal(o, ref[k])) for k, o in outs.items()}
             print(f"[{v}] same as main: {r['same_as_main']}", flush=True)
         res["variants"][v] = r

@@ -178,14 +178,42 @@ class EncryptedAttentionLayer:
             raise ShapeError(f"session cache full ({cache.max_tokens} tokens)")
         check_fresh(self.ev, keys, ct)
         if self.processes > 1:
-            out = self._forward_forked(cache, ct, position, keys)
-        else:
+            # the client only decrypts: the lowest level is the smallest download (a no-op when the block's
+            # depth uses the whole chain, as the shipped plans do)
+            return self.ev.mod_switch(self._forward_forked(cache, ct, position, keys), 1)
+        run_step = getattr(self.ev, "run_step", None)
+        if run_step is None:
+            return self._step(self.ev, cache, ct, position, keys)
+        # a backend that runs whole steps (the gpu backend: one CUDA graph replay) gets the step as a pure
+        # function of its ciphertexts: the input and the cache blocks in, the output and the blocks out
+        n, length = len(cache.k_blocks), cache.length
+
+        def body(ev, cts, keys):
+            tmp = EncryptedKVCache(cache.block_tokens, cache.max_tokens, list(cts[1::2]), list(cts[2::2]), length)
+            out = self._step(ev, tmp, cts[0], position, keys)
+            return [out, *tmp.k_blocks, *tmp.v_blocks]
+
+        blocks = [c for kv in zip(cache.k_blocks, cache.v_blocks, strict=True) for c in kv]   # k0, v0, k1, v1...
+        res = run_step(body, [ct, *blocks], keys)
+        m = (len(res) - 1) // 2
+        if m not in (n, n + 1):
+            raise ShapeError(f"a step returned {m} cache blocks for a cache of {n}")
+        cache.k_blocks, cache.v_blocks, cache.length = res[1:1 + m], res[1 + m:], length + 1
+        return res[0]
+
+    def _step(self, ev: Evaluator, cache: EncryptedKVCache, ct: Ciphertext, position: int,
+              keys: EvalKeys) -> Ciphertext:
+        """project, insert into ``cache``, attend, all through ``ev`` (this block's, or a backend's shadow or
+        capture of the step: its per-step plaintext cache starts empty so every run of a step encodes alike)."""
+        saved = self.ev, self._beta_cache
+        self.ev, self._beta_cache = ev, {}
+        try:
             q, k0, v0 = self._project(ct, position, keys)
             self._insert(cache, k0, v0, keys)
-            out = self._attend(cache, q, keys)
-        # the client only decrypts: the lowest level is the smallest download (a no-op when the block's
-        # depth uses the whole chain, as the shipped plans do)
-        return self.ev.mod_switch(out, 1)
+            # the client only decrypts: the lowest level is the smallest download (see above)
+            return ev.mod_switch(self._attend(cache, q, keys), 1)
+        finally:
+            self.ev, self._beta_cache = saved
 
     def _forward_forked(self, cache: EncryptedKVCache, ct: Ciphertext, position: int, keys: EvalKeys) -> Ciphertext:
         """:meth:`forward` on two cores (:mod:`fhe.fork`): a forked child makes v (the V path) while this

@@ -89,7 +89,7 @@ class GpuEvaluator(ParamsQueries):
     name = "gpu"
 
     def __init__(self, params: CKKSParams, device: str | torch.device | None = None, *,
-                 graphs: bool = True, encoder: str = "seal") -> None:
+                 graphs: bool = True, encoder: str = "seal", step_graphs: bool | None = None) -> None:
         if encoder not in ("seal", "fft"):
             raise ValueError(f"encoder must be 'seal' or 'fft', got {encoder!r}")
         self.encoder = encoder
@@ -104,6 +104,16 @@ class GpuEvaluator(ParamsQueries):
 
             self.graphs = GraphCache()
         self._perms: dict[int, torch.Tensor] = {}
+        # whole steps as one graph each (whole_step.py): on CUDA, with the key switch's graphs, unless told
+        from fhe.backends.gpu import whole_step
+
+        # (step_graphs=True off CUDA: the same shadow run and fed plaintexts, run eagerly: what CI checks)
+        on = (whole_step.STEP_GRAPHS and self.graphs is not None) if step_graphs is None else step_graphs
+        self.whole_steps = whole_step.WholeSteps(self) if on else None
+        # while a whole step is warmed up or captured: its encodes come from here (static plaintexts) and
+        # rotate_many's zero-digit test goes into a device flag instead of the host (whole_step.py)
+        self._feed = None
+        self._zero_flag: torch.Tensor | None = None
         self._bits = {lev: sum(math.log2(q) for q in self.ctx.primes[:lev]) for lev in range(1, self.ctx.K + 1)}
 
     # --- parameters and queries ---------------------------------------------------------------
@@ -143,6 +153,8 @@ class GpuEvaluator(ParamsQueries):
     def encode(self, values: np.ndarray, level: int, scale: float) -> GpuPlaintext:
         if not 1 <= level <= self.top:
             raise LevelError(f"no level {level} (1..{self.top})")
+        if self._feed is not None:
+            return self._fed(level, scale, 1)[0]
         values = np.asarray(values, np.float64)
         if values.ndim != 1 or len(values) > self.slots:
             raise ShapeError(f"need a vector of <= {self.slots} values, got shape {values.shape}")
@@ -162,6 +174,8 @@ class GpuEvaluator(ParamsQueries):
         the residues are :meth:`encode`'s; rows past the FFT's 2^62 range go through SEAL, as there."""
         if not 1 <= level <= self.top:
             raise LevelError(f"no level {level} (1..{self.top})")
+        if self._feed is not None:
+            return self._fed(level, scale, len(values))
         if isinstance(values, torch.Tensor):          # [K, <= slots], already where it is encoded
             if values.ndim != 2 or values.shape[1] > self.slots:
                 raise ShapeError(f"need [K, <= {self.slots}] values, got shape {tuple(values.shape)}")
@@ -194,6 +208,22 @@ class GpuEvaluator(ParamsQueries):
                        inplace=True)                                                      # [K, L, N]
         return [GpuPlaintext(residues[i], float(scale)) if ok
                 else self.encode(dense[i].detach().cpu().double().numpy(), level, scale) for i, ok in enumerate(fits)]
+
+    def _fed(self, level: int, scale: float, count: int) -> list[GpuPlaintext]:
+        """The next ``count`` static plaintexts of the step being captured (whole_step.py): the same level and
+        scale as the shadow run recorded, or the step is not the one its signature says (ShapeError)."""
+        out = [next(self._feed, None) for _ in range(count)]
+        if any(p is None or p.data.shape[0] != level or p.scale != float(scale) for p in out):
+            raise ShapeError("a captured step encodes other plaintexts than its shadow run did")
+        return out
+
+    def run_step(self, body, inputs: Sequence[GpuCiphertext], keys: GpuKeys) -> list[GpuCiphertext]:
+        """``body(ev, inputs, keys) -> outputs``, as one CUDA graph replay where whole-step graphs are on
+        (:class:`~fhe.backends.gpu.whole_step.WholeSteps`; ``body`` must reach the device only through ``ev``
+        and leave its inputs alone), else called on this evaluator. Same residues either way."""
+        if self.whole_steps is None:
+            return list(body(self, list(inputs), keys))
+        return self.whole_steps.run(body, list(inputs), keys)
 
     def _slot_indices(self) -> torch.Tensor:
         """3^i mod 2N for each slot i: where slot i's value goes in the length-2N FFT."""
@@ -395,7 +425,9 @@ class GpuEvaluator(ParamsQueries):
         lt = self.ctx.level(ct.level)
         found = {s: keys.galois_key(s, ct.level) for s in todo}       # every key checked before any work
         digits, D = self._decompose(ct.data[1], lt)
-        if bool((digits == 0).any()):                                 # -0 = 0 needs no fix: plain path
+        if self._zero_flag is not None:                               # a captured step: flag it, check after
+            torch.logical_or(self._zero_flag, (digits == 0).any(), out=self._zero_flag)
+        elif bool((digits == 0).any()):                               # -0 = 0 needs no fix: plain path
             return out | {s: self.rotate(ct, s, keys) for s in todo}
         q = self._q(ct.level)
         for s, (elt, key) in found.items():

@@ -1,0 +1,153 @@
+"""Whole-step graphs off and on, step by step in turn on one GPU (issue 16, session 17).
+
+    python3 bench/gpu_step_ab.py --weights .carry/smollm2 --contexts 128,512 --repeat 10 --out ab.json
+
+``bench/gpu_decode.py`` runs its variants one after the other, so a drift of the card's speed between them
+(the same-code rotation differed by 13-21 % between its two phases on 2026-12-06) reads as a difference.
+Here both evaluators (``step_graphs=False`` = main, ``True`` = new) are built first, and each repetition
+times one decode step of each, alternately, on the same inputs: SmolLM2 layer ``--layer``'s real attention
+weights, the shipped plan, on-device encoder, **random keys** of the plan's key shapes (no SEAL key
+generation: a step's cost does not depend on values; both variants read the same key tensors) and caches of
+random residues. Per context: both medians and every repetition; whether the outputs are equal residue for
+residue; S sessions stepped in turn (each with its own key set object on the same tensors, as real sessions
+would make the graphs copy keys). A rotation at the highest key level (main's path) is timed first and last as a control
+for the card's drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def random_keys(ev, levels):
+    """A GpuKeys of random residues with the shapes ``levels`` (KeyLevels) gives: [Lk, 2, Lk+1, N] per key."""
+    from fhe.backends.gpu.galois import galois_elt
+    from fhe.backends.gpu.keys import GpuKeys
+
+    def key(lk: int) -> torch.Tensor:
+        q = torch.cat([ev.ctx.q[:lk], ev.ctx.q[-1:]]).reshape(1, 1, lk + 1, 1)
+        return torch.randint(0, 2 ** 62, (lk, 2, lk + 1, ev.params.poly_modulus_degree), device=ev.device) % q
+
+    galois = {galois_elt(s, ev.slots): key(lv) for s, lv in levels.galois}
+    return GpuKeys(ev.params, key(levels.relin), galois, tuple(s for s, _ in levels.galois), "random")
+
+
+def _same_tensors(keys, params):
+    from fhe.backends.gpu.keys import GpuKeys
+
+    return GpuKeys(params, keys.relin, dict(keys.galois), keys.rotation_steps, keys.fingerprint)
+
+
+def _ms(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t)
+
+
+def _rotate_ms(ev, keys, step: int, level: int) -> float:
+    from bench.gpu_sessions import _random_ct
+
+    ct = _random_ct(ev, level)
+    ev.rotate(ct, step, keys)
+    return round(statistics.median(_ms(lambda: ev.rotate(ct, step, keys)) for _ in range(20)), 3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--weights", type=Path, default=Path(".carry/smollm2"))
+    ap.add_argument("--layer", type=int, default=3)
+    ap.add_argument("--contexts", default="128,512")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from fhe.backends.gpu import whole_step
+
+    whole_step.CAPTURE_AFTER = 1            # the steady state: a step's graph captured at its first use
+    from bench.gpu_attention import load_layer
+    from bench.gpu_sessions import _fill, _random_ct
+    from fhe.attention import EncryptedAttentionLayer
+    from fhe.backends.gpu import GpuEvaluator
+    from fhe.params import ckks_params_for
+    from fhe.plan import load_default_plan
+    from fhe.weight_maps import required_key_levels
+
+    cfg, layer, rope, _ = load_layer(args.weights, args.layer)
+    lp = load_default_plan().layer(args.layer)
+    params = ckks_params_for(lp.approx.kind, lp.approx.squarings)
+    levels = required_key_levels(cfg, params, lp.approx.kind, lp.approx.squarings)
+    runs = {}
+    for name, on in (("main", False), ("new", True)):
+        ev = GpuEvaluator(params, device="cuda", encoder="fft", step_graphs=on)
+        block = EncryptedAttentionLayer(layer, rope, lp, cfg, params, max_tokens=1024, evaluator=ev)
+        runs[name] = (ev, block)
+    ev0 = runs["main"][0]
+    keys = random_keys(ev0, levels)
+    ct = _random_ct(ev0, ev0.top)
+    top_key = max(lv for _, lv in levels.galois)
+    step = min(s for s, lv in levels.galois if lv == top_key)
+    res = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(), "args": vars(args) | {"weights": str(args.weights)},
+           "rotate_ms_before": _rotate_ms(ev0, keys, step, top_key), "rotate_level": top_key, "contexts": {}}
+    for ctx in [int(c) for c in args.contexts.split(",")]:
+        torch.manual_seed(ctx)
+        base = _fill(runs["main"][1], ctx - 1)
+        snap = (list(base.k_blocks), list(base.v_blocks), base.length)
+        caches = {n: runs[n][1].new_cache() for n in runs}
+
+        def step_fn(name, ctx=ctx, snap=snap, caches=caches):
+            cache = caches[name]
+            cache.k_blocks, cache.v_blocks, cache.length = list(snap[0]), list(snap[1]), snap[2]
+            return runs[name][1].forward(cache, ct, ctx - 1, keys)
+
+        outs = {n: step_fn(n).data.clone() for n in runs}               # warm-up: compiles, captures
+        times = {n: [] for n in runs}
+        for _ in range(args.repeat):
+            for n in runs:
+                times[n].append(round(_ms(lambda n=n: step_fn(n)), 2))
+        row = {n: {"median_ms": round(statistics.median(t), 2), "all_ms": t} for n, t in times.items()}
+        row["same"] = bool(torch.equal(outs["main"], outs["new"]))
+        res["contexts"][ctx] = row
+        print(f"decode @ {ctx}: main {row['main']['median_ms']} ms, new {row['new']['median_ms']} ms, "
+              f"same {row['same']}", flush=True)
+    s = args.sessions
+    if s:
+        sess = [_fill(runs["main"][1], 127) for _ in range(s)]
+        snaps = [(list(c.k_blocks), list(c.v_blocks), c.length) for c in sess]
+        own = [_same_tensors(keys, params) for _ in range(s)]
+
+        def round_(name):
+            for cache, sn, k in zip(sess, snaps, own, strict=True):
+                cache.k_blocks, cache.v_blocks, cache.length = list(sn[0]), list(sn[1]), sn[2]
+                runs[name][1].forward(cache, ct, 127, k)
+
+        for n in runs:
+            round_(n)                                                    # warm-up (own keys: main's graphs)
+        times = {n: [] for n in runs}
+        for _ in range(3):
+            for n in runs:
+                times[n].append(_ms(lambda n=n: round_(n)))
+        res["sessions"] = {n: {"sessions": s, "tokens_per_s_per_layer": round(s / statistics.median(t) * 1e3, 2)}
+                           for n, t in times.items()}
+        print(f"{s} sessions at 128: {json.dumps(res['sessions'])}", flush=True)
+    res["rotate_ms_after"] = _rotate_ms(ev0, keys, step, top_key)
+    ws = runs["new"][0].whole_steps
+    res["whole_steps"] = {"graphs": len(ws), "captures": ws.captures, "capture_s": round(ws.capture_s, 2),
+                          "replays": ws.replays, "key_copies": ws.key_copies}
+    print(json.dumps(res), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -45,8 +45,9 @@ def store_kv_reference(
         raise KernelInputError(f"slot_mapping holds slot {int(slots.max())} >= cache size {nb * bs}")
     blk, off = slots // bs, slots % bs
     k, v = k[valid], v[valid]
-    if k_scale is not None:  # fp8 pools
-        k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
+    if k_scale is not None:  # fp8 pools, written as bytes (index kernels do not all take float8)
+        k, v = quantize_kv(k, k_scale).view(torch.uint8), quantize_kv(v, v_scale).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache[blk, off] = k
     v_cache[blk, off] = v
 

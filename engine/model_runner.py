@@ -3,13 +3,15 @@
 The batch is flat (``input_ids [T]``, ``positions [T]``): single-token decodes first, then every
 sequence with several query tokens (prefill chunks, and verify steps that score draft tokens behind a
 context) through the varlen path. A sequence may yield several logits rows (``ScheduledSeq.num_logits_rows``:
-the last rows of its query). On GPU the weights and KV cache are bf16, the forward is the fused one of
+the last rows of its query). On GPU the weights and KV cache are bf16 (the cache fp8 e4m3 with
+``EngineConfig.kv_cache_dtype``: scales calibrated in ``init_kv_cache``), the forward is the fused one of
 ``engine.fused``, decode-only steps replay CUDA graphs captured for batch buckets (1, 2, 4, 8, 16, 24, 32,
 ... up to ``cuda_graph_max_batch``; buckets up to ``ONE_PASS_MAX_BATCH`` also get a twin whose attention runs
 one pass, without the split-K reduce kernel, replayed when every context fits
 ``EngineConfig.cuda_one_pass_decode_tokens``) and verify steps (decodes carrying up to ``k`` drafts each, for the
 ``k`` of ``EngineConfig.verify_graph_tokens``) replay graphs captured for the buckets up to the batch that
-still speculates; other steps run eagerly. On CPU everything is fp32 and eager.
+still speculates; other steps run eagerly. On CPU everything is fp32 and eager (fp8 pools: through the
+kernels' torch references).
 """
 
 from __future__ import annotations

@@ -123,3 +123,16 @@ def test_fp8_greedy_stays_close_to_fp32_pools(variant):
     llm.engine.block_manager.enable_prefix_caching = False  # recompute the prompts' K with the bad scales
     bad = _agreement(ref, _generate(llm, prompts))
     assert not _good(bad), bad
+
+
+def test_speculative_verify_steps_over_fp8_pools_equal_plain_decoding():
+    """Verify steps (several query rows through the prefill path) read the same fp8 values a decode step
+    does: greedy speculation gives the plain fp8 engine's tokens, with drafts accepted."""
+    prompts = [p * 3 for p in random_prompts([5, 9, 12], seed=4)]  # repetitive: the n-gram proposer drafts
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs, accepted = [], 0
+    for k in (0, 3):
+        llm = _engine("fp8_e4m3", num_speculative_tokens=k)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        accepted = llm.engine.stats().spec_num_accepted_tokens
+    assert outs[0] == outs[1] and accepted > 0

@@ -9,8 +9,14 @@ For each shape (Qwen2.5-0.5B, Llama-3.2-1B), in one run:
 3. batch-1 decode step time, (t(257 new) - t(1 new)) / 256, against the bandwidth floor
    ``(weight bytes + KV bytes at the mean context) / measured copy bandwidth``.
 
+With ``--kv-cache-dtype auto,fp8_e4m3`` each shape runs once per KV dtype (``EngineConfig.kv_cache_dtype``),
+one after the other on the same weights, and each row also records the pools' resident bytes per token, the
+resident weight bytes, and (after the first dtype) the quality of the fp8 engine against it: 8 random
+128-token prompts, 32 greedy steps with logprobs=5, how many steps agree before the tokens part and how far
+the logprobs of the reference's tokens move until then.
+
 Usage: python bench/engine_gpu.py [--shapes qwen2.5-0.5b,llama3.2-1b] [--concurrency 1,64,256]
-                                   [--hf-concurrency 256] [--json out.json]
+                                   [--hf-concurrency 256] [--kv-cache-dtype auto,fp8_e4m3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -286,16 +292,30 @@ def profile_shape(llm: LLM, vocab: int) -> dict:
     return res
 
 
-def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_conc: list[int]) -> dict:
+def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_conc: list[int],
+                kv_cache_dtype: str = "auto", quality_ref: list | None = None) -> dict:
+    """One shape with one KV dtype; ``quality_ref``: the greedy runs of the first KV dtype to compare with
+    (appended to when empty)."""
     cfg = ModelConfig(**SHAPES[name])
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     model = random_model(cfg)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    res: dict = {"shape": name, "params_M": sum(p.numel() for p in model.parameters()) / 1e6}
+    res: dict = {"shape": name, "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
+                 "kv_cache_dtype": kv_cache_dtype, "weights_resident_bytes": torch.cuda.memory_allocated() - before}
     hf = hf_twin(model) if with_hf else None
     t0 = time.perf_counter()
-    llm = build_llm(cfg, model)
+    llm = build_llm(cfg, model, kv_cache_dtype)
     res["engine_init_s"] = time.perf_counter() - t0
     res["num_kv_blocks"] = llm.engine.num_blocks
+    res.update(kv_memory(llm))
+    kv_elem = llm.engine.runner.kv.k[0].element_size()
+    if quality_ref is not None:
+        runs = greedy_runs(llm, cfg.vocab_size)
+        if quality_ref:
+            res["quality_vs_first_kv_dtype"] = agreement(quality_ref, runs)
+        else:
+            quality_ref.extend(runs)
     res["cuda_graphs"] = sorted(b for b, k in llm.engine.runner._graphs if k == 0)[-1:] or None
     if hf is not None:
         res["logprob_rel_err_vs_hf_bf16"] = sanity(llm, hf, cfg.vocab_size)
@@ -306,13 +326,14 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
                                                                           ignore_eos=True))
         dt, tok = run_ours(llm, prompts(c, cfg.vocab_size, c))
         res[f"ours_c{c}_tok_s"] = tok / dt
-        res[f"ours_c{c}_job_floor_share"] = job_floor_s(cfg, weight_bytes, c, bw) / dt
-        print(name, "ours", c, tok / dt, f"{100 * res[f'ours_c{c}_job_floor_share']:.1f} % of the job floor",
-              flush=True)
+        res[f"ours_c{c}_job_floor_share"] = job_floor_s(cfg, weight_bytes, c, bw, kv_elem) / dt
+        print(name, kv_cache_dtype, "ours", c, tok / dt,
+              f"{100 * res[f'ours_c{c}_job_floor_share']:.1f} % of the job floor", flush=True)
     step = decode_step_time(llm, cfg.vocab_size)
-    floor = (weight_bytes + kv_bytes(cfg)) / bw
+    floor = (weight_bytes + kv_bytes(cfg, kv_elem)) / bw
     res.update(decode_step_ms=step * 1e3, floor_ms=floor * 1e3, floor_fraction=floor / step)
-    print(name, "decode", res["decode_step_ms"], res["floor_ms"], flush=True)
+    print(name, kv_cache_dtype, "decode", res["decode_step_ms"], res["floor_ms"], res["kv_bytes_per_token"],
+          res.get("quality_vs_first_kv_dtype"), flush=True)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -342,9 +363,44 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
 DECODE_FUSIONS = {"on": True}
 
 
-def build_llm(cfg: ModelConfig, model: LlamaForCausalLM) -> LLM:
+def kv_memory(llm: LLM) -> dict:
+    """The KV pools as allocated: resident bytes, bytes per token (K and V, all layers), tokens they hold."""
+    kv = llm.engine.runner.kv
+    tokens = kv.num_blocks * kv.block_size
+    return {"kv_pool_bytes": kv.nbytes, "kv_bytes_per_token": kv.nbytes / tokens, "kv_pool_tokens": tokens}
+
+
+QUALITY_PROMPTS, QUALITY_STEPS = 8, 32
+
+
+def greedy_runs(llm: LLM, vocab: int) -> list:
+    """(tokens, logprobs) of QUALITY_STEPS greedy steps with logprobs=5 on QUALITY_PROMPTS random prompts."""
+    params = SamplingParams(temperature=0, max_tokens=QUALITY_STEPS, ignore_eos=True, logprobs=5)
+    outs = llm.generate(prompts(QUALITY_PROMPTS, vocab, 4242), params)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def agreement(ref: list, got: list) -> dict:
+    """Greedy agreement of two engines on the same prompts: the share of steps before each prompt's tokens
+    first part (top-1 agreement at identical contexts), the first token's agreement (prefill), and the
+    |logprob| change of the reference's token over those steps (mean, max)."""
+    same, first, dlp = 0, 0, []
+    for (ta, la), (tb, lb) in zip(ref, got, strict=True):
+        n = 0
+        while n < len(ta) and ta[n] == tb[n]:
+            dlp.append(abs(la[n][ta[n]] - lb[n][ta[n]]))
+            n += 1
+        same, first = same + n, first + (n > 0)
+    steps = sum(len(t) for t, _ in ref)
+    return {"steps_before_parting_share": same / steps, "first_token_agreement": first / len(ref),
+            "mean_abs_dlogprob": sum(dlp) / max(1, len(dlp)), "max_abs_dlogprob": max(dlp, default=0.0),
+            "steps": steps}
+
+
+def build_llm(cfg: ModelConfig, model: LlamaForCausalLM, kv_cache_dtype: str = "auto") -> LLM:
     return LLM(model, engine_config=EngineConfig(device="cuda", max_num_seqs=256, max_num_batched_tokens=8192,
                                                  gpu_memory_utilization=0.45, max_model_len=4096,
+                                                 kv_cache_dtype=kv_cache_dtype,
                                                  **({} if DECODE_FUSIONS["on"] else dict(
                                                      cuda_fused_rope_store=False, cuda_gemv_prologues=False,
                                                      cuda_one_pass_decode_tokens=0))))
@@ -429,18 +485,19 @@ def summary_line(res: dict) -> str:
 PEAK_FLOPS = 790e12  # bf16 dense, measured on the H200 here (docs/benchmarks.md, KINDS.md)
 
 
-def job_floor_s(cfg: ModelConfig, weight_bytes: int, c: int, bw: float) -> float:
+def job_floor_s(cfg: ModelConfig, weight_bytes: int, c: int, bw: float, kv_elem: int = 2) -> float:
     """The whole job's floor for c requests: prefill FLOPs at the matrix peak, then OUTPUT_LEN decode steps
-    each at max(weights + the c sequences' K/V at the mean context over bandwidth, 2 x params x c FLOPs)."""
+    each at max(weights + the c sequences' K/V at the mean context over bandwidth, 2 x params x c FLOPs);
+    ``kv_elem``: bytes per cached value (2: bf16, 1: fp8, whose floor is lower)."""
     params = weight_bytes / 2
     prefill = 2 * params * c * PROMPT_LEN / PEAK_FLOPS
-    step = max((weight_bytes + c * kv_bytes(cfg)) / bw, 2 * params * c / PEAK_FLOPS)
+    step = max((weight_bytes + c * kv_bytes(cfg, kv_elem)) / bw, 2 * params * c / PEAK_FLOPS)
     return prefill + OUTPUT_LEN * step
 
 
-def kv_bytes(cfg: ModelConfig) -> int:
-    """K and V bytes (bf16) at the mean context of the timed decode."""
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+def kv_bytes(cfg: ModelConfig, kv_elem: int = 2) -> int:
+    """K and V bytes (``kv_elem`` per value: bf16 2, fp8 1) at the mean context of the timed decode."""
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem
     return per_token * (PROMPT_LEN + OUTPUT_LEN // 2)
 
 
@@ -454,6 +511,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="only take the batch-1 decode step apart")
     ap.add_argument("--fusions", choices=("on", "off"), default="on",
                     help="our engine with its defaults (on) or without any of issue 19.2's fusions (off)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="comma list of EngineConfig.kv_cache_dtype values, each shape run once per value (e.g. "
+                         "auto,fp8_e4m3: the second is compared with the first for quality)")
     args = ap.parse_args()
     DECODE_FUSIONS["on"] = args.fusions == "on"
     import transformers
@@ -469,14 +529,17 @@ def main() -> None:
             with open(args.json, "w") as fh:
                 json.dump(out, fh, indent=2)
         return
+    kv_dtypes = args.kv_cache_dtype.split(",")
     for name in args.shapes.split(","):
         conc = [int(c) for c in args.concurrency.split(",")]
         hf_conc = [int(c) for c in args.hf_concurrency.split(",")] if args.hf_concurrency else conc
-        out["results"].append(bench_shape(name, conc, bw, not args.no_hf, hf_conc))
-        print(json.dumps(out["results"][-1], indent=1), flush=True)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(out, fh, indent=2)
+        quality_ref: list | None = [] if len(kv_dtypes) > 1 else None
+        for i, kv in enumerate(kv_dtypes):  # the peer runs once per shape, beside the first KV dtype
+            out["results"].append(bench_shape(name, conc, bw, not args.no_hf and i == 0, hf_conc, kv, quality_ref))
+            print(json.dumps(out["results"][-1], indent=1), flush=True)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(out, fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ class RankContext:
         dev = runner.device
         runner.kv.copy_blocks(step.copies)
         meta = _meta_to(step.meta, dev)
-        backend = PagedAttention(runner.kv, meta, runner.model_config.head_dim, cpu_decode=not runner.is_cuda)
+        backend = PagedAttention(runner.kv, meta, runner.model_config.head_dim, cpu_decode=runner.cpu_attention)
         h = runner.model(step.input_ids.to(dev), step.positions.to(dev), backend)  # [T, hidden]
         return runner.model.logits(h[step.logits_rows.to(dev)])                  # [R, V]
 

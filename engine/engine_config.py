@@ -68,6 +68,9 @@ class SchedulerConfig:
 
 SPECULATIVE_METHODS = ("ngram",)
 CUDA_WEIGHT_FORMATS = ("bf16", "int4")
+# "auto": the pools hold the model dtype; "fp8_e4m3" ("fp8", as vLLM spells it too): float8_e4m3fn values
+# with static per-(layer, KV head) scales for K and V (engine.kv_cache.calibrate_kv_scales)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +180,10 @@ class EngineConfig:
             than it saves, docs/benchmarks.md); None: never switched off by load.
         tensor_parallel_size: ranks the model is split over (``engine.distributed``: heads, MLP columns
             and vocabulary; gloo on CPU, NCCL on GPUs ``cuda:0 .. cuda:N-1``); 1: one process, as before.
+        kv_cache_dtype: what the KV pools hold: "auto" (the model dtype) or "fp8_e4m3" (alias "fp8": one byte
+            per value, per-(layer, KV head) scales for K and V calibrated at load; docs/engine.md "FP8 KV
+            cache"). On CPU fp8 pools run the kernels' torch references (slower than the fp32 CPU path);
+            not with tensor parallelism.
     """
 
     device: str = "auto"
@@ -215,6 +222,7 @@ class EngineConfig:
     prompt_lookup_max: int = 4
     speculative_disable_by_batch_size: int | None = 4
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -236,6 +244,8 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         self._check_weight_format()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         self._check_parallel()
 
     def _check_graph_spec_tokens(self) -> None:
@@ -264,6 +274,9 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.weight_format != "fp32":
             raise ParallelConfigError("tensor parallelism shards fp32/bf16 weights: weight_format must be "
                                       f"'fp32', got {self.weight_format!r}")
+        if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
+            raise ParallelConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported with tensor "
+                                      "parallelism yet (each rank would calibrate its own heads' scales: untested)")
 
     def _check_weight_format(self) -> None:
         from engine.quant import WEIGHT_FORMATS
@@ -301,8 +314,14 @@ class EngineConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def resolved_kv_cache_dtype(self):
+        """The torch dtype of the KV pools: the model dtype, or float8_e4m3fn."""
+        import torch
+
+        return self.resolved_dtype() if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
     def resolved_dtype(self):
-        """The torch dtype of weights and KV cache."""
+        """The torch dtype of the weights (and of the KV cache unless ``kv_cache_dtype`` says otherwise)."""
         import torch
 
         if self.dtype == "auto":

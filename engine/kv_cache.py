@@ -10,6 +10,10 @@ batch: rows ``[0, num_decode)`` are single-token decodes (one sequence each), th
 described by ``cu_seqlens_q``. On GPU it stores the step's K/V with ``kernels.store_kv`` and attends
 with ``kernels.paged_decode_attention`` / ``kernels.paged_prefill_attention`` (Triton); the engine's
 CPU path is :mod:`engine.cpu_attention`.
+
+FP8 pools (``EngineConfig.kv_cache_dtype = "fp8_e4m3"``) hold ``torch.float8_e4m3fn`` values and one fp32
+scale per (layer, KV head) for K and one for V, fixed at load by :func:`calibrate_kv_scales`; the kernels
+quantize on store and dequantize in the attention kernels.
 """
 
 from __future__ import annotations
@@ -22,18 +26,44 @@ import torch
 import kernels
 from engine import cpu_attention
 from engine.config import ModelConfig
+from engine.model import causal_attention
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448
+# a calibrated head's scale leaves room for values this many times the calibration's amax before the store
+# saturates; e4m3 is floating point, so the headroom costs precision only below amax * 8 / 448 / 2^6
+# (= amax / 3584, subnormal), which is noise in a dot product
+KV_SCALE_HEADROOM = 8.0
+CALIBRATION_TOKENS = 256  # length of the calibration prefill (seeded random ids: no tenant's data)
 
 
 class PagedKVCache:
-    """K and V block pools for every layer."""
+    """K and V block pools for every layer (and, for fp8 pools, their per-KV-head scales).
+
+    Attributes:
+        k, v: per layer [num_blocks, block_size, Hkv, D] of the pool dtype.
+        k_scale, v_scale: per layer [Hkv] fp32 scales (value = stored * scale) for fp8 pools, else None.
+    """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str,
+                 scales: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> None:
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        layers = cfg.num_hidden_layers
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        if (dtype == FP8_KV_DTYPE) != (scales is not None):
+            raise ValueError(f"a {dtype} pool takes {'per-head scales' if dtype == FP8_KV_DTYPE else 'no scales'}")
+        none: list[torch.Tensor | None] = [None] * layers
+        self.k_scale = none if scales is None else [s.to(device, torch.float32).contiguous() for s in scales[0]]
+        self.v_scale = none if scales is None else [s.to(device, torch.float32).contiguous() for s in scales[1]]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pools hold fp8 values."""
+        return self.k[0].dtype == FP8_KV_DTYPE
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -43,6 +73,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
+        """Resident bytes of the pools (the fp8 pools' scales are a few hundred bytes more)."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -52,6 +83,7 @@ class PagedKVCache:
         src = torch.tensor([s for s, _ in copies], device=self.k[0].device)
         dst = torch.tensor([d for _, d in copies], device=self.k[0].device)
         for pool in self.k + self.v:
+            pool = pool.view(torch.uint8) if self.quantized else pool  # index kernels take no float8
             pool[dst] = pool[src]
 
 
@@ -69,6 +101,47 @@ def blocks_for_gpu(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device
     used_by_others = total - free - torch.cuda.memory_reserved(device)
     budget = int(total * utilization) - peak - max(0, used_by_others)
     return blocks_for_budget(cfg, block_size, dtype, budget)
+
+
+class KVAmaxRecorder:
+    """AttentionBackend of a one-sequence prefill (dense causal attention) that records, per layer, the
+    largest |K| (after RoPE) and |V| of every KV head."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.k_amax: list[torch.Tensor | None] = [None] * num_layers
+        self.v_amax: list[torch.Tensor | None] = [None] * num_layers
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] of one sequence from position 0 -> [T, Hq, D]."""
+        self.k_amax[layer] = k.detach().abs().amax(dim=(0, 2)).float()  # [Hkv]
+        self.v_amax[layer] = v.detach().abs().amax(dim=(0, 2)).float()
+        return causal_attention(q, k, v, 0)
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(model, num_tokens: int = CALIBRATION_TOKENS, seed: int = 0,
+                        headroom: float = KV_SCALE_HEADROOM) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Static per-(layer, KV head) fp8 scales for K and V: one prefill of ``num_tokens`` seeded random ids
+    (the BOS id first where the config has one), scale = ``headroom`` * amax / 448.
+
+    The scales depend on the model and the seed only, never on a request, so one tenant's prompt cannot
+    change how another tenant's K/V are rounded. Returns (k_scales, v_scales), per layer [Hkv] fp32.
+    """
+    cfg = model.config
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), generator=gen)
+    if cfg.bos_token_id is not None:
+        ids[0] = cfg.bos_token_id
+    rec = KVAmaxRecorder(cfg.num_hidden_layers)
+    model(ids.to(device), torch.arange(num_tokens, device=device), rec)
+    tiny = torch.finfo(torch.float32).tiny  # a head that is all zeros still gets a usable scale
+
+    def scale(amax: torch.Tensor | None) -> torch.Tensor:
+        assert amax is not None, "the calibration forward skipped a layer"
+        return (amax.clamp_min(tiny) * (headroom / FP8_MAX)).float()
+
+    return [scale(a) for a in rec.k_amax], [scale(a) for a in rec.v_amax]
 
 
 @dataclasses.dataclass
@@ -105,7 +178,8 @@ class PagedAttention:
     ``cpu_decode=True`` (the engine's choice on CPU) is the CPU path of :mod:`engine.cpu_attention`: it
     stores with one ``index_copy_``, builds the step's gather indices and masks once (on the first
     layer) and reuses them in every layer, decodes with grouped ``bmm`` attention and prefills with
-    SDPA. Otherwise the ``kernels`` launchers run (Triton on GPU, their torch reference elsewhere).
+    SDPA. Otherwise the ``kernels`` launchers run (Triton on GPU, their torch reference elsewhere): so do
+    fp8 pools on the CPU (the CPU path reads fp32 pools only).
     """
 
     def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, head_dim: int,
@@ -113,6 +187,8 @@ class PagedAttention:
         self.cache = cache
         self.meta = meta
         self.scale = 1.0 / math.sqrt(head_dim)
+        if cpu_decode and cache.quantized:
+            raise ValueError("the CPU attention path reads fp32 pools: run fp8 pools with cpu_decode=False")
         self.cpu_decode = cpu_decode
         self._plan: cpu_attention.StepPlan | None = None  # the CPU path's per-step indices
 
@@ -120,7 +196,7 @@ class PagedAttention:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         m, kc, vc = self.meta, self.cache.k[layer], self.cache.v[layer]
         assert q.shape[0] == k.shape[0] == m.slot_mapping.shape[0], (q.shape, k.shape, m.slot_mapping.shape)
-        self._store(k, v, kc, vc)
+        self._store(layer, k, v, kc, vc)
         if self.cpu_decode:
             return self._attend_cpu(q, k, v, kc, vc)
         return self._attend_stored(layer, q)
@@ -130,6 +206,7 @@ class PagedAttention:
         """RoPE, K/V store and attention of a fused projection qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq, D]; on
         the kernels' path RoPE and the store are one launch (``kernels.rope_store_kv``)."""
         m, kc, vc = self.meta, self.cache.k[layer], self.cache.v[layer]
+        ks, vs = self.cache.k_scale[layer], self.cache.v_scale[layer]
         assert qkv.shape[0] == m.slot_mapping.shape[0], (qkv.shape, m.slot_mapping.shape)
         if self.cpu_decode:  # the CPU path's own store and attention
             d = kc.shape[-1]
@@ -137,31 +214,34 @@ class PagedAttention:
             t = qkv.shape[0]
             q, k = kernels.rope(q.view(t, num_heads, d), k.view(t, num_kv_heads, d), cos, sin)
             return self.attend(layer, q, k, v.view(t, num_kv_heads, d))
-        q = kernels.rope_store_kv(qkv, num_heads, num_kv_heads, cos, sin, kc, vc, m.slot_mapping)
+        q = kernels.rope_store_kv(qkv, num_heads, num_kv_heads, cos, sin, kc, vc, m.slot_mapping, k_scale=ks,
+                                  v_scale=vs)
         return self._attend_stored(layer, q)
 
     def _attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The kernels' attention of q [T, Hq, D] over the cache (this step's K/V already stored)."""
         m, kc, vc = self.meta, self.cache.k[layer], self.cache.v[layer]
+        scales = dict(k_scale=self.cache.k_scale[layer], v_scale=self.cache.v_scale[layer])  # None unless fp8
         nd = m.num_decode
         if nd == q.shape[0]:
             return kernels.paged_decode_attention(q, kc, vc, m.decode_block_tables, m.decode_context_lens,
-                                                  self.scale, partition_size=m.decode_partition)
+                                                  self.scale, partition_size=m.decode_partition, **scales)
         prefill = kernels.paged_prefill_attention(q[nd:], kc, vc, m.prefill_block_tables,
                                                   m.prefill_cu_seqlens_q, m.prefill_context_lens, self.scale,
-                                                  max_seqlen_q=m.prefill_max_q)
+                                                  max_seqlen_q=m.prefill_max_q, **scales)
         if nd == 0:
             return prefill
-        decode = kernels.paged_decode_attention(q[:nd], kc, vc, m.decode_block_tables,
-                                                m.decode_context_lens, self.scale, partition_size=m.decode_partition)
+        decode = kernels.paged_decode_attention(q[:nd], kc, vc, m.decode_block_tables, m.decode_context_lens,
+                                                self.scale, partition_size=m.decode_partition, **scales)
         return torch.cat([decode, prefill])
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:
         if self.cpu_decode:  # no padding slots on the CPU path
             kc.view(-1, *kc.shape[2:]).index_copy_(0, self.meta.slot_mapping, k)
             vc.view(-1, *vc.shape[2:]).index_copy_(0, self.meta.slot_mapping, v)
         else:
-            kernels.store_kv(k, v, kc, vc, self.meta.slot_mapping)
+            kernels.store_kv(k, v, kc, vc, self.meta.slot_mapping, k_scale=self.cache.k_scale[layer],
+                             v_scale=self.cache.v_scale[layer])
 
     def _attend_cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
                     vc: torch.Tensor) -> torch.Tensor:

@@ -3,13 +3,15 @@
 The batch is flat (``input_ids [T]``, ``positions [T]``): single-token decodes first, then every
 sequence with several query tokens (prefill chunks, and verify steps that score draft tokens behind a
 context) through the varlen path. A sequence may yield several logits rows (``ScheduledSeq.num_logits_rows``:
-the last rows of its query). On GPU the weights and KV cache are bf16, the forward is the fused one of
+the last rows of its query). On GPU the weights and KV cache are bf16 (the cache fp8 e4m3 with
+``EngineConfig.kv_cache_dtype``: scales calibrated in ``init_kv_cache``), the forward is the fused one of
 ``engine.fused``, decode-only steps replay CUDA graphs captured for batch buckets (1, 2, 4, 8, 16, 24, 32,
 ... up to ``cuda_graph_max_batch``; buckets up to ``ONE_PASS_MAX_BATCH`` also get a twin whose attention runs
 one pass, without the split-K reduce kernel, replayed when every context fits
 ``EngineConfig.cuda_one_pass_decode_tokens``) and verify steps (decodes carrying up to ``k`` drafts each, for the
 ``k`` of ``EngineConfig.verify_graph_tokens``) replay graphs captured for the buckets up to the batch that
-still speculates; other steps run eagerly. On CPU everything is fp32 and eager.
+still speculates; other steps run eagerly. On CPU everything is fp32 and eager (fp8 pools: through the
+kernels' torch references).
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from engine.config import ModelConfig
 from engine.cpu_linear import fuse_projections, pack_linears
 from engine.engine_config import EngineConfig
 from engine.fused import fuse_for_cuda
-from engine.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache, blocks_for_budget, blocks_for_gpu
+from engine.kv_cache import (
+    CALIBRATION_TOKENS,
+    AttentionMetadata,
+    PagedAttention,
+    PagedKVCache,
+    blocks_for_budget,
+    blocks_for_gpu,
+    calibrate_kv_scales,
+)
 from engine.model import LlamaForCausalLM, rope_inv_freq
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from kernels import cpu as native_kernels
@@ -60,6 +70,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.resolved_device())
         self.dtype = config.resolved_dtype()
+        self.kv_dtype = config.resolved_kv_cache_dtype()  # the pools' dtype: the model's, or fp8 e4m3
+        self.kv_fp8 = self.kv_dtype == torch.float8_e4m3fn
         self.model_config: ModelConfig = model.config
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         # RoPE frequencies stay fp32: bf16 would put angles off by radians at positions in the thousands
@@ -73,9 +85,13 @@ class ModelRunner:
                          native=config.cpu_native_gemv and native_kernels.available())
         if not self.is_cuda and config.cpu_fused_projections:  # one q/k/v and one gate/up product per layer
             fuse_projections(self.model)
-        # batch-1 decode steps: every layer in one native call (engine.cpu_decode); None: unfused
+        # batch-1 decode steps: every layer in one native call (engine.cpu_decode, fp32 pools); None: unfused
         self.fused_decode = (cpu_decode.build(self.model, max_model_len)
-                             if not self.is_cuda and config.cpu_fused_decode else None)
+                             if not self.is_cuda and config.cpu_fused_decode and not self.kv_fp8 else None)
+        # the CPU attention path (engine.cpu_attention) reads fp32 pools; fp8 ones take the kernels' references
+        self.cpu_attention = not self.is_cuda and not self.kv_fp8
+        # fp8 pools: per-(layer, KV head) K and V scales, fixed by a calibration prefill in init_kv_cache
+        self.kv_scales: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -96,22 +112,29 @@ class ModelRunner:
     def init_kv_cache(self) -> int:
         """Size (after a warm-up pass on GPU) and allocate the KV pool; return its number of blocks."""
         cfg = self.config
+        if self.kv_fp8:
+            tokens = min(self.max_model_len, cfg.max_num_batched_tokens, CALIBRATION_TOKENS)
+            self.kv_scales = calibrate_kv_scales(self.model, tokens)
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         elif self.is_cuda:
             self._warm_up()
-            num_blocks = blocks_for_gpu(self.model_config, self.block_size, self.dtype, self.device,
+            num_blocks = blocks_for_gpu(self.model_config, self.block_size, self.kv_dtype, self.device,
                                         cfg.gpu_memory_utilization)
         else:
-            num_blocks = blocks_for_budget(self.model_config, self.block_size, self.dtype, cfg.kv_cache_bytes)
+            num_blocks = blocks_for_budget(self.model_config, self.block_size, self.kv_dtype, cfg.kv_cache_bytes)
         if num_blocks < 2:
             raise MemoryError(f"no room for a KV cache: {num_blocks} blocks fit")
-        self.kv = PagedKVCache(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv = self._pool(num_blocks)
         if self.fused_decode is not None:
             self.fused_decode.bind(self.kv)
         if self.is_cuda and cfg.cuda_graphs:
             self._capture_graphs(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
         return num_blocks
+
+    def _pool(self, num_blocks: int) -> PagedKVCache:
+        return PagedKVCache(self.model_config, num_blocks, self.block_size, self.kv_dtype, self.device,
+                            self.kv_scales)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -122,7 +145,7 @@ class ModelRunner:
         seq_len = min(t, self.max_model_len)
         nseq = -(-t // seq_len)
         per_seq = -(-seq_len // self.block_size)
-        scratch = PagedKVCache(self.model_config, nseq * per_seq, self.block_size, self.dtype, self.device)
+        scratch = self._pool(nseq * per_seq)
         lens = [min(seq_len, t - i * seq_len) for i in range(nseq)]
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(nseq)]
         ids, pos, slots = [], [], []
@@ -197,8 +220,7 @@ class ModelRunner:
         if self.fused_decode is not None and len(sched.scheduled) == 1 and sched.scheduled[0].num_query_tokens == 1:
             return self._run_fused_decode(sched.scheduled[0])
         inputs = self.prepare(sched)
-        backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim,
-                                 cpu_decode=not self.is_cuda)
+        backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim, cpu_decode=self.cpu_attention)
         h = self.model(inputs.input_ids, inputs.positions, backend)       # [T, hidden]
         return self.model.logits(h[inputs.logits_rows]), inputs.sampling  # [R, V]
 

@@ -2,7 +2,8 @@
 
 Each launcher checks its arguments' dtypes, shapes, strides and devices (raising :class:`KernelInputError`,
 a ValueError) and runs the Triton kernel on CUDA tensors when Triton imports, the torch reference otherwise
-(``backend="torch"`` / ``"triton"`` forces one). Exceptions: see :mod:`kernels.errors`.
+(``backend="torch"`` / ``"triton"`` forces one). Exceptions: see :mod:`kernels.errors`. The KV kernels also
+take fp8 (e4m3) pools with per-KV-head scales (:mod:`kernels.kv_quant`).
 """
 
 from .errors import BackendUnavailableError, KernelError, KernelInputError
@@ -27,6 +28,7 @@ from .gemv_int4_w32 import (
     set_tuning_int4_w32,
     tuning_int4_w32,
 )
+from .kv_quant import dequantize_kv, quantize_kv
 from .paged_decode import paged_decode_attention, paged_decode_attention_reference
 from .paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
@@ -62,6 +64,8 @@ __all__ = [
     "add_rms_norm_reference",
     "KernelError",
     "KernelInputError",
+    "dequantize_kv",
+    "quantize_kv",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "paged_prefill_attention",

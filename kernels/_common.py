@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 Backend = Literal["auto", "triton", "torch"]
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KV_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)  # pools may hold fp8 e4m3 (kernels.kv_quant)
 
 
 def _interpreting() -> bool:
@@ -83,9 +84,9 @@ def check_same_dtype(**tensors: torch.Tensor) -> None:
 
 
 def check_cache_pair(k_cache: object, v_cache: object) -> tuple[int, int, int, int]:
-    """Check the paged K/V pools [NB, BS, Hkv, D] and return (NB, BS, Hkv, D)."""
-    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    """Check the paged K/V pools [NB, BS, Hkv, D] (16/32-bit float or fp8 e4m3) and return (NB, BS, Hkv, D)."""
+    check_tensor("k_cache", k_cache, 4, KV_DTYPES)
+    check_tensor("v_cache", v_cache, 4, KV_DTYPES)
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     check_same_dtype(k_cache=k_cache, v_cache=v_cache)
     nb, bs, hkv, d = k_cache.shape

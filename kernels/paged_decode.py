@@ -12,6 +12,8 @@ Triton scheme:
   Each program runs an online softmax (fp32, exp2) over its partition and, when there is more than one
   split, writes its normalized partial output [B, Hq, S, D] and log2-sum-exp [B, Hq, S] (fp32); a second
   kernel, grid (B, Hq), merges the partitions of a row. With one split the first kernel writes ``out``.
+* fp8 pools (``kernels.kv_quant``): K/V tiles are converted to q's dtype before the products; the program's
+  KV head has one K scale, folded into the softmax scale, and one V scale, applied to its output.
 * The grid depends only on shapes (max_blocks * BS bounds the context), never on context_lens' values,
   so the launch needs no host sync and can be captured in a CUDA graph; partitions past a sequence's
   context exit at once.
@@ -43,6 +45,7 @@ from ._common import (
     use_triton,
 )
 from .errors import KernelInputError
+from .kv_quant import check_kv_scales, dequantize_kv
 
 __all__ = ["DecodeTuning", "gather_kv", "paged_decode_attention", "paged_decode_attention_reference"]
 
@@ -73,7 +76,9 @@ def gather_kv(
     `used_blocks` [B] says how many table entries each sequence really uses; the others are read as
     block 0 (their tokens are masked by the caller), so padding entries such as -1 are harmless.
     """
-    nb = cache.shape[0]
+    nb, dtype = cache.shape[0], cache.dtype
+    if cache.element_size() == 1:  # fp8: gather the bytes (index kernels do not all take float8)
+        cache = cache.view(torch.uint8)
     tables = block_tables[:, :num_blocks].long()
     used = torch.arange(num_blocks, device=tables.device)[None, :] < used_blocks[:, None]
     bad = used & ((tables < 0) | (tables >= nb))
@@ -82,7 +87,7 @@ def gather_kv(
     tables = torch.where(used, tables, 0)
     b = tables.shape[0]
     rows = cache.reshape(nb, -1).index_select(0, tables.flatten())  # whole blocks: faster than cache[tables]
-    return rows.view(b, num_blocks * cache.shape[1], *cache.shape[2:])
+    return rows.view(b, num_blocks * cache.shape[1], *cache.shape[2:]).view(dtype)
 
 
 def paged_decode_attention_reference(
@@ -92,8 +97,11 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference of :func:`paged_decode_attention`: gather the blocks, masked softmax in fp32."""
+    """Torch reference of :func:`paged_decode_attention`: gather the blocks (dequantized by the per-KV-head
+    scales of fp8 pools), masked softmax in fp32."""
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -106,8 +114,8 @@ def paged_decode_attention_reference(
         raise KernelInputError(
             f"context of {max_ctx} tokens needs {nblk} blocks > max_blocks {block_tables.shape[1]}")
     used = (ctx + bs - 1) // bs
-    k = gather_kv(k_cache, block_tables, nblk, used).float()  # [B, L, Hkv, D], our own copy
-    v = gather_kv(v_cache, block_tables, nblk, used).float()
+    k = dequantize_kv(gather_kv(k_cache, block_tables, nblk, used), k_scale)  # [B, L, Hkv, D] fp32, a copy
+    v = dequantize_kv(gather_kv(v_cache, block_tables, nblk, used), v_scale)
     # slots past a context get probability 0; they must hold finite values (the engine's pools are
     # zero-initialised), since 0 * NaN would leak into the sum. The Triton kernels never load them.
     invalid = torch.arange(nblk * bs, device=q.device)[None, :] >= ctx[:, None]  # [B, L]
@@ -125,16 +133,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_partition_kernel(
-        q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr, ks_ptr, vs_ptr,
         sm_scale_log2,
         s_qb, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_btb, s_ob, s_oh,
         max_blocks, G, D, HQ, NUM_SPLITS,
         BS: tl.constexpr, PARTITION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
+        if QUANT:  # fp8 pools: this KV head's K scale joins the softmax scale, its V scale the output
+            sm_scale_log2 = sm_scale_log2 * tl.load(ks_ptr + h)
         ctx = tl.minimum(tl.load(ctx_ptr + b), max_blocks * BS)  # never index past the table
         start = s * PARTITION
         end = tl.minimum(start + PARTITION, ctx)
@@ -158,6 +168,9 @@ if HAS_TRITON:
                         mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(vc_ptr + blk[:, None] * s_vcb + within[:, None] * s_vcs + h * s_vch + dd[None, :],
                         mask=kv_mask, other=0.0)
+            if QUANT:  # fp8 -> q's dtype is exact
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2  # [BLOCK_G, BLOCK_N]
             qk = tl.where(nmask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -168,6 +181,8 @@ if HAS_TRITON:
             m_i = m_new
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty partition contributes nothing
         o = acc / l_safe[:, None]
+        if QUANT:
+            o = o * tl.load(vs_ptr + h)
         out_rows = G  # query heads this program writes to `out` (masks built from vectors: see store_kv)
         if SPLIT:
             # a context within one partition is finished here; the reduce kernel skips that sequence
@@ -224,7 +239,7 @@ def plan_partition(batch: int, num_kv_heads: int, max_context: int, sms: int, tu
 
 
 def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, partition_size, out,
-                         tuning: DecodeTuning = DecodeTuning()):
+                         tuning: DecodeTuning = DecodeTuning(), k_scale=None, v_scale=None):
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -241,15 +256,17 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
     else:
         part_out = part_lse = out  # unused
     block_d = next_pow2(d)
+    quant = k_scale is not None
     _decode_partition_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        k_scale if quant else context_lens, v_scale if quant else context_lens,
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         max_blocks, g, d, hq, num_splits,
         BS=bs, PARTITION=part, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=split, DOT_PREC=dot_precision(q.dtype), num_warps=tuning.num_warps,
+        SPLIT=split, DOT_PREC=dot_precision(q.dtype), QUANT=quant, num_warps=tuning.num_warps,
     )
     if split:
         _decode_reduce_kernel[(b, hq)](
@@ -270,18 +287,21 @@ def paged_decode_attention(
     *,
     partition_size: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
     Args:
-        q: [B, Hq, D] queries (fp16, bf16 or fp32; same dtype as the caches).
-        k_cache, v_cache: [NB, BS, Hkv, D] paged pools; Hq must be a multiple of Hkv.
+        q: [B, Hq, D] queries (fp16, bf16 or fp32; same dtype as the caches unless they are fp8).
+        k_cache, v_cache: [NB, BS, Hkv, D] paged pools (or fp8 e4m3 ones); Hq must be a multiple of Hkv.
         block_tables: [B, max_blocks] int32 block ids; entries past a sequence's blocks are ignored.
         context_lens: [B] int32 tokens to attend to (the new token included, its K/V already stored).
         scale: softmax scale, usually D ** -0.5.
         partition_size: split-K partition in tokens (Triton only); None picks one from the shapes.
         out: optional preallocated result, q's shape and dtype (static buffers for CUDA graphs).
+        k_scale, v_scale: [Hkv] fp32 per-KV-head scales, with fp8 pools only (value = stored * scale).
         backend: "auto" (Triton on CUDA tensors when it imports), "triton" or "torch".
 
     Returns:
@@ -299,7 +319,8 @@ def paged_decode_attention(
     check_heads(hq, hkv)
     check_shape("block_tables", block_tables, (b, block_tables.shape[1]))
     check_shape("context_lens", context_lens, (b,))
-    check_same_dtype(q=q, k_cache=k_cache)
+    if not check_kv_scales(k_cache, k_scale, v_scale):
+        check_same_dtype(q=q, k_cache=k_cache)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                       context_lens=context_lens)
     if partition_size is not None and partition_size <= 0:
@@ -309,6 +330,7 @@ def paged_decode_attention(
         return out.zero_()
     if use_triton(backend, q, k_cache, v_cache, block_tables, context_lens):
         return _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, float(scale),
-                                    partition_size, out)
-    ref = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, float(scale))
+                                    partition_size, out, k_scale=k_scale, v_scale=v_scale)
+    ref = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, float(scale),
+                                           k_scale, v_scale)
     return out.copy_(ref)

@@ -10,6 +10,8 @@ Triton scheme: grid (cdiv(max_q_len * G, BLOCK_M), B, Hkv). A program owns BLOCK
 (token, group-head) axis of one KV head — row r is token r // G, query head h * G + r % G — so each K/V
 tile it reads serves all G heads (GQA packing). It walks the context in tiles of BLOCK_N tokens up to the
 causal limit of its last row, gathering each tile through the block table, with an fp32 online softmax.
+fp8 pools (``kernels.kv_quant``): tiles are converted to q's dtype, the program's KV head's K scale joins the
+softmax scale and its V scale multiplies the output.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ._common import (
     use_triton,
 )
 from .errors import KernelInputError
+from .kv_quant import check_kv_scales, dequantize_kv
 from .paged_decode import gather_kv
 
 __all__ = ["PrefillTuning", "paged_prefill_attention", "paged_prefill_attention_reference"]
@@ -93,8 +96,11 @@ def paged_prefill_attention_reference(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference of :func:`paged_prefill_attention`: per sequence, gather, masked fp32 softmax."""
+    """Torch reference of :func:`paged_prefill_attention`: per sequence, gather (dequantized by the
+    per-KV-head scales of fp8 pools), masked fp32 softmax."""
     bs = k_cache.shape[1]
     cu, ctx = cu_seqlens_q.cpu().long(), context_lens.cpu().long()
     _check_lengths(cu, ctx, q.shape[0], block_tables.shape[1] * bs)
@@ -105,8 +111,8 @@ def paged_prefill_attention_reference(
             continue
         nblk = cdiv(n, bs)
         used = torch.tensor([nblk], device=block_tables.device)
-        k = gather_kv(k_cache, block_tables[b : b + 1], nblk, used)[0, :n]  # [ctx, Hkv, D]
-        v = gather_kv(v_cache, block_tables[b : b + 1], nblk, used)[0, :n]
+        k = dequantize_kv(gather_kv(k_cache, block_tables[b : b + 1], nblk, used)[0, :n], k_scale)  # [ctx, Hkv, D]
+        v = dequantize_kv(gather_kv(v_cache, block_tables[b : b + 1], nblk, used)[0, :n], v_scale)
         out[lo:hi] = _attend_one(q[lo:hi], k, v, n, scale).to(q.dtype)
     return out
 
@@ -115,16 +121,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _prefill_kernel(
-        q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
+        q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, ks_ptr, vs_ptr,
         sm_scale_log2,
         s_qt, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_btb, s_ot, s_oh,
         max_blocks, G, D,
         BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_PREC: tl.constexpr,
+        DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
     ):
         tile = tl.program_id(0)
         b = tl.program_id(1)
         h = tl.program_id(2)
+        if QUANT:  # fp8 pools: this KV head's K scale joins the softmax scale, its V scale the output
+            sm_scale_log2 = sm_scale_log2 * tl.load(ks_ptr + h)
         q_start = tl.load(cu_ptr + b)
         q_len = tl.load(cu_ptr + b + 1) - q_start
         ctx = tl.minimum(tl.load(ctx_ptr + b), max_blocks * BS)  # never index past the table
@@ -153,6 +161,9 @@ if HAS_TRITON:
                         mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(vc_ptr + blk[:, None] * s_vcb + within[:, None] * s_vcs + h * s_vch + dd[None, :],
                         mask=kv_mask, other=0.0)
+            if QUANT:  # fp8 -> q's dtype is exact
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
             allowed = nmask[None, :] & (offs[None, :] <= pos[:, None])
             qk = tl.where(allowed, qk, float("-inf"))
@@ -164,27 +175,31 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if QUANT:
+            o = o * tl.load(vs_ptr + h)
         tl.store(out_ptr + qrow[:, None] * s_ot + heads[:, None] * s_oh + dd[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
 def _paged_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q, out,
-                          tuning: PrefillTuning = PrefillTuning()):
+                          tuning: PrefillTuning = PrefillTuning(), k_scale=None, v_scale=None):
     hq, d = q.shape[1:]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     b = context_lens.shape[0]
     grid = (cdiv(max_q * g, tuning.block_m), b, hkv)
     extra = {} if tuning.num_stages is None else {"num_stages": tuning.num_stages}
+    quant = k_scale is not None
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        k_scale if quant else context_lens, v_scale if quant else context_lens,
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         block_tables.shape[1], g, d,
         BS=bs, BLOCK_M=tuning.block_m, BLOCK_D=next_pow2(d), BLOCK_N=tuning.block_n,
-        DOT_PREC=dot_precision(q.dtype), num_warps=tuning.num_warps, **extra,
+        DOT_PREC=dot_precision(q.dtype), QUANT=quant, num_warps=tuning.num_warps, **extra,
     )
     return out
 
@@ -200,19 +215,23 @@ def paged_prefill_attention(
     *,
     max_seqlen_q: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of query chunks over their paged contexts.
 
     Args:
-        q: [T, Hq, D] queries of all sequences, concatenated (same dtype as the caches).
-        k_cache, v_cache: [NB, BS, Hkv, D] paged pools holding every context token, this chunk's included.
+        q: [T, Hq, D] queries of all sequences, concatenated (same dtype as the caches unless they are fp8).
+        k_cache, v_cache: [NB, BS, Hkv, D] paged pools (or fp8 e4m3 ones) holding every context token, this
+            chunk's included.
         block_tables: [B, max_blocks] int32 block ids.
         cu_seqlens_q: [B + 1] int32 row offsets of each sequence's queries in q (0 first, T last).
         context_lens: [B] int32 cached tokens per sequence (>= its query count, <= max_blocks * BS).
         scale: softmax scale, usually D ** -0.5.
         max_seqlen_q: longest query chunk (Triton grid); None reads it from cu_seqlens_q (a host sync).
         out: optional preallocated result, q's shape and dtype (static buffers for CUDA graphs).
+        k_scale, v_scale: [Hkv] fp32 per-KV-head scales, with fp8 pools only (value = stored * scale).
         backend: "auto" (Triton on CUDA tensors when it imports), "triton" or "torch".
 
     Returns:
@@ -232,7 +251,8 @@ def paged_prefill_attention(
     check_heads(hq, hkv)
     check_shape("block_tables", block_tables, (b, block_tables.shape[1]))
     check_shape("cu_seqlens_q", cu_seqlens_q, (b + 1,))
-    check_same_dtype(q=q, k_cache=k_cache)
+    if not check_kv_scales(k_cache, k_scale, v_scale):
+        check_same_dtype(q=q, k_cache=k_cache)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                       cu_seqlens_q=cu_seqlens_q, context_lens=context_lens)
     out = check_out(out, q)
@@ -242,7 +262,7 @@ def paged_prefill_attention(
         if max_seqlen_q is None:
             max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
         return _paged_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                     float(scale), max_seqlen_q, out)
+                                     float(scale), max_seqlen_q, out, k_scale=k_scale, v_scale=v_scale)
     ref = paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                            float(scale))
+                                            float(scale), k_scale, v_scale)
     return out.copy_(ref)

@@ -85,6 +85,8 @@ def load_settings(args: argparse.Namespace):
         settings = with_cluster(settings, args.cluster)
     if getattr(args, "tensor_parallel", None):
         settings = with_tensor_parallel(settings, args.tensor_parallel)
+    if getattr(args, "kv_cache_dtype", None):
+        settings = with_kv_cache_dtype(settings, args.kv_cache_dtype)
     print(f"cipherlm: settings {path} ({len(settings.tenants)} tenants)", flush=True)
     return settings
 
@@ -110,6 +112,20 @@ def with_tensor_parallel(settings, size: int):
         check_tensor_parallel(model_cfg, size)
     elif size < 1:
         raise ParallelConfigError(f"--tensor-parallel must be >= 1, got {size}")
+    return settings.model_copy(update={"engine": engine})
+
+
+def with_kv_cache_dtype(settings, kv_cache_dtype: str):
+    """``--kv-cache-dtype auto|fp8_e4m3``: what this deployment's KV pools hold (``EngineConfig.kv_cache_dtype``);
+    the engine settings are checked together here, so a combination the engine refuses (an unknown dtype, fp8
+    with tensor parallelism) stops the server before it starts (ValueError)."""
+    from engine.engine_config import EngineConfig
+
+    engine = {**settings.engine, "kv_cache_dtype": kv_cache_dtype}
+    try:
+        EngineConfig(**engine)
+    except TypeError as exc:  # an unknown [engine] key
+        raise ValueError(f"[engine] settings: {exc}") from exc
     return settings.model_copy(update={"engine": engine})
 
 
@@ -216,6 +232,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tensor-parallel", type=int, metavar="N",
                    help="split the model over N ranks (GPUs cuda:0..N-1, or CPU processes); N must divide "
                         "the query and KV heads (default 1)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3", "fp8"],
+                   help="what the KV cache holds: the model dtype (auto, default) or fp8 e4m3 with per-head "
+                        "scales (half the bytes of bf16 per token; docs/engine.md, 'FP8 KV cache')")
     add_threads_option(p)
     p.set_defaults(func=serve)
 

@@ -136,3 +136,27 @@ def test_decode_fusions_bf16_logprobs_close():
     for tok in set(off) & set(on):
         assert abs(on[tok] - off[tok]) < 2e-2 * scale
     assert len(set(off) & set(on)) >= 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_kv_engine_stays_close_to_model_dtype_pools(dtype):
+    """Issue 19.5: fp8 pools on CUDA (Triton store / rope+store, prefill and split-K decode kernels, decode
+    steps replayed from CUDA graphs) against pools of the model dtype, same weights: the check of
+    tests/engine/test_kv_fp8.py (close logprobs until tokens part, parting only at near ties); half the pool
+    bytes per token of bf16."""
+    from tests.engine.test_kv_fp8 import _agreement, _generate, _good
+
+    prompts = random_prompts([5, 17, 33, 40, 64, 3], seed=3)
+    runs, per_token = [], []
+    for kv in ("auto", "fp8_e4m3"):
+        llm = _engine({}, dtype=dtype, kv_cache_dtype=kv, max_num_batched_tokens=32)
+        runner = llm.engine.runner
+        assert runner.kv.quantized == (kv != "auto") and bool(runner._graphs)
+        per_token.append(runner.kv.nbytes / (runner.kv.num_blocks * runner.kv.block_size))
+        runs.append(_generate(llm, prompts))
+        del llm, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    a = _agreement(*runs)
+    assert _good(a), a
+    assert per_token[0] == per_token[1] * (4 if dtype == "float32" else 2)

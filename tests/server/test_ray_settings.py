@@ -72,3 +72,22 @@ def test_serve_tensor_parallel_flag_sets_the_engine_and_refuses_a_size_the_heads
     with pytest.raises(ParallelConfigError, match=r"9 query heads, 3 KV heads.*\[1, 3\]"):
         load_settings(parser.parse_args(["serve", "--config", str(path), "--tensor-parallel", "2"]))
     assert with_tensor_parallel(Settings(model=str(tmp_path / "absent")), 4).engine["tensor_parallel_size"] == 4
+
+
+def test_serve_kv_cache_dtype_flag_sets_the_engine_and_refuses_what_the_engine_refuses(tmp_path):
+    from engine.errors import ParallelConfigError
+    from server.cli_serve import with_kv_cache_dtype
+
+    path = tmp_path / "s.toml"
+    path.write_text('[engine]\nmax_num_seqs = 8\ndevice = "cpu"\n')
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    s = load_settings(parser.parse_args(["serve", "--config", str(path), "--kv-cache-dtype", "fp8_e4m3"]))
+    assert s.engine == {"max_num_seqs": 8, "device": "cpu", "kv_cache_dtype": "fp8_e4m3"}
+    assert "kv_cache_dtype" not in load_settings(parser.parse_args(["serve", "--config", str(path)])).engine
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        parser.parse_args(["serve", "--kv-cache-dtype", "int8"])
+    with pytest.raises(ParallelConfigError, match="tensor parallelism"):
+        with_kv_cache_dtype(Settings(engine={"device": "cpu", "tensor_parallel_size": 2}), "fp8")
+    with pytest.raises(ValueError, match=r"\[engine\] settings"):
+        with_kv_cache_dtype(Settings(engine={"no_such_knob": 1}), "fp8_e4m3")

@@ -21,9 +21,10 @@ rows (11 vs 5.5 ms at 512 rows) — but a quantized layer has no fp32 weight: it
 dequantize it first (~5.5 ms for one SmolLM2 layer's seven linears, ~350 ms for the 49152 x 576 Q8_0 head,
 at one thread), so the kernels win up to ~64-128 rows once that is counted (docs/benchmarks.md, "Offline
 throughput with quantized weights"). Products of up to :data:`KERNEL_MAX_ROWS` = 64 rows (decode batches,
-short prefill chunks) run on the kernels — :mod:`kernels.cpu`'s (int8 activations, as llama.cpp) up to
-:data:`NATIVE_MAX_ROWS` = 16 rows where the layer has that layout, torch's (bf16 activations: faster than
-the native ones past a few rows on the measured box, and closer to fp32) above; more rows (long prefill
+short prefill chunks) run on the kernels — :mod:`kernels.cpu`'s (int8 activations, as llama.cpp) where
+the layer has that layout, Q4_1-shaped layers up to :data:`NATIVE_MAX_ROWS` = 16 rows and torch's one-plane
+kernel above (bf16 activations: faster past a few rows on the measured box, and closer to fp32), Q8_0-shaped
+ones all the way (torch runs their two planes as two products: 1.5x slower at 16-64 rows); more rows (long prefill
 chunks) dequantize the weight to fp32 for the call and use the fp32 GEMM, with exact fp32 numbers, the fp32
 copy living only for that call. Kernel rows differ from the dequantized fp32 model by the rounding of
 activations and scales (measured in docs/benchmarks.md).
@@ -55,7 +56,7 @@ from torch import nn
 
 WEIGHT_FORMATS = ("fp32", "native", "int8", "int8-channel", "int4")
 KERNEL_MAX_ROWS = 64  # rows per product on the kernels; more dequantize (see the module docstring)
-NATIVE_MAX_ROWS = 16  # of those, rows on kernels.cpu's int8-activation kernels; more on torch's bf16 ones
+NATIVE_MAX_ROWS = 16  # of those, rows on kernels.cpu's Q4_1 kernel; more on torch's (Q8_0: the native one)
 _ROW_BLOCK = 64  # packing takes rows in multiples of 64 (the layout's blocks: packed_row_block())
 
 
@@ -124,13 +125,14 @@ class QuantLinear(nn.Module):
     out_features: int
     bias: torch.Tensor | None
     kernel_max_rows: int = KERNEL_MAX_ROWS
+    native_max_rows: int = NATIVE_MAX_ROWS  # of those, rows on the native kernel where the layer has one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] fp32 -> [..., out] fp32."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= self.kernel_max_rows:
-            native = self._native() if x2.shape[0] <= NATIVE_MAX_ROWS else None
+            native = self._native() if x2.shape[0] <= self.native_max_rows else None
             out = native(x2) if native is not None else self._kernel(x2.to(torch.bfloat16)).float()
             if self.bias is not None:
                 out = out + self.bias
@@ -173,6 +175,8 @@ class Int4Linear(QuantLinear):
                              f"in groups of {group_size}")
         self.in_features, self.out_features, self.group_size, self.kind = in_features, n, group_size, kind
         self.planes = planes
+        if len(planes) == 2:  # torch runs two products where the native Q8_0 kernel runs one: 1.5x at 16-64 rows
+            self.native_max_rows = KERNEL_MAX_ROWS
         self._kernel_scales = [p.kernel_scales() for p in planes]
         self._native_fn = None      # None: not looked at yet; False: not eligible (see _native)
         self._native_tensors: list[torch.Tensor] = []

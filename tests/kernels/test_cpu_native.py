@@ -113,6 +113,12 @@ def test_gguf_layers_run_natively_and_track_the_dequantized_product(kind):
     assert (y - ref).abs().max() <= 2e-2 * ref.abs().max()
     big = torch.randn(Q.KERNEL_MAX_ROWS + 1, 256)                    # prefill rows: the exact fp32 GEMM
     torch.testing.assert_close(lin(big), big @ dense.T, rtol=1e-6, atol=1e-6)
+    # between: Q4_1 past NATIVE_MAX_ROWS on torch's bf16 kernel, Q8_0 on the native kernel up to KERNEL_MAX_ROWS
+    mid = torch.randn(Q.KERNEL_MAX_ROWS, 256)
+    if kind == "Q4_1":
+        assert torch.equal(lin(mid), lin._kernel(mid.to(torch.bfloat16)).float())
+    else:
+        assert torch.equal(lin(mid), lin._native()(mid))
 
 
 def test_layers_fall_back_to_torch_where_not_eligible():

@@ -67,7 +67,7 @@ class SchedulerConfig:
 
 
 SPECULATIVE_METHODS = ("ngram",)
-CUDA_WEIGHT_FORMATS = ("bf16", "int4")
+CUDA_WEIGHT_FORMATS = ("bf16", "int4", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +155,11 @@ class EngineConfig:
             a ``cipherlm model quantize`` folder run as stored), "int8" (group-wise RTN at load),
             "int8-channel" (per-channel RTN) or "int4" (group-wise RTN, the head at int8).
         weight_group_size: columns per scale of "int4" / "int8" (32, 64, 128 or 256).
-        cuda_weight_format: what the layer GEMMs and the head read on CUDA: "bf16" (default) or "int4"
-            (group-wise RTN of ``weight_group_size`` at load, decode rows through ``kernels.gemv_int4``).
+        cuda_weight_format: what the layer GEMMs and the head read on CUDA: "bf16" (default), "int4"
+            (group-wise RTN of ``weight_group_size`` at load, decode rows through ``kernels.gemv_int4_w32``)
+            or "fp8" (e4m3 per output channel at load, ``engine.fp8``: up to 4 rows weight-only through
+            ``kernels.gemv_fp8``, more rows with per-token e4m3 activations through ``torch._scaled_mm``;
+            needs compute capability 8.9+).
         cuda_fused_rope_store: on CUDA, RoPE of q/k and the K/V store run as one kernel
             (``kernels.rope_store_kv``, issue 19.2; measured faster, docs/benchmarks.md); False: two kernels.
         cuda_gemv_prologues: on CUDA, fold the RMSNorms and SiLU·mul into the prologue of the GEMV kernels

@@ -267,6 +267,11 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.weight_format != "fp32":
             raise ParallelConfigError("tensor parallelism shards fp32/bf16 weights: weight_format must be "
                                       f"'fp32', got {self.weight_format!r}")
+        # a quantized CUDA head would replace the vocabulary-parallel one and drop its gather of the ranks' logits
+        if self.tensor_parallel_size > 1 and self.cuda_weight_format != "bf16":
+            raise ParallelConfigError("tensor parallelism shards bf16 weights: cuda_weight_format must be "
+                                      f"'bf16', got {self.cuda_weight_format!r}")
+
 
     def _check_weight_format(self) -> None:
         from engine.quant import WEIGHT_FORMATS

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import kernels
 from engine.engine_config import EngineConfig
+from engine.errors import ParallelConfigError
 from engine.fp8 import GEMV_MAX_ROWS, Fp8Linear, check_device
 from engine.fused import FusedLlama
 from tests.engine.engine_helpers import random_prompts, tiny_model
@@ -113,3 +114,5 @@ def test_config_accepts_fp8_and_refuses_others():
     with pytest.raises(ValueError, match="exclude"):
         FusedLlama(tiny_model("llama-gqa"), int4_group=16, fp8=True)
     check_device(torch.device("cpu"))  # CPU runs the references: never refused
+    with pytest.raises(ParallelConfigError, match="cuda_weight_format"):  # the head's vocabulary gather
+        EngineConfig(device="cpu", tensor_parallel_size=2, cuda_weight_format="fp8")

@@ -48,7 +48,9 @@ MM_ALIGN = 16         # torch._scaled_mm: K and N multiples of 16
 def quantize_fp8_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`quantize_fp8_rows`: (q [M, K] e4m3, scale [M, 1] fp32), x ~ q * scale."""
     xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    amax = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX)
+    # a tensor divisor: torch on CUDA divides by a Python scalar as a multiply by its reciprocal (not IEEE)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (xf * torch.reciprocal(scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

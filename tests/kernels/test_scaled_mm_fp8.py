@@ -58,9 +58,10 @@ def test_reference_rounds_to_nearest_within_half_a_step():
 def test_triton_quantizer_stores_the_references_bytes(k, dtype):
     x = wide_rows(7, k, seed=k, dtype=dtype).to(DEVICE)
     q, s = quantize_fp8_rows(x, backend="triton")
-    qr, sr = quantize_fp8_rows_reference(x)
-    assert torch.equal(s, sr)
-    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    for ref_x in (x, x.cpu()):  # the reference on x's device and on the CPU
+        qr, sr = quantize_fp8_rows_reference(ref_x)
+        assert torch.equal(s.cpu(), sr.cpu())
+        assert torch.equal(q.view(torch.uint8).cpu(), qr.view(torch.uint8).cpu())
 
 
 def test_gemm_is_the_product_of_the_quantized_operands():

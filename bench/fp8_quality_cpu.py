@@ -38,15 +38,16 @@ class RowsPath(nn.Module):
     def __init__(self, fused: FusedLlama, weight_only: bool) -> None:
         super().__init__()
         self.fused, self.config = fused, fused.config
-        self.max_rows = 1 << 30 if weight_only else 0
+        self.max_rows = 1 << 40 if weight_only else 0
 
     @contextlib.contextmanager
     def _path(self):
-        saved, engine.fp8.GEMV_MAX_ROWS = engine.fp8.GEMV_MAX_ROWS, self.max_rows
+        saved = engine.fp8.GEMV_MAX_ROWS, engine.fp8.GEMV_MAX_BYTES
+        engine.fp8.GEMV_MAX_ROWS = engine.fp8.GEMV_MAX_BYTES = self.max_rows
         try:
             yield
         finally:
-            engine.fp8.GEMV_MAX_ROWS = saved
+            engine.fp8.GEMV_MAX_ROWS, engine.fp8.GEMV_MAX_BYTES = saved
 
     def forward(self, *args):
         with self._path():

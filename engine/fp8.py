@@ -5,11 +5,12 @@ its compressed-tensors ``FP8_DYNAMIC``): each weight is quantized once, at load,
 one fp32 scale per output channel (``scale[n] = amax_k |w[n, k]| / 448``); activations are quantized per
 token at run time. Which kernel a product takes depends on its rows:
 
-* up to :data:`GEMV_MAX_ROWS` rows (batch-1 decode and the smallest decode batches):
-  ``kernels.gemv_fp8``, weight-only: the bf16 activations are not rounded to fp8, the GEMV streams one byte
-  per weight (half of bf16's) and the tensor cores would idle at one row anyway;
+* one row (batch-1 decode), or up to :data:`GEMV_MAX_ROWS` rows while rows x weight bytes stay under
+  :data:`GEMV_MAX_BYTES` (small decode batches on the smaller GEMMs): ``kernels.gemv_fp8``, weight-only:
+  the bf16 activations are not rounded to fp8, the GEMV streams one byte per weight (half of bf16's) and
+  the tensor cores would idle at one row anyway;
 * more rows, K and N multiples of 16: ``kernels.scaled_mm_fp8``, W8A8 — per-token e4m3 activations and
-  ``torch._scaled_mm`` on the fp8 tensor cores (twice the bf16 matrix rate on Hopper);
+  ``torch._scaled_mm`` on the fp8 tensor cores (1372 vs 786 TFLOP/s bf16 measured on an H100, 8192^3);
 * more rows, other shapes (a vocabulary such as 97 that is no multiple of 16): a transient dequantized copy
   of the weight and ``F.linear``, as the int4 layers prefill.
 
@@ -29,8 +30,13 @@ import torch.nn.functional as F
 import kernels
 from engine.errors import UnsupportedModelError
 
-# rows up to which a product runs the weight-only GEMV (it re-reads W from L2 per row); more: W8A8 GEMM
+# which products run the weight-only GEMV: one row always; up to GEMV_MAX_ROWS rows while rows x weight bytes
+# stay under GEMV_MAX_BYTES (the GEMV re-reads W per row; the W8A8 path costs ~7-25 us at any few rows).
+# Fitted to the H100 run of 2026-12-06 (docs/benchmarks.md, "FP8 weights on the GPU"): at 2 rows the GEMV
+# won on every Llama-1B / Qwen-0.5B layer GEMM but Llama's gate_up (64 MiB) and the heads; at 4 rows on
+# those under ~35 MB. Measured per GEMM, not yet as engine steps at batch 2 and 4.
 GEMV_MAX_ROWS = 4
+GEMV_MAX_BYTES = 48 << 20
 MIN_CAPABILITY = (8, 9)
 
 
@@ -60,7 +66,8 @@ class Fp8Linear:
         return n % 16 == 0 and k % 16 == 0
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] <= GEMV_MAX_ROWS:
+        rows = x.shape[0]
+        if rows == 1 or (rows <= GEMV_MAX_ROWS and rows * self.weight.numel() <= GEMV_MAX_BYTES):
             return kernels.gemv_fp8(x, self.weight, self.scale, bias)
         if self.gemm_ok:
             return kernels.scaled_mm_fp8(x, self.weight, self.scale, bias)

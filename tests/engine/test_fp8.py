@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import engine.fp8
 import kernels
 from engine.engine_config import EngineConfig
 from engine.errors import ParallelConfigError
@@ -32,8 +33,8 @@ def test_quantize_is_per_channel_round_to_nearest():
 
 
 def test_rows_pick_the_path():
-    """Up to GEMV_MAX_ROWS rows: weight-only (x not rounded); more: W8A8; a shape _scaled_mm refuses:
-    the dequantized weight."""
+    """One row, or up to GEMV_MAX_ROWS rows of a small weight: weight-only (x not rounded); more: W8A8; a
+    shape _scaled_mm refuses: the dequantized weight."""
     lin = Fp8Linear.quantize(torch.randn(48, 96))
     deq = lin.dequantize(torch.float32)
     bias = torch.randn(48)
@@ -42,6 +43,15 @@ def test_rows_pick_the_path():
     many = torch.randn(GEMV_MAX_ROWS + 1, 96)
     torch.testing.assert_close(lin(many, bias), kernels.scaled_mm_fp8_reference(many, lin.weight, lin.scale, bias))
     assert not torch.allclose(lin(many, bias), F.linear(many, deq, bias), rtol=1e-4, atol=1e-4)
+    engine.fp8.GEMV_MAX_BYTES, saved = 2 * 48 * 96, engine.fp8.GEMV_MAX_BYTES  # 2 rows of this weight
+    try:  # more rows x weight bytes than the limit: W8A8 even under GEMV_MAX_ROWS; one row: always the GEMV
+        torch.testing.assert_close(lin(few[:3], bias), kernels.scaled_mm_fp8_reference(few[:3], lin.weight,
+                                                                                      lin.scale, bias))
+        torch.testing.assert_close(lin(few[:2], bias), F.linear(few[:2], deq, bias))
+        engine.fp8.GEMV_MAX_BYTES = 0
+        torch.testing.assert_close(lin(few[:1], bias), F.linear(few[:1], deq, bias))
+    finally:
+        engine.fp8.GEMV_MAX_BYTES = saved
     odd = Fp8Linear.quantize(torch.randn(97, 96))            # 97 output rows: not a multiple of 16
     assert not odd.gemm_ok
     torch.testing.assert_close(odd(many), F.linear(many, odd.dequantize(torch.float32)))

@@ -16,7 +16,6 @@ from .gemv import (
     gemv_silu_mul_reference,
 )
 from .gemv_fp8 import (
-    FP8_DTYPE,
     GemvFp8Tuning,
     dequantize_fp8_rows,
     gemv_fp8,
@@ -42,7 +41,6 @@ from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_r
 from .rope import rope, rope_reference
 from .rope_store_kv import rope_store_kv, rope_store_kv_reference
 from .scaled_mm_fp8 import (
-    FP8_MAX,
     quantize_fp8_rows,
     quantize_fp8_rows_reference,
     scaled_mm_fp8,
@@ -60,8 +58,6 @@ __all__ = [
     "gemv_rms_norm_reference",
     "gemv_silu_mul",
     "gemv_silu_mul_reference",
-    "FP8_DTYPE",
-    "FP8_MAX",
     "GemvFp8Tuning",
     "dequantize_fp8_rows",
     "gemv_fp8",

@@ -28,6 +28,8 @@ def test_exported_members():
         "repack_int4_w32", "set_tuning_int4_w32", "tuning_int4_w32",
         "gemv_rms_norm", "gemv_rms_norm_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
         "gemv_int4_w32_rms_norm", "gemv_int4_w32_silu_mul", "rope_store_kv", "rope_store_kv_reference",
+        "GemvFp8Tuning", "dequantize_fp8_rows", "gemv_fp8", "gemv_fp8_reference", "set_tuning_fp8", "tuning_fp8",
+        "quantize_fp8_rows", "quantize_fp8_rows_reference", "scaled_mm_fp8", "scaled_mm_fp8_reference",
     ])
     for name in kernels.__all__:
         assert getattr(kernels, name).__module__.startswith("kernels.")

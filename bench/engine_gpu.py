@@ -15,8 +15,13 @@ resident weight bytes, and (after the first dtype) the quality of the fp8 engine
 128-token prompts, 32 greedy steps with logprobs=5, how many steps agree before the tokens part and how far
 the logprobs of the reference's tokens move until then.
 
+With ``--weight-format fp8`` (or int4) our engine runs ``EngineConfig.cuda_weight_format`` of that name; the
+floors then count the weight bytes as stored (``step_weight_bytes``) and, for fp8, the GEMM FLOPs at the
+fp8 matrix peak measured at the start of the run (``matmul_peaks``).
+
 Usage: python bench/engine_gpu.py [--shapes qwen2.5-0.5b,llama3.2-1b] [--concurrency 1,64,256]
-                                   [--hf-concurrency 256] [--kv-cache-dtype auto,fp8_e4m3] [--json out.json]
+                                   [--hf-concurrency 256] [--kv-cache-dtype auto,fp8_e4m3]
+                                   [--weight-format bf16|fp8|int4] [--json out.json]
 """
 
 from __future__ import annotations
@@ -292,21 +297,50 @@ def profile_shape(llm: LLM, vocab: int) -> dict:
     return res
 
 
+def step_weight_bytes(llm: LLM) -> tuple[int, int]:
+    """(bytes a decode step reads for weights, GEMM parameters): every layer GEMM and the head as stored
+    (bf16, int4 or fp8 with their scales), norms and biases; the embedding table is read one row a token
+    (for a tied bf16 model the head is that table: the sum is then every parameter once)."""
+    from engine.fused import weight_nbytes
+
+    fused = llm.engine.runner.model
+    nbytes, params = 0, 0
+    for w in fused.fused:
+        for t in (w.qkv, w.gate_up, w.o, w.down):
+            nbytes += weight_nbytes(t)
+    head = fused.quant_head if fused.quant_head is not None else fused.base.lm_head.weight
+    nbytes += weight_nbytes(head)
+    for name, p in fused.base.named_parameters():
+        if "norm" in name or name.endswith("bias"):
+            nbytes += p.numel() * p.element_size()
+    cfg = fused.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    params = cfg.num_hidden_layers * h * (q + 2 * kv + 2 * i + q + i) + cfg.vocab_size * h
+    return nbytes + cfg.hidden_size * 2, params
+
+
 def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_conc: list[int],
-                kv_cache_dtype: str = "auto", quality_ref: list | None = None) -> dict:
+                kv_cache_dtype: str = "auto", quality_ref: list | None = None,
+                peaks: dict[str, float] | None = None) -> dict:
     """One shape with one KV dtype; ``quality_ref``: the greedy runs of the first KV dtype to compare with
-    (appended to when empty)."""
+    (appended to when empty); ``peaks``: measured matrix rates by weight format (fp8 rows)."""
     cfg = ModelConfig(**SHAPES[name])
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     model = random_model(cfg)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     res: dict = {"shape": name, "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
-                 "kv_cache_dtype": kv_cache_dtype, "weights_resident_bytes": torch.cuda.memory_allocated() - before}
+                 "weight_format": WEIGHT_FORMAT["fmt"], "kv_cache_dtype": kv_cache_dtype,
+                 "weights_resident_bytes": torch.cuda.memory_allocated() - before}
     hf = hf_twin(model) if with_hf else None
     t0 = time.perf_counter()
     llm = build_llm(cfg, model, kv_cache_dtype)
     res["engine_init_s"] = time.perf_counter() - t0
+    fmt = WEIGHT_FORMAT["fmt"]
+    weight_bytes, params = step_weight_bytes(llm)
+    peak = (peaks or {}).get(fmt if fmt == "fp8" else "bf16", PEAK_FLOPS)
+    res.update(step_weight_bytes=weight_bytes, gemm_params=params, peak_flops=peak,
+               resident_weight_bytes=llm.engine.runner.model.resident_weight_bytes())
     res["num_kv_blocks"] = llm.engine.num_blocks
     res.update(kv_memory(llm))
     kv_elem = llm.engine.runner.kv.k[0].element_size()
@@ -326,7 +360,8 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
                                                                           ignore_eos=True))
         dt, tok = run_ours(llm, prompts(c, cfg.vocab_size, c))
         res[f"ours_c{c}_tok_s"] = tok / dt
-        res[f"ours_c{c}_job_floor_share"] = job_floor_s(cfg, weight_bytes, c, bw, kv_elem) / dt
+        res[f"ours_c{c}_job_floor_s"] = job_floor_s(cfg, weight_bytes, c, bw, params, peak, kv_elem)
+        res[f"ours_c{c}_job_floor_share"] = res[f"ours_c{c}_job_floor_s"] / dt
         print(name, kv_cache_dtype, "ours", c, tok / dt,
               f"{100 * res[f'ours_c{c}_job_floor_share']:.1f} % of the job floor", flush=True)
     step = decode_step_time(llm, cfg.vocab_size)
@@ -345,7 +380,7 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
                 how, dt, tok = run_peer(hf, c, cfg.vocab_size)
                 res[f"hf_c{c}_setting"] = how
                 res[f"hf_c{c}_tok_s"] = tok / dt
-                res[f"hf_c{c}_job_floor_share"] = job_floor_s(cfg, weight_bytes, c, bw) / dt
+                res[f"hf_c{c}_job_floor_share"] = job_floor_s(cfg, weight_bytes, c, bw, params, peak) / dt
                 res[f"ratio_c{c}"] = res[f"ours_c{c}_tok_s"] / res[f"hf_c{c}_tok_s"]
                 print(name, "hf", how, c, tok / dt, flush=True)
             except Exception as exc:  # noqa: BLE001 - record and go on
@@ -361,6 +396,7 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
 # the issue-19.2 switches of the engine under test (--fusions): on = the engine's defaults, off = none of
 # them (EngineConfig.cuda_fused_rope_store, cuda_gemv_prologues, cuda_one_pass_decode_tokens)
 DECODE_FUSIONS = {"on": True}
+WEIGHT_FORMAT = {"fmt": "bf16"}  # EngineConfig.cuda_weight_format of our engine (--weight-format)
 
 
 def kv_memory(llm: LLM) -> dict:
@@ -401,6 +437,7 @@ def build_llm(cfg: ModelConfig, model: LlamaForCausalLM, kv_cache_dtype: str = "
     return LLM(model, engine_config=EngineConfig(device="cuda", max_num_seqs=256, max_num_batched_tokens=8192,
                                                  gpu_memory_utilization=0.45, max_model_len=4096,
                                                  kv_cache_dtype=kv_cache_dtype,
+                                                 cuda_weight_format=WEIGHT_FORMAT["fmt"],
                                                  **({} if DECODE_FUSIONS["on"] else dict(
                                                      cuda_fused_rope_store=False, cuda_gemv_prologues=False,
                                                      cuda_one_pass_decode_tokens=0))))
@@ -485,14 +522,32 @@ def summary_line(res: dict) -> str:
 PEAK_FLOPS = 790e12  # bf16 dense, measured on the H200 here (docs/benchmarks.md, KINDS.md)
 
 
-def job_floor_s(cfg: ModelConfig, weight_bytes: int, c: int, bw: float, kv_elem: int = 2) -> float:
+def job_floor_s(cfg: ModelConfig, weight_bytes: int, c: int, bw: float, params: float | None = None,
+                peak: float = PEAK_FLOPS, kv_elem: int = 2) -> float:
     """The whole job's floor for c requests: prefill FLOPs at the matrix peak, then OUTPUT_LEN decode steps
-    each at max(weights + the c sequences' K/V at the mean context over bandwidth, 2 x params x c FLOPs);
+    each at max(weights + the c sequences' K/V at the mean context over bandwidth, 2 x params x c FLOPs).
+    ``params``: GEMM parameters (default: bf16 bytes / 2); ``peak``: the matrix rate of the weights' format;
     ``kv_elem``: bytes per cached value (2: bf16, 1: fp8, whose floor is lower)."""
-    params = weight_bytes / 2
-    prefill = 2 * params * c * PROMPT_LEN / PEAK_FLOPS
-    step = max((weight_bytes + c * kv_bytes(cfg, kv_elem)) / bw, 2 * params * c / PEAK_FLOPS)
+    params = weight_bytes / 2 if params is None else params
+    prefill = 2 * params * c * PROMPT_LEN / peak
+    step = max((weight_bytes + c * kv_bytes(cfg, kv_elem)) / bw, 2 * params * c / peak)
     return prefill + OUTPUT_LEN * step
+
+
+def matmul_peaks(n: int = 8192) -> dict[str, float]:
+    """Dense matrix rates (FLOP/s) on random data, median of 10: bf16 ``torch.mm`` and fp8 e4m3
+    ``torch._scaled_mm`` with row-wise scales (the engine's fp8 GEMM), n x n x n."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    qa, qb = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    runs = {"bf16": lambda: torch.mm(a, b),
+            "fp8": lambda: torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)}
+    out = {}
+    for name, fn in runs.items():
+        fn()
+        out[name] = 2 * n**3 / _median_ms([timed(fn) for _ in range(10)])
+    return out
 
 
 def kv_bytes(cfg: ModelConfig, kv_elem: int = 2) -> int:
@@ -514,14 +569,20 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="comma list of EngineConfig.kv_cache_dtype values, each shape run once per value (e.g. "
                          "auto,fp8_e4m3: the second is compared with the first for quality)")
+    ap.add_argument("--weight-format", choices=("bf16", "int4", "fp8"), default="bf16",
+                    help="EngineConfig.cuda_weight_format of our engine")
     args = ap.parse_args()
     DECODE_FUSIONS["on"] = args.fusions == "on"
+    WEIGHT_FORMAT["fmt"] = args.weight_format
     import transformers
 
     bw = copy_bandwidth()
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "transformers": transformers.__version__,
            "copy_bandwidth_GBps": bw / 1e9, "decode_fusions": DECODE_FUSIONS["on"], "results": []}
+    # fp8 rows: the GEMM FLOPs at the fp8 peak measured here; bf16 rows keep PEAK_FLOPS (as before)
+    peaks = {"fp8": matmul_peaks()["fp8"]} if args.weight_format == "fp8" else None
+    out["peak_flops"] = peaks
     print(json.dumps(out), flush=True)
     if args.profile:
         out["profile"] = profile_main(args.shapes.split(","), bw)
@@ -535,7 +596,8 @@ def main() -> None:
         hf_conc = [int(c) for c in args.hf_concurrency.split(",")] if args.hf_concurrency else conc
         quality_ref: list | None = [] if len(kv_dtypes) > 1 else None
         for i, kv in enumerate(kv_dtypes):  # the peer runs once per shape, beside the first KV dtype
-            out["results"].append(bench_shape(name, conc, bw, not args.no_hf and i == 0, hf_conc, kv, quality_ref))
+            out["results"].append(bench_shape(name, conc, bw, not args.no_hf and i == 0, hf_conc, kv, quality_ref,
+                                              peaks))
             print(json.dumps(out["results"][-1], indent=1), flush=True)
             if args.json:
                 with open(args.json, "w") as fh:

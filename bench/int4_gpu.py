@@ -1,4 +1,4 @@
-"""Batch-1 decode with int4 weights vs bf16 on the GPU (random weights in real model shapes).
+"""Batch-1 decode with int4 or fp8 weights vs bf16 on the GPU (random weights in real model shapes).
 
 Per shape and weight format (``EngineConfig.cuda_weight_format``): the engine's batch-1 decode step
 (host clock, a 128-token prompt then 256 greedy tokens: ``bench/engine_gpu.py``'s ``decode_step_time``),
@@ -10,6 +10,7 @@ Each layer GEMM alone, in CUDA graphs: ``bench/gemv_int4_gpu.py`` (which also ru
     python bench/int4_gpu.py --shapes llama3.2-1b --json bench/results/int4_gpu.json
     python bench/int4_gpu.py --shapes llama3.2-1b,qwen2.5-0.5b --profile   # + each row's kernels per step
     python bench/int4_gpu.py --variants off,rope,prologues,all   # without / with the issue-19.2 fusions
+    python bench/int4_gpu.py --formats bf16,fp8,int4               # EngineConfig.cuda_weight_format values
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from bench.engine_gpu import (
 )
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine.fused import Int4Weight
+from engine.fused import weight_nbytes
 from engine.llm import LLM
 
 NOMINAL_BW = 4.8e12
@@ -46,9 +47,9 @@ def step_bytes(llm: LLM, cfg: ModelConfig) -> int:
     total = 0
     for w in fused.fused:
         for t in (w.qkv, w.gate_up, w.o, w.down):
-            total += t.nbytes() if isinstance(t, Int4Weight) else t.numel() * t.element_size()
-    head = fused.head_int4
-    total += head.nbytes() if head is not None else fused.base.lm_head.weight.numel() * 2
+            total += weight_nbytes(t)
+    head = fused.quant_head
+    total += weight_nbytes(head) if head is not None else fused.base.lm_head.weight.numel() * 2
     return total + cfg.hidden_size * 2 + kv_bytes(cfg)
 
 
@@ -71,10 +72,14 @@ def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: s
         replay = graph_replay_ms(llm, 1)
     nbytes = step_bytes(llm, cfg)
     row = {"shape": name, "format": fmt, "variant": variant, "step_ms": step * 1e3, "tok_per_s": 1 / step,
-           "replay_ms": replay, "step_bytes": nbytes, "floor_ms_nominal": nbytes / NOMINAL_BW * 1e3,
+           "replay_ms": replay, "step_bytes": nbytes,
+           "resident_weight_bytes": llm.engine.runner.model.resident_weight_bytes(),
+           "floor_ms_nominal": nbytes / NOMINAL_BW * 1e3,
            "floor_ms_measured": nbytes / bw * 1e3}
     row["share_nominal"] = row["floor_ms_nominal"] / row["step_ms"]
     row["replay_share_nominal"] = row["floor_ms_nominal"] / replay
+    row["share_measured"] = row["floor_ms_measured"] / row["step_ms"]
+    row["replay_share_measured"] = row["floor_ms_measured"] / replay
     if profile:  # where the batch-1 graph's time goes, kernel by kernel (torch.profiler over 20 replays)
         with torch.inference_mode():
             row["kernels"] = kernel_profile(llm, 1)
@@ -89,6 +94,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama3.2-1b")
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="also the batch-1 graph's kernels, per row")
+    ap.add_argument("--formats", default="bf16,int4", help="cuda_weight_format values, comma-separated")
     ap.add_argument("--variants", default="default",
                     help=f"issue-19.2 switches per row, comma-separated: default or of {sorted(VARIANTS)}")
     args = ap.parse_args()
@@ -96,7 +102,7 @@ def main() -> None:
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     res = {"copy_bw": bw, "engine": []}
     for name in args.shapes.split(","):
-        for fmt in ("bf16", "int4"):
+        for fmt in args.formats.split(","):
             for variant in args.variants.split(","):
                 row = engine_row(name, fmt, bw, args.profile, variant)
                 print(json.dumps(row), flush=True)

@@ -67,7 +67,7 @@ class SchedulerConfig:
 
 
 SPECULATIVE_METHODS = ("ngram",)
-CUDA_WEIGHT_FORMATS = ("bf16", "int4")
+CUDA_WEIGHT_FORMATS = ("bf16", "int4", "fp8")
 # "auto": the pools hold the model dtype; "fp8_e4m3" ("fp8", as vLLM spells it too): float8_e4m3fn values
 # with static per-(layer, KV head) scales for K and V (engine.kv_cache.calibrate_kv_scales)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
@@ -158,8 +158,11 @@ class EngineConfig:
             a ``cipherlm model quantize`` folder run as stored), "int8" (group-wise RTN at load),
             "int8-channel" (per-channel RTN) or "int4" (group-wise RTN, the head at int8).
         weight_group_size: columns per scale of "int4" / "int8" (32, 64, 128 or 256).
-        cuda_weight_format: what the layer GEMMs and the head read on CUDA: "bf16" (default) or "int4"
-            (group-wise RTN of ``weight_group_size`` at load, decode rows through ``kernels.gemv_int4``).
+        cuda_weight_format: what the layer GEMMs and the head read on CUDA: "bf16" (default), "int4"
+            (group-wise RTN of ``weight_group_size`` at load, decode rows through ``kernels.gemv_int4_w32``)
+            or "fp8" (e4m3 per output channel at load, ``engine.fp8``: up to 4 rows weight-only through
+            ``kernels.gemv_fp8``, more rows with per-token e4m3 activations through ``torch._scaled_mm``;
+            needs compute capability 8.9+).
         cuda_fused_rope_store: on CUDA, RoPE of q/k and the K/V store run as one kernel
             (``kernels.rope_store_kv``, issue 19.2; measured faster, docs/benchmarks.md); False: two kernels.
         cuda_gemv_prologues: on CUDA, fold the RMSNorms and SiLU·mul into the prologue of the GEMV kernels
@@ -277,6 +280,10 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
             raise ParallelConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported with tensor "
                                       "parallelism yet (each rank would calibrate its own heads' scales: untested)")
+        # a quantized CUDA head would replace the vocabulary-parallel one and drop its gather of the ranks' logits
+        if self.tensor_parallel_size > 1 and self.cuda_weight_format != "bf16":
+            raise ParallelConfigError("tensor parallelism shards bf16 weights: cuda_weight_format must be "
+                                      f"'bf16', got {self.cuda_weight_format!r}")
 
     def _check_weight_format(self) -> None:
         from engine.quant import WEIGHT_FORMATS

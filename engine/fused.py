@@ -8,6 +8,11 @@ attention), the O GEMM, add+RMSNorm, one gate/up GEMM, SiLU*mul and the down GEM
 built once per forward. A single-row batch (batch-1 decode) runs its layer GEMMs through
 ``kernels.gemv`` (weight-streaming, no split-K reduce kernel) rather than cuBLAS.
 
+Quantized weights (``EngineConfig.cuda_weight_format``): "int4" (group-wise RTN, :class:`Int4Weight`, decode
+rows through ``kernels.gemv_int4_w32``) or "fp8" (e4m3 with per-channel scales, :class:`engine.fp8.Fp8Linear`:
+decode rows weight-only through ``kernels.gemv_fp8``, more rows W8A8 through ``kernels.scaled_mm_fp8``). Both
+quantize the layer GEMMs and the LM head at load; the embedding keeps its 16-bit table.
+
 Decode fusions (issue 19.2): on the paged backend RoPE and the K/V store are one launch
 (``kernels.rope_store_kv``, ``fused_rope_store`` = ``EngineConfig.cuda_fused_rope_store``, on by default), for
 every batch; with ``gemv_prologues`` (``EngineConfig.cuda_gemv_prologues``, off by default: slower on an H100 at
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from engine.fp8 import Fp8Linear, check_device
 from engine.model import AttentionBackend, LlamaForCausalLM
 
 # rows up to which int4 weights go through the GEMV kernel (it re-reads W from L2 per row); more: dequantize
@@ -63,15 +69,18 @@ def quantize_int4_rtn(w: torch.Tensor, group: int) -> Int4Weight:
     return Int4Weight(*kernels.repack_int4_w32(kernels.pack_int4_rows(u), scale.half(), lo.half()))
 
 
+Weight = torch.Tensor | Int4Weight | Fp8Linear  # a layer GEMM's weight [N, K] as the fused forward holds it
+
+
 @dataclasses.dataclass
 class FusedLayerWeights:
     """One decoder layer's weights in the fused layout (views share storage with the model's parameters)."""
 
-    qkv: torch.Tensor | Int4Weight      # [(Hq + 2 Hkv) * D, hidden]
-    qkv_bias: torch.Tensor | None       # [(Hq + 2 Hkv) * D]
-    gate_up: torch.Tensor | Int4Weight  # [2 * I, hidden]
-    o: torch.Tensor | Int4Weight        # [hidden, Hq * D]
-    down: torch.Tensor | Int4Weight     # [hidden, I]
+    qkv: Weight                    # [(Hq + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D]
+    gate_up: Weight                # [2 * I, hidden]
+    o: Weight                      # [hidden, Hq * D]
+    down: Weight                   # [hidden, I]
 
 
 def _concat_into(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
@@ -101,22 +110,26 @@ def fuse_layer_weights(model: LlamaForCausalLM) -> list[FusedLayerWeights]:
 
 
 @torch.no_grad()
-def quantize_layer_weights(model: LlamaForCausalLM, fused: list[FusedLayerWeights], group: int) -> None:
-    """Replace every layer GEMM weight by its int4 form and free the bf16 copies (the model's own linears
-    then hold empty tensors: only the fused forward can run it)."""
+def quantize_layer_weights(model: LlamaForCausalLM, fused: list[FusedLayerWeights], quantize) -> None:
+    """Replace every layer GEMM weight by ``quantize(weight)`` and free the bf16 copies (the model's own
+    linears then hold empty tensors: only the fused forward can run it)."""
     for layer, w in zip(model.layers, fused, strict=True):
-        w.qkv, w.gate_up = quantize_int4_rtn(w.qkv, group), quantize_int4_rtn(w.gate_up, group)
-        w.o, w.down = quantize_int4_rtn(w.o, group), quantize_int4_rtn(w.down, group)
+        w.qkv, w.gate_up, w.o, w.down = (quantize(t) for t in (w.qkv, w.gate_up, w.o, w.down))
         attn, mlp = layer.self_attn, layer.mlp
         for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             lin.weight.data = lin.weight.data.new_empty(0)
+
+
+def weight_nbytes(w: Weight) -> int:
+    """Bytes a layer GEMM's weight occupies as stored (quantized data and scales)."""
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes()
 
 
 class FusedLlama(nn.Module):
     """Same interface as :class:`LlamaForCausalLM` for the runner: ``forward`` and ``logits``."""
 
     def __init__(self, model: LlamaForCausalLM, use_gemv: bool = True, int4_group: int | None = None,
-                 gemv_prologues: bool = False, fused_rope_store: bool = True) -> None:
+                 gemv_prologues: bool = False, fused_rope_store: bool = True, fp8: bool = False) -> None:
         super().__init__()
         self.base = model
         self.use_gemv = use_gemv  # single-row GEMMs through kernels.gemv (batch-1 decode) instead of cuBLAS
@@ -124,11 +137,21 @@ class FusedLlama(nn.Module):
         self.fused_rope_store = fused_rope_store  # RoPE + K/V store in one launch (paged backend)
         self.config = model.config
         self.fused = fuse_layer_weights(model)
-        # int4 weights: decode rows through kernels.gemv_int4_w32; the head too (the embedding keeps its copy)
-        self.head_int4: Int4Weight | None = None
+        # int4 / fp8 weights: the layer GEMMs and the head (the embedding keeps its copy)
+        self.quant_head: Int4Weight | Fp8Linear | None = None
+        if int4_group is not None and fp8:
+            raise ValueError("int4 and fp8 weights exclude each other")
+        quantize = None
         if int4_group is not None:
-            quantize_layer_weights(model, self.fused, int4_group)
-            self.head_int4 = quantize_int4_rtn(model.lm_head.weight, int4_group)
+            quantize = lambda w: quantize_int4_rtn(w, int4_group)  # noqa: E731
+        elif fp8:
+            check_device(model.lm_head.weight.device)
+            quantize = Fp8Linear.quantize
+        if quantize is not None:
+            quantize_layer_weights(model, self.fused, quantize)
+            self.quant_head = quantize(model.lm_head.weight)
+            if model.lm_head.weight is not model.model.embed_tokens.weight:  # untied: the 16-bit head goes
+                model.lm_head.weight.data = model.lm_head.weight.data.new_empty(0)
         cfg = model.config
         self._q, self._kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
 
@@ -184,7 +207,7 @@ class FusedLlama(nn.Module):
         q, k = kernels.rope(q, k, cos, sin)
         return backend.attend(attn.layer_idx, q, k, v)
 
-    def _silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor | Int4Weight) -> torch.Tensor:
+    def _silu_linear(self, gate_up: torch.Tensor, weight: Weight) -> torch.Tensor:
         """silu(gate) * up @ weight^T: one launch where the product is a GEMV row (decode fusions)."""
         if self.gemv_prologues and self._gemv_rows(gate_up, weight):
             if isinstance(weight, Int4Weight):
@@ -192,15 +215,19 @@ class FusedLlama(nn.Module):
             return kernels.gemv_silu_mul(gate_up, weight)
         return self._linear(kernels.silu_mul(gate_up), weight)
 
-    def _gemv_rows(self, x: torch.Tensor, weight: torch.Tensor | Int4Weight) -> bool:
-        """Whether x's rows go through a GEMV kernel (not cuBLAS / a dequantized copy) for this weight."""
+    def _gemv_rows(self, x: torch.Tensor, weight: Weight) -> bool:
+        """Whether x's rows go through a GEMV kernel with a prologue variant (not cuBLAS / a dequantized
+        copy) for this weight; fp8 has none (its norm and SiLU·mul run their own kernels)."""
+        if isinstance(weight, Fp8Linear):
+            return False
         if isinstance(weight, Int4Weight):
             return x.shape[0] <= INT4_GEMV_MAX_ROWS
         return self.use_gemv and x.shape[0] == 1 and x.is_cuda
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor | Int4Weight,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] @ weight[N, K]^T (+ bias): one row goes through the GEMV kernel, more through cuBLAS."""
+        if isinstance(weight, Fp8Linear):
+            return weight(x, bias)  # GEMV rows weight-only, more rows W8A8 (engine.fp8)
         if isinstance(weight, Int4Weight):
             if x.shape[0] <= INT4_GEMV_MAX_ROWS:
                 return kernels.gemv_int4_w32(x, weight.qweight, weight.scale_offset, bias)
@@ -213,9 +240,25 @@ class FusedLlama(nn.Module):
         """Final norm + head: hidden [T, hidden] -> logits [T, vocab] (fp32)."""
         norm = self.base.model.norm
         x = kernels.rms_norm(h, norm.weight, norm.eps)
-        if self.head_int4 is not None:
-            return self._linear(x, self.head_int4).float()
+        if self.quant_head is not None:
+            return self._linear(x, self.quant_head).float()
         return self.base.lm_head(x).float()
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes of every distinct tensor the forward holds for weights: parameters (norms, embedding, biases;
+        the bf16 layer GEMMs, whose fused tensors the parameters view), quantized data and scales."""
+        tensors = list(self.base.parameters())
+        for w in self.fused:
+            for t in (w.qkv, w.gate_up, w.o, w.down):
+                if isinstance(t, Int4Weight):
+                    tensors += [t.qweight, t.scale_offset]
+                elif isinstance(t, Fp8Linear):
+                    tensors += [t.weight, t.scale]
+        head = self.quant_head
+        if head is not None:
+            tensors += [head.qweight, head.scale_offset] if isinstance(head, Int4Weight) else [head.weight, head.scale]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
+        return sum(storages.values())
 
 
 def _reduce(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
@@ -226,9 +269,9 @@ def _reduce(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
 
 
 def fuse_for_cuda(model: LlamaForCausalLM, int4_group: int | None = None,
-                  gemv_prologues: bool = False, fused_rope_store: bool = True) -> FusedLlama:
-    """The model with the fused forward (the runner's choice on CUDA); ``int4_group``: int4 weights;
-    ``gemv_prologues``: norms / SiLU·mul in the GEMV rows' prologues; ``fused_rope_store``: RoPE + K/V store
-    in one launch."""
+                  gemv_prologues: bool = False, fused_rope_store: bool = True, fp8: bool = False) -> FusedLlama:
+    """The model with the fused forward (the runner's choice on CUDA); ``int4_group``: int4 weights; ``fp8``:
+    e4m3 weights (engine.fp8); ``gemv_prologues``: norms / SiLU·mul in the GEMV rows' prologues;
+    ``fused_rope_store``: RoPE + K/V store in one launch."""
     return FusedLlama(model, int4_group=int4_group, gemv_prologues=gemv_prologues,
-                      fused_rope_store=fused_rope_store)
+                      fused_rope_store=fused_rope_store, fp8=fp8)

@@ -16,6 +16,14 @@ from .gemv import (
     gemv_silu_mul,
     gemv_silu_mul_reference,
 )
+from .gemv_fp8 import (
+    GemvFp8Tuning,
+    dequantize_fp8_rows,
+    gemv_fp8,
+    gemv_fp8_reference,
+    set_tuning_fp8,
+    tuning_fp8,
+)
 from .gemv_int4 import GemvInt4Tuning, dequantize_int4_rows, gemv_int4, gemv_int4_reference, pack_int4_rows
 from .gemv_int4_w32 import (
     GemvInt4W32Tuning,
@@ -34,6 +42,12 @@ from .paged_prefill import paged_prefill_attention, paged_prefill_attention_refe
 from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from .rope import rope, rope_reference
 from .rope_store_kv import rope_store_kv, rope_store_kv_reference
+from .scaled_mm_fp8 import (
+    quantize_fp8_rows,
+    quantize_fp8_rows_reference,
+    scaled_mm_fp8,
+    scaled_mm_fp8_reference,
+)
 from .silu_mul import silu_mul, silu_mul_reference
 from .store_kv import store_kv, store_kv_reference
 
@@ -46,6 +60,16 @@ __all__ = [
     "gemv_rms_norm_reference",
     "gemv_silu_mul",
     "gemv_silu_mul_reference",
+    "GemvFp8Tuning",
+    "dequantize_fp8_rows",
+    "gemv_fp8",
+    "gemv_fp8_reference",
+    "quantize_fp8_rows",
+    "quantize_fp8_rows_reference",
+    "scaled_mm_fp8",
+    "scaled_mm_fp8_reference",
+    "set_tuning_fp8",
+    "tuning_fp8",
     "GemvInt4Tuning",
     "dequantize_int4_rows",
     "gemv_int4",

@@ -160,3 +160,60 @@ def test_fp8_kv_engine_stays_close_to_model_dtype_pools(dtype):
     a = _agreement(*runs)
     assert _good(a), a
     assert per_token[0] == per_token[1] * (4 if dtype == "float32" else 2)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied"])
+@torch.inference_mode()
+def test_fp8_fused_cuda_forward_matches_the_cpu_reference(variant):
+    """cuda_weight_format "fp8" (engine.fp8): the fused forward with e4m3 weights on CUDA (Triton GEMV for
+    the decode row, the Triton row quantizer + torch._scaled_mm for the 40-row prefill; the head of 97 rows
+    dequantizes) = the same forward on CPU, where the kernels run their torch references."""
+    import copy
+
+    from engine.fused import FusedLlama
+    from engine.model import DenseKVCache, rope_inv_freq
+
+    prompt = random_prompts([41], seed=5)[0]
+    ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
+    model = tiny_model(variant, seed=7)
+    ref = model.logits(model(ids, pos, DenseKVCache(model.config, len(prompt))))
+    cpu = FusedLlama(copy.deepcopy(model), fp8=True)
+    gpu_model = copy.deepcopy(model).to("cuda")
+    gpu_model.rotary.inv_freq = rope_inv_freq(gpu_model.config).cuda()
+    gpu = FusedLlama(gpu_model, fp8=True)
+    assert torch.equal(gpu.fused[0].qkv.weight.cpu().view(torch.uint8), cpu.fused[0].qkv.weight.view(torch.uint8))
+    got, want = [], []
+    for fused, dev, out in ((gpu, "cuda", got), (cpu, "cpu", want)):
+        cache = DenseKVCache(model.config, len(prompt), torch.float32, dev)
+        out.append(fused.logits(fused(ids[:40].to(dev), pos[:40].to(dev), cache)).cpu())
+        cache.advance()
+        out.append(fused.logits(fused(ids[40:].to(dev), pos[40:].to(dev), cache)).cpu())
+    got, want = torch.cat(got), torch.cat(want)
+    assert torch.isfinite(got).all()
+    assert float((got - want).norm() / want.norm()) < 2e-2       # bf16 GEMM output, other summation order
+    assert float((got[40] - want[40]).norm() / want[40].norm()) < 2e-2
+    assert float((got - ref).norm() / ref.norm()) < 0.1          # and near the unquantized model
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_fp8_engine_graphs_equal_eager(batch):
+    """The fp8 engine (bf16, every decode fusion switched on: fp8 has no prologue GEMVs and must fall back)
+    replays its decode graphs — GEMV rows at batch 1, the row quantizer + _scaled_mm at batch 8 — to the
+    eager steps' log-probs."""
+    prompts = random_prompts([5, 17, 33, 40, 9, 23, 12, 30][:batch], seed=6)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5)
+    outs = []
+    for graphs in (True, False):
+        llm = _engine(ALL_FUSIONS, cuda_weight_format="fp8", cuda_graphs=graphs)
+        assert bool(llm.engine.runner._graphs) == graphs
+        outs.append([o.outputs[0] for o in llm.generate(prompts, params)])
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    for on, off in zip(*outs, strict=True):
+        assert on.token_ids[0] == off.token_ids[0]               # the prefill: eager in both
+        a, b = on.logprobs[1], off.logprobs[1]                   # the first decode step: graph vs eager
+        scale = max(abs(v) for v in b.values())
+        common = set(a) & set(b)
+        assert len(common) >= 4
+        assert all(abs(a[t] - b[t]) < 2e-2 * scale for t in common)

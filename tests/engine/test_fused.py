@@ -63,7 +63,7 @@ def test_int4_fused_forward_is_the_dequantized_model():
         attn.o_proj.weight.data = w.o.dequantize(torch.float32)
         mlp.down_proj.weight.data = w.down.dequantize(torch.float32)
     deq.lm_head = torch.nn.Linear(deq.config.hidden_size, deq.config.vocab_size, bias=False)
-    deq.lm_head.weight.data = fused.head_int4.dequantize(torch.float32)
+    deq.lm_head.weight.data = fused.quant_head.dequantize(torch.float32)
     want = our_logits(deq, ids, chunks)
     got = our_logits(fused, ids, chunks)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -29,6 +29,8 @@ def test_exported_members():
         "gemv_rms_norm", "gemv_rms_norm_reference", "gemv_silu_mul", "gemv_silu_mul_reference",
         "gemv_int4_w32_rms_norm", "gemv_int4_w32_silu_mul", "rope_store_kv", "rope_store_kv_reference",
         "quantize_kv", "dequantize_kv",
+        "GemvFp8Tuning", "dequantize_fp8_rows", "gemv_fp8", "gemv_fp8_reference", "set_tuning_fp8", "tuning_fp8",
+        "quantize_fp8_rows", "quantize_fp8_rows_reference", "scaled_mm_fp8", "scaled_mm_fp8_reference",
     ])
     for name in kernels.__all__:
         assert getattr(kernels, name).__module__.startswith("kernels.")

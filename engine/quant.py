@@ -237,7 +237,7 @@ def _native_product(layer: Int4Linear):
         qs = native.q4_1_from_u(unpack_int4(p.packed))
         d, m = p.scale.contiguous(), p.offset.contiguous()
         layer._native_tensors, layer._native_operands = [qs], [qs, d, m]
-        return lambda x: native.q4_1_mm(x, qs, d, m)
+        return native.q4_1_linear(qs, d, m)
     if len(planes) == 2 and planes[1].scale.dtype == torch.float16 and not planes[1].offset.float().any():
         hi, lo = planes
         d = lo.scale.contiguous()
@@ -245,7 +245,7 @@ def _native_product(layer: Int4Linear):
             return None
         q = (16 * (unpack_int4(hi.packed).to(torch.int16) - 8) + unpack_int4(lo.packed)).to(torch.int8)
         layer._native_tensors, layer._native_operands = [q], [q, d]
-        return lambda x: native.q8_0_mm(x, q, d)
+        return native.q8_0_linear(q, d)
     return None
 
 

@@ -24,9 +24,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from kernels.errors import KernelInputError
 
 _SOURCE = Path(__file__).with_name("gemv_q.cpp")
 _NEEDED_FLAGS = ("avx2", "fma", "f16c")
@@ -99,23 +102,60 @@ def unavailable_reason() -> str | None:
     return _state["reason"]
 
 
-def _x(x: torch.Tensor) -> torch.Tensor:
+def _operands(*operands: tuple[str, torch.Tensor, torch.dtype, tuple[int, ...]]) -> None:
+    """Check each weight operand (name, tensor, dtype, shape) here: the C++ checks raise too, but an exception
+    thrown out of the extension has crashed the process on one machine (a CUDA torch build, inside pytest)."""
+    for name, t, dtype, shape in operands:
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise KernelInputError(f"{name} must be a contiguous {dtype} CPU tensor of shape {shape}, got "
+                                   f"{t.dtype} {tuple(t.shape)} on {t.device} (contiguous: {t.is_contiguous()})")
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [M, K] as the kernels take it (fp32, contiguous)."""
+    if x.dim() != 2 or x.shape[1] != k:
+        raise KernelInputError(f"x is {tuple(x.shape)}: it needs 2 dims and the weight's {k} columns")
     return x.float().contiguous()
+
+
+def _blocks(k: int) -> int:
+    if k % 32:
+        raise KernelInputError(f"K = {k} is not a whole number of 32-column blocks")
+    return k // 32
+
+
+def q4_1_linear(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The product ``x [M, K] -> x @ W.T [M, N]`` fp32 over a Q4_1 weight (qs uint8 [N, K/2], d/m fp16
+    [N, K/32]), the weight checked once here and each x per call (a layer's decode rows: ~0.3 us, not ~4)."""
+    n, k = qs.shape[0], 2 * qs.shape[-1]
+    g = (n, _blocks(k))
+    _operands(("qs", qs, torch.uint8, (n, k // 2)), ("d", d, torch.float16, g), ("m", m, torch.float16, g))
+    op = torch.ops.cipherlm_cpu.q4_1_mm
+    return lambda x: op(_rows(x, k), qs, d, m)
+
+
+def q8_0_linear(qs: torch.Tensor, d: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """As :func:`q4_1_linear` over a Q8_0 weight (qs int8 [N, K], d fp16 [N, K/32])."""
+    n, k = qs.shape[0], qs.shape[-1]
+    _operands(("qs", qs, torch.int8, (n, k)), ("d", d, torch.float16, (n, _blocks(k))))
+    op = torch.ops.cipherlm_cpu.q8_0_mm
+    return lambda x: op(_rows(x, k), qs, d)
 
 
 def q4_1_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ Q4_1 weight (qs uint8 [N, K/2], d/m fp16 [N, K/32]).T -> [M, N] fp32."""
-    return torch.ops.cipherlm_cpu.q4_1_mm(_x(x), qs, d, m)
+    return q4_1_linear(qs, d, m)(x)
 
 
 def q8_0_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ Q8_0 weight (qs int8 [N, K], d fp16 [N, K/32]).T -> [M, N] fp32."""
-    return torch.ops.cipherlm_cpu.q8_0_mm(_x(x), qs, d)
+    return q8_0_linear(qs, d)(x)
 
 
 def f32_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] fp32, for few rows M (decode): each weight row streamed once."""
-    return torch.ops.cipherlm_cpu.f32_mm(_x(x), w)
+    _operands(("w", w, torch.float32, tuple(w.shape)))
+    return torch.ops.cipherlm_cpu.f32_mm(_rows(x, w.shape[-1]), w)
 
 
 def decode_step(h: torch.Tensor, weights: list[torch.Tensor], num_layers: int, num_heads: int,
@@ -133,7 +173,8 @@ def decode_step(h: torch.Tensor, weights: list[torch.Tensor], num_layers: int, n
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' activation quantization: (qx int8 [M, K], dx [M, K/32], sx = dx * sum(qx) [M, K/32])."""
-    qx, dx, sx = torch.ops.cipherlm_cpu.quantize_q8(_x(x))
+    _blocks(x.shape[-1])
+    qx, dx, sx = torch.ops.cipherlm_cpu.quantize_q8(_rows(x, x.shape[-1]))
     return qx, dx, sx
 
 

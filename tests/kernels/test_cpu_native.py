@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, quants
 
 import kernels.cpu as native
 from engine import quant as Q
+from kernels.errors import KernelInputError
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
 
@@ -78,18 +79,28 @@ def test_activation_quantization_is_round_to_nearest_per_block():
 @needs_native
 def test_bad_arguments_raise_instead_of_crashing():
     _, qs, d, m = q4_1_weight(4, 64)
-    with pytest.raises(RuntimeError, match="columns"):
+    with pytest.raises(KernelInputError, match="columns"):
         native.q4_1_mm(torch.randn(1, 32), qs, d, m)
-    with pytest.raises(RuntimeError, match="fp16"):
+    with pytest.raises(KernelInputError, match="float16"):
         native.q4_1_mm(torch.randn(1, 64), qs, d.float(), m)
-    with pytest.raises(RuntimeError, match="int8"):
+    with pytest.raises(KernelInputError, match="int8"):
         native.q8_0_mm(torch.randn(1, 64), qs, d)
-    with pytest.raises(RuntimeError, match="columns"):
+    with pytest.raises(KernelInputError, match="columns"):
         native.f32_mm(torch.randn(1, 63), torch.randn(4, 64))
-    with pytest.raises(RuntimeError, match="fp32"):
+    with pytest.raises(KernelInputError, match="float32"):
         native.f32_mm(torch.randn(1, 64), torch.randn(4, 64).half())
-    with pytest.raises(RuntimeError, match="contiguous"):
+    with pytest.raises(KernelInputError, match="contiguous"):
         native.f32_mm(torch.randn(1, 64), torch.randn(64, 4).T)
+
+
+@needs_native
+def test_the_extension_checks_its_operands_too():
+    """The C++ checks behind the Python ones (a caller of torch.ops directly): a RuntimeError, not a crash."""
+    _, qs, d, m = q4_1_weight(4, 64)
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.cipherlm_cpu.q4_1_mm(torch.randn(1, 32), qs, d, m)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.cipherlm_cpu.f32_mm(torch.randn(1, 64), torch.randn(64, 4).T)
 
 
 def test_disabled_by_environment(monkeypatch):

@@ -160,7 +160,8 @@ def _decode_group_attention(q: torch.Tensor, kflat: torch.Tensor, vflat: torch.T
     grp = hq // hkv
     qh = q.view(bg, hkv, grp, d).transpose(0, 1).reshape(hkv * bg, grp, d)  # [Hkv*Bg, G, D]
     k = kflat.index_select(0, g.index).view(hkv * bg, g.length, d)           # [Hkv*Bg, L, D]
-    probs = torch.baddbmm(g.mask, qh, k.transpose(1, 2), alpha=scale).softmax(-1)  # [Hkv*Bg, G, L]
+    mask = g.mask if g.mask.dtype == qh.dtype else g.mask.to(qh.dtype)      # the plan's is fp32 (bf16 models)
+    probs = torch.baddbmm(mask, qh, k.transpose(1, 2), alpha=scale).softmax(-1)  # [Hkv*Bg, G, L]
     # probs @ V without gathering V: one weighted bag of pool rows per (head, row, query head)
     out = F.embedding_bag(g.bag_index, vflat, g.bag_offsets, mode="sum",
                           per_sample_weights=probs.view(-1))                 # [Hkv*Bg*G, D]

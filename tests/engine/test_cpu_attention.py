@@ -48,6 +48,21 @@ def test_decode_matches_reference(group_cost):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_runs_in_bf16():
+    """A bf16 CPU engine (EngineConfig.dtype) decodes several rows: the plan's fp32 mask meets bf16 q/K."""
+    ctx = [3, 29, 12]
+    kc, vc, tables = _pool_and_tables(ctx, seed=2)
+    q = torch.randn(len(ctx), HQ, D, generator=torch.Generator().manual_seed(3))
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(len(ctx), dtype=torch.long), num_decode=len(ctx),
+                             decode_block_tables=tables, decode_context_lens=lens)
+    plan = plan_step(meta, BS, HKV, len(ctx), HQ // HKV, 10**9)
+    got = decode_attention(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), plan, D ** -0.5)
+    ref = kernels.paged_decode_attention_reference(q, kc, vc, tables, lens, D ** -0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=3e-2, atol=3e-2)
+
+
 def test_prefill_with_and_without_earlier_context_matches_reference():
     q_lens, ctx = [9, 4, 13], [9, 22, 13]  # the second chunk sits behind 18 earlier tokens
     kc, vc, tables = _pool_and_tables(ctx, seed=2)

@@ -9,7 +9,8 @@ milliseconds (the build takes ~20 s on the 2-core CI box). No ninja, no build st
 compiler is found, the build fails, or ``CIPHERLM_NATIVE=0``; the reason is in :func:`unavailable_reason`.
 
 Launchers (fp32 ``x [M, K]`` in, fp32 ``[M, N]`` out; the weight's layout as in the source's header):
-:func:`q4_1_mm`, :func:`q8_0_mm`, :func:`f32_mm`; and :func:`decode_step`, a whole batch-1 decode step over
+:func:`q4_1_mm`, :func:`q8_0_mm`, :func:`f32_mm` (:func:`q4_1_linear` / :func:`q8_0_linear`: the same
+product bound to one weight, checked once); and :func:`decode_step`, a whole batch-1 decode step over
 those products (``engine.cpu_decode``). The quantized ones have a pure-torch reference (``*_ref``) that the
 tests compare it with: the quantized kernels quantize the activations per block of 32 to int8 as
 llama.cpp does (:func:`quantize_q8`), so the reference is the dequantized weight times those dequantized
@@ -154,8 +155,10 @@ def q8_0_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 def f32_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] fp32, for few rows M (decode): each weight row streamed once."""
+    if w.dim() != 2:
+        raise KernelInputError(f"w must be [N, K], got shape {tuple(w.shape)}")
     _operands(("w", w, torch.float32, tuple(w.shape)))
-    return torch.ops.cipherlm_cpu.f32_mm(_rows(x, w.shape[-1]), w)
+    return torch.ops.cipherlm_cpu.f32_mm(_rows(x, w.shape[1]), w)
 
 
 def decode_step(h: torch.Tensor, weights: list[torch.Tensor], num_layers: int, num_heads: int,

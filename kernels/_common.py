@@ -67,6 +67,15 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
         raise KernelInputError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
 
 
+def check_bias(bias: torch.Tensor | None, n: int, dtypes: tuple[torch.dtype, ...]) -> dict[str, torch.Tensor]:
+    """An optional bias [N] checked (KernelInputError) -> ``{"bias": bias}`` or ``{}``, for a launcher's tensors."""
+    if bias is None:
+        return {}
+    check_tensor("bias", bias, 1, dtypes)
+    check_shape("bias", bias, (n,))
+    return {"bias": bias}
+
+
 def check_same_device(**tensors: torch.Tensor) -> None:
     """Raise KernelInputError unless every tensor lives on one device."""
     devices = [t.device for t in tensors.values()]

@@ -22,6 +22,7 @@ from ._common import (
     HAS_TRITON,
     Backend,
     cdiv,
+    check_bias,
     check_same_device,
     check_same_dtype,
     check_shape,
@@ -105,11 +106,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     m, k = x.shape
     n = weight.shape[0]
     check_shape("weight", weight, (n, k))
-    tensors = dict(x=x, weight=weight)
-    if bias is not None:
-        check_tensor("bias", bias, 1, FLOAT_DTYPES)
-        check_shape("bias", bias, (n,))
-        tensors["bias"] = bias
+    tensors = dict(x=x, weight=weight, **check_bias(bias, n, FLOAT_DTYPES))
     check_same_dtype(**tensors)
     check_same_device(**tensors)
     return m, n, k

@@ -24,6 +24,7 @@ from ._common import (
     HAS_TRITON,
     Backend,
     cdiv,
+    check_bias,
     check_same_device,
     check_shape,
     check_tensor,
@@ -124,12 +125,7 @@ def _check(x, weight, scale, bias) -> tuple[int, int]:
     n, k = check_fp8_weight(weight, scale)
     if x.shape[1] != k:
         raise KernelInputError(f"x must have K={k} columns (the weight's), got shape {tuple(x.shape)}")
-    tensors = dict(x=x, weight=weight)
-    if bias is not None:
-        check_tensor("bias", bias, 1, (x.dtype,))
-        check_shape("bias", bias, (n,))
-        tensors["bias"] = bias
-    check_same_device(**tensors)
+    check_same_device(x=x, weight=weight, **check_bias(bias, n, (x.dtype,)))
     return x.shape[0], n
 
 

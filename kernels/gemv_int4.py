@@ -26,6 +26,7 @@ from ._common import (
     HAS_TRITON,
     Backend,
     cdiv,
+    check_bias,
     check_same_device,
     check_shape,
     check_tensor,
@@ -128,12 +129,7 @@ def _check(x, qweight, scale, offset, bias) -> tuple[int, int, int, int]:
     check_shape("offset", offset, tuple(scale.shape))
     if offset.stride() != scale.stride():
         raise KernelInputError(f"offset strides {offset.stride()} differ from scale strides {scale.stride()}")
-    tensors = dict(x=x, qweight=qweight, scale=scale, offset=offset)
-    if bias is not None:
-        check_tensor("bias", bias, 1, FLOAT_DTYPES)
-        check_shape("bias", bias, (n,))
-        tensors["bias"] = bias
-    check_same_device(**tensors)
+    check_same_device(x=x, qweight=qweight, scale=scale, offset=offset, **check_bias(bias, n, FLOAT_DTYPES))
     return m, n, k, k // scale.shape[1]
 
 

@@ -32,6 +32,7 @@ from ._common import (
     HAS_TRITON,
     Backend,
     cdiv,
+    check_bias,
     check_same_device,
     check_shape,
     check_tensor,
@@ -255,12 +256,7 @@ def _check(x, qweight, scale_offset, bias) -> tuple[int, int, int, int]:
     check_shape("scale_offset", scale_offset, (n, n_groups, 2))
     if not scale_offset.is_contiguous():
         raise KernelInputError("scale_offset must be contiguous")
-    tensors = dict(x=x, qweight=qweight, scale_offset=scale_offset)
-    if bias is not None:
-        check_tensor("bias", bias, 1, FLOAT_DTYPES)
-        check_shape("bias", bias, (n,))
-        tensors["bias"] = bias
-    check_same_device(**tensors)
+    check_same_device(x=x, qweight=qweight, scale_offset=scale_offset, **check_bias(bias, n, FLOAT_DTYPES))
     return m, n, k, k // n_groups
 
 

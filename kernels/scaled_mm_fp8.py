@@ -26,7 +26,8 @@ from ._common import (
     FLOAT_DTYPES,
     HAS_TRITON,
     Backend,
-    check_shape,
+    check_bias,
+    check_same_device,
     check_tensor,
     next_pow2,
     tl,
@@ -128,13 +129,7 @@ def _check(x, weight, scale, bias) -> tuple[int, int, int]:
         raise KernelInputError(f"x must have K={k} columns (the weight's), got shape {tuple(x.shape)}")
     if k % MM_ALIGN or n % MM_ALIGN:
         raise KernelInputError(f"the fp8 GEMM needs K and N multiples of {MM_ALIGN}, got K={k}, N={n}")
-    if x.device != weight.device:
-        raise KernelInputError(f"x and weight must be on one device, got {x.device} and {weight.device}")
-    if bias is not None:
-        check_tensor("bias", bias, 1, (x.dtype,))
-        check_shape("bias", bias, (n,))
-        if bias.device != x.device:
-            raise KernelInputError(f"bias must be on x's device {x.device}, got {bias.device}")
+    check_same_device(x=x, weight=weight, **check_bias(bias, n, (x.dtype,)))
     return x.shape[0], n, k
 
 

@@ -22,6 +22,24 @@ STEPS = (1, 5, P.slots - 3)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def _tiny_block(tokens: int):
+    """The tiny GQA model's layer 1 on a calibrated 2Quad plan, its key set and ``tokens`` encrypted inputs:
+    (model, config, plan, params, rotation steps, client, input ciphertexts)."""
+    from fhe.attention import BlockClient, required_rotation_steps
+    from fhe.params import ckks_params_for
+    from tests.fhe.test_attention import calibrated_plan, layer_input, tiny_model
+
+    model = tiny_model(bias=True)
+    cfg = model.config
+    x = layer_input(model, 1, torch.arange(tokens) % 7 + 3)
+    plan = calibrated_plan(model, 1, x, "2quad")
+    params = ckks_params_for("2quad", plan.approx.squarings)
+    steps = required_rotation_steps(cfg, params, "2quad", plan.approx.squarings)
+    client = CKKSClient(params, steps)
+    inputs = BlockClient.for_model(client, cfg, "2quad", plan.approx.squarings).encrypt_input(x)
+    return model, cfg, plan, params, steps, client, inputs
+
+
 def _body(position: int, hoist_steps=(1, 5)):
     """A step whose plaintexts depend on ``position``: products, rotations (hoisted too), relinearization,
     rescale, sums, a mod-switch, and input 1 passed through unchanged."""
@@ -132,18 +150,9 @@ def test_whole_step_graphs_on_cuda_are_the_eager_steps():
 @pytest.mark.gpu
 @cuda
 def test_attention_decode_steps_as_graphs_are_the_eager_steps():
-    from fhe.attention import BlockClient, EncryptedAttentionLayer, required_rotation_steps
-    from fhe.params import ckks_params_for
-    from tests.fhe.test_attention import calibrated_plan, layer_input, tiny_model
+    from fhe.attention import EncryptedAttentionLayer
 
-    model = tiny_model(bias=True)
-    cfg = model.config
-    x = layer_input(model, 1, torch.arange(12) % 7 + 3)
-    plan = calibrated_plan(model, 1, x, "2quad")
-    params = ckks_params_for("2quad", plan.approx.squarings)
-    steps = required_rotation_steps(cfg, params, "2quad", plan.approx.squarings)
-    client = CKKSClient(params, steps)
-    inputs = BlockClient.for_model(client, cfg, "2quad", plan.approx.squarings).encrypt_input(x)
+    model, cfg, plan, params, steps, client, inputs = _tiny_block(12)
     outs = []
     for on in (False, True):
         ev = GpuEvaluator(params, device="cuda", encoder="fft", step_graphs=on)
@@ -177,18 +186,9 @@ def test_an_input_relabelled_in_the_step_is_a_new_output():
 def test_attention_steps_through_run_step_on_the_cpu_reference_are_the_eager_steps():
     """The block's wiring (its step as a function of ciphertexts, the cache rebuilt from the outputs) through the
     CPU reference's fed run: 3 tokens (the first token's own path, then rolls into its block); ~4 min here."""
-    from fhe.attention import BlockClient, EncryptedAttentionLayer, required_rotation_steps
-    from fhe.params import ckks_params_for
-    from tests.fhe.test_attention import calibrated_plan, layer_input, tiny_model
+    from fhe.attention import EncryptedAttentionLayer
 
-    model = tiny_model(bias=True)
-    cfg = model.config
-    x = layer_input(model, 1, torch.arange(3) % 7 + 3)
-    plan = calibrated_plan(model, 1, x, "2quad")
-    params = ckks_params_for("2quad", plan.approx.squarings)
-    steps = required_rotation_steps(cfg, params, "2quad", plan.approx.squarings)
-    client = CKKSClient(params, steps)
-    inputs = BlockClient.for_model(client, cfg, "2quad", plan.approx.squarings).encrypt_input(x)
+    model, cfg, plan, params, steps, client, inputs = _tiny_block(3)
     outs = []
     for on in (False, True):
         ev = GpuEvaluator(params, device="cpu", step_graphs=on)

@@ -157,6 +157,20 @@ class Tokenizer:
                 ids += self._tok.encode(p, add_special_tokens=False)
         return ids
 
+    def decode_stream(self, context_ids: list[int], skip_special_tokens: bool) -> tuple[Any, Any] | None:
+        """(backend tokenizer, ``DecodeStream`` primed with ``context_ids``) for :class:`IncrementalDetokenizer`,
+        or None where the native stream would not decode as :meth:`decode` does: a slow (Python) tokenizer, a
+        decode that cleans up spaces, or a ``tokenizers`` without ``DecodeStream(ids=...)`` (before 0.22)."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None or getattr(self._tok, "clean_up_tokenization_spaces", False):
+            return None
+        try:
+            from tokenizers.decoders import DecodeStream
+
+            return backend, DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        except (ImportError, TypeError):
+            return None
+
     def detokenizer(self, prompt_ids: list[int] | None = None,
                     skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids or [], skip_special_tokens)
@@ -171,24 +185,35 @@ def check_unicode(text: str, what: str) -> None:
 
 
 class IncrementalDetokenizer:
-    """Streaming text from a growing id list, vLLM-style (prefix/read offsets).
+    """Streaming text from a growing id list: each :meth:`step` returns only text that is complete (a
+    token ending in an unfinished UTF-8 sequence is held back until the sequence is whole).
 
-    Each :meth:`step` decodes a short window of recent tokens and emits only text that is complete:
-    a window ending in an unfinished UTF-8 sequence decodes to U+FFFD and is held back.
+    Two paths give the same pieces (``tests/engine/test_tokenizer.py`` checks them against each other):
+    ``tokenizers``' native :class:`~tokenizers.decoders.DecodeStream` where the tokenizer has a fast backend
+    and its decode applies no clean-up of spaces (0.6 µs a token on the default model, against 5 µs for
+    the window below: the engine core detokenizes every sampled token), else vLLM's prefix/read offsets over
+    transformers' ``decode``, each step decoding a short window of recent tokens.
     """
 
     _CONTEXT = 5  # tokens of left context so merges (leading spaces) decode as in the full text
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 native: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-self._CONTEXT:])
         self._prefix = 0
         self._read = len(self.ids)
         self.text = ""
+        self._stream = tokenizer.decode_stream(self.ids, skip_special_tokens) if native else None
 
     def step(self, new_ids: list[int]) -> str:
         """Add token ids; return the newly completed text (possibly '')."""
+        if self._stream is not None:
+            backend, stream = self._stream
+            delta = stream.step(backend, new_ids) or ""
+            self.text += delta
+            return delta
         self.ids.extend(new_ids)
         prefix_text = self._tok.decode(self.ids[self._prefix:self._read], self._skip)
         full = self._tok.decode(self.ids[self._prefix:], self._skip)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from engine import InvalidRequestError, Tokenizer
+from engine import IncrementalDetokenizer, InvalidRequestError, Tokenizer
 
 pytestmark = pytest.mark.model
 
@@ -27,10 +29,20 @@ def test_chat_template_is_the_models(tok):
     assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
 
 
-def test_detokenizer_keeps_special_tokens_when_asked(tok):
+def _detok(tok, prompt, native, skip=True):
+    detok = IncrementalDetokenizer(tok, prompt, skip, native=native)
+    assert (detok._stream is not None) is native   # the default model's tokenizer takes the native stream
+    return detok
+
+
+NATIVE = pytest.mark.parametrize("native", [True, False], ids=["native-stream", "window"])
+
+
+@NATIVE
+def test_detokenizer_keeps_special_tokens_when_asked(tok, native):
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     for skip, has_marker in [(True, False), (False, True)]:
-        detok = tok.detokenizer(ids[:1], skip_special_tokens=skip)
+        detok = _detok(tok, ids[:1], native, skip)
         text = "".join(detok.step([i]) for i in ids[1:])
         assert ("<|im_start|>" in text) is has_marker and "assistant" in text
 
@@ -40,16 +52,37 @@ def test_detokenizer_keeps_special_tokens_when_asked(tok):
     "Ünïcödé: 日本語のテキスト, emoji 🎉🚀 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 letters",
     "  leading spaces and\nnew lines\n\n",
 ])
-def test_incremental_detokenization_matches_full_decode(tok, text):
+@NATIVE
+def test_incremental_detokenization_matches_full_decode(tok, text, native):
     ids = tok.encode(text)
-    detok = tok.detokenizer([])
+    detok = _detok(tok, [], native)
     pieces = [detok.step([i]) for i in ids]
     assert "".join(pieces) == tok.decode(ids)
     assert all("\ufffd" not in p for p in pieces)  # never a broken UTF-8 character mid-stream
 
 
-def test_incremental_with_prompt_context(tok):
+@NATIVE
+def test_incremental_with_prompt_context(tok, native):
     prompt = tok.encode("The answer is")
     gen = tok.encode(" forty-two ✓", add_special_tokens=False)
-    detok = tok.detokenizer(prompt)
+    detok = _detok(tok, prompt, native)
     assert "".join(detok.step([i]) for i in gen) == tok.decode(prompt + gen)[len(tok.decode(prompt)):]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_native_stream_gives_the_windows_pieces(tok, skip):
+    """The two paths stream the same pieces, token by token (not only the same text): a chat turn with its
+    control tokens, prose, code, multi-byte characters split over tokens, and one token at a time as well as
+    several per step (a speculative step's accepted tokens)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()[:3000]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Ünïcödé 日本語 🎉🚀 𝔘𝔫𝔦"}])
+    gen = tok.encode("<|im_start|>" + readme + " emoji 🎉🚀, 日本語のテキスト<|im_end|>", add_special_tokens=False)
+    cuts = list(itertools.accumulate([1, 2, 3] * len(gen)))
+    chunks = [gen[a:b] for a, b in zip([0] + cuts, cuts, strict=False) if a < len(gen)]
+    for steps in ([[i] for i in gen], chunks):
+        native, window = _detok(tok, prompt, True, skip), _detok(tok, prompt, False, skip)
+        pieces = [(native.step(s), window.step(s)) for s in steps]
+        assert [a for a, _ in pieces] == [b for _, b in pieces]
+        assert native.text == window.text == tok.decode(prompt + gen, skip)[len(tok.decode(prompt, skip)):]

@@ -19,7 +19,8 @@ What it measures, at the shipped plan's parameters (N = 32768, level-aware keys)
   (aggregate tokens/s per layer), and the device bytes each session's cache takes.
 * ``matmul``: x @ W for W 576x576 at N = 8192 (TenSEAL's tutorial parameters): ours on the GPU in each of
   ``--matmul-variants`` (:data:`MATMUL_VARIANTS`: hoisted babies or not, the whole product as one CUDA graph or
-  op by op, the one-launch staged NTT stages or not; each its own evaluator and key copy, median of
+  op by op, the one-launch staged NTT stages or not, batched key switches or not; each its own evaluator and
+  key copy, median of
   ``--matmul-repeat``, its kernels under torch's profiler), ours on SEAL (CPU, the same two structures),
   TenSEAL ``CKKSVector.mm`` (median of ``--tenseal-repeat``); max error vs numpy; each GPU variant = the SEAL
   backend's product of the same structure, bit for bit.
@@ -309,14 +310,14 @@ def bench_sessions(args, block, client, bc, keys, x, rng) -> list[dict]:
 
 
 # --- the 576x576 matmul -----------------------------------------------------------------------------------
-#: matmul variants: name -> (hoisted babies, the whole product as one graph replay, triton_ops.STRIDED)
+#: matmul variants: name -> (hoisted babies and giants each its own key, the whole product as one graph replay,
+#: triton_ops.STRIDED, evaluator.BATCH_SWITCHES)
 MATMUL_VARIANTS = {
-    "plain": (False, False, False),            # main before session 18: ops one by one (each its own graph)
-    "graph": (False, True, False),             # the same ops, the whole product one graph (run_step)
-    "hoist": (True, False, False),             # babies by rotate_many (one decomposition)
-    "hoist+graph": (True, True, False),
-    "hoist+graph+strided": (True, True, True),  # + the NTT's staged stages in one launch
-    "graph+strided": (False, True, True),
+    "plain": (False, False, False, False),      # main before session 18: ops one by one (each its own graph)
+    "graph": (False, True, False, False),       # the same ops, the whole product one graph (run_step)
+    "graph+strided": (False, True, True, False),  # + the NTT's staged stages in one launch
+    "hoist+graph+strided": (True, True, True, False),  # babies by rotate_many, giants one key each
+    "hoist+graph+strided+batch": (True, True, True, True),  # + their key switches finished as batches
 }
 
 
@@ -336,7 +337,7 @@ def bench_matmul(args) -> dict:
     import tenseal as ts
 
     from fhe.backends import evaluator_for
-    from fhe.backends.gpu import GpuEvaluator, triton_ops, whole_step
+    from fhe.backends.gpu import GpuEvaluator, evaluator, triton_ops, whole_step
     from fhe.backends.seal.keys import CKKSClient
     from fhe.linalg import PlainMatrix
 
@@ -357,10 +358,10 @@ def bench_matmul(args) -> dict:
         seal_out[h] = pm(ct, server)
         out[f"seal_ms{'_hoist' if h else ''}"] = 1e3 * (time.perf_counter() - t)
     whole_step.CAPTURE_AFTER = 1
-    strided0 = triton_ops.STRIDED
+    strided0, batch0 = triton_ops.STRIDED, evaluator.BATCH_SWITCHES
     for name in args.matmul_variants.split(","):
-        hoist, graph, strided = MATMUL_VARIANTS[name]
-        triton_ops.STRIDED = strided
+        hoist, graph, strided, batch = MATMUL_VARIANTS[name]
+        triton_ops.STRIDED, evaluator.BATCH_SWITCHES = strided, batch
         ev = GpuEvaluator(MATMUL_PARAMS, device=args.device)           # its own graphs and keys per variant
         pm = PlainMatrix(ev, w, hoist=hoist)
         keys = ev.load_keys(dict(client.public_blobs), steps)
@@ -383,7 +384,7 @@ def bench_matmul(args) -> dict:
             row |= _kernels(fn)
         out["variants"][name] = row
         print(f"matmul {name}: {json.dumps(row)}", flush=True)
-    triton_ops.STRIDED = strided0
+    triton_ops.STRIDED, evaluator.BATCH_SWITCHES = strided0, batch0
     ctx = ts.context(ts.SCHEME_TYPE.CKKS, MATMUL_PARAMS.poly_modulus_degree,
                      coeff_mod_bit_sizes=list(MATMUL_PARAMS.coeff_mod_bit_sizes))
     ctx.global_scale = 2.0 ** MATMUL_PARAMS.scale_bits
@@ -398,7 +399,8 @@ def bench_matmul(args) -> dict:
 
 
 def _count_switches(pm) -> int:
-    """Key switches of one product: babies + giants - 1 (+ pre) + the fold's rotate-and-adds."""
+    """Key switches of one product: babies + giants - 1 (+ pre) + the fold's rotate-and-adds (hoisted babies share
+    one decomposition, batched ones one finish: still one switch each here)."""
     st = pm.mv.map.steps
     babies = st.n_baby * st.n_mid - 1
     return babies + (st.n_giant - 1) + (1 if st.pre and not st.hoist else 0) + pm.mv.fold.bit_length() - 1

@@ -61,8 +61,9 @@ class Steps:
     ``mid = W, giant = 2W``.
 
     ``hoist``: the babies are instead each one rotation of the input by its own step ``pre + k*baby + j*mid``
-    (``rotate_many``: one decomposition shared by all of them on a backend that hoists, issue 16), at the cost
-    of one Galois key per baby; the giants stay Horner with one key.
+    (``rotate_many``: one decomposition shared by all of them on a backend that hoists, issue 16), and the giant
+    sums each one rotation by ``m*giant`` (``rotate_each``: one batch on a backend that has it), then one sum: one
+    Galois key per baby and per giant.
     """
 
     pre: int
@@ -96,8 +97,8 @@ class Steps:
 
     def keys(self) -> set[int]:
         if self.hoist:
-            ks = {self.baby_step(i) for i in range(self.n_baby * self.n_mid)} - {0}
-            return ks | ({self.giant} if self.n_giant > 1 else set())
+            ks = {self.baby_step(i) for i in range(self.n_baby * self.n_mid)}
+            return (ks | {m * self.giant for m in range(self.n_giant)}) - {0}
         ks = {self.pre} if self.pre else set()
         if self.n_baby > 1:
             ks.add(self.baby)
@@ -251,7 +252,10 @@ class EncodedMap:
         else:
             rotated = _babies(ev, ct, sm.steps, set(ks), keys)
         parts = {m: ev.dot_plain([(rotated[k], pt) for k, pt in grp]) for m, grp in self.plaintexts.items()}
-        if sm.steps is None:
+        if sm.steps is not None and sm.steps.hoist:      # every giant rotated by its own key, one batch
+            ms = sorted(parts)
+            out = ev.add_many(rotate_each(ev, [parts[m] for m in ms], [m * sm.steps.giant for m in ms], keys))
+        elif sm.steps is None:
             out = ev.add_many([ev.rotate(a, m, keys) for m, a in parts.items()])
         else:  # Horner over the giant index: one Galois key
             out = None
@@ -263,6 +267,15 @@ class EncodedMap:
         if rescale:
             ev.rescale_inplace(out)
         return out
+
+
+def rotate_each(ev: Evaluator, cts: list[Ciphertext], steps: list[int], keys: EvalKeys) -> list[Ciphertext]:
+    """``[rotate(ct, step) ...]``: the backend's ``rotate_each`` where it has one (the gpu backend batches the key
+    switches), else one by one; the same ciphertexts either way."""
+    each = getattr(ev, "rotate_each", None)
+    if each is not None:
+        return each(cts, steps, keys)
+    return [ev.rotate(ct, s, keys) for ct, s in zip(cts, steps, strict=True)]
 
 
 def rotate_sum_steps(step: int, count: int) -> list[int]:

@@ -121,7 +121,7 @@ def test_hoisted_plain_matrix_is_seals_bit_for_bit_on_the_gpu_reference(rng):
     pm = PlainMatrix(_ev(), w, hoist=True)
     steps = pm.mv.map.steps
     assert steps.hoist and steps.n_baby == 16 and steps.n_giant == 9            # w = 144: 16 babies, 9 giants
-    assert pm.rotation_steps == set(range(1, 16)) | {16, 144, 288}
+    assert pm.rotation_steps == set(range(1, 16)) | {16 * m for m in range(1, 9)} | {144, 288}
     client = _client(pm.rotation_steps)
     ct = client.encrypt(pm.layout(x))
     out = pm(ct, client.server_keys())

@@ -310,8 +310,9 @@ def bench_sessions(args, block, client, bc, keys, x, rng) -> list[dict]:
 
 
 # --- the 576x576 matmul -----------------------------------------------------------------------------------
-#: matmul variants: name -> (hoisted babies and giants each its own key, the whole product as one graph replay,
-#: triton_ops.STRIDED, evaluator.BATCH_SWITCHES)
+#: matmul variants: name -> (hoisted babies (with batch: and giants each its own key, ``giants_each``), the whole
+#: product as one graph replay, triton_ops.STRIDED, evaluator.BATCH_SWITCHES). Session 18's run (commit 34bbe57)
+#: had "hoist", "hoist+graph" (hoisted, not strided) and no batch variant.
 MATMUL_VARIANTS = {
     "plain": (False, False, False, False),      # main before session 18: ops one by one (each its own graph)
     "graph": (False, True, False, False),       # the same ops, the whole product one graph (run_step)
@@ -345,25 +346,26 @@ def bench_matmul(args) -> dict:
     w = rng.standard_normal((576, 576)) / np.sqrt(576)
     x = rng.standard_normal(576)
     seal_ev = evaluator_for(MATMUL_PARAMS, "seal")
-    seal_pm = {h: PlainMatrix(seal_ev, w, hoist=h) for h in (False, True)}
-    steps = tuple(sorted(seal_pm[False].rotation_steps | seal_pm[True].rotation_steps))
+    shapes = {(False, False), (True, False), (True, True)}                 # (hoist, giants_each)
+    seal_pm = {h: PlainMatrix(seal_ev, w, hoist=h[0], giants_each=h[1]) for h in shapes}
+    steps = tuple(sorted(set().union(*(pm.rotation_steps for pm in seal_pm.values()))))
     client = CKKSClient(MATMUL_PARAMS, steps)
     server = client.server_keys()
-    ct = client.encrypt(seal_pm[False].layout(x))
+    ct = client.encrypt(seal_pm[False, False].layout(x))
     ref = x @ w
     out: dict = {"params": MATMUL_PARAMS.to_dict(), "rotation_keys": len(steps), "variants": {}}
     seal_out = {}
     for h, pm in seal_pm.items():
         t = time.perf_counter()
         seal_out[h] = pm(ct, server)
-        out[f"seal_ms{'_hoist' if h else ''}"] = 1e3 * (time.perf_counter() - t)
+        out[f"seal_ms{'_hoist' if h[0] else ''}{'_giants_each' if h[1] else ''}"] = 1e3 * (time.perf_counter() - t)
     whole_step.CAPTURE_AFTER = 1
     strided0, batch0 = triton_ops.STRIDED, evaluator.BATCH_SWITCHES
     for name in args.matmul_variants.split(","):
         hoist, graph, strided, batch = MATMUL_VARIANTS[name]
         triton_ops.STRIDED, evaluator.BATCH_SWITCHES = strided, batch
         ev = GpuEvaluator(MATMUL_PARAMS, device=args.device)           # its own graphs and keys per variant
-        pm = PlainMatrix(ev, w, hoist=hoist)
+        pm = PlainMatrix(ev, w, hoist=hoist, giants_each=batch)
         keys = ev.load_keys(dict(client.public_blobs), steps)
         gct = _to_gpu(ev, ct)
         if graph:
@@ -377,7 +379,7 @@ def bench_matmul(args) -> dict:
         sec, gout = _median_s(fn, args.matmul_repeat)
         dec = client.decrypt(_to_seal(ev, client.kit, gout))
         row = {"gpu_ms": round(1e3 * sec, 3),
-               "bit_identical": ev.serialize(gout) == ev.serialize(_to_gpu(ev, seal_out[hoist])),
+               "bit_identical": ev.serialize(gout) == ev.serialize(_to_gpu(ev, seal_out[hoist, hoist and batch])),
                "gpu_max_err": float(np.abs(pm.extract(dec) - ref).max()),
                "key_switches": _count_switches(pm)}
         if args.device == "cuda":

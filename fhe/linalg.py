@@ -61,9 +61,10 @@ class Steps:
     ``mid = W, giant = 2W``.
 
     ``hoist``: the babies are instead each one rotation of the input by its own step ``pre + k*baby + j*mid``
-    (``rotate_many``: one decomposition shared by all of them on a backend that hoists, issue 16), and the giant
-    sums each one rotation by ``m*giant`` (``rotate_each``: one batch on a backend that has it), then one sum: one
-    Galois key per baby and per giant.
+    (``rotate_many``: one decomposition shared by all of them on a backend that hoists, issue 16): one Galois key
+    per baby; the giants stay Horner with one key. ``giants_each`` (with ``hoist``): the giant sums are instead
+    each one rotation by ``m*giant`` (``rotate_each``: one batch on a backend that has it), then one sum: one key
+    per giant too.
     """
 
     pre: int
@@ -74,6 +75,7 @@ class Steps:
     mid: int = 0
     n_mid: int = 1
     hoist: bool = False
+    giants_each: bool = False
 
     def baby_step(self, index: int) -> int:
         """The rotation of baby ``index`` (= k + n_baby * j)."""
@@ -98,7 +100,9 @@ class Steps:
     def keys(self) -> set[int]:
         if self.hoist:
             ks = {self.baby_step(i) for i in range(self.n_baby * self.n_mid)}
-            return (ks | {m * self.giant for m in range(self.n_giant)}) - {0}
+            if self.giants_each:
+                return (ks | {m * self.giant for m in range(self.n_giant)}) - {0}
+            return (ks | ({self.giant} if self.n_giant > 1 else set())) - {0}
         ks = {self.pre} if self.pre else set()
         if self.n_baby > 1:
             ks.add(self.baby)
@@ -252,7 +256,7 @@ class EncodedMap:
         else:
             rotated = _babies(ev, ct, sm.steps, set(ks), keys)
         parts = {m: ev.dot_plain([(rotated[k], pt) for k, pt in grp]) for m, grp in self.plaintexts.items()}
-        if sm.steps is not None and sm.steps.hoist:      # every giant rotated by its own key, one batch
+        if sm.steps is not None and sm.steps.giants_each:   # every giant rotated by its own key, one batch
             ms = sorted(parts)
             out = ev.add_many(rotate_each(ev, [parts[m] for m in ms], [m * sm.steps.giant for m in ms], keys))
         elif sm.steps is None:
@@ -331,6 +335,7 @@ class HybridMatvec:
         fold: c, the number of partial sums per output (power of two).
         hoist: babies by ``rotate_many`` (one key each, :class:`Steps`), about sqrt(2w) of them (a hoisted
             baby costs less than a giant), instead of sqrt(w) babies by repeated rotation by 1.
+        giants_each: (with ``hoist``) each giant sum rotated by its own key through ``rotate_each``.
     """
 
     slots: int
@@ -339,6 +344,7 @@ class HybridMatvec:
     period: int
     fold: int
     hoist: bool = False
+    giants_each: bool = False
     map: SlotMap = field(init=False)
 
     def __post_init__(self) -> None:
@@ -364,7 +370,7 @@ class HybridMatvec:
         b = math.isqrt(w - 1) + 1 if w > 1 else 1                     # babies 0..b-1, giants of b
         if self.hoist and w > 1:
             b = min(w, math.isqrt(2 * w))
-        steps = Steps(0, 1, b, b, -(-w // b), hoist=self.hoist)
+        steps = Steps(0, 1, b, b, -(-w // b), hoist=self.hoist, giants_each=self.hoist and self.giants_each)
         dst, src, wt = dst.ravel()[keep], src.ravel()[keep], wt.ravel()[keep]
         self.map = SlotMap(self.slots, np.mod(dst, self.slots), np.mod(src, self.slots), wt, steps)
 
@@ -439,6 +445,7 @@ class PlainMatrix:
     ev: Evaluator
     weight: np.ndarray            # [n_in, n_out], x @ W
     hoist: bool = False           # babies by rotate_many (see :class:`HybridMatvec`)
+    giants_each: bool = False     # with hoist: giants one key each, through rotate_each
     mv: HybridMatvec = field(init=False)
     encoded: EncodedMatvec = field(init=False)
 
@@ -447,7 +454,7 @@ class PlainMatrix:
         fold, period = pick_fold(self.ev.slots, n_in, n_out)
         slots_out = hybrid_slots(self.ev.slots, period, fold, n_out)
         self.mv = HybridMatvec(self.ev.slots, np.asarray(self.weight, np.float64).T, slots_out, period, fold,
-                               self.hoist)
+                               self.hoist, self.giants_each)
         self.encoded = self.mv.encode(self.ev, self.ev.top)
 
     @property

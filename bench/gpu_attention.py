@@ -17,8 +17,13 @@ What it measures, at the shipped plan's parameters (N = 32768, level-aware keys)
   prefill.
 * ``sessions``: S sessions at context 128 each stepping one token, one after another on one GPU
   (aggregate tokens/s per layer), and the device bytes each session's cache takes.
-* ``matmul``: x @ W for W 576x576 at N = 8192 (TenSEAL's tutorial parameters): ours on the GPU, ours on
-  SEAL, TenSEAL ``CKKSVector.mm``; max error vs numpy; GPU = SEAL bit for bit.
+* ``matmul``: x @ W for W 576x576 at N = 8192 (TenSEAL's tutorial parameters): ours on the GPU in each of
+  ``--matmul-variants`` (:data:`MATMUL_VARIANTS`: hoisted babies or not, the whole product as one CUDA graph or
+  op by op, the one-launch staged NTT stages or not, batched key switches or not; each its own evaluator and
+  key copy, median of
+  ``--matmul-repeat``, its kernels under torch's profiler), ours on SEAL (CPU, the same two structures),
+  TenSEAL ``CKKSVector.mm`` (median of ``--tenseal-repeat``); max error vs numpy; each GPU variant = the SEAL
+  backend's product of the same structure, bit for bit.
 """
 
 from __future__ import annotations
@@ -305,46 +310,102 @@ def bench_sessions(args, block, client, bc, keys, x, rng) -> list[dict]:
 
 
 # --- the 576x576 matmul -----------------------------------------------------------------------------------
+#: matmul variants: name -> (hoisted babies (with batch: and giants each its own key, ``giants_each``), the whole
+#: product as one graph replay, triton_ops.STRIDED, evaluator.BATCH_SWITCHES). Session 18's run (commit 34bbe57)
+#: had "hoist", "hoist+graph" (hoisted, not strided) and no batch variant.
+MATMUL_VARIANTS = {
+    "plain": (False, False, False, False),      # main before session 18: ops one by one (each its own graph)
+    "graph": (False, True, False, False),       # the same ops, the whole product one graph (run_step)
+    "graph+strided": (False, True, True, False),  # + the NTT's staged stages in one launch
+    "hoist+graph+strided": (True, True, True, False),  # babies by rotate_many, giants one key each
+    "hoist+graph+strided+batch": (True, True, True, True),  # + their key switches finished as batches
+}
+
+
+def _kernels(fn) -> dict:
+    """Kernels launched by one call of ``fn`` and their summed device time (torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"kernels": len(ks), "kernel_ms": round(sum(e.device_time for e in ks) / 1e3, 3)}
+
+
 def bench_matmul(args) -> dict:
     import tenseal as ts
 
     from fhe.backends import evaluator_for
-    from fhe.backends.gpu import GpuEvaluator
+    from fhe.backends.gpu import GpuEvaluator, evaluator, triton_ops, whole_step
     from fhe.backends.seal.keys import CKKSClient
     from fhe.linalg import PlainMatrix
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((576, 576)) / np.sqrt(576)
     x = rng.standard_normal(576)
-    seal_pm = PlainMatrix(evaluator_for(MATMUL_PARAMS, "seal"), w)
-    client = CKKSClient(MATMUL_PARAMS, tuple(seal_pm.rotation_steps))
+    seal_ev = evaluator_for(MATMUL_PARAMS, "seal")
+    shapes = {(False, False), (True, False), (True, True)}                 # (hoist, giants_each)
+    seal_pm = {h: PlainMatrix(seal_ev, w, hoist=h[0], giants_each=h[1]) for h in shapes}
+    steps = tuple(sorted(set().union(*(pm.rotation_steps for pm in seal_pm.values()))))
+    client = CKKSClient(MATMUL_PARAMS, steps)
     server = client.server_keys()
-    ct = client.encrypt(seal_pm.layout(x))
-    ev = GpuEvaluator(MATMUL_PARAMS, device=args.device)
-    gpu_pm = PlainMatrix(ev, w)
-    keys = ev.load_keys(dict(client.public_blobs), tuple(seal_pm.rotation_steps))
-    gct = _to_gpu(ev, ct)
-    gpu_pm(gct, keys)
-    gpu_s, gout = _median_s(lambda: gpu_pm(gct, keys), args.repeat)
-    t = time.perf_counter()
-    sout = seal_pm(ct, server)
-    seal_s = time.perf_counter() - t
+    ct = client.encrypt(seal_pm[False, False].layout(x))
+    ref = x @ w
+    out: dict = {"params": MATMUL_PARAMS.to_dict(), "rotation_keys": len(steps), "variants": {}}
+    seal_out = {}
+    for h, pm in seal_pm.items():
+        t = time.perf_counter()
+        seal_out[h] = pm(ct, server)
+        out[f"seal_ms{'_hoist' if h[0] else ''}{'_giants_each' if h[1] else ''}"] = 1e3 * (time.perf_counter() - t)
+    whole_step.CAPTURE_AFTER = 1
+    strided0, batch0 = triton_ops.STRIDED, evaluator.BATCH_SWITCHES
+    for name in args.matmul_variants.split(","):
+        hoist, graph, strided, batch = MATMUL_VARIANTS[name]
+        triton_ops.STRIDED, evaluator.BATCH_SWITCHES = strided, batch
+        ev = GpuEvaluator(MATMUL_PARAMS, device=args.device)           # its own graphs and keys per variant
+        pm = PlainMatrix(ev, w, hoist=hoist, giants_each=batch)
+        keys = ev.load_keys(dict(client.public_blobs), steps)
+        gct = _to_gpu(ev, ct)
+        if graph:
+            def fn(pm=pm, ev=ev, gct=gct, keys=keys):
+                return ev.run_step(lambda e, ins, k: [pm.encoded(e, ins[0], k)], [gct], keys)[0]
+        else:
+            def fn(pm=pm, gct=gct, keys=keys):
+                return pm(gct, keys)
+        for _ in range(3):
+            fn()                                                       # warm-up: compiles, captures
+        sec, gout = _median_s(fn, args.matmul_repeat)
+        dec = client.decrypt(_to_seal(ev, client.kit, gout))
+        row = {"gpu_ms": round(1e3 * sec, 3),
+               "bit_identical": ev.serialize(gout) == ev.serialize(_to_gpu(ev, seal_out[hoist, hoist and batch])),
+               "gpu_max_err": float(np.abs(pm.extract(dec) - ref).max()),
+               "key_switches": _count_switches(pm)}
+        if args.device == "cuda":
+            row |= _kernels(fn)
+        out["variants"][name] = row
+        print(f"matmul {name}: {json.dumps(row)}", flush=True)
+    triton_ops.STRIDED, evaluator.BATCH_SWITCHES = strided0, batch0
     ctx = ts.context(ts.SCHEME_TYPE.CKKS, MATMUL_PARAMS.poly_modulus_degree,
                      coeff_mod_bit_sizes=list(MATMUL_PARAMS.coeff_mod_bit_sizes))
     ctx.global_scale = 2.0 ** MATMUL_PARAMS.scale_bits
     ctx.generate_galois_keys()
     v, wl = ts.ckks_vector(ctx, x.tolist()), w.tolist()
-    t = time.perf_counter()
-    tout = v.mm(wl)
-    ts_s = time.perf_counter() - t
-    dec = client.decrypt(_to_seal(ev, client.kit, gout))
-    return {"params": MATMUL_PARAMS.to_dict(), "gpu_ms": 1e3 * gpu_s, "seal_ms": 1e3 * seal_s,
-            "tenseal_mm_ms": 1e3 * ts_s,
-            "tenseal_over_gpu": ts_s / gpu_s, "seal_over_gpu": seal_s / gpu_s,
-            "bit_identical": ev.serialize(gout) == ev.serialize(_to_gpu(ev, sout)),
-            "gpu_max_err": float(np.abs(seal_pm.extract(dec) - x @ w).max()),
-            "tenseal_max_err": float(np.abs(np.asarray(tout.decrypt()) - x @ w).max()),
-            "rotations": len(seal_pm.rotation_steps)}
+    ts_s, tout = _median_s(lambda: v.mm(wl), args.tenseal_repeat)
+    out |= {"tenseal_mm_ms": 1e3 * ts_s, "tenseal_repeat": args.tenseal_repeat,
+            "tenseal_max_err": float(np.abs(np.asarray(tout.decrypt()) - ref).max())}
+    for row in out["variants"].values():
+        row["tenseal_over_gpu"] = round(ts_s * 1e3 / row["gpu_ms"], 1)
+    return out
+
+
+def _count_switches(pm) -> int:
+    """Key switches of one product: babies + giants - 1 (+ pre) + the fold's rotate-and-adds (hoisted babies share
+    one decomposition, batched ones one finish: still one switch each here)."""
+    st = pm.mv.map.steps
+    babies = st.n_baby * st.n_mid - 1
+    return babies + (st.n_giant - 1) + (1 if st.pre and not st.hoist else 0) + pm.mv.fold.bit_length() - 1
 
 
 def main() -> None:
@@ -359,6 +420,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: matmul,block")
     ap.add_argument("--device", default="cuda", help="cpu: the torch reference (a dry run, slow)")
+    ap.add_argument("--matmul-variants", default=",".join(MATMUL_VARIANTS))
+    ap.add_argument("--matmul-repeat", type=int, default=20)
+    ap.add_argument("--tenseal-repeat", type=int, default=3)
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.export:

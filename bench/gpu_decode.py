@@ -41,10 +41,12 @@ import torch
 
 #: backend switches per variant: (module, attribute) -> value
 _SWITCHES = (("fhe.backends.gpu.triton_ops", "SHOUP"), ("fhe.backends.gpu.triton_ops", "FEWER"),
-             ("fhe.backends.gpu.evaluator", "ASYNC_ENCODE"), ("fhe.backends.gpu.whole_step", "STEP_GRAPHS"))
+             ("fhe.backends.gpu.evaluator", "ASYNC_ENCODE"), ("fhe.backends.gpu.whole_step", "STEP_GRAPHS"),
+             ("fhe.backends.gpu.triton_ops", "STRIDED"))
 VARIANTS = {
     "s15": dict.fromkeys(_SWITCHES, False),
-    "main": dict(zip(_SWITCHES, (True, True, True, False), strict=True)),
+    "main": dict(zip(_SWITCHES, (True, True, True, False, False), strict=True)),
+    "s17": dict(zip(_SWITCHES, (True, True, True, True, False), strict=True)),
     "new": dict.fromkeys(_SWITCHES, True),
 }
 

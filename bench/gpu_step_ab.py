@@ -1,6 +1,14 @@
-"""Whole-step graphs off and on, step by step in turn on one GPU (issue 16, session 17).
+"""Two variants of the gpu backend's decode step, step by step in turn on one GPU (issue 16, sessions 17-18).
 
     python3 bench/gpu_step_ab.py --weights .carry/smollm2 --contexts 128,512 --repeat 10 --out ab.json
+    python3 bench/gpu_step_ab.py --ab strided --profile ...   # session 18: triton_ops.STRIDED off / on
+
+``--ab`` (:data:`AB`) picks the pair: ``graphs`` (session 17) = whole-step graphs off (main) / on (new);
+``strided`` (session 18) = both with whole-step graphs, ``triton_ops.STRIDED`` off (main) / on (new), set before
+each of a variant's steps (each variant has its own evaluator and key set object, so its graphs hold its own
+kernels); ``batch`` = both strided, ``evaluator.BATCH_SWITCHES`` off / on; ``both`` = main as merged before
+session 18 against both switches on. ``--profile``: one step of each at context 128 under torch's profiler
+(kernels, their summed device time, the top kernels by time).
 
 ``bench/gpu_decode.py`` runs its variants one after the other, so a drift of the card's speed between them
 (the same-code rotation differed by 13-21 % between its two phases on 2026-12-06) reads as a difference.
@@ -24,6 +32,28 @@ import time
 from pathlib import Path
 
 import torch
+
+#: --ab choices: name -> {variant: (step_graphs, {(module, attribute): value} set before each of its steps)}
+AB = {
+    "graphs": {"main": (False, {}), "new": (True, {})},
+    "strided": {"main": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): False}),
+                "new": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): True})},
+    "batch": {"main": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): True,
+                              ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
+              "new": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): True,
+                             ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): True})},
+    "both": {"main": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): False,
+                             ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
+             "new": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): True,
+                            ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): True})},
+}
+
+
+def _switch(switches: dict) -> None:
+    import importlib
+
+    for (mod, attr), value in switches.items():
+        setattr(importlib.import_module(mod), attr, value)
 
 
 def random_keys(ev, levels):
@@ -68,6 +98,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,512")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--ab", default="graphs", choices=sorted(AB))
+    ap.add_argument("--profile", action="store_true", help="one step of each at context 128 under the profiler")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -86,18 +118,23 @@ def main() -> None:
     lp = load_default_plan().layer(args.layer)
     params = ckks_params_for(lp.approx.kind, lp.approx.squarings)
     levels = required_key_levels(cfg, params, lp.approx.kind, lp.approx.squarings)
-    runs = {}
-    for name, on in (("main", False), ("new", True)):
+    runs, pair = {}, AB[args.ab]
+    for name, (on, switches) in pair.items():
+        _switch(switches)
         ev = GpuEvaluator(params, device="cuda", encoder="fft", step_graphs=on)
         block = EncryptedAttentionLayer(layer, rope, lp, cfg, params, max_tokens=1024, evaluator=ev)
         runs[name] = (ev, block)
     ev0 = runs["main"][0]
-    keys = random_keys(ev0, levels)
+    _switch(pair["main"][1])
+    keys0 = random_keys(ev0, levels)
+    var_keys = {n: _same_tensors(keys0, params) for n in runs}     # a key set object per variant (its graphs)
+    keys = var_keys["main"]
     ct = _random_ct(ev0, ev0.top)
     top_key = max(lv for _, lv in levels.galois)
     step = min(s for s, lv in levels.galois if lv == top_key)
     res = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(), "args": vars(args) | {"weights": str(args.weights)},
+           "ab": {n: [on, {f"{m}.{a}": v for (m, a), v in sw.items()}] for n, (on, sw) in pair.items()},
            "rotate_ms_before": _rotate_ms(ev0, keys, step, top_key), "rotate_level": top_key, "contexts": {}}
     for ctx in [int(c) for c in args.contexts.split(",")]:
         torch.manual_seed(ctx)
@@ -106,9 +143,10 @@ def main() -> None:
         caches = {n: runs[n][1].new_cache() for n in runs}
 
         def step_fn(name, ctx=ctx, snap=snap, caches=caches):
+            _switch(pair[name][1])
             cache = caches[name]
             cache.k_blocks, cache.v_blocks, cache.length = list(snap[0]), list(snap[1]), snap[2]
-            return runs[name][1].forward(cache, ct, ctx - 1, keys)
+            return runs[name][1].forward(cache, ct, ctx - 1, var_keys[name])
 
         outs = {n: step_fn(n).data.clone() for n in runs}               # warm-up: compiles, captures
         times = {n: [] for n in runs}
@@ -120,14 +158,20 @@ def main() -> None:
         res["contexts"][ctx] = row
         print(f"decode @ {ctx}: main {row['main']['median_ms']} ms, new {row['new']['median_ms']} ms, "
               f"same {row['same']}", flush=True)
+        if args.profile and ctx == 128:
+            from bench.gpu_decode import _profile
+
+            res["profile_128"] = {n: _profile(lambda n=n: step_fn(n)) for n in runs}
+            print(f"profile @128: {json.dumps(res['profile_128'])}", flush=True)
     s = args.sessions
     if s:
         sess = [_fill(runs["main"][1], 127) for _ in range(s)]
         snaps = [(list(c.k_blocks), list(c.v_blocks), c.length) for c in sess]
-        own = [_same_tensors(keys, params) for _ in range(s)]
+        own = {n: [_same_tensors(keys0, params) for _ in range(s)] for n in runs}
 
         def round_(name):
-            for cache, sn, k in zip(sess, snaps, own, strict=True):
+            _switch(pair[name][1])
+            for cache, sn, k in zip(sess, snaps, own[name], strict=True):
                 cache.k_blocks, cache.v_blocks, cache.length = list(sn[0]), list(sn[1]), sn[2]
                 runs[name][1].forward(cache, ct, 127, k)
 
@@ -140,6 +184,7 @@ def main() -> None:
         res["sessions"] = {n: {"sessions": s, "tokens_per_s_per_layer": round(s / statistics.median(t) * 1e3, 2)}
                            for n, t in times.items()}
         print(f"{s} sessions at 128: {json.dumps(res['sessions'])}", flush=True)
+    _switch(pair["main"][1])
     res["rotate_ms_after"] = _rotate_ms(ev0, keys, step, top_key)
     ws = runs["new"][0].whole_steps
     res["whole_steps"] = {"graphs": len(ws), "captures": ws.captures, "capture_s": round(ws.capture_s, 2),

@@ -59,6 +59,12 @@ class Steps:
     (n_giant - 1) (+1 for pre)`` rotations. The middle dimension balances a map whose diagonals form a long
     arithmetic run: 9 x 64 offsets cost 8 + 63 = 71 rotations with ``giant = W``, 8 + 9 + 31 = 48 with
     ``mid = W, giant = 2W``.
+
+    ``hoist``: the babies are instead each one rotation of the input by its own step ``pre + k*baby + j*mid``
+    (``rotate_many``: one decomposition shared by all of them on a backend that hoists, issue 16): one Galois key
+    per baby; the giants stay Horner with one key. ``giants_each`` (with ``hoist``): the giant sums are instead
+    each one rotation by ``m*giant`` (``rotate_each``: one batch on a backend that has it), then one sum: one key
+    per giant too.
     """
 
     pre: int
@@ -68,6 +74,12 @@ class Steps:
     n_giant: int = 1
     mid: int = 0
     n_mid: int = 1
+    hoist: bool = False
+    giants_each: bool = False
+
+    def baby_step(self, index: int) -> int:
+        """The rotation of baby ``index`` (= k + n_baby * j)."""
+        return self.pre + (index % self.n_baby) * self.baby + (index // self.n_baby) * self.mid
 
     def decompose(self, offsets: np.ndarray, slots: int) -> dict[int, tuple[int, int]]:
         """offset (mod S) -> (baby index k + n_baby * j, m); ShapeError if an offset has no decomposition."""
@@ -86,6 +98,11 @@ class Steps:
         return out
 
     def keys(self) -> set[int]:
+        if self.hoist:
+            ks = {self.baby_step(i) for i in range(self.n_baby * self.n_mid)}
+            if self.giants_each:
+                return (ks | {m * self.giant for m in range(self.n_giant)}) - {0}
+            return (ks | ({self.giant} if self.n_giant > 1 else set())) - {0}
         ks = {self.pre} if self.pre else set()
         if self.n_baby > 1:
             ks.add(self.baby)
@@ -201,6 +218,9 @@ def _babies(ev: Evaluator, ct: Ciphertext, steps: Steps, needed: set[int],
             keys: EvalKeys) -> dict[int, Ciphertext]:
     """The rotations of ``ct`` by ``pre + k*baby + j*mid`` that index ``k + n_baby*j`` in ``needed`` names:
     k by repeated rotation by ``baby``, then j by repeated rotation of those by ``mid``."""
+    if steps.hoist:                                 # each baby one rotation of ct: hoisted where available
+        by_step = ev.rotate_many(ct, sorted({steps.baby_step(i) for i in needed}), keys)
+        return {i: by_step[steps.baby_step(i)] for i in needed}
     nb = steps.n_baby
     top_k = max(i % nb for i in needed)
     top_j = max(i // nb for i in needed)
@@ -236,7 +256,10 @@ class EncodedMap:
         else:
             rotated = _babies(ev, ct, sm.steps, set(ks), keys)
         parts = {m: ev.dot_plain([(rotated[k], pt) for k, pt in grp]) for m, grp in self.plaintexts.items()}
-        if sm.steps is None:
+        if sm.steps is not None and sm.steps.giants_each:   # every giant rotated by its own key, one batch
+            ms = sorted(parts)
+            out = ev.add_many(rotate_each(ev, [parts[m] for m in ms], [m * sm.steps.giant for m in ms], keys))
+        elif sm.steps is None:
             out = ev.add_many([ev.rotate(a, m, keys) for m, a in parts.items()])
         else:  # Horner over the giant index: one Galois key
             out = None
@@ -248,6 +271,15 @@ class EncodedMap:
         if rescale:
             ev.rescale_inplace(out)
         return out
+
+
+def rotate_each(ev: Evaluator, cts: list[Ciphertext], steps: list[int], keys: EvalKeys) -> list[Ciphertext]:
+    """``[rotate(ct, step) ...]``: the backend's ``rotate_each`` where it has one (the gpu backend batches the key
+    switches), else one by one; the same ciphertexts either way."""
+    each = getattr(ev, "rotate_each", None)
+    if each is not None:
+        return each(cts, steps, keys)
+    return [ev.rotate(ct, s, keys) for ct, s in zip(cts, steps, strict=True)]
 
 
 def rotate_sum_steps(step: int, count: int) -> list[int]:
@@ -301,6 +333,9 @@ class HybridMatvec:
         out_slots: [n_out] final slot of each output (must be valid heads, see :func:`hybrid_slots`).
         period: P >= n_in, a multiple of ``fold``.
         fold: c, the number of partial sums per output (power of two).
+        hoist: babies by ``rotate_many`` (one key each, :class:`Steps`), about sqrt(2w) of them (a hoisted
+            baby costs less than a giant), instead of sqrt(w) babies by repeated rotation by 1.
+        giants_each: (with ``hoist``) each giant sum rotated by its own key through ``rotate_each``.
     """
 
     slots: int
@@ -308,6 +343,8 @@ class HybridMatvec:
     out_slots: np.ndarray
     period: int
     fold: int
+    hoist: bool = False
+    giants_each: bool = False
     map: SlotMap = field(init=False)
 
     def __post_init__(self) -> None:
@@ -331,7 +368,9 @@ class HybridMatvec:
         wt = np.where(ok, self.weight[np.arange(n_out)[:, None], np.minimum(col, n_in - 1)], 0.0)
         keep = ok.ravel()
         b = math.isqrt(w - 1) + 1 if w > 1 else 1                     # babies 0..b-1, giants of b
-        steps = Steps(0, 1, b, b, -(-w // b))
+        if self.hoist and w > 1:
+            b = min(w, math.isqrt(2 * w))
+        steps = Steps(0, 1, b, b, -(-w // b), hoist=self.hoist, giants_each=self.hoist and self.giants_each)
         dst, src, wt = dst.ravel()[keep], src.ravel()[keep], wt.ravel()[keep]
         self.map = SlotMap(self.slots, np.mod(dst, self.slots), np.mod(src, self.slots), wt, steps)
 
@@ -405,6 +444,8 @@ class PlainMatrix:
 
     ev: Evaluator
     weight: np.ndarray            # [n_in, n_out], x @ W
+    hoist: bool = False           # babies by rotate_many (see :class:`HybridMatvec`)
+    giants_each: bool = False     # with hoist: giants one key each, through rotate_each
     mv: HybridMatvec = field(init=False)
     encoded: EncodedMatvec = field(init=False)
 
@@ -412,7 +453,8 @@ class PlainMatrix:
         n_in, n_out = self.weight.shape
         fold, period = pick_fold(self.ev.slots, n_in, n_out)
         slots_out = hybrid_slots(self.ev.slots, period, fold, n_out)
-        self.mv = HybridMatvec(self.ev.slots, np.asarray(self.weight, np.float64).T, slots_out, period, fold)
+        self.mv = HybridMatvec(self.ev.slots, np.asarray(self.weight, np.float64).T, slots_out, period, fold,
+                               self.hoist, self.giants_each)
         self.encoded = self.mv.encode(self.ev, self.ev.top)
 
     @property

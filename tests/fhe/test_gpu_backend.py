@@ -119,6 +119,27 @@ def test_rotations_and_hoisting(setup, level):
     assert many[0] is A and ev.rotate(A, 0, keys) is A
 
 
+@pytest.mark.parametrize("batch", [True, False])
+def test_rotate_each_is_rotate_one_by_one(setup, batch, monkeypatch):
+    """``rotate_each`` (several ciphertexts, each its own step: one batched decomposition and finish with
+    ``BATCH_SWITCHES``, session 18) = SEAL's rotations one by one; a step of 0 passes its input through."""
+    from fhe.backends.gpu import evaluator
+
+    monkeypatch.setattr(evaluator, "BATCH_SWITCHES", batch)
+    client, server, ev, keys, a, b = setup
+    kit = client.kit
+    A, B = ev.deserialize(seal.to_bytes(a)), ev.deserialize(seal.to_bytes(b))
+    got = ev.rotate_each([A, B, A, B], [1, 5, 0, -3], keys)
+    assert got[2] is A
+    for g, ct, step in zip(got, (a, b, a, b), (1, 5, 0, -3), strict=True):
+        assert same(ev, g, ct if step == 0 else kit.rotate(ct, step, server.galois))
+    many = ev.rotate_many(A, [1, 5, -3], keys)                # the hoisted steps finished as one batch (or not)
+    for step in (1, 5, -3):
+        assert same(ev, many[step], kit.rotate(a, step, server.galois))
+    with pytest.raises(ShapeError):
+        ev.rotate_each([A], [1, 5], keys)
+
+
 def test_results_decrypt_on_the_seal_client(setup):
     client, _, ev, keys, _, _ = setup
     x = np.random.default_rng(3).uniform(-1, 1, P.slots)

@@ -56,10 +56,11 @@ def _relin(kit, c, server):
     return out
 
 
-@pytest.mark.parametrize("shoup", [False, True])
-def test_triton_ntt_matches_the_torch_reference(shoup, monkeypatch):
+@pytest.mark.parametrize("shoup,strided", [(False, False), (True, False), (True, True)])
+def test_triton_ntt_matches_the_torch_reference(shoup, strided, monkeypatch):
     from fhe.backends.gpu import triton_ops
 
+    monkeypatch.setattr(triton_ops, "STRIDED", strided)              # the staged stages in one launch, or one each
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)                  # Shoup's twiddle products or _mulmod's
     monkeypatch.setattr(triton_ops, "FEWER", shoup)                  # N^-1 in the INTT's last stage, or a kernel
     params = ckks_params_for("sqexp", 6)
@@ -75,6 +76,7 @@ def test_triton_ntt_matches_the_torch_reference(shoup, monkeypatch):
 def test_every_operation_at_n8192(shoup, monkeypatch):
     from fhe.backends.gpu import triton_ops
 
+    monkeypatch.setattr(triton_ops, "STRIDED", shoup)
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)
     monkeypatch.setattr(triton_ops, "FEWER", shoup)
     _check(CKKSParams(8192, (60, 40, 40, 60), 40), (1, 5, 4093))
@@ -84,6 +86,7 @@ def test_every_operation_at_n8192(shoup, monkeypatch):
 def test_key_switching_at_the_shipped_parameters(shoup, monkeypatch):
     from fhe.backends.gpu import triton_ops
 
+    monkeypatch.setattr(triton_ops, "STRIDED", shoup)
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)
     monkeypatch.setattr(triton_ops, "FEWER", shoup)
     _check(ckks_params_for("sqexp", 6), (1, 64))

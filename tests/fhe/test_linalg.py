@@ -108,3 +108,58 @@ def test_rotate_sum_is_exact_for_any_count(rng, horner):
                                     horner=horner))
     want = sum(np.roll(x, -k * step) for k in range(count))
     assert np.abs(out[:step] - want[:step]).max() < 1e-5
+
+
+def test_hoisted_plain_matrix_is_seals_bit_for_bit_on_the_gpu_reference(rng):
+    """``hoist=True`` (babies by rotate_many, one key each; issue 16's matmul): decrypts to x @ W on SEAL, and the
+    gpu backend's torch-CPU reference gives SEAL's ciphertext residue for residue, called plainly and as one
+    whole step (``run_step``: the shadow run and the fed run a CUDA graph would capture)."""
+    from fhe.backends.gpu import GpuEvaluator
+
+    w = rng.standard_normal((576, 576)) / np.sqrt(576)
+    x = rng.standard_normal(576)
+    pm = PlainMatrix(_ev(), w, hoist=True)
+    steps = pm.mv.map.steps
+    assert steps.hoist and steps.n_baby == 16 and steps.n_giant == 9            # w = 144: 16 babies, 9 giants
+    assert pm.rotation_steps == set(range(1, 16)) | {16, 144, 288}
+    client = _client(pm.rotation_steps)
+    ct = client.encrypt(pm.layout(x))
+    out = pm(ct, client.server_keys())
+    assert np.abs(pm.extract(client.decrypt(out)) - x @ w).max() < 1e-4
+    gev = GpuEvaluator(P, device="cpu", step_graphs=True)
+    gpm = PlainMatrix(gev, w, hoist=True)
+    keys = gev.load_keys(dict(client.public_blobs), tuple(pm.rotation_steps))
+    gct = gev.deserialize(seal_bytes(ct))
+    want = gev.serialize(gev.deserialize(seal_bytes(out)))
+    assert gev.serialize(gpm(gct, keys)) == want
+    (whole,) = gev.run_step(lambda ev, ins, k: [gpm.encoded(ev, ins[0], k)], [gct], keys)
+    assert gev.serialize(whole) == want and gev.whole_steps.eager == 1
+
+
+def test_hoisted_plain_matrix_with_giants_each_is_seals_on_the_gpu_reference(rng, monkeypatch):
+    """``giants_each=True``: the giant sums each rotated by their own key (``rotate_each``, batched with the gpu
+    backend's ``BATCH_SWITCHES``) = SEAL's loop of the same rotations, bit for bit, batched or not."""
+    from fhe.backends.gpu import GpuEvaluator, evaluator
+
+    w = rng.standard_normal((576, 576)) / np.sqrt(576)
+    x = rng.standard_normal(576)
+    pm = PlainMatrix(_ev(), w, hoist=True, giants_each=True)
+    assert pm.rotation_steps == set(range(1, 16)) | {16 * m for m in range(1, 9)} | {144, 288}
+    client = _client(pm.rotation_steps)
+    ct = client.encrypt(pm.layout(x))
+    out = pm(ct, client.server_keys())
+    assert np.abs(pm.extract(client.decrypt(out)) - x @ w).max() < 1e-4
+    gev = GpuEvaluator(P, device="cpu")
+    gpm = PlainMatrix(gev, w, hoist=True, giants_each=True)
+    keys = gev.load_keys(dict(client.public_blobs), tuple(pm.rotation_steps))
+    gct = gev.deserialize(seal_bytes(ct))
+    want = gev.serialize(gev.deserialize(seal_bytes(out)))
+    for batch in (False, True):
+        monkeypatch.setattr(evaluator, "BATCH_SWITCHES", batch)
+        assert gev.serialize(gpm(gct, keys)) == want
+
+
+def seal_bytes(ct) -> bytes:
+    from fhe.backends.seal import hazmat as seal
+
+    return seal.to_bytes(ct)

@@ -29,7 +29,7 @@ from fhe.backends.gpu.galois import ntt_permutation
 from fhe.backends.gpu.keys import GpuKeys, keys_from_server, load_keys
 from fhe.backends.gpu.modarith import addmod, mulmod
 from fhe.backends.gpu.ntt import ntt
-from fhe.backends.gpu.rns import RNSContext, drop_last_rounded
+from fhe.backends.gpu.rns import RNSContext, drop_last_rounded, intt
 from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal.keys import ServerKeys
 from fhe.errors import LevelError, ShapeError, WireError
@@ -42,6 +42,12 @@ _EPS = np.finfo(np.float64).eps
 #: longer waits for the stream to drain (a decode step encodes ~20 plaintexts, each one a drain before). The
 #: same device work and residues either way. False: the device test and a pageable copy (main's, benchmarks).
 ASYNC_ENCODE = True
+#: Several key switches of one call as one batch (issue 16, session 18): ``rotate_many``'s hoisted steps finish
+#: together (their inner products stacked, one rounding over ``[B, 2, L+1, N]``, one addition of the rotated c0s),
+#: and :meth:`GpuEvaluator.rotate_each` decomposes several ciphertexts in one pass. Row b gets the same kernels'
+#: arithmetic as one switch alone, so the same residues (the torch-CPU reference = SEAL in CI). Off by default: not yet
+#: run or timed on CUDA (session 18's device time ran out). False: one key switch after another (main's).
+BATCH_SWITCHES = False
 
 
 @dataclass
@@ -430,12 +436,48 @@ class GpuEvaluator(ParamsQueries):
         elif bool((digits == 0).any()):                               # -0 = 0 needs no fix: plain path
             return out | {s: self.rotate(ct, s, keys) for s in todo}
         q = self._q(ct.level)
+        if BATCH_SWITCHES and len(found) > 1:                          # the steps' finishes as one batch
+            accs = [ks.hoisted_inner(D, self._perm(elt), key, self._correction(keys, elt, key, lt), lt)
+                    for elt, key in found.values()]
+            perms = torch.stack([self._perm(elt) for elt, _ in found.values()])           # [B, N]
+            delta = ks.finish(torch.stack(accs), lt)                                       # [B, 2, L, N]
+            c0 = ct.data[0]
+            c0 = torch.gather(c0.expand(len(perms), *c0.shape), 2, perms[:, None, :].expand(len(perms), *c0.shape))
+            delta[:, 0] = addmod(delta[:, 0], c0, q)
+            return out | {s: GpuCiphertext(delta[i], ct.scale) for i, s in enumerate(found)}
         for s, (elt, key) in found.items():
             perm = self._perm(elt)
             acc = ks.hoisted_inner(D, perm, key, self._correction(keys, elt, key, lt), lt)
             delta = self._finish(acc, lt).clone()                     # the graph's buffer is reused next step
             delta[0] = addmod(delta[0], ct.data[0][..., perm], q)
             out[s] = GpuCiphertext(delta, ct.scale)
+        return out
+
+    def rotate_each(self, cts: Sequence[GpuCiphertext], steps: Sequence[int], keys: GpuKeys) -> list[GpuCiphertext]:
+        """``[rotate(ct, step) for ct, step in zip(cts, steps)]`` (bit-identical): with :data:`BATCH_SWITCHES`, the
+        ciphertexts of one level are rotated and decomposed as one batch ``[B, L, N]``, each then multiplied by
+        its own key, and finished together (a BSGS product's giant steps, :mod:`fhe.linalg`)."""
+        cts, steps = list(cts), [int(s) for s in steps]
+        if len(cts) != len(steps):
+            raise ShapeError(f"{len(cts)} ciphertexts but {len(steps)} steps")
+        todo = [i for i, s in enumerate(steps) if s % self.slots]
+        if (not BATCH_SWITCHES or len(todo) < 2 or any(self.size(cts[i]) != 2 for i in todo)
+                or len({cts[i].level for i in todo}) != 1):
+            return [self.rotate(ct, s, keys) for ct, s in zip(cts, steps, strict=True)]
+        lev = cts[todo[0]].level
+        found = [keys.galois_key(steps[i], lev) for i in todo]         # every key checked before any work
+        lt, q = self.ctx.level(lev), self._q(lev)
+        perms = torch.stack([self._perm(elt) for elt, _ in found])                          # [B, N]
+        data = torch.stack([cts[i].data for i in todo])                                     # [B, 2, L, N]
+        rotated = torch.gather(data, 3, perms[:, None, None, :].expand(data.shape))         # sigma per row
+        d = intt(rotated[:, 1].contiguous(), lt.data)                                       # [B, L, N]
+        D = ntt(torch.remainder(d.unsqueeze(-2), lt.ext.primes), lt.ext, inplace=True)     # [B, L, L+1, N]
+        accs = [ks.inner_product(D[b], key, lt) for b, (_, key) in enumerate(found)]
+        delta = ks.finish(torch.stack(accs), lt)                                            # [B, 2, L, N]
+        delta[:, 0] = addmod(delta[:, 0], rotated[:, 0], q)
+        out = list(cts)
+        for b, i in enumerate(todo):
+            out[i] = GpuCiphertext(delta[b], cts[i].scale)
         return out
 
     # --- key switching: graphs around the fixed-shape halves on CUDA --------------------------------

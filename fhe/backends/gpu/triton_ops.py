@@ -34,6 +34,15 @@ SHOUP = True
 #: kernel of its own, and :func:`fhe.backends.gpu.ntt.ntt` of a temporary (the key switch's expanded digits,
 #: the rounding's tail) transforms it in place instead of copying it first. The same residues. False: as before.
 FEWER = True
+#: The staged stages of a transform (those whose butterflies span more than a :data:`LOCAL` block: 5 at N = 32768,
+#: 3 at N = 8192) in one launch instead of one each (issue 16, session 18: a decode step was ~9,500 kernels,
+#: 5 staged launches per transform, 4 transforms per key switch): :func:`_ntt_strided`. Their butterflies only
+#: pair values whose index differs by a multiple of ``N / 2^S0 = LOCAL``, so the ``2^S0`` values of one column
+#: ``j`` of the ``[2^S0, LOCAL]`` view stay inside one program through all of them. The same butterflies on the
+#: same values, so the same residues. False: one launch per stage (:func:`_ntt_staged`).
+STRIDED = True
+#: butterflies per program of :func:`_ntt_strided` (columns per program = this / 2^(S0-1))
+STRIDED_BUTTERFLIES = 512
 
 
 @triton.jit
@@ -207,6 +216,56 @@ def _ntt_local(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, S0, LOGN: tl.constexpr, INVERS
             a, b = _ct(u, v, w, q, qinv, ws, SHOUP)
         tl.store(base + idx, a)
         tl.store(base + idx + (1 << sh), b)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _ntt_strided(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, P, N, LOGN: tl.constexpr, S0: tl.constexpr,
+                 INVERSE: tl.constexpr, SHOUP: tl.constexpr, SCALE: tl.constexpr, COLS: tl.constexpr):
+    """Stages 0..S0-1 of :func:`_ntt_stage` (gap = 2^sh >= C = N >> S0) in one launch, in the transform's
+    order (forward 0 up, inverse S0-1 down; ``SCALE``: the inverse's last one times N^-1 too, as
+    :func:`_ntt_stage`'s). View a row as ``[2^S0, C]`` (value ``k*C + j``): these stages only pair values of one
+    column j, so a program owns ``COLS`` columns and all their ``2^S0`` values, with a CTA barrier after each
+    stage (as :func:`_ntt_local`). Butterfly ``t`` of a stage: column ``j0 + t % COLS``, ``kk = t // COLS``;
+    its lower value has ``k`` = kk with a 0 bit inserted at bit ``sh - log2 C`` and twiddle index
+    ``2^s + (kk >> (sh - log2 C))`` (= :func:`_ntt_stage`'s ``m + i``)."""
+    LOGC: tl.constexpr = LOGN - S0
+    row = tl.program_id(0)
+    p = row % P
+    q = tl.load(q_ptr + p)
+    qinv = 1.0 / q.to(tl.float64)
+    t = tl.arange(0, (1 << (S0 - 1)) * COLS)
+    j = tl.program_id(1) * COLS + (t % COLS)
+    kk = t // COLS
+    base = x_ptr + row.to(tl.int64) * N
+    wrow = w_ptr + p.to(tl.int64) * N
+    wsrow = ws_ptr + p.to(tl.int64) * N
+    for tt in tl.static_range(S0):                                   # unrolled: every shift a constant
+        if INVERSE:
+            s = S0 - 1 - tt
+        else:
+            s = tt
+        pb = LOGN - 1 - s - LOGC                                     # gap = C << pb
+        i = kk >> pb
+        idx = (((i << (pb + 1)) | (kk & ((1 << pb) - 1))) << LOGC) + j
+        gap = 1 << (LOGN - 1 - s)
+        u = tl.load(base + idx)
+        v = tl.load(base + idx + gap)
+        w = tl.load(wrow + (1 << s) + i)
+        ws = w
+        if SHOUP:
+            ws = tl.load(wsrow + (1 << s) + i)
+        if INVERSE:
+            a, b = _gs(u, v, w, q, qinv, ws, SHOUP)
+            if SCALE:
+                if s == 0:
+                    ni = tl.load(ninv_ptr + p) + tl.zeros(a.shape, tl.int64)
+                    a = _mulmod(a, ni, q, qinv)
+                    b = _mulmod(b, ni, q, qinv)
+        else:
+            a, b = _ct(u, v, w, q, qinv, ws, SHOUP)
+        tl.store(base + idx, a)
+        tl.store(base + idx + gap, b)
         tl.debug_barrier()
 
 
@@ -416,8 +475,17 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
     if inverse and local > 1:
         _ntt_local[(rows, n // local)](x, roots, ws, primes, p, n, s0, LOGN=logn, INVERSE=True, SHOUP=shoup,
                                        HALF=local // 2, num_warps=LOCAL_WARPS)
-    folded = _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, s0 if local > 1 else logn,
-                         n_inv if FEWER else None)
+    if STRIDED and not RADIX4 and local > 1 and s0 > 0:              # the staged stages in one launch
+        cols = max(1, STRIDED_BUTTERFLIES >> (s0 - 1))
+        cols = min(cols, n >> s0)
+        scale = inverse and FEWER and n_inv is not None
+        _ntt_strided[(rows, (n >> s0) // cols)](x, roots, ws, n_inv if scale else primes, primes, p, n,
+                                                 LOGN=logn, S0=s0, INVERSE=inverse, SHOUP=shoup, SCALE=scale,
+                                                 COLS=cols, num_warps=LOCAL_WARPS)
+        folded = scale
+    else:
+        folded = _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, s0 if local > 1 else logn,
+                             n_inv if FEWER else None)
     if not inverse and local > 1:
         _ntt_local[(rows, n // local)](x, roots, ws, primes, p, n, s0, LOGN=logn, INVERSE=False, SHOUP=shoup,
                                        HALF=local // 2, num_warps=LOCAL_WARPS)

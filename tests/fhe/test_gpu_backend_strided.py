@@ -1,0 +1,61 @@
+"""The one-launch staged NTT stages (``triton_ops._ntt_strided``, issue 16 session 18) on the CPU (CI).
+
+The Triton kernels themselves run here under Triton's interpreter (``TRITON_INTERPRET=1``, on CPU tensors, in a
+subprocess: the variable is read when the kernels are defined), forward and inverse, with Shoup's products and
+without, N^-1 folded into the last stage and not, and must give the torch reference's residues
+(:func:`fhe.backends.gpu.ntt.ntt` / :func:`~fhe.backends.gpu.ntt.intt`) and the per-stage launches'
+(``STRIDED = False``). Small ``LOCAL`` blocks give more strided stages than the shipped N would (4 and 2 here, 5 at
+N = 32768). On the GPU: tests/fhe/test_gpu_backend_cuda.py (the shipped size, the CUDA kernels).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+_SCRIPT = textwrap.dedent("""
+    import itertools, torch
+    from fhe.backends.gpu import triton_ops as T
+    from fhe.backends.gpu.ntt import NTTTables, intt, ntt
+    T._check = lambda *a, **k: None                       # the launchers assert CUDA tensors
+    launches = []
+    kernel = T._ntt_strided
+    class Count:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+    T._ntt_strided = Count()
+    for n, local in ((2048, 128), (1024, 256)):
+        T.LOCAL = local
+        tab = NTTTables.build([1152921504606584833, 1125899906826241, 1125899906629633], n)
+        x = torch.remainder(torch.randint(0, 1 << 62, (2, 3, n), generator=torch.Generator().manual_seed(n)),
+                            tab.primes)
+        want = ntt(x, tab)
+        assert torch.equal(intt(want, tab), x)
+        combos = [(*sf, True) for sf in itertools.product((False, True), repeat=2)] + [(True, True, False)]
+        for shoup, fewer, strided in combos:
+            T.SHOUP, T.FEWER, T.STRIDED = shoup, fewer, strided
+            before = len(launches)
+            fwd = T.ntt_(x.clone(), tab.roots, tab.primes.view(-1), inverse=False, roots_shoup=tab.roots_shoup)
+            inv = T.ntt_(want.clone(), tab.inv_roots, tab.primes.view(-1), inverse=True,
+                         n_inv=tab.n_inv.view(-1).contiguous(), roots_shoup=tab.inv_roots_shoup)
+            assert torch.equal(fwd, want), (n, shoup, fewer, strided)
+            assert torch.equal(inv, x), (n, shoup, fewer, strided)
+            assert len(launches) - before == (2 if strided else 0), launches
+    print("ok", len(launches))
+""")
+
+
+def test_strided_stages_kernel_matches_the_torch_reference_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["ok", "16"]

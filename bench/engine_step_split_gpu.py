@@ -102,6 +102,7 @@ def instrumented(llm, vocab: int) -> dict:
     return out
 
 
+@torch.inference_mode()
 def graph_gpu_ms(llm, b: int = C, iters: int = 50) -> dict:
     runner = llm.engine.runner
     runner._decode_in.dev64[2].fill_(-1)  # padding slots: the replays write nothing into the pool

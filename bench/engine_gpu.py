@@ -354,9 +354,10 @@ def bench_shape(name: str, concurrency: list[int], bw: float, with_hf: bool, hf_
     if hf is not None:
         res["logprob_rel_err_vs_hf_bf16"] = sanity(llm, hf, cfg.vocab_size)
     for c in concurrency:
-        # warm on the shape it will run: c prompts at once (the prefill chunks and the c-row decode step
-        # compile and capture here, not inside the timing)
-        llm.generate(prompts(c, cfg.vocab_size, 1000 + c), SamplingParams(temperature=0, max_tokens=16,
+        # warm on the job it will run, whole: c prompts x OUTPUT_LEN tokens (the prefill chunks, the mixed
+        # steps, the c-row decode step at every context length compile here, not inside the timing; 16-token
+        # warm-ups left the 256-request rows moving by ±20 %, docs/benchmarks.md)
+        llm.generate(prompts(c, cfg.vocab_size, 1000 + c), SamplingParams(temperature=0, max_tokens=OUTPUT_LEN,
                                                                           ignore_eos=True))
         dt, tok = run_ours(llm, prompts(c, cfg.vocab_size, c))
         res[f"ours_c{c}_tok_s"] = tok / dt

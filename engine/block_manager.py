@@ -72,10 +72,11 @@ class BlockManager:
 
     # ---- hashing ----------------------------------------------------------------------------------
     def update_hashes(self, seq: Sequence) -> list[bytes]:
-        """Extend ``seq.block_hashes`` to every full block of its tokens; return them."""
+        """Extend ``seq.block_hashes`` to every full block of its resolved tokens (placeholders of the
+        overlapped loop are not hashed); return them."""
         bs, hashes = self.block_size, seq.block_hashes
         parent = hashes[-1] if hashes else root_hash(seq.request.cache_salt)
-        for i in range(len(hashes), seq.num_tokens // bs):
+        for i in range(len(hashes), seq.num_resolved_tokens // bs):
             parent = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
             hashes.append(parent)
         return hashes
@@ -149,10 +150,11 @@ class BlockManager:
         child.num_hashed_blocks = parent.num_hashed_blocks
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's newly computed full blocks in the prefix cache."""
+        """Register the sequence's newly computed full blocks in the prefix cache (those whose tokens are all
+        resolved: the overlapped loop calls again once a placeholder is filled in)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_resolved_tokens) // self.block_size
         if num_full <= seq.num_hashed_blocks:
             return
         hashes = self.update_hashes(seq)

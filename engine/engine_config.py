@@ -187,6 +187,10 @@ class EngineConfig:
             per value, per-(layer, KV head) scales for K and V calibrated at load; docs/engine.md "FP8 KV
             cache"). On CPU fp8 pools run the kernels' torch references (slower than the fp32 CPU path);
             not with tensor parallelism.
+        async_scheduling: overlap the host with the device (``LLMEngine.step``, docs/engine.md "Overlapped
+            steps"): a step of plain greedy requests is launched and the previous step's tokens are read
+            back after it, so scheduling and input staging of step n + 1 run while step n runs. None
+            (default): on for CUDA, off on CPU (nothing to overlap there); True / False force it.
     """
 
     device: str = "auto"
@@ -226,6 +230,7 @@ class EngineConfig:
     speculative_disable_by_batch_size: int | None = 4
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -320,6 +325,12 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_async_scheduling(self) -> bool:
+        """Whether the engine overlaps steps: ``async_scheduling``, or by default on CUDA only."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.resolved_device().startswith("cuda")
 
     def resolved_kv_cache_dtype(self):
         """The torch dtype of the KV pools: the model dtype, or float8_e4m3fn."""

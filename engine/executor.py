@@ -1,6 +1,7 @@
 """The seam between the engine and the model: an executor runs a scheduled step wherever the model lives.
 
-``LLMEngine`` talks only to an :class:`Executor`: size and allocate the KV pool, run a step, shut down.
+``LLMEngine`` talks only to an :class:`Executor`: size and allocate the KV pool, run a step, shut down
+(and, optionally, ``launch``: run a greedy step whose tokens are read back later, for the overlapped loop).
 :class:`InProcessExecutor` (today's, the default) drives one :class:`~engine.model_runner.ModelRunner` in
 this process. A tensor-parallel executor implements the same three calls by broadcasting the
 :class:`~engine.scheduler.SchedulerOutput` to one runner per rank (torch.distributed/NCCL) and returning
@@ -18,7 +19,7 @@ import torch
 
 from engine.engine_config import EngineConfig
 from engine.model import LlamaForCausalLM
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -66,6 +67,11 @@ class InProcessExecutor:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         logits, sampling = self.runner.execute(sched)
         return ModelOutput(logits, sampling)
+
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+        """Run a step of plain greedy sequences without reading its tokens back (the overlapped loop:
+        ``LLMEngine.step``); an executor without this method runs every step synchronously."""
+        return self.runner.launch(sched, prev)
 
     def shutdown(self) -> None:
         """Nothing to stop: the runner lives and dies with the engine."""

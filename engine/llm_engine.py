@@ -9,6 +9,13 @@ tokens and the :class:`~engine.output_processor.OutputProcessor` turns them into
 tests and new features (tensor parallelism, speculative decoding) can swap one without touching the rest.
 The engine is the only writer of a sequence's output state (tokens, logprobs, finish reason).
 
+Overlapped steps (``EngineConfig.async_scheduling``, on by default on CUDA): a step whose requests are all
+plain greedy is *launched* (its sampled tokens stay on the device, each sequence gets a placeholder token so
+the scheduler can schedule its next step at once) and the previous launched step is *resolved* only then
+(its tokens read back, stop checks, outputs), so the host schedules and stages step n + 1 while the GPU
+still runs step n. Outputs therefore come one step later; the tokens are the same. Any other step (sampling,
+logprobs, penalties, speculation, forks) resolves what is in flight first and runs synchronously.
+
 Not thread-safe, except :meth:`make_request` (validation and admission), which the async front end
 calls from the event loop while the engine thread steps.
 """
@@ -30,7 +37,7 @@ from engine.outputs import RequestOutput
 from engine.parts import EngineParts
 from engine.sampler import SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
+from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Request, Sequence
 from engine.tokenizer import Tokenizer
 
@@ -69,6 +76,9 @@ class LLMEngine:
         self._token_times: dict[str, list[float]] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # the overlapped loop: needs an executor that can launch a step without reading its tokens back
+        self.overlap = config.resolved_async_scheduling() and hasattr(self.executor, "launch")
+        self._in_flight = None  # the launched step whose tokens are not yet read back (LaunchedStep)
 
     @property
     def runner(self):
@@ -146,6 +156,11 @@ class LLMEngine:
         gen = None if seed is None else torch.Generator(self.device).manual_seed(seed)
         seq = Sequence(next(self._seq_ids), request, 0, request.prompt_token_ids, gen)
         request.seqs.append(seq)
+        params = request.params
+        k = params.num_speculative_tokens
+        k = self.config.num_speculative_tokens if k is None else k
+        # overlapped steps sample by argmax on the device and read tokens back one step late
+        request.overlappable = request.plain_greedy and params.n == 1 and not (k and self.config.speculative_method)
         self.requests[request.request_id] = request
         self._token_times[request.request_id] = []
         self.scheduler.add(seq)
@@ -177,21 +192,65 @@ class LLMEngine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample one step; return outputs of the requests that progressed."""
+        """Schedule, run and sample one step; return outputs of the requests that progressed.
+
+        With :attr:`overlap` on, a step of overlappable requests is launched and the step launched before
+        it is resolved: the outputs returned are that earlier step's (see the module docstring).
+        """
         sched = self.scheduler.schedule()
+        if not self.overlap:
+            return self._run_sync(sched, [])
+        prev, self._in_flight = self._in_flight, None
+        if sched.scheduled and all(s.seq.request.overlappable and not s.draft_token_ids for s in sched.scheduled):
+            self._mark_all(sched)
+            self._in_flight = self.executor.launch(sched, prev)
+            self.scheduler.commit_step(sched)
+            for s in self._in_flight.sampling:
+                self._add_placeholder(s.seq)
+            outputs = self._resolve(prev) if prev is not None else []
+            self._notify()
+            return outputs
+        if prev is None:
+            return self._run_sync(sched, [])
+        outputs = self._resolve(prev)  # placeholders become tokens before a synchronous step reads them
+        sched.scheduled = [s for s in sched.scheduled if not s.seq.finished]
+        return self._run_sync(sched, outputs)
+
+    def _run_sync(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Run a scheduled step and sample it before returning (the synchronous loop)."""
         if not sched.scheduled:
-            return []
+            return outputs
+        self._mark_all(sched)
+        result = self.executor.execute(sched)
+        self.scheduler.commit_step(sched)
+        outputs += self._process_samples(result.logits, result.sampling)
+        self._notify()
+        return outputs
+
+    def _mark_all(self, sched: SchedulerOutput) -> None:
         now = time.time()
         for s in sched.scheduled:
             self._mark_scheduled(s.seq.request, now)
-        result = self.executor.execute(sched)
-        self.scheduler.commit_step(sched)
-        outputs = self._process_samples(result.logits, result.sampling)
+
+    def _notify(self) -> None:
         if self.listeners:
             stats = self.stats()
             for listener in self.listeners:
                 listener.on_step(stats)
-        return outputs
+
+    def _add_placeholder(self, seq: Sequence) -> None:
+        """Let the scheduler run ``seq``'s next step before this step's token is read back, unless that token
+        is its last by length (then it waits: the step after would run past its end)."""
+        after = seq.num_output_tokens + seq.num_pending + 1  # outputs once this step's token is in
+        if after < seq.params.max_tokens and seq.num_tokens + 1 < self.max_model_len:
+            seq.append_placeholder()
+
+    def _resolve(self, launched) -> list[RequestOutput]:
+        """Read a launched step's tokens back (waiting for its GPU work) and apply them: placeholders filled in,
+        stop checks, outputs. Sequences that finished or were aborted meanwhile drop their token."""
+        emitted = [(s.seq, [tok], [None], False)
+                   for s, tok in zip(launched.sampling, launched.token_ids(), strict=True) if not s.seq.finished]
+        return self._emit(emitted)
 
     def shutdown(self) -> None:
         """Release the executor (a tensor-parallel one stops its rank processes)."""
@@ -219,6 +278,11 @@ class LLMEngine:
         if verify:
             verdicts = self.spec.verify(self.sampler, logits[self._index(verify_rows, logits)], verify)
             emitted += [(s.seq, v.token_ids, v.logprobs, True) for s, v in zip(verify, verdicts, strict=True)]
+        return self._emit(emitted)
+
+    def _emit(self, emitted: list[tuple[Sequence, list[int], list[dict[int, float] | None], bool]]
+              ) -> list[RequestOutput]:
+        """Append each sequence's new tokens; build the outputs of the requests they touched."""
         now = time.time()
         touched: dict[str, Request] = {}
         for seq, tokens, lps, speculated in emitted:
@@ -297,12 +361,17 @@ class LLMEngine:
                                                  q.generator) for q in seqs])
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
-        """The one place a sequence's output grows or ends."""
-        seq.append_token(token, logprobs)
+        """The one place a sequence's output grows or ends (a pending placeholder is filled in first)."""
+        if seq.num_pending:
+            seq.resolve_token(token)
+        else:
+            seq.append_token(token, logprobs)
         verdict = self.output_processor.check_finish(seq, token)
         if verdict is not None:
             seq.finish(*verdict)
             self.scheduler.finish(seq)
+        else:
+            self.block_manager.cache_full_blocks(seq)  # blocks whose last token was a placeholder until now
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """On a request's first sample, create its other n - 1 completions sharing the parent's blocks."""

@@ -57,6 +57,26 @@ class StepInputs:
     sampling: list[ScheduledSeq]  # the sequences that yield rows, in row order (num_logits_rows each)
 
 
+class LaunchedStep:
+    """A step whose greedy tokens were sampled on the device and not yet read back (the overlapped loop).
+
+    ``sampling``: the sequences that yield a token, one row each, in row order; ``rows``: seq_id -> row, where
+    the next launch finds the token a placeholder stands for; the tokens are copied into pinned host memory
+    behind the step's GPU work, and :meth:`token_ids` waits for that copy alone.
+    """
+
+    def __init__(self, sampling: list[ScheduledSeq], tokens: torch.Tensor, event) -> None:
+        self.sampling = sampling
+        self.rows = {s.seq.seq_id: i for i, s in enumerate(sampling)}
+        self._tokens, self._event = tokens, event
+
+    def token_ids(self) -> list[int]:
+        """The sampled tokens in row order (blocks until the step's GPU work is done)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._tokens.tolist()
+
+
 def graph_buckets(max_batch: int) -> list[int]:
     """Decode batch sizes that get a CUDA graph (vLLM's: 1, 2, 4, then multiples of 8)."""
     sizes = [b for b in (1, 2, 4) if b <= max_batch] + list(range(8, max_batch + 1, 8))
@@ -102,6 +122,12 @@ class ModelRunner:
         self._verify_cu: dict[int, torch.Tensor] = {}  # k -> constant cu_seqlens of the verify graphs
         # bucket -> decode graph with one-pass attention (no split-K reduce), for contexts <= _one_pass_tokens
         self._one_pass: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # the overlapped loop: the last launched step's greedy tokens on the device (row i: its i-th sampling
+        # sequence), which the next launch gathers its placeholder inputs from; pinned read-back buffers, two
+        # so that a step's copy never overwrites the one the host has not read yet
+        self._sampled: torch.Tensor | None = None
+        self._host_tokens: list[torch.Tensor] = []
+        self._launches = 0
         bs = self.block_size
         self._one_pass_tokens = min(config.cuda_one_pass_decode_tokens, self.max_blocks_per_seq * bs) // bs * bs
 
@@ -131,7 +157,17 @@ class ModelRunner:
             self.fused_decode.bind(self.kv)
         if self.is_cuda and cfg.cuda_graphs:
             self._capture_graphs(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
+        self._alloc_sampled()
         return num_blocks
+
+    def _alloc_sampled(self) -> None:
+        n = self.config.max_num_seqs
+        if hasattr(self, "_decode_in"):  # inside the decode graphs' buffer: one gather feeds a graph's ids
+            self._sampled = self._decode_in.dev64[_StaticInputs.SAMPLED, :n]
+        else:
+            self._sampled = torch.zeros(n, dtype=torch.int64, device=self.device)
+        if self.is_cuda:
+            self._host_tokens = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
 
     def _pool(self, num_blocks: int) -> PagedKVCache:
         return PagedKVCache(self.model_config, num_blocks, self.block_size, self.kv_dtype, self.device,
@@ -161,8 +197,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     # ---- batch building ---------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        """Build the flat batch: single-token decodes first, then multi-token queries (varlen)."""
+    def prepare(self, sched: SchedulerOutput, feed: LaunchedStep | None = None) -> StepInputs:
+        """Build the flat batch: single-token decodes first, then multi-token queries (varlen); decodes whose
+        input is a placeholder take the token ``feed`` (the step launched before) sampled on the device."""
         decodes = [s for s in sched.scheduled if s.num_query_tokens == 1]
         prefills = [s for s in sched.scheduled if s.num_query_tokens != 1]
         ids, pos, slots, rows, sampling = [], [], [], [], []
@@ -178,7 +215,13 @@ class ModelRunner:
             [s.seq.block_table for s in decodes], [s.start + 1 for s in decodes],
             [s.seq.block_table for s in prefills], [0] + _cumsum([s.num_query_tokens for s in prefills]),
             [s.start + s.num_query_tokens for s in prefills])
-        return StepInputs(self._t(ids), self._t(pos), meta, self._t(rows), sampling)
+        input_ids = self._t(ids)
+        pending = [(i, feed.rows[s.seq.seq_id]) for i, s in enumerate(decodes) if ids[i] < 0] if feed else []
+        if pending:
+            dst, src = self._t([i for i, _ in pending]), self._t([j for _, j in pending])
+            input_ids.index_copy_(0, dst, self._sampled.index_select(0, src))
+        assert feed is not None or not ids or min(ids) >= 0, "placeholder input without the step that samples it"
+        return StepInputs(input_ids, self._t(pos), meta, self._t(rows), sampling)
 
     def _slots(self, s: ScheduledSeq) -> list[int]:
         bs, table = self.block_size, s.seq.block_table
@@ -224,6 +267,35 @@ class ModelRunner:
         backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim, cpu_decode=self.cpu_attention)
         h = self.model(inputs.input_ids, inputs.positions, backend)       # [T, hidden]
         return self.model.logits(h[inputs.logits_rows]), inputs.sampling  # [R, V]
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+        """Run a step of plain greedy sequences (one logits row each) without waiting for it: its argmax stays
+        on the device (where the next launch feeds placeholders from) and is copied to pinned memory behind
+        the step. ``prev``: the step launched before, whose tokens this one's placeholders stand for."""
+        assert self.kv is not None, "init_kv_cache() first"
+        self.kv.copy_blocks(sched.copies)
+        key = self._graph_for(sched.scheduled)
+        if key is not None and key[1] == 0:
+            logits, sampling = self._run_graph(sched.scheduled, key[0], 0, prev)
+        else:
+            inputs = self.prepare(sched, prev)
+            backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim, cpu_decode=self.cpu_attention)
+            h = self.model(inputs.input_ids, inputs.positions, backend)      # [T, hidden]
+            logits, sampling = self.model.logits(h[inputs.logits_rows]), inputs.sampling
+        n = len(sampling)
+        assert logits.shape[0] == n, "overlapped steps sample one row per sequence"
+        sampled = self._sampled[:n]
+        if n:
+            torch.argmax(logits, -1, out=sampled)                             # [n] int64
+        if not self.is_cuda:
+            return LaunchedStep(sampling, sampled.clone(), None)
+        host = self._host_tokens[self._launches % 2][:n]
+        self._launches += 1
+        host.copy_(sampled, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedStep(sampling, host, event)
 
     def _run_fused_decode(self, s: ScheduledSeq) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """A step of one single-token query through the fused native step (engine.cpu_decode)."""
@@ -278,7 +350,9 @@ class ModelRunner:
         """Allocate the graphs' input buffers (decode batches up to ``max_batch``, verify batches up to
         ``verify_max_batch``); return the verify graphs' draft counts."""
         dev, ks = self.device, self.config.verify_graph_tokens()
-        self._decode_in = _StaticInputs(max_batch, max_batch, self.max_blocks_per_seq, dev)
+        # rows for every running sequence: row SAMPLED also holds an eager step's tokens (overlapped loop)
+        self._decode_in = _StaticInputs(max(max_batch, self.config.max_num_seqs), max_batch,
+                                        self.max_blocks_per_seq, dev)
         if not ks:
             return ks
         rows = verify_max_batch * (ks[-1] + 1)
@@ -337,9 +411,10 @@ class ModelRunner:
             return self._one_pass[b]
         return self._graphs[(b, 0)]
 
-    def _run_graph(self, scheduled: list[ScheduledSeq], b: int, k: int) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """A decode or verify step through the captured (b, k) graph."""
-        rows = self._stage(scheduled, b, k)
+    def _run_graph(self, scheduled: list[ScheduledSeq], b: int, k: int,
+                   feed: LaunchedStep | None = None) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """A decode or verify step through the captured (b, k) graph (``feed``: see :meth:`launch`)."""
+        rows = self._stage(scheduled, b, k, feed)
         if k:
             graph, out = self._graphs[(b, k)]
         else:
@@ -350,12 +425,18 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).synchronize()
         return out[rows], sampling
 
-    def _stage(self, scheduled: list[ScheduledSeq], b: int, k: int) -> slice | torch.Tensor:
+    def _stage(self, scheduled: list[ScheduledSeq], b: int, k: int,
+               feed: LaunchedStep | None = None) -> slice | torch.Tensor:
         """Fill the (b, k) step's static buffers for ``scheduled``; return the logits rows that sample (a
-        slice when they are the first ones, else a device index)."""
+        slice when they are the first ones, else a device index). With ``feed`` (decode graphs) the input ids
+        are gathered on the device: placeholders from the tokens ``feed`` sampled, the others from the host."""
         q = k + 1
         inp = self._verify_in if k else self._decode_in
-        rows = self._fill_verify(inp, scheduled, q) if k else self._fill_decode(inp, scheduled)
+        if feed is not None:
+            rows = self._fill_decode(inp, scheduled, _StaticInputs.HOST_IDS)
+            self._fill_gather(inp, scheduled, b, feed)
+        else:
+            rows = self._fill_verify(inp, scheduled, q) if k else self._fill_decode(inp, scheduled)
         n = len(scheduled)
         inp.host64[2, n * q:b * q] = -1  # padding sequences write nothing and read q slots of block 0
         inp.host_lens[n:b] = q
@@ -363,15 +444,30 @@ class ModelRunner:
         if not whole:
             inp.host64[3, :len(rows)] = rows
         inp.upload(b)
+        if feed is not None:  # ids [b] from rows HOST_IDS.. (flat) at the gather index: host ids or tokens sampled last
+            src = inp.dev64[_StaticInputs.HOST_IDS:].view(-1)
+            torch.index_select(src, 0, inp.dev64[_StaticInputs.GATHER, :b], out=inp.dev64[0, :b])
         return slice(0, len(rows)) if whole else inp.dev64[3, :len(rows)]
 
-    def _fill_decode(self, inp: _StaticInputs, scheduled: list[ScheduledSeq]) -> list[int]:
+    def _fill_gather(self, inp: _StaticInputs, scheduled: list[ScheduledSeq], b: int, feed: LaunchedStep) -> None:
+        """Gather indices into dev64's rows HOST_IDS.. flattened (rows of width W): row i reads its host id (i),
+        or, for a placeholder, the token ``feed`` sampled for that sequence ((SAMPLED - HOST_IDS) * W + its row
+        there). (The source starts past row 0, which the gather writes: torch refuses overlapping in and out.)"""
+        h64, width = inp.host64, inp.dev64.shape[1]
+        h64[_StaticInputs.GATHER, :b] = inp.arange[:b]
+        h64[_StaticInputs.HOST_IDS, len(scheduled):b] = 0  # padding rows: any valid id
+        sampled_base, rows = (_StaticInputs.SAMPLED - _StaticInputs.HOST_IDS) * width, feed.rows
+        for i, s in enumerate(scheduled):
+            if h64[_StaticInputs.HOST_IDS, i] < 0:
+                h64[_StaticInputs.GATHER, i] = sampled_base + rows[s.seq.seq_id]
+
+    def _fill_decode(self, inp: _StaticInputs, scheduled: list[ScheduledSeq], ids_row: int = 0) -> list[int]:
         """Host inputs of a decode batch (one row per sequence; the hot path of large batches: scalar
-        writes only); return the rows that sample."""
+        writes only; the ids into ``ids_row``); return the rows that sample."""
         h64, lens, tables, bs = inp.host64, inp.host_lens, inp.host_tables, self.block_size
         for i, s in enumerate(scheduled):
             table, p = s.seq.block_table, s.start
-            h64[0, i], h64[1, i] = s.seq.token_ids[p], p
+            h64[ids_row, i], h64[1, i] = s.seq.token_ids[p], p
             h64[2, i] = table[p // bs] * bs + p % bs
             lens[i] = p + 1
             tables[i, :len(table)] = table
@@ -396,28 +492,44 @@ class _StaticInputs:
     """The device buffers a family of CUDA graphs reads, and pinned host mirrors that fill them with one
     copy each per step (under gVisor every CUDA call costs ~0.1 ms, so a step makes as few as possible).
 
-    dev64 [4, rows]: input ids, positions, slots, and the logits rows a step samples (read after the replay);
+    dev64 [7, rows]: input ids, positions, slots, and the logits rows a step samples (read after the replay);
+    then, for the overlapped loop, the host's ids, the gather index that builds row 0 from them and from
+    row SAMPLED, and SAMPLED: the last launched step's greedy tokens (written on the device, never uploaded).
     dev32 [S + S * W]: context lengths [S], block tables [S, W] (entries past a table hold block ids of
     earlier steps: in range, and read by padding rows only).
+    The host mirrors come in two sets used in turn: under the overlapped loop the host fills step n + 1's
+    while step n's upload may still be queued behind step n - 1.
     """
+
+    HOST_IDS, GATHER, SAMPLED = 4, 5, 6
+    UPLOADED = 6  # rows of dev64 the host fills
 
     def __init__(self, rows: int, seqs: int, width: int, device: torch.device) -> None:
         self.seqs, self.width = seqs, width
-        self.dev64 = torch.zeros(4, rows, dtype=torch.int64, device=device)
+        self.dev64 = torch.zeros(self.SAMPLED + 1, rows, dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(seqs * (1 + width), dtype=torch.int32, device=device)
         pin = device.type == "cuda"  # (the CPU builds them only in tests of the layout)
-        self._pinned64 = torch.zeros(4, rows, dtype=torch.int64, pin_memory=pin)
-        self._pinned32 = torch.zeros(seqs * (1 + width), dtype=torch.int32, pin_memory=pin)
-        self.host64 = self._pinned64.numpy()
-        self.host_lens = self._pinned32[:seqs].numpy()
-        self.host_tables = self._pinned32[seqs:].view(seqs, width).numpy()
+        self._sets = [(torch.zeros(self.UPLOADED, rows, dtype=torch.int64, pin_memory=pin),
+                       torch.zeros(seqs * (1 + width), dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self.arange = torch.arange(rows).numpy()
+        self._turn = 0
+        self._use(0)
         self.lens, self.tables = self.dev32[:seqs], self.dev32[seqs:].view(seqs, width)
 
+    def _use(self, turn: int) -> None:
+        self._pinned64, self._pinned32 = self._sets[turn]
+        self.host64 = self._pinned64.numpy()
+        self.host_lens = self._pinned32[:self.seqs].numpy()
+        self.host_tables = self._pinned32[self.seqs:].view(self.seqs, self.width).numpy()
+
     def upload(self, b: int) -> None:
-        """Copy the host mirrors to the device: every row, the lengths and the first ``b`` tables."""
-        self.dev64.copy_(self._pinned64, non_blocking=True)
+        """Copy the host mirrors to the device (every row, the lengths and the first ``b`` tables); the next
+        step fills the other set."""
+        self.dev64[:self.UPLOADED].copy_(self._pinned64, non_blocking=True)
         used = self.seqs + b * self.width
         self.dev32[:used].copy_(self._pinned32[:used], non_blocking=True)
+        self._turn ^= 1
+        self._use(self._turn)
 
 
 def _cumsum(xs: list[int]) -> list[int]:

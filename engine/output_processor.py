@@ -76,7 +76,7 @@ class OutputProcessor:
         stop = self._text_of(seq).add(token)
         if stop is not None:
             return "stop", stop
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= params.max_tokens or seq.num_resolved_tokens >= self.max_model_len:
             return "length", None
         return None
 

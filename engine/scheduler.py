@@ -141,6 +141,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # its last token is in flight (overlapped loop): nothing to compute
+                i += 1
+                continue
             while not self.bm.allocate_slots(seq, n):
                 victim = max(self.running[i:], key=Sequence.sort_key)
                 self._preempt(victim)

@@ -21,6 +21,9 @@ import torch
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 
+# a sampled token not yet read back from the device (the overlapped loop, docs/engine.md "Overlapped steps")
+PLACEHOLDER = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -48,6 +51,7 @@ class Request:
         self.holds_waiting_slot = True  # counts against EngineConfig.max_waiting until first scheduled
         # argmax with nothing else to compute: the sampler's fast path
         self.plain_greedy = params.greedy and params.logprobs is None and not params.needs_history
+        self.overlappable = False  # set by the engine: may run in overlapped steps (LLMEngine.step)
 
     @property
     def finished(self) -> bool:
@@ -59,6 +63,9 @@ class Sequence:
 
     ``token_ids`` holds prompt + output; the first ``num_computed_tokens`` of them have their K/V in
     the blocks of ``block_table`` (block i holds positions ``[i * block_size, (i + 1) * block_size)``).
+    Under the overlapped loop the last ``num_pending`` entries are :data:`PLACEHOLDER`: tokens a launched
+    step samples on the device, which the scheduler already counts (so the next step can feed them) and
+    the engine fills in one step later; outputs and stop checks see only the resolved tokens.
     """
 
     def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int],
@@ -77,6 +84,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] = []
+        self.num_pending = 0                  # trailing PLACEHOLDER tokens (sampled, not yet read back)
 
     @property
     def params(self) -> SamplingParams:
@@ -87,12 +95,17 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_resolved_tokens(self) -> int:
+        """Tokens known on the host (``num_tokens`` less the pending placeholders)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:self.num_resolved_tokens]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_resolved_tokens - self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:
@@ -104,9 +117,24 @@ class Sequence:
         if logprobs is not None:
             self.logprobs.append(logprobs)
 
+    def append_placeholder(self) -> None:
+        """Count a token that a launched step samples on the device (filled in by :meth:`resolve_token`)."""
+        self.token_ids.append(PLACEHOLDER)
+        self.num_pending += 1
+
+    def resolve_token(self, token: int) -> None:
+        """Fill in the oldest placeholder with the token read back from the device."""
+        assert self.num_pending, "no placeholder to resolve"
+        self.token_ids[len(self.token_ids) - self.num_pending] = token
+        self.num_pending -= 1
+
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
-        """Record why the sequence ended ("stop", "length", "abort"); the scheduler then frees it."""
+        """Record why the sequence ended ("stop", "length", "abort"); the scheduler then frees it. Tokens
+        still pending are dropped: a step launched past the end yields nothing."""
         self.finish_reason, self.stop_reason = reason, stop_reason
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     def sort_key(self) -> tuple[int, float, int]:
         """Scheduling order: lower priority value first, then arrival (vLLM's convention)."""

@@ -23,18 +23,41 @@ def _release_gpu_memory():
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("graphs", [True, False])
-def test_fp32_gpu_engine_equals_cpu_reference(graphs):
+def test_fp32_gpu_engine_equals_cpu_reference(graphs, overlap):
     prompts = random_prompts([5, 17, 33, 1, 40, 64, 9], seed=1)
     ref_model = tiny_model("qwen2-bias-tied")
     refs = [greedy_generate(ref_model, p, 24) for p in prompts]
     cfg = EngineConfig(device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=48,
                        max_model_len=256,
-                       gpu_memory_utilization=0.3, max_num_seqs=16, cuda_graphs=graphs)
+                       gpu_memory_utilization=0.3, max_num_seqs=16, cuda_graphs=graphs, async_scheduling=overlap)
     llm = LLM(tiny_model("qwen2-bias-tied"), engine_config=cfg)
-    assert bool(llm.engine.runner._graphs) == graphs
+    assert bool(llm.engine.runner._graphs) == graphs and llm.engine.overlap == overlap
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == refs
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_overlapped_loop_gives_the_sync_tokens_on_cuda(graphs):
+    """bf16, more prompts than running slots, stop tokens: the overlapped loop (device gather into the graph's
+    ids, pinned read-back one step late) emits the synchronous loop's tokens and finish reasons."""
+    prompts = random_prompts([5, 17, 33, 1, 40, 64, 9, 23] * 3, seed=7)
+
+    def run(overlap: bool, params):
+        cfg = EngineConfig(device="cuda", block_size=16, max_num_batched_tokens=64, max_model_len=256,
+                           gpu_memory_utilization=0.3, max_num_seqs=8, cuda_graphs=graphs, async_scheduling=overlap)
+        llm = LLM(tiny_model("llama-gqa"), engine_config=cfg)
+        outs = llm.generate(prompts, params)
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+    free = run(False, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    params = [SamplingParams(temperature=0, max_tokens=(30, 1, 2, 17)[i % 4], ignore_eos=True,
+                             stop_token_ids=[free[i][0][5]] if i % 3 == 0 else []) for i in range(len(prompts))]
+    want = run(False, params)
+    assert run(True, params) == want
+    assert any(r == "stop" for _, r in want) and any(r == "length" for _, r in want)
 
 
 @torch.inference_mode()

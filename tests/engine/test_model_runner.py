@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from engine.engine_config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
+from engine.scheduler import ScheduledSeq
+from engine.sequence import PLACEHOLDER
 from tests.engine.engine_helpers import prefilled, rows_in_order, tiny_model, verify_step
 
 BLOCKS_PER_SEQ = 8
@@ -76,3 +78,25 @@ def test_verify_graph_draft_counts_from_the_config():
     for bad in [(0,), (17,), (2.5,)]:
         with pytest.raises(ValueError, match="cuda_graph_spec_tokens"):
             EngineConfig(device="cpu", cuda_graph_spec_tokens=bad)
+
+
+@torch.inference_mode()
+def test_placeholder_inputs_are_gathered_from_the_previous_launch(runner):
+    """The overlapped loop's decode inputs: sequences whose last token is a placeholder read it from the tokens
+    the previous launch sampled on the device, in the graph staging (one gather over dev64) and in the eager
+    batch; both give the logits of the same step with the real tokens."""
+    seqs = prefilled(runner, [17, 45, 122], 97, BLOCKS_PER_SEQ, seed=9)
+    step = verify_step(seqs, [[], [], []])
+    want = rows_in_order(*runner.execute(step), seqs)
+    runner._alloc_sampled()                     # the sampled row inside the graphs' buffers (as on CUDA)
+    real = [s.token_ids[-1] for s in seqs]
+    prev = LaunchedStep([ScheduledSeq(seqs[2], 0, 1), ScheduledSeq(seqs[0], 0, 1)], torch.zeros(2), None)
+    runner._sampled[:2] = torch.tensor([real[2], real[0]])  # rows of the previous launch: seq 2, then seq 0
+    for s in (seqs[0], seqs[2]):
+        s.token_ids[-1] = PLACEHOLDER
+    rows = runner._stage(step.scheduled, 4, 0, prev)
+    ids, pos, backend = runner._static_step(4, 0)
+    assert ids[:3].tolist() == real and ids[3].item() >= 0  # a padding row reads a valid id
+    got = runner.model.logits(runner.model(ids, pos, backend))[rows]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert runner.prepare(step, prev).input_ids.tolist() == real

@@ -190,7 +190,8 @@ class EngineConfig:
         async_scheduling: overlap the host with the device (``LLMEngine.step``, docs/engine.md "Overlapped
             steps"): a step of plain greedy requests is launched and the previous step's tokens are read
             back after it, so scheduling and input staging of step n + 1 run while step n runs. None
-            (default): on for CUDA, off on CPU (nothing to overlap there); True / False force it.
+            (default): off — opt-in until its tokens and speed have been checked on a GPU (they have been on
+            the CPU only); True turns it on.
     """
 
     device: str = "auto"
@@ -327,10 +328,8 @@ class EngineConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_async_scheduling(self) -> bool:
-        """Whether the engine overlaps steps: ``async_scheduling``, or by default on CUDA only."""
-        if self.async_scheduling is not None:
-            return self.async_scheduling
-        return self.resolved_device().startswith("cuda")
+        """Whether the engine overlaps steps: ``async_scheduling`` (None: off, see the field's docs)."""
+        return bool(self.async_scheduling)
 
     def resolved_kv_cache_dtype(self):
         """The torch dtype of the KV pools: the model dtype, or float8_e4m3fn."""

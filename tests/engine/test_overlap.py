@@ -99,14 +99,20 @@ def test_sync_steps_between_overlapped_ones_keep_every_request_exact():
     assert got == want and launches > 5
 
 
+def _overlapped_engine(prompts, params) -> LLMEngine:
+    """An overlapped-loop engine on the tiny model with ``prompts`` added as requests "0", "1", ..."""
+    engine = LLMEngine(tiny_model(), None, cpu_config(async_scheduling=True))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    return engine
+
+
 def test_streamed_outputs_never_show_a_placeholder():
     """Streaming deltas of the overlapped loop add up to the sync tokens, with no placeholder in any delta."""
     prompts = random_prompts([6, 30, 12], seed=5)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     want, _, _ = run(False, prompts, params)
-    engine = LLMEngine(tiny_model(), None, cpu_config(async_scheduling=True))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+    engine = _overlapped_engine(prompts, params)
     streamed: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -120,9 +126,7 @@ def test_abort_while_a_token_is_in_flight():
     prompts = random_prompts([8, 8, 8], seed=6)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     want, _, _ = run(False, prompts, params)
-    engine = LLMEngine(tiny_model(), None, cpu_config(async_scheduling=True))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+    engine = _overlapped_engine(prompts, params)
     for _ in range(5):
         engine.step()
     seq = engine.requests["1"].seqs[0]

@@ -190,7 +190,7 @@ class IncrementalDetokenizer:
 
     Two paths give the same pieces (``tests/engine/test_tokenizer.py`` checks them against each other):
     ``tokenizers``' native :class:`~tokenizers.decoders.DecodeStream` where the tokenizer has a fast backend
-    and its decode applies no clean-up of spaces (0.6 µs a token on the default model, against 5 µs for
+    and its decode applies no clean-up of spaces (0.6–1.3 µs a token on the default model, against 5 µs for
     the window below: the engine core detokenizes every sampled token), else vLLM's prefix/read offsets over
     transformers' ``decode``, each step decoding a short window of recent tokens.
     """

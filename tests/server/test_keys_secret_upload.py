@@ -41,6 +41,7 @@ from server.keys import (
     inspect_upload,
     screen_evaluation_key,
 )
+from tests.leaks import found
 
 # the smallest parameters SEAL takes (a 0.4 MB public upload): the scan of every file below stays fast
 P = CKKSParams(4096, (40, 20, 40), 20)
@@ -165,8 +166,9 @@ def test_secret_key_uploads_refused_on_every_path_and_leave_no_trace(tmp_path, s
     assert _hits(needles, raw_secret_keys[0][:200].hex().encode())
 
 
-def _hits(needles: list[bytes], hay: bytes) -> list[bytes]:
-    return [n for n in needles if n in hay or n.hex().encode() in hay]
+def _hits(needles: list[bytes], hay: bytes) -> list[str]:
+    return found({f"{i}{form}": n.hex().encode() if form == "hex" else n
+                  for i, n in enumerate(needles) for form in ("", "hex")}, hay)
 
 
 def test_the_public_half_of_the_same_keys_is_accepted(secrets_and_public):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from client_sdk import Client
+from tests.leaks import found
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
 from tests.server.private_app import KEYS, greedy_with_gap, private_settings, tiny_plan
 
@@ -163,7 +164,7 @@ def test_no_secret_and_no_prompt_reaches_the_server(setup, generated):
     assert files
     for p in files:
         data = p.read_bytes()
-        assert not any(n in data for n in needles), p
+        assert not found(dict(enumerate(needles)), data), p
         if p.suffix != ".safetensors":   # the bundle holds the tokenizer, whose vocabulary has every word
             assert not any(t in data for t in texts if len(t) > 8), p
     assert messages, "the run logged nothing: the check would be empty"

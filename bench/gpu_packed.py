@@ -12,6 +12,7 @@ What it measures, in one run, from the same client ciphertexts and keys (level-a
   bench (``encode_many`` off: diagonals built by numpy on the host and encoded one by one); the 32 tokens
   one by one (the token path, for scale); medians of ``--repeat``.
 * fidelity: the GPU chunk's decrypted outputs against the plaintext simulator and the GPU token path.
+* ``--profile``: one chunk with its parts timed (:data:`PHASES`) and one under torch's profiler.
 * then (``--marker`` is written first, so a caller may start other GPU work: this part is CPU only) the
   same chunk on the SEAL backend (CPU, one thread, as in a worker): the decrypted outputs' largest
   difference over their range (the CPU backend is the reference the issue names).
@@ -54,6 +55,47 @@ def setup(folder: Path, index: int, device: str):
     return cfg, layer, rope, x, lp, params, cpu, client, server, gpu, ev.keys_from_server(server)
 
 
+#: --profile: the chunk's parts timed inclusive of what they call (a sync before and after each), by name
+PHASES = (("fhe.packed", "PackedPrefill", "_project"), ("fhe.packed", "PackedPrefill", "_attend"),
+          ("fhe.packed", "PackedPrefill", "_outputs"), ("fhe.packed", None, "encode_many"),
+          ("fhe.packed", "PackedMap", "diagonals"), ("fhe.packed", None, "apply_packed"))
+
+
+def phases(fn) -> dict:
+    """One call of ``fn`` with each of :data:`PHASES` wrapped in synchronized timers: {name: [calls, s]}."""
+    import importlib
+
+    got: dict[str, list] = {}
+    saved = []
+
+    def timed(name, f):
+        def wrapper(*a, **k):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                torch.cuda.synchronize()
+                row = got.setdefault(name, [0, 0.0])
+                row[0] += 1
+                row[1] += time.perf_counter() - t
+        return wrapper
+
+    for mod, cls, attr in PHASES:
+        owner = getattr(importlib.import_module(mod), cls) if cls else importlib.import_module(mod)
+        saved.append((owner, attr, owner.__dict__[attr]))
+        setattr(owner, attr, timed(attr, getattr(owner, attr)))
+    try:
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        got["total"] = [1, time.perf_counter() - t]
+    finally:
+        for owner, attr, f in saved:
+            setattr(owner, attr, f)
+    return {k: [n, round(sec, 4)] for k, (n, sec) in got.items()}
+
+
 def gpu_part(args, s: dict, res: dict) -> None:
     """The GPU timings and the fidelity checks (see the module docstring)."""
     cfg, layer, rope, x, lp, gpu, client, keys = (s[k] for k in ("cfg", "layer", "rope", "x", "lp", "gpu",
@@ -78,6 +120,13 @@ def gpu_part(args, s: dict, res: dict) -> None:
     res["packed_32_as_sdk_s"], _ = _median_s(as_the_sdk, args.repeat)
     print(f"packed chunk of {b}: {res['packed_chunk_s']:.3f} s; {len(xs)} as the SDK sends them: "
           f"{res['packed_32_as_sdk_s']:.3f} s", flush=True)
+    if args.profile and args.device == "cuda":
+        from bench.gpu_decode import _profile
+
+        res["chunk_phases"] = phases(packed_chunk)
+        res["chunk_profile"] = _profile(packed_chunk)
+        print(f"chunk phases: {json.dumps(res['chunk_phases'])}\nchunk profile: {json.dumps(res['chunk_profile'])}",
+              flush=True)
     token_s, token_out = _median_s(lambda: gpu.prefill(gpu.new_cache(), singles, 0, keys), 1)
     res["token_path_s"] = token_s
     batched = ev.encode_many
@@ -118,6 +167,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--skip-seal", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="the chunk's parts timed, its kernels profiled")
     ap.add_argument("--marker", type=Path, help="touched when the GPU part is done")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

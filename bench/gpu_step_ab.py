@@ -6,7 +6,8 @@
 ``--ab`` (:data:`AB`) picks the pair: ``graphs`` (session 17) = whole-step graphs off (main) / on (new);
 ``strided`` (session 18) = both with whole-step graphs, ``triton_ops.STRIDED`` off (main) / on (new), set before
 each of a variant's steps (each variant has its own evaluator and key set object, so its graphs hold its own
-kernels); ``batch`` = both strided, ``evaluator.BATCH_SWITCHES`` off / on; ``both`` = main as merged before
+kernels); ``batch`` = both strided, ``evaluator.BATCH_SWITCHES`` off / on; ``local`` (session 19) =
+``triton_ops.LOCAL_REG`` off / on (the NTT's local stages in registers); ``both`` = main as merged before
 session 18 against both switches on. ``--profile``: one step of each at context 128 under torch's profiler
 (kernels, their summed device time, the top kernels by time).
 
@@ -42,6 +43,8 @@ AB = {
                               ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
               "new": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): True,
                              ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): True})},
+    "local": {"main": (True, {("fhe.backends.gpu.triton_ops", "LOCAL_REG"): False}),
+              "new": (True, {("fhe.backends.gpu.triton_ops", "LOCAL_REG"): True})},
     "both": {"main": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): False,
                              ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
              "new": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): True,

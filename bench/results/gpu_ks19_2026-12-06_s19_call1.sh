@@ -1,5 +1,5 @@
 # ks19 (issue 16, session 19) device call 1: the batched key switches (matmul BATCH_SWITCHES+giants_each vs not,
-# decode A/B batch off/on profiled, CUDA tests vs SEAL), the packed prefill profiled, the 4-layer e2e TPOT.
+# decode A/B LOCAL_REG off/on profiled, batch off/on, CUDA tests vs SEAL), the packed prefill profiled, the 4-layer e2e TPOT.
 . .carry/setup.sh ks19
 smi() { nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv,noheader; }
 smi
@@ -11,17 +11,20 @@ python3 -c "import json;d=json.load(open('$OUT/matmul.json'))['matmul'];print({k
 fi
 if [ -z "$SKIP_TESTS" ]; then
 timeout ${TEST_S:-70} python3 -m pytest -c /dev/null --rootdir . -p no:cacheprovider -q -W ignore::pytest.PytestUnknownMarkWarning -rfE \
-  tests/fhe/test_gpu_backend_cuda.py -k "${TESTS_K:-n8192 or (shipped and True-True)}" > $OUT/tests.log 2>&1
+  tests/fhe/test_gpu_backend_cuda.py -k "${TESTS_K:-n8192 or True-True}" > $OUT/tests.log 2>&1
 el "tests rc=$? $(date -u +%H:%M:%S)"; tail -4 $OUT/tests.log
 fi
 if [ -z "$SKIP_AB" ]; then
-timeout ${AB_S:-100} python3 bench/gpu_step_ab.py --ab ${AB:-batch} --profile --weights $C/packed --contexts ${CTX:-128} \
-  --repeat ${REPEAT:-10} --sessions ${SESSIONS:-8} --out $OUT/ab.json > $OUT/ab.log 2>&1
-el "ab rc=$? $(date -u +%H:%M:%S)"; grep -v "^{\|^profile" $OUT/ab.log | tail -6
+for ab in ${AB:-local batch}; do
+[ $ab = local ] && prof=--profile || prof=
+timeout ${AB_S:-90} python3 bench/gpu_step_ab.py --ab $ab $prof --weights $C/packed --contexts ${CTX:-128} \
+  --repeat ${REPEAT:-10} --sessions $([ $ab = local ] && echo ${SESSIONS:-8} || echo 0) --out $OUT/ab_$ab.json >> $OUT/ab.log 2>&1
+el "ab $ab rc=$? $(date -u +%H:%M:%S)"; grep -v "^{\|^profile" $OUT/ab.log | tail -4
 python3 -c "
-import json;d=json.load(open('$OUT/ab.json'))
+import json;d=json.load(open('$OUT/ab_$ab.json'))
 for n,p in d.get('profile_128',{}).items(): print(n, p['wall_ms_profiled'], p['kernels'], p['kernel_ms'], list(p['top'].items())[:5])
 print(d['rotate_ms_before'], d['rotate_ms_after'], d.get('whole_steps'))"
+done
 fi
 smi
 if [ -z "$SKIP_PACKED" ]; then

@@ -43,6 +43,11 @@ FEWER = True
 STRIDED = True
 #: butterflies per program of :func:`_ntt_strided` (columns per program = this / 2^(S0-1))
 STRIDED_BUTTERFLIES = 512
+#: The local stages (:func:`_ntt_local`) on a block held in registers (:func:`_ntt_local_reg`: one load and one
+#: store per value, the stages' exchanges left to the compiler's layout conversions through shared memory)
+#: instead of ten loads and stores through global memory with a barrier each (issue 16, session 19: 19.3 of a
+#: decode step's 46.8 ms of kernels). The same butterflies on the same values, so the same residues.
+LOCAL_REG = False
 
 
 @triton.jit
@@ -217,6 +222,63 @@ def _ntt_local(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, S0, LOGN: tl.constexpr, INVERS
         tl.store(base + idx, a)
         tl.store(base + idx + (1 << sh), b)
         tl.debug_barrier()
+
+
+@triton.jit
+def _local_stage(x, wrow, wsrow, blk, q, qinv, C: tl.constexpr, SH: tl.constexpr, S: tl.constexpr,
+                 INVERSE: tl.constexpr, SHOUP: tl.constexpr):
+    """One stage (gap ``2^SH``, twiddles from ``2^S``) of :func:`_ntt_local_reg` on its block ``x [C]``."""
+    A: tl.constexpr = C >> (SH + 1)                                  # butterfly groups, one twiddle each
+    x3 = tl.reshape(x, (A, 2, 1 << SH))
+    hi = (tl.arange(0, 2) == 1)[None, :, None]
+    u = tl.sum(tl.where(hi, 0, x3), axis=1)                          # [A, gap]
+    v = tl.sum(tl.where(hi, x3, 0), axis=1)
+    widx = (1 << S) + blk * A + tl.arange(0, A)
+    w = tl.load(wrow + widx)[:, None]
+    ws = w
+    if SHOUP:
+        ws = tl.load(wsrow + widx)[:, None]
+    if INVERSE:
+        a, b = _gs(u, v, w, q, qinv, ws, SHOUP)
+    else:
+        a, b = _ct(u, v, w, q, qinv, ws, SHOUP)
+    return tl.reshape(tl.where(hi, b[:, None, :], a[:, None, :]), (C,))
+
+
+@triton.jit
+def _ntt_local_reg(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, LOGN: tl.constexpr, S0: tl.constexpr, C: tl.constexpr,
+                   INVERSE: tl.constexpr, SHOUP: tl.constexpr):
+    """:func:`_ntt_local`'s stages S0..LOGN-1 on one block of ``2^(LOGN-S0)`` values held in registers. A stage of
+    gap ``2^sh`` views the block as ``[A, 2, gap]`` (``A = block / 2 gap`` butterfly groups, each with one
+    twiddle, index ``2^s + block * A + a`` = :func:`_ntt_stage`'s ``m + i``), takes its halves by a masked sum
+    over the middle axis and puts the butterflies' outputs back by a select. ``C = 2^(LOGN-S0)``."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    p = row % P
+    q = tl.load(q_ptr + p)
+    qinv = 1.0 / q.to(tl.float64)
+    base = x_ptr + row.to(tl.int64) * N + blk.to(tl.int64) * C
+    wrow = w_ptr + p.to(tl.int64) * N
+    wsrow = ws_ptr + p.to(tl.int64) * N
+    x = tl.load(base + tl.arange(0, C))
+    if INVERSE:                                                      # gap 1 up
+        for sh in tl.static_range(0, LOGN - S0):
+            x = _local_stage(x, wrow, wsrow, blk, q, qinv, C, sh, LOGN - 1 - sh, INVERSE, SHOUP)
+    else:                                                            # gap C/2 down
+        for sh in tl.static_range(LOGN - S0 - 1, -1, -1):
+            x = _local_stage(x, wrow, wsrow, blk, q, qinv, C, sh, LOGN - 1 - sh, INVERSE, SHOUP)
+    tl.store(base + tl.arange(0, C), x)
+
+
+def _local(x, roots, ws, primes, p, n, s0, logn, local, inverse, shoup) -> None:
+    """The local stages, by :func:`_ntt_local_reg` with :data:`LOCAL_REG`, else :func:`_ntt_local`."""
+    rows = x.numel() // n
+    if LOCAL_REG:
+        _ntt_local_reg[(rows, n // local)](x, roots, ws, primes, p, n, LOGN=logn, S0=s0, C=local, INVERSE=inverse,
+                                           SHOUP=shoup, num_warps=LOCAL_WARPS)
+    else:
+        _ntt_local[(rows, n // local)](x, roots, ws, primes, p, n, s0, LOGN=logn, INVERSE=inverse, SHOUP=shoup,
+                                       HALF=local // 2, num_warps=LOCAL_WARPS)
 
 
 @triton.jit
@@ -473,8 +535,7 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
     local = min(n, LOCAL) if FUSED else 1                          # values per block of the local kernel
     s0 = logn - (local.bit_length() - 1)                             # first stage local to such a block
     if inverse and local > 1:
-        _ntt_local[(rows, n // local)](x, roots, ws, primes, p, n, s0, LOGN=logn, INVERSE=True, SHOUP=shoup,
-                                       HALF=local // 2, num_warps=LOCAL_WARPS)
+        _local(x, roots, ws, primes, p, n, s0, logn, local, True, shoup)
     if STRIDED and not RADIX4 and local > 1 and s0 > 0:              # the staged stages in one launch
         cols = max(1, STRIDED_BUTTERFLIES >> (s0 - 1))
         cols = min(cols, n >> s0)
@@ -487,8 +548,7 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
         folded = _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, s0 if local > 1 else logn,
                              n_inv if FEWER else None)
     if not inverse and local > 1:
-        _ntt_local[(rows, n // local)](x, roots, ws, primes, p, n, s0, LOGN=logn, INVERSE=False, SHOUP=shoup,
-                                       HALF=local // 2, num_warps=LOCAL_WARPS)
+        _local(x, roots, ws, primes, p, n, s0, logn, local, False, shoup)
     return x if n_inv is None or folded else mulmod_rows(x, n_inv, primes)
 
 

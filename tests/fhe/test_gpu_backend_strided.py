@@ -1,10 +1,12 @@
-"""The one-launch staged NTT stages (``triton_ops._ntt_strided``, issue 16 session 18) on the CPU (CI).
+"""The one-launch staged NTT stages (``triton_ops._ntt_strided``, issue 16 session 18) and the register-held local
+stages (``_ntt_local_reg``, session 19) on the CPU (CI).
 
 The Triton kernels themselves run here under Triton's interpreter (``TRITON_INTERPRET=1``, on CPU tensors, in a
 subprocess: the variable is read when the kernels are defined), forward and inverse, with Shoup's products and
 without, N^-1 folded into the last stage and not, and must give the torch reference's residues
 (:func:`fhe.backends.gpu.ntt.ntt` / :func:`~fhe.backends.gpu.ntt.intt`) and the per-stage launches'
-(``STRIDED = False``). Small ``LOCAL`` blocks give more strided stages than the shipped N would (4 and 2 here, 5 at
+(``STRIDED = False``); likewise the local stages held in registers (``LOCAL_REG``, session 19). Small ``LOCAL``
+blocks give more strided stages than the shipped N would (4 and 2 here, 5 at
 N = 32768). On the GPU: tests/fhe/test_gpu_backend_cuda.py (the shipped size, the CUDA kernels).
 """
 
@@ -38,15 +40,17 @@ _SCRIPT = textwrap.dedent("""
                             tab.primes)
         want = ntt(x, tab)
         assert torch.equal(intt(want, tab), x)
-        combos = [(*sf, True) for sf in itertools.product((False, True), repeat=2)] + [(True, True, False)]
-        for shoup, fewer, strided in combos:
-            T.SHOUP, T.FEWER, T.STRIDED = shoup, fewer, strided
+        combos = [(*sf, True, False) for sf in itertools.product((False, True), repeat=2)]
+        combos += [(True, True, False, False)]
+        combos += [(False, True, True, True), (True, True, True, True)]      # the local stages in registers
+        for shoup, fewer, strided, reg in combos:
+            T.SHOUP, T.FEWER, T.STRIDED, T.LOCAL_REG = shoup, fewer, strided, reg
             before = len(launches)
             fwd = T.ntt_(x.clone(), tab.roots, tab.primes.view(-1), inverse=False, roots_shoup=tab.roots_shoup)
             inv = T.ntt_(want.clone(), tab.inv_roots, tab.primes.view(-1), inverse=True,
                          n_inv=tab.n_inv.view(-1).contiguous(), roots_shoup=tab.inv_roots_shoup)
-            assert torch.equal(fwd, want), (n, shoup, fewer, strided)
-            assert torch.equal(inv, x), (n, shoup, fewer, strided)
+            assert torch.equal(fwd, want), (n, shoup, fewer, strided, reg)
+            assert torch.equal(inv, x), (n, shoup, fewer, strided, reg)
             assert len(launches) - before == (2 if strided else 0), launches
     print("ok", len(launches))
 """)
@@ -58,4 +62,4 @@ def test_strided_stages_kernel_matches_the_torch_reference_under_the_interpreter
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split() == ["ok", "16"]
+    assert res.stdout.split() == ["ok", "24"]

@@ -1,11 +1,11 @@
 # ks19 (issue 16, session 19) device call 1: the batched key switches (matmul BATCH_SWITCHES+giants_each vs not,
-# decode A/B LOCAL_REG off/on profiled, batch off/on, CUDA tests vs SEAL), the packed prefill profiled, the 4-layer e2e TPOT.
+# decode A/B LOCAL_REG+STRIDED_REG off/on profiled, batch off/on, CUDA tests vs SEAL), the packed prefill profiled, the 4-layer e2e TPOT.
 . .carry/setup.sh ks19
 smi() { nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv,noheader; }
 smi
 if [ -z "$SKIP_MM" ]; then
 timeout ${MM_S:-80} python3 bench/gpu_attention.py --skip block --matmul-repeat 20 --tenseal-repeat 3 \
-  --matmul-variants ${MM_VARIANTS:-hoist+graph+strided,hoist+graph+strided+batch} --out $OUT/matmul.json > $OUT/matmul.log 2>&1
+  --matmul-variants ${MM_VARIANTS:-hoist+graph+strided,hoist+graph+strided+batch,hoist+graph+strided+batch+reg} --out $OUT/matmul.json > $OUT/matmul.log 2>&1
 el "matmul rc=$? $(date -u +%H:%M:%S)"; grep "^matmul\|Error" $OUT/matmul.log | tail -6
 python3 -c "import json;d=json.load(open('$OUT/matmul.json'))['matmul'];print({k:v for k,v in d.items() if k!='variants'})"
 fi
@@ -15,10 +15,10 @@ timeout ${TEST_S:-70} python3 -m pytest -c /dev/null --rootdir . -p no:cacheprov
 el "tests rc=$? $(date -u +%H:%M:%S)"; tail -4 $OUT/tests.log
 fi
 if [ -z "$SKIP_AB" ]; then
-for ab in ${AB:-local batch}; do
-[ $ab = local ] && prof=--profile || prof=
+for ab in ${AB:-reg batch}; do
+[ $ab = reg ] && prof=--profile || prof=
 timeout ${AB_S:-90} python3 bench/gpu_step_ab.py --ab $ab $prof --weights $C/packed --contexts ${CTX:-128} \
-  --repeat ${REPEAT:-10} --sessions $([ $ab = local ] && echo ${SESSIONS:-8} || echo 0) --out $OUT/ab_$ab.json >> $OUT/ab.log 2>&1
+  --repeat ${REPEAT:-10} --sessions $([ $ab = reg ] && echo ${SESSIONS:-8} || echo 0) --out $OUT/ab_$ab.json >> $OUT/ab.log 2>&1
 el "ab $ab rc=$? $(date -u +%H:%M:%S)"; grep -v "^{\|^profile" $OUT/ab.log | tail -4
 python3 -c "
 import json;d=json.load(open('$OUT/ab_$ab.json'))

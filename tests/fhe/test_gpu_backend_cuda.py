@@ -63,7 +63,8 @@ def _relin(kit, c, server):
 def test_triton_ntt_matches_the_torch_reference(shoup, strided, reg, monkeypatch):
     from fhe.backends.gpu import triton_ops
 
-    monkeypatch.setattr(triton_ops, "LOCAL_REG", reg)                # the local stages in registers
+    monkeypatch.setattr(triton_ops, "LOCAL_REG", reg)                # the stages on register-held blocks
+    monkeypatch.setattr(triton_ops, "STRIDED_REG", reg)
     monkeypatch.setattr(triton_ops, "STRIDED", strided)              # the staged stages in one launch, or one each
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)                  # Shoup's twiddle products or _mulmod's
     monkeypatch.setattr(triton_ops, "FEWER", shoup)                  # N^-1 in the INTT's last stage, or a kernel
@@ -81,6 +82,7 @@ def test_every_operation_at_n8192(shoup, batch, monkeypatch):
     from fhe.backends.gpu import evaluator, triton_ops
 
     monkeypatch.setattr(triton_ops, "LOCAL_REG", batch)
+    monkeypatch.setattr(triton_ops, "STRIDED_REG", batch)
     monkeypatch.setattr(evaluator, "BATCH_SWITCHES", batch)          # rotate_many/rotate_each finished as batches
     monkeypatch.setattr(triton_ops, "STRIDED", shoup)
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)
@@ -93,6 +95,7 @@ def test_key_switching_at_the_shipped_parameters(shoup, batch, monkeypatch):
     from fhe.backends.gpu import evaluator, triton_ops
 
     monkeypatch.setattr(triton_ops, "LOCAL_REG", batch)
+    monkeypatch.setattr(triton_ops, "STRIDED_REG", batch)
     monkeypatch.setattr(evaluator, "BATCH_SWITCHES", batch)
     monkeypatch.setattr(triton_ops, "STRIDED", shoup)
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)

@@ -5,8 +5,8 @@ The Triton kernels themselves run here under Triton's interpreter (``TRITON_INTE
 subprocess: the variable is read when the kernels are defined), forward and inverse, with Shoup's products and
 without, N^-1 folded into the last stage and not, and must give the torch reference's residues
 (:func:`fhe.backends.gpu.ntt.ntt` / :func:`~fhe.backends.gpu.ntt.intt`) and the per-stage launches'
-(``STRIDED = False``); likewise the local stages held in registers (``LOCAL_REG``, session 19). Small ``LOCAL``
-blocks give more strided stages than the shipped N would (4 and 2 here, 5 at
+(``STRIDED = False``); likewise both kernels' stages on register-held blocks (``LOCAL_REG``, ``STRIDED_REG``,
+session 19). Small ``LOCAL`` blocks give more strided stages than the shipped N would (4 and 2 here, 5 at
 N = 32768). On the GPU: tests/fhe/test_gpu_backend_cuda.py (the shipped size, the CUDA kernels).
 """
 
@@ -27,12 +27,13 @@ _SCRIPT = textwrap.dedent("""
     from fhe.backends.gpu.ntt import NTTTables, intt, ntt
     T._check = lambda *a, **k: None                       # the launchers assert CUDA tensors
     launches = []
-    kernel = T._ntt_strided
     class Count:
+        def __init__(self, kernel):
+            self.kernel = kernel
         def __getitem__(self, grid):
             launches.append(grid)
-            return kernel[grid]
-    T._ntt_strided = Count()
+            return self.kernel[grid]
+    T._ntt_strided, T._ntt_strided_reg = Count(T._ntt_strided), Count(T._ntt_strided_reg)
     for n, local in ((2048, 128), (1024, 256)):
         T.LOCAL = local
         tab = NTTTables.build([1152921504606584833, 1125899906826241, 1125899906629633], n)
@@ -42,9 +43,9 @@ _SCRIPT = textwrap.dedent("""
         assert torch.equal(intt(want, tab), x)
         combos = [(*sf, True, False) for sf in itertools.product((False, True), repeat=2)]
         combos += [(True, True, False, False)]
-        combos += [(False, True, True, True), (True, True, True, True)]      # the local stages in registers
+        combos += [(False, True, True, True), (True, True, True, True), (True, False, True, True)]  # in registers
         for shoup, fewer, strided, reg in combos:
-            T.SHOUP, T.FEWER, T.STRIDED, T.LOCAL_REG = shoup, fewer, strided, reg
+            T.SHOUP, T.FEWER, T.STRIDED, T.LOCAL_REG, T.STRIDED_REG = shoup, fewer, strided, reg, reg
             before = len(launches)
             fwd = T.ntt_(x.clone(), tab.roots, tab.primes.view(-1), inverse=False, roots_shoup=tab.roots_shoup)
             inv = T.ntt_(want.clone(), tab.inv_roots, tab.primes.view(-1), inverse=True,
@@ -62,4 +63,4 @@ def test_strided_stages_kernel_matches_the_torch_reference_under_the_interpreter
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split() == ["ok", "24"]
+    assert res.stdout.split() == ["ok", "28"]

@@ -48,6 +48,9 @@ STRIDED_BUTTERFLIES = 512
 #: instead of ten loads and stores through global memory with a barrier each (issue 16, session 19: 19.3 of a
 #: decode step's 46.8 ms of kernels). The same butterflies on the same values, so the same residues.
 LOCAL_REG = False
+#: Likewise :func:`_ntt_strided`'s stages on its ``[2^S0, COLS]`` values held in registers
+#: (:func:`_ntt_strided_reg`, session 19). The same residues.
+STRIDED_REG = False
 
 
 @triton.jit
@@ -268,6 +271,57 @@ def _ntt_local_reg(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, LOGN: tl.constexpr, S0: tl
         for sh in tl.static_range(LOGN - S0 - 1, -1, -1):
             x = _local_stage(x, wrow, wsrow, blk, q, qinv, C, sh, LOGN - 1 - sh, INVERSE, SHOUP)
     tl.store(base + tl.arange(0, C), x)
+
+
+@triton.jit
+def _col_stage(x, wrow, wsrow, q, qinv, K: tl.constexpr, COLS: tl.constexpr, PB: tl.constexpr, S: tl.constexpr,
+               INVERSE: tl.constexpr, SHOUP: tl.constexpr):
+    """One stage of :func:`_ntt_strided_reg` on ``x [K, COLS]``: pairs rows ``k`` and ``k + 2^PB`` of each column
+    (view ``[A, 2, 2^PB, COLS]``, ``A = 2^S`` groups, twiddle ``2^S + a``), as :func:`_local_stage`."""
+    A: tl.constexpr = K >> (PB + 1)
+    x4 = tl.reshape(x, (A, 2, 1 << PB, COLS))
+    hi = (tl.arange(0, 2) == 1)[None, :, None, None]
+    u = tl.sum(tl.where(hi, 0, x4), axis=1)                          # [A, 2^PB, COLS]
+    v = tl.sum(tl.where(hi, x4, 0), axis=1)
+    widx = (1 << S) + tl.arange(0, A)
+    w = tl.load(wrow + widx)[:, None, None]
+    ws = w
+    if SHOUP:
+        ws = tl.load(wsrow + widx)[:, None, None]
+    if INVERSE:
+        a, b = _gs(u, v, w, q, qinv, ws, SHOUP)
+    else:
+        a, b = _ct(u, v, w, q, qinv, ws, SHOUP)
+    return tl.reshape(tl.where(hi, b[:, None, :, :], a[:, None, :, :]), (K, COLS))
+
+
+@triton.jit
+def _ntt_strided_reg(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, P, N, LOGN: tl.constexpr, S0: tl.constexpr,
+                     INVERSE: tl.constexpr, SHOUP: tl.constexpr, SCALE: tl.constexpr, COLS: tl.constexpr):
+    """:func:`_ntt_strided` on the program's ``[2^S0, COLS]`` values (value ``k*C + j``) held in registers: stage
+    ``s`` pairs rows ``k``, ``k + 2^(S0-1-s)``; one load and one store per value."""
+    LOGC: tl.constexpr = LOGN - S0
+    K: tl.constexpr = 1 << S0
+    row = tl.program_id(0)
+    p = row % P
+    q = tl.load(q_ptr + p)
+    qinv = 1.0 / q.to(tl.float64)
+    j = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    idx = (tl.arange(0, K)[:, None] << LOGC) + j[None, :]
+    base = x_ptr + row.to(tl.int64) * N
+    wrow = w_ptr + p.to(tl.int64) * N
+    wsrow = ws_ptr + p.to(tl.int64) * N
+    x = tl.load(base + idx)
+    if INVERSE:                                                      # stages S0-1 down to 0: row gap 1 up
+        for pb in tl.static_range(0, S0):
+            x = _col_stage(x, wrow, wsrow, q, qinv, K, COLS, pb, S0 - 1 - pb, INVERSE, SHOUP)
+        if SCALE:                                                    # N^-1 with the last stage, as _ntt_strided
+            ni = tl.load(ninv_ptr + p) + tl.zeros(x.shape, tl.int64)
+            x = _mulmod(x, ni, q, qinv)
+    else:
+        for pb in tl.static_range(S0 - 1, -1, -1):
+            x = _col_stage(x, wrow, wsrow, q, qinv, K, COLS, pb, S0 - 1 - pb, INVERSE, SHOUP)
+    tl.store(base + idx, x)
 
 
 def _local(x, roots, ws, primes, p, n, s0, logn, local, inverse, shoup) -> None:
@@ -540,9 +594,10 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
         cols = max(1, STRIDED_BUTTERFLIES >> (s0 - 1))
         cols = min(cols, n >> s0)
         scale = inverse and FEWER and n_inv is not None
-        _ntt_strided[(rows, (n >> s0) // cols)](x, roots, ws, n_inv if scale else primes, primes, p, n,
-                                                 LOGN=logn, S0=s0, INVERSE=inverse, SHOUP=shoup, SCALE=scale,
-                                                 COLS=cols, num_warps=LOCAL_WARPS)
+        kernel = _ntt_strided_reg if STRIDED_REG else _ntt_strided
+        kernel[(rows, (n >> s0) // cols)](x, roots, ws, n_inv if scale else primes, primes, p, n,
+                                          LOGN=logn, S0=s0, INVERSE=inverse, SHOUP=shoup, SCALE=scale,
+                                          COLS=cols, num_warps=LOCAL_WARPS)
         folded = scale
     else:
         folded = _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, s0 if local > 1 else logn,

@@ -4,7 +4,7 @@
 smi() { nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv,noheader; }
 smi
 if [ -z "$SKIP_MM" ]; then
-timeout ${MM_S:-80} python3 bench/gpu_attention.py --skip block --matmul-repeat 20 --tenseal-repeat 3 \
+timeout ${MM_S:-60} python3 bench/gpu_attention.py --skip block --matmul-repeat 20 --tenseal-repeat 3 \
   --matmul-variants ${MM_VARIANTS:-hoist+graph+strided,hoist+graph+strided+batch,hoist+graph+strided+batch+reg} --out $OUT/matmul.json > $OUT/matmul.log 2>&1
 el "matmul rc=$? $(date -u +%H:%M:%S)"; grep "^matmul\|Error" $OUT/matmul.log | tail -6
 python3 -c "import json;d=json.load(open('$OUT/matmul.json'))['matmul'];print({k:v for k,v in d.items() if k!='variants'})"
@@ -17,7 +17,8 @@ fi
 if [ -z "$SKIP_AB" ]; then
 for ab in ${AB:-reg batch}; do
 [ $ab = reg ] && prof=--profile || prof=
-timeout ${AB_S:-90} python3 bench/gpu_step_ab.py --ab $ab $prof --weights $C/packed --contexts ${CTX:-128} \
+[ $ab = reg ] && t=${AB_S:-100} ctx=${CTX:-16,128,512} || t=${AB2_S:-50} ctx=128
+timeout $t python3 bench/gpu_step_ab.py --ab $ab $prof --weights $C/packed --contexts $ctx \
   --repeat ${REPEAT:-10} --sessions $([ $ab = reg ] && echo ${SESSIONS:-8} || echo 0) --out $OUT/ab_$ab.json >> $OUT/ab.log 2>&1
 el "ab $ab rc=$? $(date -u +%H:%M:%S)"; grep -v "^{\|^profile" $OUT/ab.log | tail -4
 python3 -c "
@@ -28,7 +29,7 @@ done
 fi
 smi
 if [ -z "$SKIP_PACKED" ]; then
-timeout ${PK_S:-110} python3 bench/gpu_packed.py --weights $C/packed --repeat 3 --skip-seal --profile --out $OUT/packed.json > $OUT/packed.log 2>&1
+timeout ${PK_S:-90} python3 bench/gpu_packed.py --weights $C/packed --repeat ${PK_REPEAT:-2} --skip-seal --profile --out $OUT/packed.json > $OUT/packed.log 2>&1
 el "packed rc=$? $(date -u +%H:%M:%S)"; grep -v "^ \|^{\|^}\|chunk profile" $OUT/packed.log | tail -8
 python3 -c "
 import json;d=json.load(open('$OUT/packed.json'));p=d.get('chunk_profile',{})

@@ -12,6 +12,7 @@ What it measures, in one run, from the same client ciphertexts and keys (level-a
   bench (``encode_many`` off: diagonals built by numpy on the host and encoded one by one); the 32 tokens
   one by one (the token path, for scale); medians of ``--repeat``.
 * fidelity: the GPU chunk's decrypted outputs against the plaintext simulator and the GPU token path.
+* ``--ab-group``: ``fhe.packed.SHIFT_GROUP`` 0 (one band shift at a time) against its default, in turn.
 * ``--profile``: one chunk with its parts timed (:data:`PHASES`) and one under torch's profiler.
 * then (``--marker`` is written first, so a caller may start other GPU work: this part is CPU only) the
   same chunk on the SEAL backend (CPU, one thread, as in a worker): the decrypted outputs' largest
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -96,6 +98,28 @@ def phases(fn) -> dict:
     return {k: [n, round(sec, 4)] for k, (n, sec) in got.items()}
 
 
+def ab_group(args, packed_chunk, as_the_sdk, res: dict) -> None:
+    """``fhe.packed.SHIFT_GROUP`` 0 (one band shift per gather and encode, as before session 19) against its
+    default, one run of each in turn (``--repeat`` rounds), the chunk and the 32 tokens as the SDK sends them;
+    whether their outputs are equal residue for residue."""
+    from fhe import packed
+
+    on, rows = packed.SHIFT_GROUP, {}
+    for name, fn in (("chunk", packed_chunk), ("as_sdk", as_the_sdk)):
+        times: dict[str, list] = {"main": [], "new": []}
+        outs = {}
+        for _ in range(args.repeat + 1):                              # the first round: warm-up
+            for var, group in (("main", 0), ("new", on)):
+                packed.SHIFT_GROUP = group
+                sec, outs[var] = _median_s(fn, 1)
+                times[var].append(round(sec, 4))
+        packed.SHIFT_GROUP = on
+        rows[name] = {v: {"median_s": statistics.median(t[1:]), "all_s": t} for v, t in times.items()}
+        rows[name]["same"] = all(torch.equal(a.data, b.data) for a, b in zip(outs["main"], outs["new"], strict=True))
+    res["ab_shift_group"] = {"group": on} | rows
+    print(f"ab shift group: {json.dumps(res['ab_shift_group'])}", flush=True)
+
+
 def gpu_part(args, s: dict, res: dict) -> None:
     """The GPU timings and the fidelity checks (see the module docstring)."""
     cfg, layer, rope, x, lp, gpu, client, keys = (s[k] for k in ("cfg", "layer", "rope", "x", "lp", "gpu",
@@ -120,6 +144,8 @@ def gpu_part(args, s: dict, res: dict) -> None:
     res["packed_32_as_sdk_s"], _ = _median_s(as_the_sdk, args.repeat)
     print(f"packed chunk of {b}: {res['packed_chunk_s']:.3f} s; {len(xs)} as the SDK sends them: "
           f"{res['packed_32_as_sdk_s']:.3f} s", flush=True)
+    if args.ab_group:
+        ab_group(args, packed_chunk, as_the_sdk, res)
     if args.profile and args.device == "cuda":
         from bench.gpu_decode import _profile
 
@@ -168,6 +194,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--skip-seal", action="store_true")
     ap.add_argument("--profile", action="store_true", help="the chunk's parts timed, its kernels profiled")
+    ap.add_argument("--ab-group", action="store_true", help="fhe.packed.SHIFT_GROUP 0 against its default, in turn")
     ap.add_argument("--marker", type=Path, help="touched when the GPU part is done")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

@@ -58,11 +58,13 @@ def _relin(kit, c, server):
     return out
 
 
-@pytest.mark.parametrize("shoup,strided,reg", [(False, False, False), (True, False, False), (True, True, False),
-                                               (False, True, True), (True, True, True)])
-def test_triton_ntt_matches_the_torch_reference(shoup, strided, reg, monkeypatch):
+@pytest.mark.parametrize("shoup,strided,reg,lazy", [(False, False, False, False), (True, False, False, False),
+                                                    (True, True, False, False), (False, True, True, False),
+                                                    (True, True, True, False), (True, True, False, True)])
+def test_triton_ntt_matches_the_torch_reference(shoup, strided, reg, lazy, monkeypatch):
     from fhe.backends.gpu import triton_ops
 
+    monkeypatch.setattr(triton_ops, "LAZY", lazy)                    # Harvey's butterflies
     monkeypatch.setattr(triton_ops, "LOCAL_REG", reg)                # the stages on register-held blocks
     monkeypatch.setattr(triton_ops, "STRIDED_REG", reg)
     monkeypatch.setattr(triton_ops, "STRIDED", strided)              # the staged stages in one launch, or one each
@@ -81,8 +83,7 @@ def test_triton_ntt_matches_the_torch_reference(shoup, strided, reg, monkeypatch
 def test_every_operation_at_n8192(shoup, batch, monkeypatch):
     from fhe.backends.gpu import evaluator, triton_ops
 
-    monkeypatch.setattr(triton_ops, "LOCAL_REG", batch)
-    monkeypatch.setattr(triton_ops, "STRIDED_REG", batch)
+    monkeypatch.setattr(triton_ops, "LAZY", batch)
     monkeypatch.setattr(evaluator, "BATCH_SWITCHES", batch)          # rotate_many/rotate_each finished as batches
     monkeypatch.setattr(triton_ops, "STRIDED", shoup)
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)
@@ -94,8 +95,7 @@ def test_every_operation_at_n8192(shoup, batch, monkeypatch):
 def test_key_switching_at_the_shipped_parameters(shoup, batch, monkeypatch):
     from fhe.backends.gpu import evaluator, triton_ops
 
-    monkeypatch.setattr(triton_ops, "LOCAL_REG", batch)
-    monkeypatch.setattr(triton_ops, "STRIDED_REG", batch)
+    monkeypatch.setattr(triton_ops, "LAZY", batch)
     monkeypatch.setattr(evaluator, "BATCH_SWITCHES", batch)
     monkeypatch.setattr(triton_ops, "STRIDED", shoup)
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)

@@ -6,8 +6,9 @@ subprocess: the variable is read when the kernels are defined), forward and inve
 without, N^-1 folded into the last stage and not, and must give the torch reference's residues
 (:func:`fhe.backends.gpu.ntt.ntt` / :func:`~fhe.backends.gpu.ntt.intt`) and the per-stage launches'
 (``STRIDED = False``); likewise both kernels' stages on register-held blocks (``LOCAL_REG``, ``STRIDED_REG``,
-session 19). Small ``LOCAL`` blocks give more strided stages than the shipped N would (4 and 2 here, 5 at
-N = 32768). On the GPU: tests/fhe/test_gpu_backend_cuda.py (the shipped size, the CUDA kernels).
+session 19) and their lazy butterflies (``LAZY``, session 19: non-canonical values between stages). Small
+``LOCAL`` blocks give more strided stages than the shipped N would (4 and 2 here, 5 at N = 32768).
+On the GPU: tests/fhe/test_gpu_backend_cuda.py (the shipped size, the CUDA kernels).
 """
 
 from __future__ import annotations
@@ -41,18 +42,27 @@ _SCRIPT = textwrap.dedent("""
                             tab.primes)
         want = ntt(x, tab)
         assert torch.equal(intt(want, tab), x)
-        combos = [(*sf, True, False) for sf in itertools.product((False, True), repeat=2)]
-        combos += [(True, True, False, False)]
-        combos += [(False, True, True, True), (True, True, True, True), (True, False, True, True)]  # in registers
-        for shoup, fewer, strided, reg in combos:
-            T.SHOUP, T.FEWER, T.STRIDED, T.LOCAL_REG, T.STRIDED_REG = shoup, fewer, strided, reg, reg
+        combos = [(*sf, True, False, False) for sf in itertools.product((False, True), repeat=2)]
+        combos += [(True, True, False, False, False)]
+        combos += [(False, True, True, True, False), (True, True, True, True, False), (True, False, True, True, False)]
+        combos += [(True, True, True, False, True), (True, False, True, False, True)]     # Harvey's lazy butterflies
+        for shoup, fewer, strided, reg, lazy in combos:
+            T.SHOUP, T.FEWER, T.STRIDED, T.LOCAL_REG, T.STRIDED_REG, T.LAZY = shoup, fewer, strided, reg, reg, lazy
             before = len(launches)
             fwd = T.ntt_(x.clone(), tab.roots, tab.primes.view(-1), inverse=False, roots_shoup=tab.roots_shoup)
             inv = T.ntt_(want.clone(), tab.inv_roots, tab.primes.view(-1), inverse=True,
                          n_inv=tab.n_inv.view(-1).contiguous(), roots_shoup=tab.inv_roots_shoup)
-            assert torch.equal(fwd, want), (n, shoup, fewer, strided, reg)
-            assert torch.equal(inv, x), (n, shoup, fewer, strided, reg)
+            assert torch.equal(fwd, want), (n, shoup, fewer, strided, reg, lazy)
+            assert torch.equal(inv, x), (n, shoup, fewer, strided, reg, lazy)
             assert len(launches) - before == (2 if strided else 0), launches
+    T.LOCAL, T.LAZY = 256, True                           # N = LOCAL: the local kernel alone, lazy and canonical
+    tab = NTTTables.build([1152921504606584833, 1125899906826241], 256)
+    x = torch.remainder(torch.randint(0, 1 << 62, (2, 2, 256), generator=torch.Generator().manual_seed(1)), tab.primes)
+    want = ntt(x, tab)
+    fwd = T.ntt_(x.clone(), tab.roots, tab.primes.view(-1), inverse=False, roots_shoup=tab.roots_shoup)
+    assert torch.equal(fwd, want)
+    assert torch.equal(T.ntt_(want.clone(), tab.inv_roots, tab.primes.view(-1), inverse=True,
+                              n_inv=tab.n_inv.view(-1).contiguous(), roots_shoup=tab.inv_roots_shoup), x)
     print("ok", len(launches))
 """)
 
@@ -63,4 +73,4 @@ def test_strided_stages_kernel_matches_the_torch_reference_under_the_interpreter
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split() == ["ok", "28"]
+    assert res.stdout.split() == ["ok", "36"]

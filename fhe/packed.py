@@ -185,7 +185,10 @@ class PackedMap:
 #: band shifts whose diagonals a device-side map (``w`` a torch tensor) builds and encodes together: one gather and
 #: one batched encode per group instead of per shift (issue 16, session 19: the chunk's 192 shifts each paid two
 #: host syncs and ~40 launches for ~17 diagonals). 0: one shift at a time (:meth:`PackedMap.diagonals`), as before.
-SHIFT_GROUP = 8
+#: 0 by default: built after session 19's last device call, = SEAL on the CPU reference (CI), not yet run on CUDA or
+#: timed (``bench/gpu_packed.py --ab-group`` A/Bs it against 8). A group of 8 holds ~8x one shift's plaintexts (about
+#: 430 MB at 12 primes for a 17-baby map) while it is used.
+SHIFT_GROUP = 0
 
 
 def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[PackedMap], rows: int,

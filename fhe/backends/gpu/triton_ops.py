@@ -46,16 +46,21 @@ STRIDED_BUTTERFLIES = 512
 #: The local stages (:func:`_ntt_local`) on a block held in registers (:func:`_ntt_local_reg`: one load and one
 #: store per value, the stages' exchanges left to the compiler's layout conversions through shared memory)
 #: instead of ten loads and stores through global memory with a barrier each (issue 16, session 19: 19.3 of a
-#: decode step's 46.8 ms of kernels). The same butterflies on the same values, so the same residues.
+#: decode step's 46.8 ms of kernels). The same butterflies on the same values, so the same residues. Measured on an
+#: H100 (session 19, with :data:`STRIDED_REG`): no faster (19.5 vs 19.4 ms in a decode step) — the NTT kernels are
+#: not bound by those round trips. Off.
 LOCAL_REG = False
 #: Harvey's lazy butterflies in :func:`_ntt_local` and :func:`_ntt_strided` (with :data:`SHOUP` and :data:`STRIDED`):
 #: values stay in [0, 4q) forward and [0, 2q) inverse between stages (Shoup's product without its correction, one
 #: compare-and-subtract per butterfly instead of three) and are made canonical in the transform's last stage
 #: (issue 16, session 19: the register-held kernels were no faster, so the NTT kernels are bound by their integer
-#: arithmetic, not by their memory round trips). Canonical outputs, so the same residues.
+#: arithmetic, not by their memory round trips). Canonical outputs, so the same residues (interpreter-checked in CI).
+#: Off: built in session 19 after its last device call, not yet run on CUDA or timed (bench/gpu_step_ab.py --ab
+#: lazy+batch).
 LAZY = False
 #: Likewise :func:`_ntt_strided`'s stages on its ``[2^S0, COLS]`` values held in registers
-#: (:func:`_ntt_strided_reg`, session 19). The same residues.
+#: (:func:`_ntt_strided_reg`, session 19). The same residues. Measured on an H100: slower (11.6 vs 8.9 ms in a decode
+#: step). Off.
 STRIDED_REG = False
 
 

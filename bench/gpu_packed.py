@@ -12,7 +12,8 @@ What it measures, in one run, from the same client ciphertexts and keys (level-a
   bench (``encode_many`` off: diagonals built by numpy on the host and encoded one by one); the 32 tokens
   one by one (the token path, for scale); medians of ``--repeat``.
 * fidelity: the GPU chunk's decrypted outputs against the plaintext simulator and the GPU token path.
-* ``--ab-group G``: ``fhe.packed.SHIFT_GROUP`` 0 (one band shift at a time) against G, in turn.
+* ``--ab-group G [--ab-rows]``: ``fhe.packed.SHIFT_GROUP`` 0 (one band shift at a time) against G (and
+  ``BATCH_ROWS`` off against on), in turn.
 * ``--profile``: one chunk with its parts timed (:data:`PHASES`) and one under torch's profiler.
 * then (``--marker`` is written first, so a caller may start other GPU work: this part is CPU only) the
   same chunk on the SEAL backend (CPU, one thread, as in a worker): the decrypted outputs' largest
@@ -100,23 +101,23 @@ def phases(fn) -> dict:
 
 def ab_group(args, packed_chunk, as_the_sdk, res: dict) -> None:
     """``fhe.packed.SHIFT_GROUP`` 0 (one band shift per gather and encode, as before session 19) against
-    ``--ab-group``, one run of each in turn (``--repeat`` rounds), the chunk and the 32 tokens as the SDK sends them;
-    whether their outputs are equal residue for residue."""
+    ``--ab-group`` (with ``--ab-rows``, ``BATCH_ROWS`` off against on), one run of each in turn (``--repeat``
+    rounds), the chunk and the 32 tokens as the SDK sends them; whether their outputs are equal residue for residue."""
     from fhe import packed
 
-    before, on, rows = packed.SHIFT_GROUP, args.ab_group, {}
+    before, on, rows = (packed.SHIFT_GROUP, packed.BATCH_ROWS), args.ab_group, {}
     for name, fn in (("chunk", packed_chunk), ("as_sdk", as_the_sdk)):
         times: dict[str, list] = {"main": [], "new": []}
         outs = {}
         for _ in range(args.repeat + 1):                              # the first round: warm-up
-            for var, group in (("main", 0), ("new", on)):
-                packed.SHIFT_GROUP = group
+            for var, group, batch in (("main", 0, False), ("new", on, args.ab_rows)):
+                packed.SHIFT_GROUP, packed.BATCH_ROWS = group, batch
                 sec, outs[var] = _median_s(fn, 1)
                 times[var].append(round(sec, 4))
-        packed.SHIFT_GROUP = before
+        packed.SHIFT_GROUP, packed.BATCH_ROWS = before
         rows[name] = {v: {"median_s": statistics.median(t[1:]), "all_s": t} for v, t in times.items()}
         rows[name]["same"] = all(torch.equal(a.data, b.data) for a, b in zip(outs["main"], outs["new"], strict=True))
-    res["ab_shift_group"] = {"group": on} | rows
+    res["ab_shift_group"] = {"group": on, "batch_rows": args.ab_rows} | rows
     print(f"ab shift group: {json.dumps(res['ab_shift_group'])}", flush=True)
 
 
@@ -195,6 +196,7 @@ def main() -> None:
     ap.add_argument("--skip-seal", action="store_true")
     ap.add_argument("--profile", action="store_true", help="the chunk's parts timed, its kernels profiled")
     ap.add_argument("--ab-group", type=int, default=0, help="fhe.packed.SHIFT_GROUP 0 against this, in turn")
+    ap.add_argument("--ab-rows", action="store_true", help="with --ab-group: fhe.packed.BATCH_ROWS on in 'new'")
     ap.add_argument("--marker", type=Path, help="touched when the GPU part is done")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

@@ -189,6 +189,11 @@ class PackedMap:
 #: timed (``bench/gpu_packed.py --ab-group`` A/Bs it against 8). A group of 8 holds ~8x one shift's plaintexts (about
 #: 430 MB at 12 primes for a 17-baby map) while it is used.
 SHIFT_GROUP = 0
+#: The chunk's per-row output maps (``enc_out``, ``enc_z``: ~1,670 of a 28-token chunk's ~2,380 key switches, at
+#: low levels where a switch is a few µs of launches) as one batch over its rows on the gpu backend (session 19: the
+#: outputs took 0.21 s of a 0.74 s chunk on an H100). Off by default: built after the last device call, = SEAL on
+#: the CPU reference (CI), not yet run on CUDA or timed. Each row's ciphertext is the same either way.
+BATCH_ROWS = False
 
 
 def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[PackedMap], rows: int,
@@ -463,22 +468,38 @@ class PackedPrefill:
     def _outputs(self, u: Ciphertext, z: Ciphertext, v: Ciphertext, start: int, n: int,
                  keys: EvalKeys, rows: range | None = None) -> list[Ciphertext]:
         """One output ciphertext per token row in ``rows`` (default all), in position order (last row first)."""
-        layer, ev, Hq = self.layer, self.ev, self.geo.layout.num_heads
+        ev, Hq = self.ev, self.geo.layout.num_heads
         rows = range(n) if rows is None else rows
-        outs: list[Ciphertext] = []
+        us: list[tuple[Ciphertext, Ciphertext] | None] = []       # (u, z) on row 0 per token row; None: position 0
         for r in range(rows.stop):
             if r:
                 u, z = ev.rotate(u, Hq, keys), ev.rotate(z, Hq, keys)
-            if r < rows.start:
-                continue
-            if start == 0 and r == n - 1:
-                outs.append(self._first_token(v, n, keys))
-                continue
+            if r >= rows.start:
+                us.append(None if start == 0 and r == n - 1 else (u, z))
+        mapped = iter(self._output_maps([p for p in us if p is not None], keys))
+        outs = [self._first_token(v, n, keys) if p is None else next(mapped) for p in us]
+        return [ev.mod_switch(c, 1) for c in reversed(outs)]
+
+    def _output_maps(self, pairs: list[tuple[Ciphertext, Ciphertext]], keys: EvalKeys) -> list[Ciphertext]:
+        """y + z of each row's (u, z): the output and row-sum maps, one row after another, or with
+        :data:`BATCH_ROWS` on the gpu backend as one batch over the rows (:mod:`fhe.backends.gpu.batched`: every
+        key switch one launch sequence for all rows, each row's residues the one-row evaluator's)."""
+        layer, ev = self.layer, self.ev
+        if BATCH_ROWS and len(pairs) > 1 and getattr(ev, "name", None) == "gpu":
+            from fhe.backends.gpu.batched import BatchedEvaluator, BatchKeys
+
+            bev, bkeys = BatchedEvaluator(ev), BatchKeys.shared(keys, len(pairs))
+            y = layer.enc_out(bev, bev.stack([u for u, _ in pairs]), bkeys)        # [R, 2, L, N]
+            zo = layer.enc_z(bev, bev.stack([z for _, z in pairs]), bkeys)
+            bev.set_scale(zo, bev.scale_of(y))
+            return bev.unstack(bev.add(y, zo))
+        outs = []
+        for u, z in pairs:
             y = layer.enc_out(ev, u, keys)
             zo = layer.enc_z(ev, z, keys)
             ev.set_scale(zo, ev.scale_of(y))
             outs.append(ev.add(y, zo))
-        return [ev.mod_switch(c, 1) for c in reversed(outs)]
+        return outs
 
     def _first_token(self, v: Ciphertext, n: int, keys: EvalKeys) -> Ciphertext:
         """Position 0 attends only to itself: y_h = v_0 Wo_h, z_h = 1 (see ``_attend_single``)."""

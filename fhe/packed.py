@@ -468,38 +468,51 @@ class PackedPrefill:
     def _outputs(self, u: Ciphertext, z: Ciphertext, v: Ciphertext, start: int, n: int,
                  keys: EvalKeys, rows: range | None = None) -> list[Ciphertext]:
         """One output ciphertext per token row in ``rows`` (default all), in position order (last row first)."""
-        ev, Hq = self.ev, self.geo.layout.num_heads
+        layer, ev, Hq = self.layer, self.ev, self.geo.layout.num_heads
         rows = range(n) if rows is None else rows
-        us: list[tuple[Ciphertext, Ciphertext] | None] = []       # (u, z) on row 0 per token row; None: position 0
+        if BATCH_ROWS and getattr(ev, "name", None) == "gpu":
+            return self._outputs_batched(u, z, v, start, n, keys, rows)
+        outs: list[Ciphertext] = []
         for r in range(rows.stop):
             if r:
                 u, z = ev.rotate(u, Hq, keys), ev.rotate(z, Hq, keys)
-            if r >= rows.start:
-                us.append(None if start == 0 and r == n - 1 else (u, z))
-        mapped = iter(self._output_maps([p for p in us if p is not None], keys))
-        outs = [self._first_token(v, n, keys) if p is None else next(mapped) for p in us]
-        return [ev.mod_switch(c, 1) for c in reversed(outs)]
-
-    def _output_maps(self, pairs: list[tuple[Ciphertext, Ciphertext]], keys: EvalKeys) -> list[Ciphertext]:
-        """y + z of each row's (u, z): the output and row-sum maps, one row after another, or with
-        :data:`BATCH_ROWS` on the gpu backend as one batch over the rows (:mod:`fhe.backends.gpu.batched`: every
-        key switch one launch sequence for all rows, each row's residues the one-row evaluator's)."""
-        layer, ev = self.layer, self.ev
-        if BATCH_ROWS and len(pairs) > 1 and getattr(ev, "name", None) == "gpu":
-            from fhe.backends.gpu.batched import BatchedEvaluator, BatchKeys
-
-            bev, bkeys = BatchedEvaluator(ev), BatchKeys.shared(keys, len(pairs))
-            y = layer.enc_out(bev, bev.stack([u for u, _ in pairs]), bkeys)        # [R, 2, L, N]
-            zo = layer.enc_z(bev, bev.stack([z for _, z in pairs]), bkeys)
-            bev.set_scale(zo, bev.scale_of(y))
-            return bev.unstack(bev.add(y, zo))
-        outs = []
-        for u, z in pairs:
+            if r < rows.start:
+                continue
+            if start == 0 and r == n - 1:
+                outs.append(self._first_token(v, n, keys))
+                continue
             y = layer.enc_out(ev, u, keys)
             zo = layer.enc_z(ev, z, keys)
             ev.set_scale(zo, ev.scale_of(y))
             outs.append(ev.add(y, zo))
-        return outs
+        return [ev.mod_switch(c, 1) for c in reversed(outs)]
+
+    def _outputs_batched(self, u: Ciphertext, z: Ciphertext, v: Ciphertext, start: int, n: int, keys: EvalKeys,
+                         rows: range) -> list[Ciphertext]:
+        """:meth:`_outputs` with :data:`BATCH_ROWS`: the rows' (u, z) gathered first (~2 x 28 ciphertexts at
+        level_u held at once), then the output and row-sum maps as one batch over them
+        (:mod:`fhe.backends.gpu.batched`: every key switch one launch sequence for all rows, each row's residues
+        the one-row evaluator's)."""
+        from fhe.backends.gpu.batched import BatchedEvaluator, BatchKeys
+
+        layer, ev, Hq = self.layer, self.ev, self.geo.layout.num_heads
+        pairs: list[tuple[Ciphertext, Ciphertext] | None] = []    # (u, z) on row 0 per token row; None: position 0
+        for r in range(rows.stop):
+            if r:
+                u, z = ev.rotate(u, Hq, keys), ev.rotate(z, Hq, keys)
+            if r >= rows.start:
+                pairs.append(None if start == 0 and r == n - 1 else (u, z))
+        todo = [p for p in pairs if p is not None]
+        mapped: list[Ciphertext] = []
+        if todo:
+            bev, bkeys = BatchedEvaluator(ev), BatchKeys.shared(keys, len(todo))
+            y = layer.enc_out(bev, bev.stack([u for u, _ in todo]), bkeys)          # [R, 2, L, N]
+            zo = layer.enc_z(bev, bev.stack([z for _, z in todo]), bkeys)
+            bev.set_scale(zo, bev.scale_of(y))
+            mapped = bev.unstack(bev.add(y, zo))
+        it = iter(mapped)
+        outs = [self._first_token(v, n, keys) if p is None else next(it) for p in pairs]
+        return [ev.mod_switch(c, 1) for c in reversed(outs)]
 
     def _first_token(self, v: Ciphertext, n: int, keys: EvalKeys) -> Ciphertext:
         """Position 0 attends only to itself: y_h = v_0 Wo_h, z_h = 1 (see ``_attend_single``)."""

@@ -12,6 +12,9 @@ What it measures, in one run, from the same client ciphertexts and keys (level-a
   bench (``encode_many`` off: diagonals built by numpy on the host and encoded one by one); the 32 tokens
   one by one (the token path, for scale); medians of ``--repeat``.
 * fidelity: the GPU chunk's decrypted outputs against the plaintext simulator and the GPU token path.
+* ``--ab-group G [--ab-rows]``: ``fhe.packed.SHIFT_GROUP`` 0 (one band shift at a time) against G (and
+  ``BATCH_ROWS`` off against on), in turn.
+* ``--profile``: one chunk with its parts timed (:data:`PHASES`) and one under torch's profiler.
 * then (``--marker`` is written first, so a caller may start other GPU work: this part is CPU only) the
   same chunk on the SEAL backend (CPU, one thread, as in a worker): the decrypted outputs' largest
   difference over their range (the CPU backend is the reference the issue names).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -54,6 +58,69 @@ def setup(folder: Path, index: int, device: str):
     return cfg, layer, rope, x, lp, params, cpu, client, server, gpu, ev.keys_from_server(server)
 
 
+#: --profile: the chunk's parts timed inclusive of what they call (a sync before and after each), by name
+PHASES = (("fhe.packed", "PackedPrefill", "_project"), ("fhe.packed", "PackedPrefill", "_attend"),
+          ("fhe.packed", "PackedPrefill", "_outputs"), ("fhe.packed", None, "encode_many"),
+          ("fhe.packed", "PackedMap", "diagonals"), ("fhe.packed", None, "apply_packed"))
+
+
+def phases(fn) -> dict:
+    """One call of ``fn`` with each of :data:`PHASES` wrapped in synchronized timers: {name: [calls, s]}."""
+    import importlib
+
+    got: dict[str, list] = {}
+    saved = []
+
+    def timed(name, f):
+        def wrapper(*a, **k):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                torch.cuda.synchronize()
+                row = got.setdefault(name, [0, 0.0])
+                row[0] += 1
+                row[1] += time.perf_counter() - t
+        return wrapper
+
+    for mod, cls, attr in PHASES:
+        owner = getattr(importlib.import_module(mod), cls) if cls else importlib.import_module(mod)
+        saved.append((owner, attr, owner.__dict__[attr]))
+        setattr(owner, attr, timed(attr, getattr(owner, attr)))
+    try:
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        got["total"] = [1, time.perf_counter() - t]
+    finally:
+        for owner, attr, f in saved:
+            setattr(owner, attr, f)
+    return {k: [n, round(sec, 4)] for k, (n, sec) in got.items()}
+
+
+def ab_group(args, packed_chunk, as_the_sdk, res: dict) -> None:
+    """``fhe.packed.SHIFT_GROUP`` 0 (one band shift per gather and encode, as before session 19) against
+    ``--ab-group`` (with ``--ab-rows``, ``BATCH_ROWS`` off against on), one run of each in turn (``--repeat``
+    rounds), the chunk and the 32 tokens as the SDK sends them; whether their outputs are equal residue for residue."""
+    from fhe import packed
+
+    before, on, rows = (packed.SHIFT_GROUP, packed.BATCH_ROWS), args.ab_group, {}
+    for name, fn in (("chunk", packed_chunk), ("as_sdk", as_the_sdk)):
+        times: dict[str, list] = {"main": [], "new": []}
+        outs = {}
+        for _ in range(args.repeat + 1):                              # the first round: warm-up
+            for var, group, batch in (("main", 0, False), ("new", on, args.ab_rows)):
+                packed.SHIFT_GROUP, packed.BATCH_ROWS = group, batch
+                sec, outs[var] = _median_s(fn, 1)
+                times[var].append(round(sec, 4))
+        packed.SHIFT_GROUP, packed.BATCH_ROWS = before
+        rows[name] = {v: {"median_s": statistics.median(t[1:]), "all_s": t} for v, t in times.items()}
+        rows[name]["same"] = all(torch.equal(a.data, b.data) for a, b in zip(outs["main"], outs["new"], strict=True))
+    res["ab_shift_group"] = {"group": on, "batch_rows": args.ab_rows} | rows
+    print(f"ab shift group: {json.dumps(res['ab_shift_group'])}", flush=True)
+
+
 def gpu_part(args, s: dict, res: dict) -> None:
     """The GPU timings and the fidelity checks (see the module docstring)."""
     cfg, layer, rope, x, lp, gpu, client, keys = (s[k] for k in ("cfg", "layer", "rope", "x", "lp", "gpu",
@@ -78,6 +145,15 @@ def gpu_part(args, s: dict, res: dict) -> None:
     res["packed_32_as_sdk_s"], _ = _median_s(as_the_sdk, args.repeat)
     print(f"packed chunk of {b}: {res['packed_chunk_s']:.3f} s; {len(xs)} as the SDK sends them: "
           f"{res['packed_32_as_sdk_s']:.3f} s", flush=True)
+    if args.ab_group:
+        ab_group(args, packed_chunk, as_the_sdk, res)
+    if args.profile and args.device == "cuda":
+        from bench.gpu_decode import _profile
+
+        res["chunk_phases"] = phases(packed_chunk)
+        res["chunk_profile"] = _profile(packed_chunk)
+        print(f"chunk phases: {json.dumps(res['chunk_phases'])}\nchunk profile: {json.dumps(res['chunk_profile'])}",
+              flush=True)
     token_s, token_out = _median_s(lambda: gpu.prefill(gpu.new_cache(), singles, 0, keys), 1)
     res["token_path_s"] = token_s
     batched = ev.encode_many
@@ -118,6 +194,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--skip-seal", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="the chunk's parts timed, its kernels profiled")
+    ap.add_argument("--ab-group", type=int, default=0, help="fhe.packed.SHIFT_GROUP 0 against this, in turn")
+    ap.add_argument("--ab-rows", action="store_true", help="with --ab-group: fhe.packed.BATCH_ROWS on in 'new'")
     ap.add_argument("--marker", type=Path, help="touched when the GPU part is done")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

@@ -6,9 +6,11 @@
 ``--ab`` (:data:`AB`) picks the pair: ``graphs`` (session 17) = whole-step graphs off (main) / on (new);
 ``strided`` (session 18) = both with whole-step graphs, ``triton_ops.STRIDED`` off (main) / on (new), set before
 each of a variant's steps (each variant has its own evaluator and key set object, so its graphs hold its own
-kernels); ``batch`` = both strided, ``evaluator.BATCH_SWITCHES`` off / on; ``both`` = main as merged before
-session 18 against both switches on. ``--profile``: one step of each at context 128 under torch's profiler
-(kernels, their summed device time, the top kernels by time).
+kernels); ``batch`` = both strided, ``evaluator.BATCH_SWITCHES`` off / on; ``reg`` (session 19) =
+``triton_ops.LOCAL_REG`` and ``STRIDED_REG`` off / on (the NTT's stages on register-held blocks); ``lazy+batch``
+(session 19) = ``triton_ops.LAZY`` and ``evaluator.BATCH_SWITCHES`` off / on; ``both`` = main as merged before
+session 18 against both switches on. ``--profile``: one step of each at context 128 under
+torch's profiler (kernels, their summed device time, the top kernels by time).
 
 ``bench/gpu_decode.py`` runs its variants one after the other, so a drift of the card's speed between them
 (the same-code rotation differed by 13-21 % between its two phases on 2026-12-06) reads as a difference.
@@ -42,6 +44,14 @@ AB = {
                               ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
               "new": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): True,
                              ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): True})},
+    "reg": {"main": (True, {("fhe.backends.gpu.triton_ops", "LOCAL_REG"): False,
+                            ("fhe.backends.gpu.triton_ops", "STRIDED_REG"): False}),
+            "new": (True, {("fhe.backends.gpu.triton_ops", "LOCAL_REG"): True,
+                           ("fhe.backends.gpu.triton_ops", "STRIDED_REG"): True})},
+    "lazy+batch": {"main": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): False,
+                                   ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
+                   "new": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): True,
+                                  ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): True})},
     "both": {"main": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): False,
                              ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
              "new": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): True,

@@ -74,6 +74,15 @@ def _values_device(ev: Evaluator) -> torch.device | None:
     return dev if isinstance(dev, torch.device) and getattr(ev, "encode_many", None) is not None else None
 
 
+def _on_device(ints: list[int], dev: torch.device) -> torch.Tensor:
+    """``ints`` as a tensor on ``dev``; a run of consecutive ones (up or down) by ``arange``, which needs no copy
+    from the host (a pageable copy waits for the device's queue)."""
+    step = ints[1] - ints[0] if len(ints) > 1 else 1
+    if abs(step) == 1 and ints == list(range(ints[0], ints[-1] + step, step)):
+        return torch.arange(ints[0], ints[-1] + step, step, device=dev)
+    return torch.tensor(ints, device=dev)
+
+
 def _on(a: np.ndarray, dev: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
 
@@ -132,6 +141,60 @@ class PackedMap:
         keep = (ok.reshape(self.n_baby, -1).any(dim=1) & (diag != 0).any(dim=1)).nonzero().view(-1)
         return keep.tolist(), torch.roll(diag[keep], a * lay.band, dims=1)
 
+    def _babies_in_use(self) -> list[int]:
+        """The babies with an entry at some row and head (the same at every band shift: no values read)."""
+        Hq = self.geo.layout.num_heads
+        hp = np.arange(Hq)[None, :] + np.arange(self.n_baby)[:, None] - self.shift
+        return np.flatnonzero(((hp >= 0) & (hp < self.kin)).any(axis=1)).tolist()
+
+    def diagonals_many(self, shifts: list[int], rows: int) -> tuple[list[int], torch.Tensor]:
+        """:meth:`diagonals` at several band shifts in one gather and scatter, without its host sync: (babies,
+        ``[len(shifts), K, slots]``). The babies are the shape's (:meth:`_babies_in_use`), so a diagonal whose
+        weights are all zero is kept, as zeros (its product adds 0: the same sums); the others' values are
+        :meth:`diagonals`' bit for bit (the same gathers and products by the mask; the roll is the scatter's
+        index shifted by ``a * band``)."""
+        lay, w, dev = self.geo.layout, self.w, self.w.device
+        D, Hq = lay.head_dim, lay.num_heads
+        keep = self._babies_in_use()
+        b = _on_device(keep, dev)[None, :, None, None, None]
+        a = _on_device(shifts, dev)[:, None, None, None, None]
+        d = torch.arange(D, device=dev)[None, None, :, None, None]
+        r = torch.arange(rows, device=dev)[None, None, None, :, None]
+        h = torch.arange(Hq, device=dev)[None, None, None, None, :]
+        hp = h + b - self.shift
+        ok = (hp >= 0) & (hp < self.kin)
+        rr = r if w.shape[0] > 1 else torch.zeros_like(r)
+        vals = w[rr, h * D + d, torch.clamp(hp, 0, self.kin - 1) * D + (d + a) % D] * ok   # [S, K, D, rows, Hq]
+        dst = (d * lay.band + r * Hq + h)[0, 0].expand(vals.shape[2:]).reshape(-1)        # lay.slot(d, r, h)
+        at = (dst[None, :] + a.view(-1, 1) * lay.band) % lay.slots                           # [S, M]
+        diag = torch.zeros(len(shifts), len(keep), lay.slots, dtype=w.dtype, device=dev)
+        src = vals.reshape(len(shifts), len(keep), -1)
+        diag.scatter_(2, at[:, None, :].expand(src.shape), src)
+        return keep, diag
+
+    def encoded(self, ev: Evaluator, shifts: list[int], rows: int, level: int,
+                scale: float) -> dict[int, tuple[list[int], list]]:
+        """{shift: (babies, their plaintexts)} for ``shifts``, built (:meth:`diagonals_many`) and encoded
+        (one :func:`encode_many`) together."""
+        keep, diag = self.diagonals_many(shifts, rows)
+        pts = encode_many(ev, diag.reshape(-1, diag.shape[-1]), level, scale) if keep else []
+        k = len(keep)
+        return {a: (keep, pts[i * k:(i + 1) * k]) for i, a in enumerate(shifts)}
+
+
+#: band shifts whose diagonals a device-side map (``w`` a torch tensor) builds and encodes together: one gather and
+#: one batched encode per group instead of per shift (issue 16, session 19: the chunk's 192 shifts each paid two
+#: host syncs and ~40 launches for ~17 diagonals). 0: one shift at a time (:meth:`PackedMap.diagonals`), as before.
+#: 0 by default: built after session 19's last device call, = SEAL on the CPU reference (CI), not yet run on CUDA or
+#: timed (``bench/gpu_packed.py --ab-group`` A/Bs it against 8). A group of 8 holds ~8x one shift's plaintexts (about
+#: 430 MB at 12 primes for a 17-baby map) while it is used.
+SHIFT_GROUP = 0
+#: The chunk's per-row output maps (``enc_out``, ``enc_z``: ~1,670 of a 28-token chunk's ~2,380 key switches, at
+#: low levels where a switch is a few µs of launches) as one batch over its rows on the gpu backend (session 19: the
+#: outputs took 0.21 s of a 0.74 s chunk on an H100). Off by default: built after the last device call, = SEAL on
+#: the CPU reference (CI), not yet run on CUDA or timed. Each row's ciphertext is the same either way.
+BATCH_ROWS = False
+
 
 def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[PackedMap], rows: int,
                  keys: EvalKeys) -> list[Ciphertext]:
@@ -141,16 +204,22 @@ def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[Packed
     level = ev.level(babies[0])
     scale = ev.prime(level)
     outs: list[Ciphertext | None] = [None] * len(maps)
+    ready: list[dict] = [{} for _ in maps]                 # device maps: shift -> (babies, plaintexts), a group ahead
     for a in range(geo.layout.head_dim - 1, -1, -1):
         for i, m in enumerate(maps):
             if outs[i] is not None:
                 outs[i] = ev.rotate(outs[i], geo.layout.band, keys)
-            if isinstance(m.w, torch.Tensor):
+            if isinstance(m.w, torch.Tensor) and SHIFT_GROUP:
+                if a not in ready[i]:
+                    ready[i] = m.encoded(ev, list(range(a, max(a - SHIFT_GROUP, -1), -1)), rows, level, scale)
+                ks, pts = ready[i].pop(a)
+            elif isinstance(m.w, torch.Tensor):                 # SHIFT_GROUP = 0: one shift at a time, as before
                 ks, vals = m.diagonals(a, rows)
+                pts = encode_many(ev, vals, level, scale)
             else:
                 diags = list(m.plaintexts(a, rows))
-                ks, vals = [k for k, _ in diags], [p for _, p in diags]
-            terms = list(zip([babies[k] for k in ks], encode_many(ev, vals, level, scale), strict=True))
+                ks, pts = [k for k, _ in diags], encode_many(ev, [p for _, p in diags], level, scale)
+            terms = list(zip([babies[k] for k in ks], pts, strict=True))
             if not terms:       # SEAL refuses all-zero plaintexts: nothing to add at this shift
                 continue
             inner = ev.dot_plain(terms)
@@ -401,6 +470,8 @@ class PackedPrefill:
         """One output ciphertext per token row in ``rows`` (default all), in position order (last row first)."""
         layer, ev, Hq = self.layer, self.ev, self.geo.layout.num_heads
         rows = range(n) if rows is None else rows
+        if BATCH_ROWS and getattr(ev, "name", None) == "gpu":
+            return self._outputs_batched(u, z, v, start, n, keys, rows)
         outs: list[Ciphertext] = []
         for r in range(rows.stop):
             if r:
@@ -414,6 +485,33 @@ class PackedPrefill:
             zo = layer.enc_z(ev, z, keys)
             ev.set_scale(zo, ev.scale_of(y))
             outs.append(ev.add(y, zo))
+        return [ev.mod_switch(c, 1) for c in reversed(outs)]
+
+    def _outputs_batched(self, u: Ciphertext, z: Ciphertext, v: Ciphertext, start: int, n: int, keys: EvalKeys,
+                         rows: range) -> list[Ciphertext]:
+        """:meth:`_outputs` with :data:`BATCH_ROWS`: the rows' (u, z) gathered first (~2 x 28 ciphertexts at
+        level_u held at once), then the output and row-sum maps as one batch over them
+        (:mod:`fhe.backends.gpu.batched`: every key switch one launch sequence for all rows, each row's residues
+        the one-row evaluator's)."""
+        from fhe.backends.gpu.batched import BatchedEvaluator, BatchKeys
+
+        layer, ev, Hq = self.layer, self.ev, self.geo.layout.num_heads
+        pairs: list[tuple[Ciphertext, Ciphertext] | None] = []    # (u, z) on row 0 per token row; None: position 0
+        for r in range(rows.stop):
+            if r:
+                u, z = ev.rotate(u, Hq, keys), ev.rotate(z, Hq, keys)
+            if r >= rows.start:
+                pairs.append(None if start == 0 and r == n - 1 else (u, z))
+        todo = [p for p in pairs if p is not None]
+        mapped: list[Ciphertext] = []
+        if todo:
+            bev, bkeys = BatchedEvaluator(ev), BatchKeys.shared(keys, len(todo))
+            y = layer.enc_out(bev, bev.stack([u for u, _ in todo]), bkeys)          # [R, 2, L, N]
+            zo = layer.enc_z(bev, bev.stack([z for _, z in todo]), bkeys)
+            bev.set_scale(zo, bev.scale_of(y))
+            mapped = bev.unstack(bev.add(y, zo))
+        it = iter(mapped)
+        outs = [self._first_token(v, n, keys) if p is None else next(it) for p in pairs]
         return [ev.mod_switch(c, 1) for c in reversed(outs)]
 
     def _first_token(self, v: Ciphertext, n: int, keys: EvalKeys) -> Ciphertext:

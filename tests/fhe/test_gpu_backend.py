@@ -265,7 +265,8 @@ def test_a_plans_diagonals_encode_in_batches_as_one_by_one(setup, monkeypatch):
 def test_packed_diagonals_built_in_torch_are_numpys():
     """Packed prefill on the gpu backend builds its per-chunk diagonals in torch on the device
     (``PackedMap.diagonals``, ``_rope_rows_torch``): the same values bit for bit as the numpy path the
-    other backends take, at the shipped geometry, per-row maps and one shared map."""
+    other backends take, at the shipped geometry, per-row maps and one shared map; ``diagonals_many`` (several
+    shifts at once) the same values, plus all-zero rows for babies the numpy path skips."""
     from engine.config import ModelConfig
     from fhe.geometry import Geometry
     from fhe.packed import PackedMap, _rope_rows, _rope_rows_torch
@@ -287,6 +288,13 @@ def test_packed_diagonals_built_in_torch_are_numpys():
             ks, vals = dev.diagonals(a, n)
             assert ks == [k for k, _ in want] and vals.shape == (len(want), params.slots)
             assert all(np.array_equal(v.numpy(), p) for v, (_, p) in zip(vals, want, strict=True))
+        shifts = [D - 1, 5, 1, 0]                              # several shifts in one gather (session 19)
+        keep, many = dev.diagonals_many(shifts, n)
+        assert many.shape == (len(shifts), len(keep), params.slots)
+        for a, vals in zip(shifts, many, strict=True):
+            want = dict(ref.plaintexts(a, n))
+            assert all(np.array_equal(vals[i].numpy(), want[k]) if k in want else not vals[i].any()
+                       for i, k in enumerate(keep)) and set(want) <= set(keep)
 
 
 def test_encode_many_takes_a_tensor_of_rows(setup):

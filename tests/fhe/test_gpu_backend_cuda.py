@@ -45,9 +45,11 @@ def _check(params: CKKSParams, steps: tuple[int, ...]) -> None:
     assert same(ev.mul(A, B), c)
     assert same(ev.relinearize(ev.mul(A, B), keys), _relin(kit, c, server))
     many = ev.rotate_many(A, steps, keys)
-    for s in steps:
+    each = ev.rotate_each([A, B] * len(steps), [s for s in steps for _ in (0, 1)], keys)
+    for i, s in enumerate(steps):
         want = kit.rotate(a, s, server.galois)
         assert same(ev.rotate(A, s, keys), want) and same(many[s], want)
+        assert same(each[2 * i], want) and same(each[2 * i + 1], kit.rotate(b, s, server.galois))
 
 
 def _relin(kit, c, server):
@@ -56,10 +58,15 @@ def _relin(kit, c, server):
     return out
 
 
-@pytest.mark.parametrize("shoup,strided", [(False, False), (True, False), (True, True)])
-def test_triton_ntt_matches_the_torch_reference(shoup, strided, monkeypatch):
+@pytest.mark.parametrize("shoup,strided,reg,lazy", [(False, False, False, False), (True, False, False, False),
+                                                    (True, True, False, False), (False, True, True, False),
+                                                    (True, True, True, False), (True, True, False, True)])
+def test_triton_ntt_matches_the_torch_reference(shoup, strided, reg, lazy, monkeypatch):
     from fhe.backends.gpu import triton_ops
 
+    monkeypatch.setattr(triton_ops, "LAZY", lazy)                    # Harvey's butterflies
+    monkeypatch.setattr(triton_ops, "LOCAL_REG", reg)                # the stages on register-held blocks
+    monkeypatch.setattr(triton_ops, "STRIDED_REG", reg)
     monkeypatch.setattr(triton_ops, "STRIDED", strided)              # the staged stages in one launch, or one each
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)                  # Shoup's twiddle products or _mulmod's
     monkeypatch.setattr(triton_ops, "FEWER", shoup)                  # N^-1 in the INTT's last stage, or a kernel
@@ -72,20 +79,24 @@ def test_triton_ntt_matches_the_torch_reference(shoup, strided, monkeypatch):
     assert torch.equal(intt(want.cuda(), gpu.ctx.tables).cpu(), x)
 
 
-@pytest.mark.parametrize("shoup", [False, True])
-def test_every_operation_at_n8192(shoup, monkeypatch):
-    from fhe.backends.gpu import triton_ops
+@pytest.mark.parametrize("shoup,batch", [(False, False), (True, False), (True, True)])
+def test_every_operation_at_n8192(shoup, batch, monkeypatch):
+    from fhe.backends.gpu import evaluator, triton_ops
 
+    monkeypatch.setattr(triton_ops, "LAZY", batch)
+    monkeypatch.setattr(evaluator, "BATCH_SWITCHES", batch)          # rotate_many/rotate_each finished as batches
     monkeypatch.setattr(triton_ops, "STRIDED", shoup)
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)
     monkeypatch.setattr(triton_ops, "FEWER", shoup)
     _check(CKKSParams(8192, (60, 40, 40, 60), 40), (1, 5, 4093))
 
 
-@pytest.mark.parametrize("shoup", [False, True])
-def test_key_switching_at_the_shipped_parameters(shoup, monkeypatch):
-    from fhe.backends.gpu import triton_ops
+@pytest.mark.parametrize("shoup,batch", [(False, False), (True, False), (True, True)])
+def test_key_switching_at_the_shipped_parameters(shoup, batch, monkeypatch):
+    from fhe.backends.gpu import evaluator, triton_ops
 
+    monkeypatch.setattr(triton_ops, "LAZY", batch)
+    monkeypatch.setattr(evaluator, "BATCH_SWITCHES", batch)
     monkeypatch.setattr(triton_ops, "STRIDED", shoup)
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)
     monkeypatch.setattr(triton_ops, "FEWER", shoup)

@@ -45,9 +45,11 @@ ASYNC_ENCODE = True
 #: Several key switches of one call as one batch (issue 16, session 18): ``rotate_many``'s hoisted steps finish
 #: together (their inner products stacked, one rounding over ``[B, 2, L+1, N]``, one addition of the rotated c0s),
 #: and :meth:`GpuEvaluator.rotate_each` decomposes several ciphertexts in one pass. Row b gets the same kernels'
-#: arithmetic as one switch alone, so the same residues (the torch-CPU reference = SEAL in CI). Off by default: not yet
-#: run or timed on CUDA (session 18's device time ran out). False: one key switch after another (main's).
-BATCH_SWITCHES = False
+#: arithmetic as one switch alone, so the same residues (the torch-CPU reference = SEAL in CI; on an H100, session 19:
+#: every operation = SEAL at N = 8192 and at the shipped size with it on). On since session 19: the 576x576 matmul
+#: with ``giants_each`` 2.12 -> 1.24 ms, 451 -> 160 kernels, bit for bit the same (docs/benchmarks.md; the decode
+#: step's A/B was not run). False: one key switch after another (before session 19).
+BATCH_SWITCHES = True
 
 
 @dataclass

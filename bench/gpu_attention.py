@@ -311,16 +311,15 @@ def bench_sessions(args, block, client, bc, keys, x, rng) -> list[dict]:
 
 # --- the 576x576 matmul -----------------------------------------------------------------------------------
 #: matmul variants: name -> (hoisted babies (with batch: and giants each its own key, ``giants_each``), the whole
-#: product as one graph replay, triton_ops.STRIDED, evaluator.BATCH_SWITCHES[, triton_ops.LOCAL_REG and
-#: STRIDED_REG]). Session 18's run (commit 34bbe57)
-#: had "hoist", "hoist+graph" (hoisted, not strided) and no batch variant.
+#: product as one graph replay, triton_ops.STRIDED, evaluator.BATCH_SWITCHES). Session 18's run (commit 34bbe57)
+#: had "hoist", "hoist+graph" (hoisted, not strided) and no batch variant; session 19's (commit 1947ce4) also
+#: "+reg" (the NTT's stages on register-held blocks: 1.27 vs 1.24 ms, removed since).
 MATMUL_VARIANTS = {
     "plain": (False, False, False, False),      # main before session 18: ops one by one (each its own graph)
     "graph": (False, True, False, False),       # the same ops, the whole product one graph (run_step)
     "graph+strided": (False, True, True, False),  # + the NTT's staged stages in one launch
     "hoist+graph+strided": (True, True, True, False),  # babies by rotate_many, giants one key each
     "hoist+graph+strided+batch": (True, True, True, True),  # + their key switches finished as batches
-    "hoist+graph+strided+batch+reg": (True, True, True, True, True),  # + the NTT's stages on register-held blocks
 }
 
 
@@ -362,11 +361,10 @@ def bench_matmul(args) -> dict:
         seal_out[h] = pm(ct, server)
         out[f"seal_ms{'_hoist' if h[0] else ''}{'_giants_each' if h[1] else ''}"] = 1e3 * (time.perf_counter() - t)
     whole_step.CAPTURE_AFTER = 1
-    saved = triton_ops.STRIDED, evaluator.BATCH_SWITCHES, triton_ops.LOCAL_REG, triton_ops.STRIDED_REG
+    saved = triton_ops.STRIDED, evaluator.BATCH_SWITCHES
     for name in args.matmul_variants.split(","):
-        hoist, graph, strided, batch, *reg = MATMUL_VARIANTS[name]
+        hoist, graph, strided, batch = MATMUL_VARIANTS[name]
         triton_ops.STRIDED, evaluator.BATCH_SWITCHES = strided, batch
-        triton_ops.LOCAL_REG = triton_ops.STRIDED_REG = bool(reg and reg[0])
         ev = GpuEvaluator(MATMUL_PARAMS, device=args.device)           # its own graphs and keys per variant
         pm = PlainMatrix(ev, w, hoist=hoist, giants_each=batch)
         keys = ev.load_keys(dict(client.public_blobs), steps)
@@ -389,7 +387,7 @@ def bench_matmul(args) -> dict:
             row |= _kernels(fn)
         out["variants"][name] = row
         print(f"matmul {name}: {json.dumps(row)}", flush=True)
-    triton_ops.STRIDED, evaluator.BATCH_SWITCHES, triton_ops.LOCAL_REG, triton_ops.STRIDED_REG = saved
+    triton_ops.STRIDED, evaluator.BATCH_SWITCHES = saved
     ctx = ts.context(ts.SCHEME_TYPE.CKKS, MATMUL_PARAMS.poly_modulus_degree,
                      coeff_mod_bit_sizes=list(MATMUL_PARAMS.coeff_mod_bit_sizes))
     ctx.global_scale = 2.0 ** MATMUL_PARAMS.scale_bits

@@ -6,9 +6,9 @@
 ``--ab`` (:data:`AB`) picks the pair: ``graphs`` (session 17) = whole-step graphs off (main) / on (new);
 ``strided`` (session 18) = both with whole-step graphs, ``triton_ops.STRIDED`` off (main) / on (new), set before
 each of a variant's steps (each variant has its own evaluator and key set object, so its graphs hold its own
-kernels); ``batch`` = both strided, ``evaluator.BATCH_SWITCHES`` off / on; ``reg`` (session 19) =
-``triton_ops.LOCAL_REG`` and ``STRIDED_REG`` off / on (the NTT's stages on register-held blocks); ``lazy+batch``
-(session 19) = ``triton_ops.LAZY`` and ``evaluator.BATCH_SWITCHES`` off / on; ``both`` = main as merged before
+kernels); ``batch`` = both strided, ``evaluator.BATCH_SWITCHES`` off / on; ``lazy`` (session 19) = both with
+the batched switches, ``triton_ops.LAZY`` off / on; ``lazy+batch`` (session 19) = ``triton_ops.LAZY`` and
+``evaluator.BATCH_SWITCHES`` off / on; ``both`` = main as merged before
 session 18 against both switches on. ``--profile``: one step of each at context 128 under
 torch's profiler (kernels, their summed device time, the top kernels by time).
 
@@ -44,10 +44,10 @@ AB = {
                               ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
               "new": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): True,
                              ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): True})},
-    "reg": {"main": (True, {("fhe.backends.gpu.triton_ops", "LOCAL_REG"): False,
-                            ("fhe.backends.gpu.triton_ops", "STRIDED_REG"): False}),
-            "new": (True, {("fhe.backends.gpu.triton_ops", "LOCAL_REG"): True,
-                           ("fhe.backends.gpu.triton_ops", "STRIDED_REG"): True})},
+    "lazy": {"main": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): False,
+                             ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): True}),
+             "new": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): True,
+                            ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): True})},
     "lazy+batch": {"main": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): False,
                                    ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
                    "new": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): True,

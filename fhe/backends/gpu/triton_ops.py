@@ -43,25 +43,15 @@ FEWER = True
 STRIDED = True
 #: butterflies per program of :func:`_ntt_strided` (columns per program = this / 2^(S0-1))
 STRIDED_BUTTERFLIES = 512
-#: The local stages (:func:`_ntt_local`) on a block held in registers (:func:`_ntt_local_reg`: one load and one
-#: store per value, the stages' exchanges left to the compiler's layout conversions through shared memory)
-#: instead of ten loads and stores through global memory with a barrier each (issue 16, session 19: 19.3 of a
-#: decode step's 46.8 ms of kernels). The same butterflies on the same values, so the same residues. Measured on an
-#: H100 (session 19, with :data:`STRIDED_REG`): no faster (19.5 vs 19.4 ms in a decode step) — the NTT kernels are
-#: not bound by those round trips. Off.
-LOCAL_REG = False
 #: Harvey's lazy butterflies in :func:`_ntt_local` and :func:`_ntt_strided` (with :data:`SHOUP` and :data:`STRIDED`):
 #: values stay in [0, 4q) forward and [0, 2q) inverse between stages (Shoup's product without its correction, one
 #: compare-and-subtract per butterfly instead of three) and are made canonical in the transform's last stage
-#: (issue 16, session 19: the register-held kernels were no faster, so the NTT kernels are bound by their integer
-#: arithmetic, not by their memory round trips). Canonical outputs, so the same residues (interpreter-checked in CI).
-#: Off: built in session 19 after its last device call, not yet run on CUDA or timed (bench/gpu_step_ab.py --ab
-#: lazy+batch).
+#: (issue 16, session 19: kernels that kept a block's stages in registers instead of ten global round trips were
+#: no faster, 19.5 vs 19.4 ms of a decode step on an H100, and were removed; so the NTT kernels are bound by their
+#: integer arithmetic, not by their memory traffic). Canonical outputs, so the same residues (interpreter-checked
+#: in CI). Off: built in session 19 after its last device call, not yet run on CUDA or timed (bench/gpu_step_ab.py
+#: --ab lazy).
 LAZY = False
-#: Likewise :func:`_ntt_strided`'s stages on its ``[2^S0, COLS]`` values held in registers
-#: (:func:`_ntt_strided_reg`, session 19). The same residues. Measured on an H100: slower (11.6 vs 8.9 ms in a decode
-#: step). Off.
-STRIDED_REG = False
 
 
 @triton.jit
@@ -276,114 +266,13 @@ def _ntt_local(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, S0, LOGN: tl.constexpr, INVERS
         tl.debug_barrier()
 
 
-@triton.jit
-def _local_stage(x, wrow, wsrow, blk, q, qinv, C: tl.constexpr, SH: tl.constexpr, S: tl.constexpr,
-                 INVERSE: tl.constexpr, SHOUP: tl.constexpr):
-    """One stage (gap ``2^SH``, twiddles from ``2^S``) of :func:`_ntt_local_reg` on its block ``x [C]``."""
-    A: tl.constexpr = C >> (SH + 1)                                  # butterfly groups, one twiddle each
-    x3 = tl.reshape(x, (A, 2, 1 << SH))
-    hi = (tl.arange(0, 2) == 1)[None, :, None]
-    u = tl.sum(tl.where(hi, 0, x3), axis=1)                          # [A, gap]
-    v = tl.sum(tl.where(hi, x3, 0), axis=1)
-    widx = (1 << S) + blk * A + tl.arange(0, A)
-    w = tl.load(wrow + widx)[:, None]
-    ws = w
-    if SHOUP:
-        ws = tl.load(wsrow + widx)[:, None]
-    if INVERSE:
-        a, b = _gs(u, v, w, q, qinv, ws, SHOUP)
-    else:
-        a, b = _ct(u, v, w, q, qinv, ws, SHOUP)
-    return tl.reshape(tl.where(hi, b[:, None, :], a[:, None, :]), (C,))
-
-
-@triton.jit
-def _ntt_local_reg(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, LOGN: tl.constexpr, S0: tl.constexpr, C: tl.constexpr,
-                   INVERSE: tl.constexpr, SHOUP: tl.constexpr):
-    """:func:`_ntt_local`'s stages S0..LOGN-1 on one block of ``2^(LOGN-S0)`` values held in registers. A stage of
-    gap ``2^sh`` views the block as ``[A, 2, gap]`` (``A = block / 2 gap`` butterfly groups, each with one
-    twiddle, index ``2^s + block * A + a`` = :func:`_ntt_stage`'s ``m + i``), takes its halves by a masked sum
-    over the middle axis and puts the butterflies' outputs back by a select. ``C = 2^(LOGN-S0)``."""
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
-    p = row % P
-    q = tl.load(q_ptr + p)
-    qinv = 1.0 / q.to(tl.float64)
-    base = x_ptr + row.to(tl.int64) * N + blk.to(tl.int64) * C
-    wrow = w_ptr + p.to(tl.int64) * N
-    wsrow = ws_ptr + p.to(tl.int64) * N
-    x = tl.load(base + tl.arange(0, C))
-    if INVERSE:                                                      # gap 1 up
-        for sh in tl.static_range(0, LOGN - S0):
-            x = _local_stage(x, wrow, wsrow, blk, q, qinv, C, sh, LOGN - 1 - sh, INVERSE, SHOUP)
-    else:                                                            # gap C/2 down
-        for sh in tl.static_range(LOGN - S0 - 1, -1, -1):
-            x = _local_stage(x, wrow, wsrow, blk, q, qinv, C, sh, LOGN - 1 - sh, INVERSE, SHOUP)
-    tl.store(base + tl.arange(0, C), x)
-
-
-@triton.jit
-def _col_stage(x, wrow, wsrow, q, qinv, K: tl.constexpr, COLS: tl.constexpr, PB: tl.constexpr, S: tl.constexpr,
-               INVERSE: tl.constexpr, SHOUP: tl.constexpr):
-    """One stage of :func:`_ntt_strided_reg` on ``x [K, COLS]``: pairs rows ``k`` and ``k + 2^PB`` of each column
-    (view ``[A, 2, 2^PB, COLS]``, ``A = 2^S`` groups, twiddle ``2^S + a``), as :func:`_local_stage`."""
-    A: tl.constexpr = K >> (PB + 1)
-    x4 = tl.reshape(x, (A, 2, 1 << PB, COLS))
-    hi = (tl.arange(0, 2) == 1)[None, :, None, None]
-    u = tl.sum(tl.where(hi, 0, x4), axis=1)                          # [A, 2^PB, COLS]
-    v = tl.sum(tl.where(hi, x4, 0), axis=1)
-    widx = (1 << S) + tl.arange(0, A)
-    w = tl.load(wrow + widx)[:, None, None]
-    ws = w
-    if SHOUP:
-        ws = tl.load(wsrow + widx)[:, None, None]
-    if INVERSE:
-        a, b = _gs(u, v, w, q, qinv, ws, SHOUP)
-    else:
-        a, b = _ct(u, v, w, q, qinv, ws, SHOUP)
-    return tl.reshape(tl.where(hi, b[:, None, :, :], a[:, None, :, :]), (K, COLS))
-
-
-@triton.jit
-def _ntt_strided_reg(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, P, N, LOGN: tl.constexpr, S0: tl.constexpr,
-                     INVERSE: tl.constexpr, SHOUP: tl.constexpr, SCALE: tl.constexpr, COLS: tl.constexpr):
-    """:func:`_ntt_strided` on the program's ``[2^S0, COLS]`` values (value ``k*C + j``) held in registers: stage
-    ``s`` pairs rows ``k``, ``k + 2^(S0-1-s)``; one load and one store per value."""
-    LOGC: tl.constexpr = LOGN - S0
-    K: tl.constexpr = 1 << S0
-    row = tl.program_id(0)
-    p = row % P
-    q = tl.load(q_ptr + p)
-    qinv = 1.0 / q.to(tl.float64)
-    j = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    idx = (tl.arange(0, K)[:, None] << LOGC) + j[None, :]
-    base = x_ptr + row.to(tl.int64) * N
-    wrow = w_ptr + p.to(tl.int64) * N
-    wsrow = ws_ptr + p.to(tl.int64) * N
-    x = tl.load(base + idx)
-    if INVERSE:                                                      # stages S0-1 down to 0: row gap 1 up
-        for pb in tl.static_range(0, S0):
-            x = _col_stage(x, wrow, wsrow, q, qinv, K, COLS, pb, S0 - 1 - pb, INVERSE, SHOUP)
-        if SCALE:                                                    # N^-1 with the last stage, as _ntt_strided
-            ni = tl.load(ninv_ptr + p) + tl.zeros(x.shape, tl.int64)
-            x = _mulmod(x, ni, q, qinv)
-    else:
-        for pb in tl.static_range(S0 - 1, -1, -1):
-            x = _col_stage(x, wrow, wsrow, q, qinv, K, COLS, pb, S0 - 1 - pb, INVERSE, SHOUP)
-    tl.store(base + idx, x)
-
-
 def _local(x, roots, ws, primes, p, n, s0, logn, local, inverse, shoup, lazy=False, final=True) -> None:
-    """The local stages, by :func:`_ntt_local_reg` with :data:`LOCAL_REG`, else :func:`_ntt_local` (``lazy``: its
-    Harvey butterflies, canonical at the end where ``final``)."""
+    """The local stages by :func:`_ntt_local` (``lazy``: its Harvey butterflies, canonical at the end where
+    ``final``)."""
     rows = x.numel() // n
-    if LOCAL_REG:
-        _ntt_local_reg[(rows, n // local)](x, roots, ws, primes, p, n, LOGN=logn, S0=s0, C=local, INVERSE=inverse,
-                                           SHOUP=shoup, num_warps=LOCAL_WARPS)
-    else:
-        extra = {"LAZY": True, "FINAL": final} if lazy else {}
-        _ntt_local[(rows, n // local)](x, roots, ws, primes, p, n, s0, LOGN=logn, INVERSE=inverse, SHOUP=shoup,
-                                       HALF=local // 2, num_warps=LOCAL_WARPS, **extra)
+    extra = {"LAZY": True, "FINAL": final} if lazy else {}
+    _ntt_local[(rows, n // local)](x, roots, ws, primes, p, n, s0, LOGN=logn, INVERSE=inverse, SHOUP=shoup,
+                                   HALF=local // 2, num_warps=LOCAL_WARPS, **extra)
 
 
 @triton.jit
@@ -657,18 +546,17 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
     s0 = logn - (local.bit_length() - 1)                             # first stage local to such a block
     strided = STRIDED and not RADIX4 and local > 1 and s0 > 0
     # lazy values cross from one kernel to the other only between these two (the staged launches expect canonical)
-    lazy = LAZY and shoup and local > 1 and (strided or s0 == 0) and not (LOCAL_REG or STRIDED_REG)
+    lazy = LAZY and shoup and local > 1 and (strided or s0 == 0)
     if inverse and local > 1:
         _local(x, roots, ws, primes, p, n, s0, logn, local, True, shoup, lazy, final=s0 == 0)
     if strided:                                                      # the staged stages in one launch
         cols = max(1, STRIDED_BUTTERFLIES >> (s0 - 1))
         cols = min(cols, n >> s0)
         scale = inverse and FEWER and n_inv is not None
-        kernel = _ntt_strided_reg if STRIDED_REG else _ntt_strided
         extra = {"LAZY": True, "FINAL": inverse} if lazy else {}
-        kernel[(rows, (n >> s0) // cols)](x, roots, ws, n_inv if scale else primes, primes, p, n,
-                                          LOGN=logn, S0=s0, INVERSE=inverse, SHOUP=shoup, SCALE=scale,
-                                          COLS=cols, num_warps=LOCAL_WARPS, **extra)
+        _ntt_strided[(rows, (n >> s0) // cols)](x, roots, ws, n_inv if scale else primes, primes, p, n,
+                                                 LOGN=logn, S0=s0, INVERSE=inverse, SHOUP=shoup, SCALE=scale,
+                                                 COLS=cols, num_warps=LOCAL_WARPS, **extra)
         folded = scale
     else:
         folded = _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, s0 if local > 1 else logn,

@@ -17,7 +17,7 @@ time the garbage collector paused it; the instrumented run and the batch-1 rows 
 1-request job) per loop.
 
 Usage: python bench/engine_step_split_gpu.py [--shapes llama3.2-1b,qwen2.5-0.5b] [--repeats 3]
-                                             [--loops sync,overlap] [--json out.json]
+                                             [--loops sync,overlap] [--profile DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -201,7 +201,26 @@ def same_tokens(llm, vocab: int, n: int = 64) -> dict:
     return {"prompts": n, "identical": equal}
 
 
-def ab_shape(name: str, loops: list[str], repeats: int, bw: float) -> dict:
+def profile_job(llm, vocab: int, seed: int, path: str) -> None:
+    """One 256-request job under cProfile (the host side: its times are inflated by the profiler, their
+    proportions are what to read); the top functions by own time and by cumulative time into ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    job(llm, vocab, seed)
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(35)
+    with open(path, "w") as fh:
+        fh.write(buf.getvalue())
+
+
+def ab_shape(name: str, loops: list[str], repeats: int, bw: float, profile_dir: str | None = None) -> dict:
     """Both loops on one engine: warmed, then ``repeats`` rounds in alternating order, instrumented runs,
     batch-1 rows, the 256-row graph's GPU time."""
     cfg = ModelConfig(**SHAPES[name])
@@ -233,6 +252,8 @@ def ab_shape(name: str, loops: list[str], repeats: int, bw: float) -> dict:
         d["c1_tok_s"] = OUTPUT_LEN / d["c1_job_s"]
         d["c1_floor_share"] = floor1 / d["c1_job_s"]
         d["batch1_step_ms"] = decode_step_time(llm, vocab) * 1e3
+        if profile_dir:
+            profile_job(llm, vocab, next(seeds), f"{profile_dir}/profile_{name}_{lp}.txt")
         shares = [j["floor_share"] for j in d["jobs"]]
         d["floor_share_min_max"] = [min(shares), max(shares)]
         print(name, lp, "summary", json.dumps({k: v for k, v in d.items() if k != "jobs"}), flush=True)
@@ -251,6 +272,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--loops", help="comma list of sync, overlap (each also as NAME+gcfreeze: gc.freeze() around "
                                     "its jobs): the A/B of issue 19.1 (default: the split only)")
+    ap.add_argument("--profile", metavar="DIR", help="with --loops: also one cProfile'd job per loop and shape, "
+                                                     "its top functions into DIR/profile_SHAPE_LOOP.txt")
     ap.add_argument("--json")
     args = ap.parse_args()
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": []}
@@ -258,7 +281,7 @@ def main() -> None:
         res["copy_bandwidth_GBps"] = (bw := copy_bandwidth()) / 1e9
     for name in args.shapes.split(","):
         if args.loops:
-            res["shapes"].append(ab_shape(name, args.loops.split(","), args.repeats, bw))
+            res["shapes"].append(ab_shape(name, args.loops.split(","), args.repeats, bw, args.profile))
             table(res["shapes"][-1])
         else:
             res["shapes"].append(split_shape(name, args.repeats))

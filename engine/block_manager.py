@@ -117,6 +117,10 @@ class BlockManager:
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make the block table cover ``num_new_tokens`` more tokens; False (nothing changed) if no room."""
+        bs, table, computed = self.block_size, seq.block_table, seq.num_computed_tokens
+        if computed + num_new_tokens <= len(table) * bs and (
+                computed % bs == 0 or self.blocks[table[computed // bs]].ref_count == 1):
+            return True  # the decode step's usual case: room in its own last block (the checks below, inlined)
         if self.blocks_needed(seq, num_new_tokens) > len(self._free):
             return False
         if self._needs_cow(seq):

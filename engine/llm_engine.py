@@ -62,7 +62,8 @@ class LLMEngine:
         self.scheduler = parts.scheduler(config.scheduler_config(), self.block_manager)
         self.sampler = parts.sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.spec = parts.spec_decoder(config.spec_config(), self.max_model_len)
-        self.scheduler.proposer = self.spec.propose
+        # no speculation configured: the scheduler skips the per-decode proposer call
+        self.scheduler.proposer = self.spec.propose if self.spec.config.method is not None else None
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -241,8 +242,8 @@ class LLMEngine:
     def _add_placeholder(self, seq: Sequence) -> None:
         """Let the scheduler run ``seq``'s next step before this step's token is read back, unless that token
         is its last by length (then it waits: the step after would run past its end)."""
-        after = seq.num_output_tokens + seq.num_pending + 1  # outputs once this step's token is in
-        if after < seq.params.max_tokens and seq.num_tokens + 1 < self.max_model_len:
+        n = len(seq.token_ids)  # placeholders included: outputs once this step's token is in = n - prompt + 1
+        if n - seq.num_prompt_tokens + 1 < seq.request.params.max_tokens and n + 1 < self.max_model_len:
             seq.append_placeholder()
 
     def _resolve(self, launched) -> list[RequestOutput]:
@@ -286,7 +287,11 @@ class LLMEngine:
         now = time.time()
         touched: dict[str, Request] = {}
         for seq, tokens, lps, speculated in emitted:
-            self._append_all(seq, tokens, lps, speculated)
+            if speculated or len(tokens) != 1:
+                self._append_all(seq, tokens, lps, speculated)
+            else:  # the common case: one token
+                self._append(seq, tokens[0], lps[0])
+                self.generation_tokens_total += 1
             touched[seq.request.request_id] = seq.request
         outputs = []
         for request in touched.values():
@@ -370,7 +375,7 @@ class LLMEngine:
         if verdict is not None:
             seq.finish(*verdict)
             self.scheduler.finish(seq)
-        else:
+        elif seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * self.block_manager.block_size:
             self.block_manager.cache_full_blocks(seq)  # blocks whose last token was a placeholder until now
 
     def _fork(self, parent: Sequence) -> list[Sequence]:

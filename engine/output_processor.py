@@ -68,15 +68,16 @@ class OutputProcessor:
     def check_finish(self, seq: Sequence, token: int) -> tuple[str, str | int | None] | None:
         """Detokenize ``token`` (just appended to ``seq``); return ``(finish_reason, stop_reason)`` if it ends
         the sequence. Writes only this processor's text state, never the sequence."""
-        params = seq.params
-        if token in params.stop_token_ids:
+        params = seq.request.params
+        if params.stop_token_ids and token in params.stop_token_ids:
             return "stop", token
         if token in self.eos and not params.ignore_eos:
             return "stop", None
-        stop = self._text_of(seq).add(token)
-        if stop is not None:
+        text = self._text.get(seq.seq_id) or self._text_of(seq)
+        if text.detok is not None and (stop := text.add(token)) is not None:
             return "stop", stop
-        if seq.num_output_tokens >= params.max_tokens or seq.num_resolved_tokens >= self.max_model_len:
+        resolved = len(seq.token_ids) - seq.num_pending
+        if resolved - seq.num_prompt_tokens >= params.max_tokens or resolved >= self.max_model_len:
             return "length", None
         return None
 

@@ -33,7 +33,7 @@ from engine.fair_share import FairShare
 from engine.sequence import Sequence, SequenceStatus
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledSeq:
     """A sequence and the tokens of it computed in this step.
 
@@ -119,9 +119,12 @@ class Scheduler:
 
     def commit_step(self, sched: SchedulerOutput) -> None:
         """After the forward: the step's tokens have K/V now; register their full blocks for reuse."""
+        bm, bs = self.bm, self.bm.block_size
         for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            self.bm.cache_full_blocks(s.seq)
+            seq = s.seq
+            seq.num_computed_tokens += s.num_tokens
+            if seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * bs:  # else no new full block
+                bm.cache_full_blocks(seq)
 
     def schedule(self) -> SchedulerOutput:
         """Pick the next step's batch."""
@@ -220,15 +223,26 @@ class _FairStep:
     def _decodes(self) -> None:
         """Every running sequence with one token to compute (a decode) goes first, with its drafts when it
         speculates (their slots are taken only if free: drafts never preempt anyone)."""
-        for seq in list(self.s.running):
-            if self.budget == 0:
-                return
-            if seq.status is SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed_tokens == 1:
-                drafts = self._drafts(seq)
-                if drafts and self.s.bm.allocate_slots(seq, 1 + len(drafts)):
+        speculating, bm = self.s.proposer is not None, self.s.bm
+        plain: dict[Hashable, int] = {}  # decodes without drafts per tenant: charged once, after the loop
+        try:
+            for seq in list(self.s.running):
+                if self.budget == 0:
+                    return
+                if seq.status is not SequenceStatus.RUNNING or len(seq.token_ids) - seq.num_computed_tokens != 1:
+                    continue
+                drafts = self._drafts(seq) if speculating else None
+                if drafts and bm.allocate_slots(seq, 1 + len(drafts)):
                     self._add(seq, 1, drafts)
-                elif self._allocate(seq, 1):
-                    self._add(seq, 1)
+                elif bm.allocate_slots(seq, 1) or self._allocate(seq, 1):  # the second preempts for room
+                    self.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
+                    self.taken.add(seq.seq_id)
+                    self.budget -= 1
+                    tenant = seq.request.tenant
+                    plain[tenant] = plain.get(tenant, 0) + 1
+        finally:
+            for tenant, tokens in plain.items():
+                self.s.shares.charge(tenant, tokens)
 
     def _drafts(self, seq: Sequence) -> list[int]:
         proposer = self.s.proposer

@@ -271,6 +271,8 @@ class LLMEngine:
 
     # ---- internals --------------------------------------------------------------------------------
     def _process_samples(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[RequestOutput]:
+        if not any(s.draft_token_ids for s in sampling):  # no verify rows: one logits row per sequence
+            return self._emit(self._sample_plain(logits, sampling))
         plain, plain_rows, verify, verify_rows = self._split_rows(sampling)
         emitted: list[tuple[Sequence, list[int], list[dict[int, float] | None], bool]] = []
         if plain:
@@ -347,6 +349,8 @@ class LLMEngine:
 
     def _sampling_rows(self, sampling: list[ScheduledSeq]) -> tuple[list[int], list[Sequence]]:
         """Logits row of every sequence to sample: a new request's n - 1 forks share its parent's row."""
+        if all(s.seq.request.forked for s in sampling) and not any(s.draft_token_ids for s in sampling):
+            return list(range(len(sampling))), [s.seq for s in sampling]  # row i: sequence i, no forks
         rows: list[int] = []
         seqs: list[Sequence] = []
         row = 0

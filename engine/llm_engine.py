@@ -22,6 +22,7 @@ calls from the event loop while the engine thread steps.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
@@ -80,6 +81,9 @@ class LLMEngine:
         # the overlapped loop: needs an executor that can launch a step without reading its tokens back
         self.overlap = config.resolved_async_scheduling() and hasattr(self.executor, "launch")
         self._in_flight = None  # the launched step whose tokens are not yet read back (LaunchedStep)
+        if config.resolved_gc_freeze():  # full collections stop walking the start-up heap (see the field)
+            gc.collect()
+            gc.freeze()
 
     @property
     def runner(self):

@@ -83,16 +83,20 @@ class GcClock:
         gc.callbacks.remove(self)
 
 
-def timed_job(llm, vocab: int, seed: int, floor: float, freeze: bool = False) -> dict:
-    """One 256-request job; ``freeze``: the objects alive before it (the engine's) moved out of the
-    collector's reach first (gc.freeze), and back after."""
-    if freeze:
+def timed_job(llm, vocab: int, seed: int, floor: float, gc_mode: str = "") -> dict:
+    """One 256-request job. ``gc_mode`` "gcfreeze": the objects alive before it moved out of the collector's
+    reach first (gc.freeze; they stay there); "gcthaw": every frozen object (the engine's start-up freeze,
+    ``EngineConfig.gc_freeze``) back in the collector's reach for the job, frozen again after it."""
+    if gc_mode == "gcfreeze":
         gc.collect()
         gc.freeze()
+    elif gc_mode == "gcthaw":
+        gc.unfreeze()
     with GcClock() as gcc:
         dt = job(llm, vocab, seed)
-    if freeze:
-        gc.unfreeze()
+    if gc_mode == "gcthaw":
+        gc.collect()
+        gc.freeze()
     return {"job_s": dt, "tok_s": C * OUTPUT_LEN / dt, "floor_share": floor / dt, "gc_pause_s": gcc.paused,
             "gc_collections": gcc.counts}
 
@@ -241,7 +245,7 @@ def ab_shape(name: str, loops: list[str], repeats: int, bw: float, profile_dir: 
     for i in range(repeats):
         for lp in loops[i % len(loops):] + loops[:i % len(loops)]:  # each round starts one loop later
             eng.overlap = lp.startswith("overlap")
-            r["loops"][lp]["jobs"].append(timed_job(llm, vocab, next(seeds), floor, lp.endswith("+gcfreeze")))
+            r["loops"][lp]["jobs"].append(timed_job(llm, vocab, next(seeds), floor, lp.partition("+")[2]))
             print(name, lp, i, json.dumps(r["loops"][lp]["jobs"][-1]), flush=True)
     for lp in (lp for lp in loops if "+" not in lp):
         eng.overlap = lp == "overlap"
@@ -261,6 +265,7 @@ def ab_shape(name: str, loops: list[str], repeats: int, bw: float, profile_dir: 
     r.update(graph_gpu_ms(llm))
     r["clock_after"] = sm_clock()
     del llm, model
+    gc.unfreeze()  # the engine froze its start-up heap (EngineConfig.gc_freeze): let its cycles go
     gc.collect()
     torch.cuda.empty_cache()
     return r
@@ -270,8 +275,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="llama3.2-1b,qwen2.5-0.5b")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--loops", help="comma list of sync, overlap (each also as NAME+gcfreeze: gc.freeze() around "
-                                    "its jobs): the A/B of issue 19.1 (default: the split only)")
+    ap.add_argument("--loops", help="comma list of sync, overlap, each also as NAME+gcfreeze (gc.freeze() before "
+                                    "its jobs) or NAME+gcthaw (gc.unfreeze() for its jobs): the A/B of issue 19.1 "
+                                    "(default: the split only)")
     ap.add_argument("--profile", metavar="DIR", help="with --loops: also one cProfile'd job per loop and shape, "
                                                      "its top functions into DIR/profile_SHAPE_LOOP.txt")
     ap.add_argument("--json")
@@ -315,6 +321,7 @@ def split_shape(name: str, repeats: int) -> dict:
     r["clock_after"] = sm_clock()
     print(json.dumps(r), flush=True)
     del llm, model
+    gc.unfreeze()  # the engine froze its start-up heap (EngineConfig.gc_freeze): let its cycles go
     gc.collect()
     torch.cuda.empty_cache()
     return r

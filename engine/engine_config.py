@@ -190,8 +190,9 @@ class EngineConfig:
         async_scheduling: overlap the host with the device (``LLMEngine.step``, docs/engine.md "Overlapped
             steps"): a step of plain greedy requests is launched and the previous step's tokens are read
             back after it, so scheduling and input staging of step n + 1 run while step n runs. None
-            (default): off — opt-in until its tokens and speed have been checked on a GPU (they have been on
-            the CPU only); True turns it on.
+            (default): on for a GPU engine (whose host work per step is as long as the GPU's, docs/engine.md),
+            off on the CPU (nothing runs beside the host there, and the placeholders cost a little host
+            work); True / False force it.
         gc_freeze: after start-up (weights, KV pool, CUDA graphs), collect once and move every object alive
             into the collector's permanent generation (``gc.freeze``, as vLLM's engine core does), so the
             full collections that a long job triggers no longer walk the interpreter's and torch's heap
@@ -339,8 +340,8 @@ class EngineConfig:
         return self.resolved_device() != "cpu" if self.gc_freeze is None else self.gc_freeze
 
     def resolved_async_scheduling(self) -> bool:
-        """Whether the engine overlaps steps: ``async_scheduling`` (None: off, see the field's docs)."""
-        return bool(self.async_scheduling)
+        """Whether the engine overlaps steps: ``async_scheduling`` (None: on a GPU, see the field's docs)."""
+        return self.resolved_device() != "cpu" if self.async_scheduling is None else self.async_scheduling
 
     def resolved_kv_cache_dtype(self):
         """The torch dtype of the KV pools: the model dtype, or float8_e4m3fn."""

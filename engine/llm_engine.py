@@ -9,8 +9,8 @@ tokens and the :class:`~engine.output_processor.OutputProcessor` turns them into
 tests and new features (tensor parallelism, speculative decoding) can swap one without touching the rest.
 The engine is the only writer of a sequence's output state (tokens, logprobs, finish reason).
 
-Overlapped steps (``EngineConfig.async_scheduling``, opt-in): a step whose requests are all
-plain greedy is *launched* (its sampled tokens stay on the device, each sequence gets a placeholder token so
+Overlapped steps (``EngineConfig.async_scheduling``, on by default for GPU engines): a step whose requests
+are all plain greedy is *launched* (its sampled tokens stay on the device, each sequence gets a placeholder token so
 the scheduler can schedule its next step at once) and the previous launched step is *resolved* only then
 (its tokens read back, stop checks, outputs), so the host schedules and stages step n + 1 while the GPU
 still runs step n. Outputs therefore come one step later; the tokens are the same. Any other step (sampling,

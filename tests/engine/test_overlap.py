@@ -141,8 +141,9 @@ def test_abort_while_a_token_is_in_flight():
     assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
-def test_async_scheduling_is_opt_in():
+def test_async_scheduling_is_the_gpu_default():
     assert not EngineConfig(device="cpu").resolved_async_scheduling()
     assert EngineConfig(device="cpu", async_scheduling=True).resolved_async_scheduling()
-    assert not EngineConfig(device="cuda", async_scheduling=None).resolved_async_scheduling()
+    assert EngineConfig(device="cuda", async_scheduling=None).resolved_async_scheduling()
+    assert EngineConfig(device="cuda:1").resolved_async_scheduling()
     assert not EngineConfig(device="cuda", async_scheduling=False).resolved_async_scheduling()

@@ -91,6 +91,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.shares = FairShare()
+        self.deferred_steps = 0  # consecutive steps that held new prompts back (admission_delay_steps)
+        self.num_deferrals = 0   # such steps in all
         # (seq, num_running, budget) -> draft tokens of a decode (engine.spec_decode); None: no speculation
         self.proposer: Callable[[Sequence, int, int], list[int]] | None = None
 
@@ -133,9 +135,24 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled, preempted = self._schedule_running(budget)
         budget -= sum(s.num_tokens for s in scheduled)
-        if not preempted:
+        if not preempted and self.may_admit(scheduled):
             scheduled += self._schedule_waiting(budget)
         return SchedulerOutput(scheduled, self.bm.take_copies(), preempted)
+
+    def may_admit(self, decodes: list[ScheduledSeq]) -> bool:
+        """Whether this step admits waiting prompts (``admission_delay_steps``): at once unless sequences are
+        decoding in a step that would otherwise stay decode-only (one CUDA graph replay); then after that many
+        steps, or once ``max_num_seqs // 8`` prompts wait, all of them together."""
+        delay = self.config.admission_delay_steps
+        if (not delay or not self.waiting or not decodes or self.deferred_steps >= delay
+                or len(self.waiting) >= max(1, self.config.max_num_seqs // 8)
+                or any(s.num_query_tokens != 1 for s in decodes)
+                or any(q.num_tokens - q.num_computed_tokens > 1 for q in self.running)):
+            self.deferred_steps = 0
+            return True
+        self.deferred_steps += 1
+        self.num_deferrals += 1
+        return False
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence]]:
         scheduled: list[ScheduledSeq] = []
@@ -207,6 +224,7 @@ class _FairStep:
         busy = {_tenant(q) for q in s.running} | {_tenant(q) for q in s.waiting}
         s.shares.activate(busy)
         self._decodes()
+        self.admitting = self.admitting and s.may_admit(self.scheduled)
         capped = self._prefill_pass()
         self._top_up(capped)
         s.shares.end_step(busy)

@@ -223,6 +223,7 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
     settings.write_text(f'host = "127.0.0.1"\nport = {port}\nengine_process = {str(args.process).lower()}\n'
                         + (f"stream_interval = {args.stream_interval}\n" if args.stream_interval else "")
                         + (f'model = "{args.model}"\n' if args.model else "")
+                        + "".join(f"{k} = {v}\n" for k, v in args.server_set)
                         + f"[engine]\n{engine}\n"
                         + "[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\n"
                         + "tokens_per_minute = 0\n"  # 0: off (the default 60k/min 429s a GPU at 32+ users)
@@ -396,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-set", action="append", default=[], type=engine_setting, metavar="KEY=VALUE",
                    help="an engine setting (TOML value) for the server and the offline engine, e.g. "
                         "async_scheduling=false; repeatable")
+    p.add_argument("--server-set", action="append", default=[], type=engine_setting, metavar="KEY=VALUE",
+                   help="a top-level server setting (TOML value), e.g. stream_coalesce_streams=0; repeatable")
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)
     rows: list[dict] = []

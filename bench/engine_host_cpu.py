@@ -7,7 +7,11 @@ is the host's own time: scheduler, block tables, input staging, sampling bookkee
 (``tokenizer``: detokenization too). Both loops (sync, overlap), the job of ``bench/engine_gpu.py``
 (256 requests x (128 + 256) tokens), the Qwen2.5-0.5B pool size (183k blocks) by default.
 
+``--steady 0,8``: a server's load instead (256 requests always in flight, each finished one replaced at once)
+at these ``admission_delay_steps``: the share of steps that mix a prefill into the decodes (eager on a GPU).
+
 Usage: python bench/engine_host_cpu.py [--loops sync,overlap] [--repeats 3] [--blocks 183000] [--profile]
+       python bench/engine_host_cpu.py --steady 0,8
 """
 
 from __future__ import annotations
@@ -106,12 +110,13 @@ class StubExecutor:
         pass
 
 
-def build(overlap: bool, num_blocks: int) -> LLM:
+def build(overlap: bool, num_blocks: int, admission_delay_steps: int = 0) -> LLM:
     cfg = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=8, intermediate_size=8,
                       num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
                       max_position_embeddings=4096)
     config = EngineConfig(device="cpu", max_num_seqs=C, max_num_batched_tokens=8192, max_model_len=4096,
-                          num_kv_blocks=num_blocks, async_scheduling=overlap)
+                          num_kv_blocks=num_blocks, async_scheduling=overlap,
+                          admission_delay_steps=admission_delay_steps)
     parts = EngineParts(executor=lambda model, conf, max_len: StubExecutor(conf, max_len, num_blocks))
     return LLM(LlamaForCausalLM(cfg), engine_config=config, parts=parts)
 
@@ -127,13 +132,61 @@ def job(llm: LLM, seed: int) -> float:
     return dt
 
 
+def steady(delay: int, steps: int, output_len: int = 128) -> dict:
+    """A server's load: ``C`` requests always in flight (each finished one replaced at once, as
+    ``bench/serve_bench.py --request-rate inf`` does; output lengths uniform in [L/2, 3L/2]), the overlapped
+    loop; counts the steps that stay
+    decode-only (a CUDA graph replay on the GPU) and those that mix in a prefill (eager on the GPU)."""
+    llm = build(True, 183_000, delay)
+    eng, g, n = llm.engine, torch.Generator().manual_seed(7), 0
+
+    def add() -> None:  # output lengths spread around output_len, so finishes (and arrivals) spread over steps
+        nonlocal n
+        length = output_len // 2 + int(torch.randint(0, output_len + 1, (1,), generator=g))
+        eng.add_request(f"r{n}", torch.randint(2, VOCAB, (PROMPT_LEN,), generator=g).tolist(),
+                        SamplingParams(temperature=0, max_tokens=length, ignore_eos=True))
+        n += 1
+
+    runner = eng.executor.runner
+    counts = {"graph": 0, "mixed": 0}
+    graph_for = runner._graph_for
+
+    def spy(scheduled):
+        key = graph_for(scheduled)
+        counts["graph" if key is not None else "mixed"] += 1
+        return key
+
+    runner._graph_for = spy
+    for _ in range(C):
+        add()
+    warm = 3 * output_len  # past the first wave, arrivals are spread over the steps
+    t0, tokens = 0.0, 0
+    for i in range(warm + steps):
+        if i == warm:
+            counts, t0, tokens = {"graph": 0, "mixed": 0}, time.perf_counter(), 0
+        for out in eng.step():
+            tokens += len(out.outputs[0].token_ids) if out.finished else 0
+            if out.finished:
+                add()
+    wall = time.perf_counter() - t0
+    return {"admission_delay_steps": delay, "steps": steps, **counts,
+            "mixed_share": counts["mixed"] / steps, "deferrals": eng.scheduler.num_deferrals,
+            "host_us_per_step": 1e6 * wall / steps, "tokens_finished": tokens}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loops", default="sync,overlap")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--blocks", type=int, default=183_000, help="KV pool blocks (Qwen2.5-0.5B's on an H100)")
     ap.add_argument("--profile", action="store_true", help="one more job per loop under cProfile (top 30)")
+    ap.add_argument("--steady", metavar="DELAYS", help="instead: the steady-arrival load at these admission "
+                    "delays (e.g. 0,8), 600 steps each; how many steps mix in a prefill")
     args = ap.parse_args()
+    if args.steady:
+        for delay in args.steady.split(","):
+            print(json.dumps(steady(int(delay), 600)))
+        return
     res = {}
     llms = {lp: build(lp == "overlap", args.blocks) for lp in args.loops.split(",")}
     for llm in llms.values():

@@ -56,6 +56,9 @@ class OutputProcessor:
         self.eos = set(eos_token_ids)
         self.max_model_len = max_model_len
         self._text: dict[int, SeqText] = {}
+        # False: outputs carry deltas only (token_ids [], text ""): the engine core process, whose client
+        # rebuilds the cumulative fields, skips copying them per request per step (engine/engine_core.py)
+        self.cumulative = True
 
     def append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         """Add a sampled token to ``seq`` and set its finish reason if it is done (for callers outside the
@@ -83,7 +86,9 @@ class OutputProcessor:
 
     def build(self, request: Request) -> RequestOutput:
         """The request's output with the deltas since its previous output."""
-        outs = [self._completion(s) for s in sorted(request.seqs, key=lambda s: s.index)]
+        seqs = request.seqs
+        outs = ([self._completion(seqs[0])] if len(seqs) == 1
+                else [self._completion(s) for s in sorted(seqs, key=lambda s: s.index)])
         return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.finished,
                              request.num_cached_tokens, request.metrics)
 
@@ -100,11 +105,14 @@ class OutputProcessor:
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         finished = seq.finish_reason is not None
-        st = self._text_of(seq)
+        st = self._text.get(seq.seq_id) or self._text_of(seq)
         delta_text = st.take_delta(finished)
-        out_ids = seq.output_token_ids
-        new_ids = out_ids[st.emitted_tokens:]
-        logprobs = seq.logprobs[st.emitted_tokens:] if seq.params.logprobs is not None else None
-        st.emitted_tokens = len(out_ids)
-        return CompletionOutput(seq.index, out_ids, st.full[:st.emitted], delta_text, new_ids, logprobs,
-                                seq.finish_reason, seq.stop_reason)
+        start, end = seq.num_prompt_tokens + st.emitted_tokens, len(seq.token_ids) - seq.num_pending
+        new_ids = seq.token_ids[start:end]
+        logprobs = seq.logprobs[st.emitted_tokens:] if seq.request.params.logprobs is not None else None
+        st.emitted_tokens = end - seq.num_prompt_tokens
+        if not self.cumulative:
+            return CompletionOutput(seq.index, [], "", delta_text, new_ids, logprobs, seq.finish_reason,
+                                    seq.stop_reason)
+        return CompletionOutput(seq.index, seq.output_token_ids, st.full[:st.emitted], delta_text, new_ids,
+                                logprobs, seq.finish_reason, seq.stop_reason)

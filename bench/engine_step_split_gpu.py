@@ -17,7 +17,7 @@ time the garbage collector paused it; the instrumented run and the batch-1 rows 
 1-request job) per loop.
 
 Usage: python bench/engine_step_split_gpu.py [--shapes llama3.2-1b,qwen2.5-0.5b] [--repeats 3]
-                                             [--loops sync,overlap] [--json out.json]
+                                             [--loops sync,overlap] [--profile DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -83,16 +83,20 @@ class GcClock:
         gc.callbacks.remove(self)
 
 
-def timed_job(llm, vocab: int, seed: int, floor: float, freeze: bool = False) -> dict:
-    """One 256-request job; ``freeze``: the objects alive before it (the engine's) moved out of the
-    collector's reach first (gc.freeze), and back after."""
-    if freeze:
+def timed_job(llm, vocab: int, seed: int, floor: float, gc_mode: str = "") -> dict:
+    """One 256-request job. ``gc_mode`` "gcfreeze": the objects alive before it moved out of the collector's
+    reach first (gc.freeze; they stay there); "gcthaw": every frozen object (the engine's start-up freeze,
+    ``EngineConfig.gc_freeze``) back in the collector's reach for the job, frozen again after it."""
+    if gc_mode == "gcfreeze":
         gc.collect()
         gc.freeze()
+    elif gc_mode == "gcthaw":
+        gc.unfreeze()
     with GcClock() as gcc:
         dt = job(llm, vocab, seed)
-    if freeze:
-        gc.unfreeze()
+    if gc_mode == "gcthaw":
+        gc.collect()
+        gc.freeze()
     return {"job_s": dt, "tok_s": C * OUTPUT_LEN / dt, "floor_share": floor / dt, "gc_pause_s": gcc.paused,
             "gc_collections": gcc.counts}
 
@@ -201,7 +205,26 @@ def same_tokens(llm, vocab: int, n: int = 64) -> dict:
     return {"prompts": n, "identical": equal}
 
 
-def ab_shape(name: str, loops: list[str], repeats: int, bw: float) -> dict:
+def profile_job(llm, vocab: int, seed: int, path: str) -> None:
+    """One 256-request job under cProfile (the host side: its times are inflated by the profiler, their
+    proportions are what to read); the top functions by own time and by cumulative time into ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    job(llm, vocab, seed)
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(35)
+    with open(path, "w") as fh:
+        fh.write(buf.getvalue())
+
+
+def ab_shape(name: str, loops: list[str], repeats: int, bw: float, profile_dir: str | None = None) -> dict:
     """Both loops on one engine: warmed, then ``repeats`` rounds in alternating order, instrumented runs,
     batch-1 rows, the 256-row graph's GPU time."""
     cfg = ModelConfig(**SHAPES[name])
@@ -222,7 +245,7 @@ def ab_shape(name: str, loops: list[str], repeats: int, bw: float) -> dict:
     for i in range(repeats):
         for lp in loops[i % len(loops):] + loops[:i % len(loops)]:  # each round starts one loop later
             eng.overlap = lp.startswith("overlap")
-            r["loops"][lp]["jobs"].append(timed_job(llm, vocab, next(seeds), floor, lp.endswith("+gcfreeze")))
+            r["loops"][lp]["jobs"].append(timed_job(llm, vocab, next(seeds), floor, lp.partition("+")[2]))
             print(name, lp, i, json.dumps(r["loops"][lp]["jobs"][-1]), flush=True)
     for lp in (lp for lp in loops if "+" not in lp):
         eng.overlap = lp == "overlap"
@@ -233,6 +256,8 @@ def ab_shape(name: str, loops: list[str], repeats: int, bw: float) -> dict:
         d["c1_tok_s"] = OUTPUT_LEN / d["c1_job_s"]
         d["c1_floor_share"] = floor1 / d["c1_job_s"]
         d["batch1_step_ms"] = decode_step_time(llm, vocab) * 1e3
+        if profile_dir:
+            profile_job(llm, vocab, next(seeds), f"{profile_dir}/profile_{name}_{lp}.txt")
         shares = [j["floor_share"] for j in d["jobs"]]
         d["floor_share_min_max"] = [min(shares), max(shares)]
         print(name, lp, "summary", json.dumps({k: v for k, v in d.items() if k != "jobs"}), flush=True)
@@ -240,6 +265,7 @@ def ab_shape(name: str, loops: list[str], repeats: int, bw: float) -> dict:
     r.update(graph_gpu_ms(llm))
     r["clock_after"] = sm_clock()
     del llm, model
+    gc.unfreeze()  # the engine froze its start-up heap (EngineConfig.gc_freeze): let its cycles go
     gc.collect()
     torch.cuda.empty_cache()
     return r
@@ -249,8 +275,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="llama3.2-1b,qwen2.5-0.5b")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--loops", help="comma list of sync, overlap (each also as NAME+gcfreeze: gc.freeze() around "
-                                    "its jobs): the A/B of issue 19.1 (default: the split only)")
+    ap.add_argument("--loops", help="comma list of sync, overlap, each also as NAME+gcfreeze (gc.freeze() before "
+                                    "its jobs) or NAME+gcthaw (gc.unfreeze() for its jobs): the A/B of issue 19.1 "
+                                    "(default: the split only)")
+    ap.add_argument("--profile", metavar="DIR", help="with --loops: also one cProfile'd job per loop and shape, "
+                                                     "its top functions into DIR/profile_SHAPE_LOOP.txt")
     ap.add_argument("--json")
     args = ap.parse_args()
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": []}
@@ -258,7 +287,7 @@ def main() -> None:
         res["copy_bandwidth_GBps"] = (bw := copy_bandwidth()) / 1e9
     for name in args.shapes.split(","):
         if args.loops:
-            res["shapes"].append(ab_shape(name, args.loops.split(","), args.repeats, bw))
+            res["shapes"].append(ab_shape(name, args.loops.split(","), args.repeats, bw, args.profile))
             table(res["shapes"][-1])
         else:
             res["shapes"].append(split_shape(name, args.repeats))
@@ -292,6 +321,7 @@ def split_shape(name: str, repeats: int) -> dict:
     r["clock_after"] = sm_clock()
     print(json.dumps(r), flush=True)
     del llm, model
+    gc.unfreeze()  # the engine froze its start-up heap (EngineConfig.gc_freeze): let its cycles go
     gc.collect()
     torch.cuda.empty_cache()
     return r

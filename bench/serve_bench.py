@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import httpx
+import tomllib
 
 WORDS = ("the river carried small boats past quiet houses while children watched from old stone bridges and "
          "merchants counted coins under bright lanterns near the market square at dusk").split()
@@ -217,10 +218,12 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
 
     key, port = generate_api_key(), free_port()
     engine = f'device = "{args.device}"' + (f"\nnum_threads = {args.threads}" if args.threads else "")
+    engine += "".join(f"\n{k} = {v}" for k, v in args.engine_set)
     settings = workdir / "bench-settings.toml"
     settings.write_text(f'host = "127.0.0.1"\nport = {port}\nengine_process = {str(args.process).lower()}\n'
                         + (f"stream_interval = {args.stream_interval}\n" if args.stream_interval else "")
                         + (f'model = "{args.model}"\n' if args.model else "")
+                        + "".join(f"{k} = {v}\n" for k, v in args.server_set)
                         + f"[engine]\n{engine}\n"
                         + "[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\n"
                         + "tokens_per_minute = 0\n"  # 0: off (the default 60k/min 429s a GPU at 32+ users)
@@ -306,6 +309,7 @@ def offline_level(args: argparse.Namespace, users: int) -> dict:
     from engine.sampling_params import SamplingParams
 
     cfg = {"device": args.device} | ({"num_threads": args.threads} if args.threads else {})
+    cfg |= {k: tomllib.loads(f"v = {v}")["v"] for k, v in args.engine_set}
     llm = LLM(args.model or str(default_model_dir()), engine_config=EngineConfig(max_num_seqs=users, **cfg))
     rng = random.Random(args.seed)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
@@ -354,6 +358,18 @@ def serve_once(args: argparse.Namespace, tmp: Path) -> list[dict]:
     return [{**r, "engine": label} for r in rows]
 
 
+def engine_setting(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` of ``--engine-set``: the value must parse as TOML (``true``, ``4``, ``"fp8"``)."""
+    key, sep, value = text.partition("=")
+    try:
+        tomllib.loads(f"v = {value}")
+    except tomllib.TOMLDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: the value is no TOML value ({exc})") from exc
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
+    return key, value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running server (default: start `cipherlm serve`)")
@@ -378,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine core in its own process (on, the default) or a thread (off); both: one run each")
     p.add_argument("--offline", action="store_true", help="also run the offline engine at every level")
     p.add_argument("--offline-requests", type=int, help="requests per offline level (default 2 x users, >= 8)")
+    p.add_argument("--engine-set", action="append", default=[], type=engine_setting, metavar="KEY=VALUE",
+                   help="an engine setting (TOML value) for the server and the offline engine, e.g. "
+                        "async_scheduling=false; repeatable")
+    p.add_argument("--server-set", action="append", default=[], type=engine_setting, metavar="KEY=VALUE",
+                   help="a top-level server setting (TOML value), e.g. stream_coalesce_streams=0; repeatable")
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)
     rows: list[dict] = []

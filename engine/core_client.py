@@ -120,11 +120,15 @@ class _Stream:
         self.delivered = False    # the consumer has taken an output
         self.ready = False        # ``items`` holds something worth a wake-up
 
-    def put(self, item) -> None:
+    def put(self, item, min_tokens: int = 1) -> None:
+        """Queue a step's delta (or an error); wake the consumer unless fewer than ``max(self.min_tokens,
+        min_tokens)`` new tokens have come since it last took (``min_tokens``: the load's, see
+        ``ProcessAsyncLLM.load_coalescing``)."""
         self.items.append(item)
-        if self.min_tokens > 1 and self.delivered and isinstance(item, tuple) and not item[1]:
+        need = max(self.min_tokens, min_tokens)
+        if need > 1 and self.delivered and isinstance(item, tuple) and not item[1]:
             self.pending += sum(len(c[2]) for c in item[4])
-            if self.pending < self.min_tokens:
+            if self.pending < need:
                 return  # not worth a wake-up yet
         self.ready = True
         waiter = self.waiter
@@ -196,6 +200,11 @@ class ProcessAsyncLLM:
             self._spec = CoreSpec(self.config, model=model_dir_or_model, tokenizer=tokenizer)
         self._info: CoreInfo | None = None
         self._validator: _Validator | None = None
+        # streams per extra token a wake-up waits for (0: off): with S open streams, a stream's consumer is
+        # woken once 1 + S // load_coalescing new tokens are in (first output, finish, error: at once), so
+        # the API's per-chunk cost (framing, socket write) stops growing with users (the server's
+        # ``stream_coalesce_streams``)
+        self.load_coalescing = 0
         self._proc = None
         self._conn = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -385,13 +394,15 @@ class ProcessAsyncLLM:
             stream = streams.get(rid)
             if stream is not None:
                 stream.put(exc)
+        per = self.load_coalescing
+        min_tokens = 1 + len(streams) // per if per else 1  # under load a chunk carries more tokens
         for delta in batch.outputs:  # delta: (request_id, finished, ...); rebuilt by the consumer
             stream = streams.get(delta[0])
             if stream is None:
                 continue  # its consumer left: the abort is on its way
             if delta[1]:
                 del streams[delta[0]]
-            stream.put(delta)
+            stream.put(delta, min_tokens)
         for token in batch.acks:
             fut = self._waiters.pop(token, None)
             if fut is not None and not fut.done():

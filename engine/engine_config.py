@@ -49,9 +49,12 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fair"
     prefill_quantum: int | None = None
+    admission_delay_steps: int = 0
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens")
+        if self.admission_delay_steps < 0:
+            raise ValueError(f"admission_delay_steps must be >= 0, got {self.admission_delay_steps}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -131,6 +134,14 @@ class EngineConfig:
         prefill_quantum: under "fair", the most tokens one prefill takes in a step's first pass, so
             that the other waiting prompts get into the same step; budget left over goes back to the
             capped prefills. None: ``max_num_batched_tokens // 4``.
+        admission_delay_steps: while sequences are decoding, a new prompt waits up to this many steps so
+            that the prompts arriving meanwhile join one step together (TGI's ``max_waiting_tokens``): a step
+            that mixes a prefill into the decodes runs eagerly, a decode-only one replays a CUDA graph, so
+            under a steady stream of arrivals (a server at hundreds of users: a few new prompts every step)
+            admitting at once made nearly every step an eager one. Admission is immediate when nothing is
+            decoding, when the step mixes in a running prefill anyway, or once ``max_num_seqs // 8``
+            prompts wait. The cost: up to that many steps of time to first token. None (default): 8 on a
+            GPU with CUDA graphs, 0 (admit at once) otherwise.
         cuda_graphs: capture decode steps (and verify steps, below) in CUDA graphs (GPU only).
         cuda_graph_max_batch: largest decode batch captured.
         cuda_graph_spec_tokens: draft counts ``k`` whose speculative verify steps (each sequence's last
@@ -190,8 +201,15 @@ class EngineConfig:
         async_scheduling: overlap the host with the device (``LLMEngine.step``, docs/engine.md "Overlapped
             steps"): a step of plain greedy requests is launched and the previous step's tokens are read
             back after it, so scheduling and input staging of step n + 1 run while step n runs. None
-            (default): off — opt-in until its tokens and speed have been checked on a GPU (they have been on
-            the CPU only); True turns it on.
+            (default): on for a GPU engine (whose host work per step is as long as the GPU's, docs/engine.md),
+            off on the CPU (nothing runs beside the host there, and the placeholders cost a little host
+            work); True / False force it.
+        gc_freeze: after start-up (weights, KV pool, CUDA graphs), collect once and move every object alive
+            into the collector's permanent generation (``gc.freeze``, as vLLM's engine core does), so the
+            full collections that a long job triggers no longer walk the interpreter's and torch's heap
+            (~0.1 s a pass, the run-to-run spread of a GPU job). Process-wide: objects alive then are never
+            collected as cycles (plain reference counting still frees them). None (default): on for a GPU
+            engine, off on the CPU (where tests build many engines in one process).
     """
 
     device: str = "auto"
@@ -208,6 +226,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fair"
     prefill_quantum: int | None = None
+    admission_delay_steps: int | None = None
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
     cuda_graph_spec_tokens: tuple[int, ...] | None = None
@@ -232,6 +251,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None
+    gc_freeze: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -312,7 +332,14 @@ class EngineConfig:
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's slice of this config."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting,
-                               self.enable_chunked_prefill, self.scheduling_policy, self.prefill_quantum)
+                               self.enable_chunked_prefill, self.scheduling_policy, self.prefill_quantum,
+                               self.resolved_admission_delay_steps())
+
+    def resolved_admission_delay_steps(self) -> int:
+        """``admission_delay_steps`` (None: 8 on a GPU with CUDA graphs, else 0)."""
+        if self.admission_delay_steps is not None:
+            return self.admission_delay_steps
+        return 8 if self.resolved_device() != "cpu" and self.cuda_graphs else 0
 
     def spec_config(self) -> SpecConfig:
         """Speculative decoding's slice of this config."""
@@ -327,9 +354,13 @@ class EngineConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def resolved_gc_freeze(self) -> bool:
+        """Whether the engine freezes the collector's heap after start-up (``gc_freeze``; None: GPU only)."""
+        return self.resolved_device() != "cpu" if self.gc_freeze is None else self.gc_freeze
+
     def resolved_async_scheduling(self) -> bool:
-        """Whether the engine overlaps steps: ``async_scheduling`` (None: off, see the field's docs)."""
-        return bool(self.async_scheduling)
+        """Whether the engine overlaps steps: ``async_scheduling`` (None: on a GPU, see the field's docs)."""
+        return self.resolved_device() != "cpu" if self.async_scheduling is None else self.async_scheduling
 
     def resolved_kv_cache_dtype(self):
         """The torch dtype of the KV pools: the model dtype, or float8_e4m3fn."""

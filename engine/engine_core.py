@@ -111,6 +111,7 @@ class EngineCore:
 
     def __init__(self, engine, conn: Connection) -> None:
         self.engine, self.conn = engine, conn
+        engine.output_processor.cumulative = False  # the client rebuilds token_ids and text from the deltas
         self.collector = _Collector()
         engine.listeners.append(self.collector)
         self.adds_seen = 0

@@ -9,8 +9,8 @@ tokens and the :class:`~engine.output_processor.OutputProcessor` turns them into
 tests and new features (tensor parallelism, speculative decoding) can swap one without touching the rest.
 The engine is the only writer of a sequence's output state (tokens, logprobs, finish reason).
 
-Overlapped steps (``EngineConfig.async_scheduling``, opt-in): a step whose requests are all
-plain greedy is *launched* (its sampled tokens stay on the device, each sequence gets a placeholder token so
+Overlapped steps (``EngineConfig.async_scheduling``, on by default for GPU engines): a step whose requests
+are all plain greedy is *launched* (its sampled tokens stay on the device, each sequence gets a placeholder token so
 the scheduler can schedule its next step at once) and the previous launched step is *resolved* only then
 (its tokens read back, stop checks, outputs), so the host schedules and stages step n + 1 while the GPU
 still runs step n. Outputs therefore come one step later; the tokens are the same. Any other step (sampling,
@@ -22,6 +22,7 @@ calls from the event loop while the engine thread steps.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
@@ -62,7 +63,8 @@ class LLMEngine:
         self.scheduler = parts.scheduler(config.scheduler_config(), self.block_manager)
         self.sampler = parts.sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.spec = parts.spec_decoder(config.spec_config(), self.max_model_len)
-        self.scheduler.proposer = self.spec.propose
+        # no speculation configured: the scheduler skips the per-decode proposer call
+        self.scheduler.proposer = self.spec.propose if self.spec.config.method is not None else None
         eos = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -79,6 +81,9 @@ class LLMEngine:
         # the overlapped loop: needs an executor that can launch a step without reading its tokens back
         self.overlap = config.resolved_async_scheduling() and hasattr(self.executor, "launch")
         self._in_flight = None  # the launched step whose tokens are not yet read back (LaunchedStep)
+        if config.resolved_gc_freeze():  # full collections stop walking the start-up heap (see the field)
+            gc.collect()
+            gc.freeze()
 
     @property
     def runner(self):
@@ -241,8 +246,8 @@ class LLMEngine:
     def _add_placeholder(self, seq: Sequence) -> None:
         """Let the scheduler run ``seq``'s next step before this step's token is read back, unless that token
         is its last by length (then it waits: the step after would run past its end)."""
-        after = seq.num_output_tokens + seq.num_pending + 1  # outputs once this step's token is in
-        if after < seq.params.max_tokens and seq.num_tokens + 1 < self.max_model_len:
+        n = len(seq.token_ids)  # placeholders included: outputs once this step's token is in = n - prompt + 1
+        if n - seq.num_prompt_tokens + 1 < seq.request.params.max_tokens and n + 1 < self.max_model_len:
             seq.append_placeholder()
 
     def _resolve(self, launched) -> list[RequestOutput]:
@@ -270,6 +275,8 @@ class LLMEngine:
 
     # ---- internals --------------------------------------------------------------------------------
     def _process_samples(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[RequestOutput]:
+        if not any(s.draft_token_ids for s in sampling):  # no verify rows: one logits row per sequence
+            return self._emit(self._sample_plain(logits, sampling))
         plain, plain_rows, verify, verify_rows = self._split_rows(sampling)
         emitted: list[tuple[Sequence, list[int], list[dict[int, float] | None], bool]] = []
         if plain:
@@ -286,7 +293,11 @@ class LLMEngine:
         now = time.time()
         touched: dict[str, Request] = {}
         for seq, tokens, lps, speculated in emitted:
-            self._append_all(seq, tokens, lps, speculated)
+            if speculated or len(tokens) != 1:
+                self._append_all(seq, tokens, lps, speculated)
+            else:  # the common case: one token
+                self._append(seq, tokens[0], lps[0])
+                self.generation_tokens_total += 1
             touched[seq.request.request_id] = seq.request
         outputs = []
         for request in touched.values():
@@ -342,6 +353,8 @@ class LLMEngine:
 
     def _sampling_rows(self, sampling: list[ScheduledSeq]) -> tuple[list[int], list[Sequence]]:
         """Logits row of every sequence to sample: a new request's n - 1 forks share its parent's row."""
+        if all(s.seq.request.forked for s in sampling) and not any(s.draft_token_ids for s in sampling):
+            return list(range(len(sampling))), [s.seq for s in sampling]  # row i: sequence i, no forks
         rows: list[int] = []
         seqs: list[Sequence] = []
         row = 0
@@ -370,7 +383,7 @@ class LLMEngine:
         if verdict is not None:
             seq.finish(*verdict)
             self.scheduler.finish(seq)
-        else:
+        elif seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * self.block_manager.block_size:
             self.block_manager.cache_full_blocks(seq)  # blocks whose last token was a placeholder until now
 
     def _fork(self, parent: Sequence) -> list[Sequence]:

@@ -420,7 +420,8 @@ class ModelRunner:
         else:
             graph, out = self.decode_graph(b, max(s.start for s in scheduled) + 1)
         graph.replay()
-        sampling = [s for s in scheduled if s.samples]
+        whole = k == 0 and isinstance(rows, slice) and rows.stop == len(scheduled)  # every decode samples
+        sampling = list(scheduled) if whole else [s for s in scheduled if s.samples]
         if not sampling:  # no token is read back this step: sync so the pinned mirrors can be refilled
             torch.cuda.current_stream(self.device).synchronize()
         return out[rows], sampling
@@ -465,13 +466,17 @@ class ModelRunner:
         """Host inputs of a decode batch (one row per sequence; the hot path of large batches: scalar
         writes only; the ids into ``ids_row``); return the rows that sample."""
         h64, lens, tables, bs = inp.host64, inp.host_lens, inp.host_tables, self.block_size
+        rows = []
         for i, s in enumerate(scheduled):
-            table, p = s.seq.block_table, s.start
-            h64[ids_row, i], h64[1, i] = s.seq.token_ids[p], p
+            seq, p = s.seq, s.start
+            table, ids = seq.block_table, seq.token_ids
+            h64[ids_row, i], h64[1, i] = ids[p], p
             h64[2, i] = table[p // bs] * bs + p % bs
             lens[i] = p + 1
             tables[i, :len(table)] = table
-        return [i for i, s in enumerate(scheduled) if s.samples]
+            if p + 1 == len(ids):  # s.samples, inlined (the hot loop)
+                rows.append(i)
+        return rows
 
     def _fill_verify(self, inp: _StaticInputs, scheduled: list[ScheduledSeq], q: int) -> list[int]:
         """Host inputs of a verify batch (sequence i: rows [i * q, (i + 1) * q), real rows first); return the

@@ -56,6 +56,9 @@ class OutputProcessor:
         self.eos = set(eos_token_ids)
         self.max_model_len = max_model_len
         self._text: dict[int, SeqText] = {}
+        # False: outputs carry deltas only (token_ids [], text ""): the engine core process, whose client
+        # rebuilds the cumulative fields, skips copying them per request per step (engine/engine_core.py)
+        self.cumulative = True
 
     def append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         """Add a sampled token to ``seq`` and set its finish reason if it is done (for callers outside the
@@ -68,21 +71,24 @@ class OutputProcessor:
     def check_finish(self, seq: Sequence, token: int) -> tuple[str, str | int | None] | None:
         """Detokenize ``token`` (just appended to ``seq``); return ``(finish_reason, stop_reason)`` if it ends
         the sequence. Writes only this processor's text state, never the sequence."""
-        params = seq.params
-        if token in params.stop_token_ids:
+        params = seq.request.params
+        if params.stop_token_ids and token in params.stop_token_ids:
             return "stop", token
         if token in self.eos and not params.ignore_eos:
             return "stop", None
-        stop = self._text_of(seq).add(token)
-        if stop is not None:
+        text = self._text.get(seq.seq_id) or self._text_of(seq)
+        if text.detok is not None and (stop := text.add(token)) is not None:
             return "stop", stop
-        if seq.num_output_tokens >= params.max_tokens or seq.num_resolved_tokens >= self.max_model_len:
+        resolved = len(seq.token_ids) - seq.num_pending
+        if resolved - seq.num_prompt_tokens >= params.max_tokens or resolved >= self.max_model_len:
             return "length", None
         return None
 
     def build(self, request: Request) -> RequestOutput:
         """The request's output with the deltas since its previous output."""
-        outs = [self._completion(s) for s in sorted(request.seqs, key=lambda s: s.index)]
+        seqs = request.seqs
+        outs = ([self._completion(seqs[0])] if len(seqs) == 1
+                else [self._completion(s) for s in sorted(seqs, key=lambda s: s.index)])
         return RequestOutput(request.request_id, request.prompt_token_ids, outs, request.finished,
                              request.num_cached_tokens, request.metrics)
 
@@ -99,11 +105,14 @@ class OutputProcessor:
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         finished = seq.finish_reason is not None
-        st = self._text_of(seq)
+        st = self._text.get(seq.seq_id) or self._text_of(seq)
         delta_text = st.take_delta(finished)
-        out_ids = seq.output_token_ids
-        new_ids = out_ids[st.emitted_tokens:]
-        logprobs = seq.logprobs[st.emitted_tokens:] if seq.params.logprobs is not None else None
-        st.emitted_tokens = len(out_ids)
-        return CompletionOutput(seq.index, out_ids, st.full[:st.emitted], delta_text, new_ids, logprobs,
-                                seq.finish_reason, seq.stop_reason)
+        start, end = seq.num_prompt_tokens + st.emitted_tokens, len(seq.token_ids) - seq.num_pending
+        new_ids = seq.token_ids[start:end]
+        logprobs = seq.logprobs[st.emitted_tokens:] if seq.request.params.logprobs is not None else None
+        st.emitted_tokens = end - seq.num_prompt_tokens
+        if not self.cumulative:
+            return CompletionOutput(seq.index, [], "", delta_text, new_ids, logprobs, seq.finish_reason,
+                                    seq.stop_reason)
+        return CompletionOutput(seq.index, seq.output_token_ids, st.full[:st.emitted], delta_text, new_ids,
+                                logprobs, seq.finish_reason, seq.stop_reason)

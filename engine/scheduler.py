@@ -33,7 +33,7 @@ from engine.fair_share import FairShare
 from engine.sequence import Sequence, SequenceStatus
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledSeq:
     """A sequence and the tokens of it computed in this step.
 
@@ -91,6 +91,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.shares = FairShare()
+        self.deferred_steps = 0  # consecutive steps that held new prompts back (admission_delay_steps)
+        self.num_deferrals = 0   # such steps in all
         # (seq, num_running, budget) -> draft tokens of a decode (engine.spec_decode); None: no speculation
         self.proposer: Callable[[Sequence, int, int], list[int]] | None = None
 
@@ -119,9 +121,12 @@ class Scheduler:
 
     def commit_step(self, sched: SchedulerOutput) -> None:
         """After the forward: the step's tokens have K/V now; register their full blocks for reuse."""
+        bm, bs = self.bm, self.bm.block_size
         for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            self.bm.cache_full_blocks(s.seq)
+            seq = s.seq
+            seq.num_computed_tokens += s.num_tokens
+            if seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * bs:  # else no new full block
+                bm.cache_full_blocks(seq)
 
     def schedule(self) -> SchedulerOutput:
         """Pick the next step's batch."""
@@ -130,9 +135,24 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled, preempted = self._schedule_running(budget)
         budget -= sum(s.num_tokens for s in scheduled)
-        if not preempted:
+        if not preempted and self.may_admit(scheduled):
             scheduled += self._schedule_waiting(budget)
         return SchedulerOutput(scheduled, self.bm.take_copies(), preempted)
+
+    def may_admit(self, decodes: list[ScheduledSeq]) -> bool:
+        """Whether this step admits waiting prompts (``admission_delay_steps``): at once unless sequences are
+        decoding in a step that would otherwise stay decode-only (one CUDA graph replay); then after that many
+        steps, or once ``max_num_seqs // 8`` prompts wait, all of them together."""
+        delay = self.config.admission_delay_steps
+        if (not delay or not self.waiting or not decodes or self.deferred_steps >= delay
+                or len(self.waiting) >= max(1, self.config.max_num_seqs // 8)
+                or any(s.num_query_tokens != 1 for s in decodes)
+                or any(q.num_tokens - q.num_computed_tokens > 1 for q in self.running)):
+            self.deferred_steps = 0
+            return True
+        self.deferred_steps += 1
+        self.num_deferrals += 1
+        return False
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence]]:
         scheduled: list[ScheduledSeq] = []
@@ -204,6 +224,7 @@ class _FairStep:
         busy = {_tenant(q) for q in s.running} | {_tenant(q) for q in s.waiting}
         s.shares.activate(busy)
         self._decodes()
+        self.admitting = self.admitting and s.may_admit(self.scheduled)
         capped = self._prefill_pass()
         self._top_up(capped)
         s.shares.end_step(busy)
@@ -220,15 +241,26 @@ class _FairStep:
     def _decodes(self) -> None:
         """Every running sequence with one token to compute (a decode) goes first, with its drafts when it
         speculates (their slots are taken only if free: drafts never preempt anyone)."""
-        for seq in list(self.s.running):
-            if self.budget == 0:
-                return
-            if seq.status is SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed_tokens == 1:
-                drafts = self._drafts(seq)
-                if drafts and self.s.bm.allocate_slots(seq, 1 + len(drafts)):
+        speculating, bm = self.s.proposer is not None, self.s.bm
+        plain: dict[Hashable, int] = {}  # decodes without drafts per tenant: charged once, after the loop
+        try:
+            for seq in list(self.s.running):
+                if self.budget == 0:
+                    return
+                if seq.status is not SequenceStatus.RUNNING or len(seq.token_ids) - seq.num_computed_tokens != 1:
+                    continue
+                drafts = self._drafts(seq) if speculating else None
+                if drafts and bm.allocate_slots(seq, 1 + len(drafts)):
                     self._add(seq, 1, drafts)
-                elif self._allocate(seq, 1):
-                    self._add(seq, 1)
+                elif bm.allocate_slots(seq, 1) or self._allocate(seq, 1):  # the second preempts for room
+                    self.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
+                    self.taken.add(seq.seq_id)
+                    self.budget -= 1
+                    tenant = seq.request.tenant
+                    plain[tenant] = plain.get(tenant, 0) + 1
+        finally:
+            for tenant, tokens in plain.items():
+                self.s.shares.charge(tenant, tokens)
 
     def _drafts(self, seq: Sequence) -> list[int]:
         proposer = self.s.proposer

@@ -55,7 +55,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1 == self.params.n:  # the common case, without a generator
+            return seqs[0].status is SequenceStatus.FINISHED
+        return len(seqs) == self.params.n and all(s.finished for s in seqs)
 
 
 class Sequence:

@@ -213,7 +213,9 @@ def build_engine(settings: Settings) -> Any:
     if settings.engine_process:  # the core off the API's interpreter (engine/core_client.py)
         from engine.core_client import ProcessAsyncLLM
 
-        return ProcessAsyncLLM(model, EngineConfig(**settings.engine))
+        llm = ProcessAsyncLLM(model, EngineConfig(**settings.engine))
+        llm.load_coalescing = settings.stream_coalesce_streams
+        return llm
     return AsyncLLM(model, EngineConfig(**settings.engine))
 
 

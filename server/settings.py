@@ -140,6 +140,10 @@ class Settings(BaseSettings):
         1, ge=1, le=1024, description="streamed responses: a chunk waits for this many new tokens of its "
         "completion (the first chunk and the last never wait); 1: every step's tokens as they come, "
         "coalesced only when the client's stream is behind")
+    stream_coalesce_streams: int = Field(
+        96, ge=0, description="streamed responses with the engine in its own process: while S streams are "
+        "open, a chunk waits for 1 + S // this many new tokens (96: 1 below 96 streams, 3 at 256); the first "
+        "chunk and the last never wait; 0: off (stream_interval alone)")
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings,
                                       description="plaintext engine replicas (data parallel, on Ray)")
     private: PrivateSettings = Field(default_factory=PrivateSettings,

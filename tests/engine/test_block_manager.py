@@ -40,7 +40,7 @@ def test_prefix_hit_shares_full_blocks_and_leaves_one_token():
     assert hits == a.block_table[:2]  # 3 full blocks, but the last token must be computed again
     assert bm.admit(b, hits, 4)
     assert b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2]
-    assert bm.blocks[a.block_table[0]].ref_count == 2
+    assert bm.ref_counts[a.block_table[0]] == 2
     assert bm.prefix_hits == 8 and bm.prefix_queries == 24
     c = make_seq(list(range(8)) + [99, 98, 97, 96, 95], seq_id=2)
     assert bm.match_prefix(c) == a.block_table[:2]  # diverges in block 2
@@ -99,7 +99,7 @@ def test_fork_shares_blocks_and_copies_partial_block_on_write():
     child = make_seq(list(range(6)), seq_id=1)
     bm.fork(parent, child)
     assert child.block_table == parent.block_table
-    assert all(bm.blocks[b].ref_count == 2 for b in parent.block_table)
+    assert all(bm.ref_counts[b] == 2 for b in parent.block_table)
     child.token_ids.append(1)
     parent.token_ids.append(2)
     assert bm.allocate_slots(child, 1)

@@ -207,3 +207,19 @@ async def test_a_busy_loop_gets_the_steps_it_missed_as_one_output():
         assert len(nxt.outputs[0].delta_token_ids) > 5  # several steps, one output
         assert nxt.outputs[0].token_ids == first.outputs[0].token_ids + nxt.outputs[0].delta_token_ids
         await stream.aclose()
+
+
+async def test_under_load_a_wake_up_waits_for_more_tokens():
+    # load_coalescing (the server's stream_coalesce_streams): with S open streams a consumer is woken once
+    # 1 + S // load_coalescing new tokens are in; first and last outputs never wait; the tokens are the same
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = random_prompts([5, 5], seed=9)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_model(), engine_config=config()).generate(prompts, params)]
+    async with ProcessAsyncLLM.from_model(tiny_model(), None, config()) as llm:
+        llm.load_coalescing = 1  # two open streams: 3 tokens a wake-up
+        runs = await asyncio.gather(*(collect(llm.generate(p, params, f"s{i}")) for i, p in enumerate(prompts)))
+    for outs, tokens in zip(runs, want, strict=True):
+        assert outs[-1].outputs[0].token_ids == tokens
+        assert len(outs[0].outputs[0].delta_token_ids) == 1
+        middle = [len(o.outputs[0].delta_token_ids) for o in outs[1:-1]]
+        assert middle and min(middle) >= 2 and len(outs) <= 10  # 20 tokens in chunks of about 3

@@ -189,3 +189,21 @@ def test_smollm2_batched_greedy_equals_reference_and_stop_strings(default_model_
     cut = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16, stop=[stop]))[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == full[:full.index(stop)]
+
+
+def test_gc_freeze_after_start_up_is_the_gpu_default():
+    import gc
+
+    assert not EngineConfig(device="cpu").resolved_gc_freeze()
+    assert EngineConfig(device="cuda").resolved_gc_freeze()
+    assert not EngineConfig(device="cuda", gc_freeze=False).resolved_gc_freeze()
+    gc.unfreeze()
+    try:
+        LLM(tiny_model(), engine_config=cpu_config())
+        assert gc.get_freeze_count() == 0
+        llm = LLM(tiny_model(), engine_config=cpu_config(gc_freeze=True))
+        assert gc.get_freeze_count() > 0
+        out = llm.generate([[1, 2, 3]], GREEDY)[0]
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+    finally:
+        gc.unfreeze()

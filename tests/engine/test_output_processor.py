@@ -49,3 +49,26 @@ def test_held_back_text_is_flushed_at_the_end():
 def test_earliest_stop_wins():
     deltas, stop, _ = stream([0, 1, 2, 3, 4], ["world", "lo"])
     assert stop == "lo" and "".join(deltas) == "Hel"
+
+
+def test_delta_only_outputs_carry_the_same_deltas_and_no_cumulative_fields():
+    """The engine core's mode (``cumulative = False``): per output the same deltas, empty token_ids / text."""
+    from engine.output_processor import OutputProcessor
+    from engine.sampling_params import SamplingParams
+    from tests.engine.engine_helpers import make_seq
+
+    runs = {}
+    for cumulative in (True, False):
+        proc = OutputProcessor(PieceTokenizer(), [], 1024)
+        proc.cumulative = cumulative
+        seq = make_seq([0], params=SamplingParams(max_tokens=8, ignore_eos=True))
+        outs = []
+        for tok in [0, 1, 2, 3, 4]:
+            seq.append_token(tok)
+            assert proc.check_finish(seq, tok) is None
+            outs.append(proc.build(seq.request).outputs[0])
+        runs[cumulative] = outs
+    assert [(o.delta_token_ids, o.delta_text) for o in runs[False]] == \
+        [(o.delta_token_ids, o.delta_text) for o in runs[True]]
+    assert runs[True][-1].token_ids == [0, 1, 2, 3, 4] and runs[True][-1].text == "Hello world!"
+    assert all(o.token_ids == [] and o.text == "" for o in runs[False])

@@ -141,8 +141,33 @@ def test_abort_while_a_token_is_in_flight():
     assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
-def test_async_scheduling_is_opt_in():
+def test_async_scheduling_is_the_gpu_default():
     assert not EngineConfig(device="cpu").resolved_async_scheduling()
     assert EngineConfig(device="cpu", async_scheduling=True).resolved_async_scheduling()
-    assert not EngineConfig(device="cuda", async_scheduling=None).resolved_async_scheduling()
+    assert EngineConfig(device="cuda", async_scheduling=None).resolved_async_scheduling()
+    assert EngineConfig(device="cuda:1").resolved_async_scheduling()
     assert not EngineConfig(device="cuda", async_scheduling=False).resolved_async_scheduling()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_prompt_arriving_while_others_decode_waits_the_admission_delay(overlap):
+    """admission_delay_steps (the GPU default): a prompt added mid-decode is held back that many steps, then
+    runs to the tokens it gets alone."""
+    first, late = random_prompts([9, 7], seed=6)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want, _, _ = run(False, [late], params)
+    engine = LLMEngine(tiny_model(), None, cpu_config(async_scheduling=overlap, admission_delay_steps=3,
+                                                      max_num_seqs=16))
+    engine.add_request("first", first, params)
+    for _ in range(3):  # its prefill, then decodes
+        engine.step()
+    engine.add_request("late", late, params)
+    waited = 0
+    while engine.scheduler.waiting:
+        engine.step()
+        waited += 1
+    assert waited == 4 and engine.scheduler.num_deferrals == 3  # three steps held back, the fourth admits
+    final = {}
+    while engine.has_unfinished_requests():
+        final |= {o.request_id: o for o in engine.step() if o.finished}
+    assert final["late"].outputs[0].token_ids == want[0][0][0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.scheduler import Scheduler
@@ -102,3 +104,47 @@ def test_prefix_hit_skips_computed_tokens():
     out = sched.schedule()
     sb = [s for s in out.scheduled if s.seq is b][0]
     assert (sb.start, sb.num_tokens) == (8, 4)
+
+
+def _delayed(policy: str, delay: int = 3, max_seqs: int = 16) -> Scheduler:
+    cfg = EngineConfig(device="cpu", max_num_batched_tokens=64, max_num_seqs=max_seqs, num_kv_blocks=64,
+                       block_size=4, scheduling_policy=policy, admission_delay_steps=delay)
+    return Scheduler(cfg, BlockManager(64, 4))
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_new_prompts_wait_up_to_the_admission_delay_while_others_decode(policy):
+    sched = _delayed(policy)
+    a = make_seq(list(range(6)), seq_id=0, arrival=0)
+    sched.add(a)
+    out = sched.schedule()                          # nothing decodes: admitted at once
+    assert [s.seq.seq_id for s in out.scheduled] == [0]
+    finish_step(sched, out)
+    sched.add(make_seq(list(range(50, 59)), seq_id=1, arrival=1))  # one waiting: under 16 // 8
+    steps = []
+    for _ in range(5):
+        out = sched.schedule()
+        steps.append([(s.seq.seq_id, s.num_tokens) for s in out.scheduled])
+        finish_step(sched, out)
+    # three decode-only steps, then b joins; then both decode
+    assert steps == [[(0, 1)]] * 3 + [[(0, 1), (1, 9)], [(0, 1), (1, 1)]]
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_enough_waiting_prompts_are_admitted_without_delay(policy):
+    sched = _delayed(policy, delay=5, max_seqs=16)  # 16 // 8 = 2 waiting prompts are enough
+    sched.add(make_seq(list(range(6)), seq_id=0, arrival=0))
+    finish_step(sched, sched.schedule())
+    sched.add(make_seq([1, 2, 3], seq_id=1, arrival=1))
+    assert [s.seq.seq_id for s in sched.schedule().scheduled] == [0]
+    sched.add(make_seq([4, 5, 6], seq_id=2, arrival=2))
+    assert sorted(s.seq.seq_id for s in sched.schedule().scheduled) == [0, 1, 2]
+
+
+def test_admission_delay_defaults_to_gpu_engines_with_graphs():
+    assert EngineConfig(device="cpu").resolved_admission_delay_steps() == 0
+    assert EngineConfig(device="cuda").resolved_admission_delay_steps() == 8
+    assert EngineConfig(device="cuda", cuda_graphs=False).resolved_admission_delay_steps() == 0
+    assert EngineConfig(device="cpu", admission_delay_steps=2).scheduler_config().admission_delay_steps == 2
+    with pytest.raises(ValueError, match="admission_delay_steps"):
+        EngineConfig(device="cpu", admission_delay_steps=-1).scheduler_config()

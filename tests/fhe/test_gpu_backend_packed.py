@@ -9,6 +9,8 @@ Marked ``gpu`` (CI has no CUDA); the same code runs on the torch-CPU reference, 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 import torch
@@ -24,17 +26,36 @@ from tests.fhe.test_attention import calibrated_plan, layer_input, tiny_model
 pytestmark = pytest.mark.gpu
 
 
-def test_packed_prefill_on_cuda_is_seals():
+class PackedCase(NamedTuple):
+    """A 5-token packed prefill of the tiny GQA model (biases, 2Quad, N = 16384) on the SEAL backend: what the
+    gpu backend's runs are compared with (here on CUDA, in test_gpu_backend_packed_cpu.py on the CPU reference)."""
+
+    model: object
+    plan: object
+    params: object
+    x: torch.Tensor
+    client: CKKSClient
+    bc: BlockClient
+    chunks: list
+    want: list
+
+
+def packed_case() -> PackedCase:
     model = tiny_model(bias=True)
-    cfg = model.config
     x = layer_input(model, 1, torch.tensor([3, 14, 15, 9, 26]))
     plan = calibrated_plan(model, 1, x, "2quad")
     params = ckks_params_for("2quad", 6)
-    cpu = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, cfg, params, max_tokens=64)
+    cpu = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, model.config, params, max_tokens=64)
     client = CKKSClient(params, sorted(cpu.rotation_steps))
-    bc = BlockClient.for_model(client, cfg, "2quad", 6)
+    bc = BlockClient.for_model(client, model.config, "2quad", 6)
     chunks = bc.encrypt_packed(x)
-    want = cpu.prefill_packed(cpu.new_cache(), chunks, 0, len(x), client.server_keys())
+    return PackedCase(model, plan, params, x, client, bc, chunks,
+                      cpu.prefill_packed(cpu.new_cache(), chunks, 0, len(x), client.server_keys()))
+
+
+def test_packed_prefill_on_cuda_is_seals():
+    model, plan, params, x, client, bc, chunks, want = packed_case()
+    cfg = model.config
     y0, z0 = bc.decrypt_output(want)
     ref = finish(y0, z0)
     for encoder in ("seal", "fft"):

@@ -7,16 +7,12 @@ N = 16384). Their defaults (off) run on CUDA in tests/fhe/test_gpu_backend_packe
 
 from __future__ import annotations
 
-import torch
-
 from fhe import packed
-from fhe.attention import BlockClient, EncryptedAttentionLayer
+from fhe.attention import EncryptedAttentionLayer
 from fhe.backends.gpu import GpuEvaluator
 from fhe.backends.gpu.batched import BatchedEvaluator
 from fhe.backends.seal import hazmat as seal
-from fhe.backends.seal.keys import CKKSClient
-from fhe.params import ckks_params_for
-from tests.fhe.test_attention import calibrated_plan, layer_input, tiny_model
+from tests.fhe.test_gpu_backend_packed import packed_case
 
 
 def test_packed_prefill_on_the_cpu_reference_is_seals(monkeypatch):
@@ -25,17 +21,10 @@ def test_packed_prefill_on_the_cpu_reference_is_seals(monkeypatch):
     stacked = []
     stack = BatchedEvaluator.stack
     monkeypatch.setattr(BatchedEvaluator, "stack", lambda self, cts: stacked.append(len(cts)) or stack(self, cts))
-    model = tiny_model(bias=True)
-    cfg = model.config
-    x = layer_input(model, 1, torch.tensor([3, 14, 15, 9, 26]))
-    plan = calibrated_plan(model, 1, x, "2quad")
-    params = ckks_params_for("2quad", 6)
-    cpu = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, cfg, params, max_tokens=64)
-    client = CKKSClient(params, sorted(cpu.rotation_steps))
-    chunks = BlockClient.for_model(client, cfg, "2quad", 6).encrypt_packed(x)
-    want = cpu.prefill_packed(cpu.new_cache(), chunks, 0, len(x), client.server_keys())
+    model, plan, params, x, client, _, chunks, want = packed_case()
     ev = GpuEvaluator(params, device="cpu", encoder="seal")
-    gpu = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, cfg, params, max_tokens=64, evaluator=ev)
+    gpu = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, model.config, params, max_tokens=64,
+                                  evaluator=ev)
     assert gpu.ev.encode_many is not None                     # the device-side diagonals path
     got = gpu.prefill_packed(gpu.new_cache(), [ev.deserialize(seal.to_bytes(c)) for c in chunks], 0, len(x),
                              ev.keys_from_server(client.server_keys()))

@@ -151,7 +151,7 @@ def test_async_scheduling_is_the_gpu_default():
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_prompt_arriving_while_others_decode_waits_the_admission_delay(overlap):
-    """admission_delay_steps (the GPU default): a prompt added mid-decode is held back that many steps, then
+    """admission_delay_steps: a prompt added mid-decode is held back that many steps, then
     runs to the tokens it gets alone."""
     first, late = random_prompts([9, 7], seed=6)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -470,7 +470,7 @@ class PackedPrefill:
         """One output ciphertext per token row in ``rows`` (default all), in position order (last row first)."""
         layer, ev, Hq = self.layer, self.ev, self.geo.layout.num_heads
         rows = range(n) if rows is None else rows
-        if BATCH_ROWS and getattr(ev, "name", None) == "gpu":
+        if BATCH_ROWS and getattr(ev, "batched", None) is not None:
             return self._outputs_batched(u, z, v, start, n, keys, rows)
         outs: list[Ciphertext] = []
         for r in range(rows.stop):
@@ -491,10 +491,8 @@ class PackedPrefill:
                          rows: range) -> list[Ciphertext]:
         """:meth:`_outputs` with :data:`BATCH_ROWS`: the rows' (u, z) gathered first (~2 x 28 ciphertexts at
         level_u held at once), then the output and row-sum maps as one batch over them
-        (:mod:`fhe.backends.gpu.batched`: every key switch one launch sequence for all rows, each row's residues
-        the one-row evaluator's)."""
-        from fhe.backends.gpu.batched import BatchedEvaluator, BatchKeys
-
+        (the evaluator's optional ``batched``: every key switch one launch sequence for all rows, each row's
+        residues the one-row evaluator's)."""
         layer, ev, Hq = self.layer, self.ev, self.geo.layout.num_heads
         pairs: list[tuple[Ciphertext, Ciphertext] | None] = []    # (u, z) on row 0 per token row; None: position 0
         for r in range(rows.stop):
@@ -505,7 +503,7 @@ class PackedPrefill:
         todo = [p for p in pairs if p is not None]
         mapped: list[Ciphertext] = []
         if todo:
-            bev, bkeys = BatchedEvaluator(ev), BatchKeys.shared(keys, len(todo))
+            bev, bkeys = ev.batched(keys, len(todo))
             y = layer.enc_out(bev, bev.stack([u for u, _ in todo]), bkeys)          # [R, 2, L, N]
             zo = layer.enc_z(bev, bev.stack([z for _, z in todo]), bkeys)
             bev.set_scale(zo, bev.scale_of(y))

@@ -174,6 +174,14 @@ class GpuEvaluator(ParamsQueries):
         _, sc, arr = sealio.read_plaintext(seal.to_bytes(pt), self.params.poly_modulus_degree)
         return GpuPlaintext(torch.from_numpy(arr.astype(np.int64)).to(self.device), sc)
 
+    def batched(self, keys: GpuKeys, rows: int):
+        """(evaluator, keys) that run ``rows`` ciphertexts under one key set as one batch (optional protocol
+        capability, found by ``getattr``: :mod:`fhe.backends.gpu.batched`; each row's residues are this
+        evaluator's)."""
+        from fhe.backends.gpu.batched import BatchedEvaluator, BatchKeys
+
+        return BatchedEvaluator(self), BatchKeys.shared(keys, rows)
+
     def encode_many(self, values: Sequence[np.ndarray], level: int, scale: float) -> list[GpuPlaintext]:
         """:meth:`encode` of each vector, at one level and scale. With the on-device encoder, one batched
         FFT, rounding and NTT for all of them: a packed prefill chunk encodes ~3,300 per-row diagonals

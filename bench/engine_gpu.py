@@ -183,10 +183,15 @@ def graph_replay_ms(llm: LLM, batch: int = 1, iters: int = 200) -> float:
     graph, _ = runner.decode_graph(batch, PROMPT_LEN + OUTPUT_LEN)  # the graph the timed decode replays
     for _ in range(10):
         graph.replay()
+    return cuda_median_ms(graph.replay, iters)
+
+
+def cuda_median_ms(fn, iters: int) -> float:
+    """Median GPU time of ``fn()`` over ``iters`` calls, each between its own pair of CUDA events."""
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for a, b in ev:
         a.record()
-        graph.replay()
+        fn()
         b.record()
     torch.cuda.synchronize()
     return _median_ms([a.elapsed_time(b) for a, b in ev])

@@ -35,6 +35,7 @@ from bench.engine_gpu import (
     SHAPES,
     build_llm,
     copy_bandwidth,
+    cuda_median_ms,
     decode_step_time,
     job_floor_s,
     prompts,
@@ -173,19 +174,8 @@ def graph_gpu_ms(llm, b: int = C, iters: int = 50) -> dict:
     graph, logits = runner.decode_graph(b, 10**9)
     for _ in range(5):
         graph.replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, z in ev:
-        a.record()
-        graph.replay()
-        z.record()
-    torch.cuda.synchronize()
-    replay = sorted(a.elapsed_time(z) for a, z in ev)[iters // 2]
-    for a, z in ev:
-        a.record()
-        logits[:b].argmax(-1)
-        z.record()
-    torch.cuda.synchronize()
-    am = sorted(a.elapsed_time(z) for a, z in ev)[iters // 2]
+    replay = cuda_median_ms(graph.replay, iters)
+    am = cuda_median_ms(lambda: logits[:b].argmax(-1), iters)
     runner._decode_in.dev32[:b].fill_(1)
     return {f"graph{b}_replay_ms": replay, f"argmax{b}_ms": am}
 

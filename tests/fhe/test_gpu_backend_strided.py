@@ -65,6 +65,29 @@ _SCRIPT = textwrap.dedent("""
     print("ok", len(launches))
 """)
 
+_DIAG = textwrap.dedent("""
+    import itertools, torch
+    from fhe.backends.gpu import triton_ops as T
+    from fhe.backends.gpu.ntt import NTTTables, intt, ntt
+    T._check = lambda *a, **k: None                       # the launchers assert CUDA tensors
+    n = 1024
+    T.LOCAL = 128
+    primes = [1152921504606584833, 1125899906826241, 1125899906629633, 1152921504606748673]  # 3 data, special
+    ext = NTTTables.build(primes[:3] + primes[3:], n)
+    data = ext.take(slice(0, 3))
+    for lazy, lead in itertools.product((False, True), ((), (2,))):
+        T.LAZY = lazy
+        g = torch.Generator().manual_seed(len(lead) * 2 + lazy)
+        t = torch.remainder(torch.randint(0, 1 << 62, (*lead, 3, n), generator=g), data.primes)   # [.., L, N] NTT form
+        d = intt(t, data)
+        want = ntt(torch.remainder(d.unsqueeze(-2), ext.primes), ext)                          # [.., L, L+1, N]
+        assert T.skips_diag(n)
+        got = T.expand_digits(d.contiguous(), t.contiguous(), ext.primes.view(-1).contiguous())
+        got = T.ntt_(got, ext.roots, ext.primes.view(-1), inverse=False, roots_shoup=ext.roots_shoup, skip_diag=True)
+        assert torch.equal(got, want), (lazy, lead)
+    print("ok")
+""")
+
 
 def test_strided_stages_kernel_matches_the_torch_reference_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
@@ -73,3 +96,16 @@ def test_strided_stages_kernel_matches_the_torch_reference_under_the_interpreter
     res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["ok", "24"]
+
+
+def test_expanded_digits_skip_their_diagonal_rows_under_the_interpreter():
+    """Session 20 (``triton_ops.SKIP_DIAG``): the digits reduced into the ext primes with row [J, J] = the input's
+    row J, then the NTT of the other rows, = reducing and transforming every row (the torch reference), one
+    decomposition and a batch of two, with the lazy butterflies and without; 60- and 50-bit primes, so the reduction
+    of a larger prime's digit into a smaller prime is exercised."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _DIAG], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["ok"]

@@ -480,8 +480,8 @@ class GpuEvaluator(ParamsQueries):
         perms = torch.stack([self._perm(elt) for elt, _ in found])                          # [B, N]
         data = torch.stack([cts[i].data for i in todo])                                     # [B, 2, L, N]
         rotated = torch.gather(data, 3, perms[:, None, None, :].expand(data.shape))         # sigma per row
-        d = intt(rotated[:, 1].contiguous(), lt.data)                                       # [B, L, N]
-        D = ntt(torch.remainder(d.unsqueeze(-2), lt.ext.primes), lt.ext, inplace=True)     # [B, L, L+1, N]
+        t = rotated[:, 1].contiguous()                                                      # [B, L, N]
+        D = ks.expand(intt(t, lt.data), t, lt)                                              # [B, L, L+1, N]
         accs = [ks.inner_product(D[b], key, lt) for b, (_, key) in enumerate(found)]
         delta = ks.finish(torch.stack(accs), lt)                                            # [B, 2, L, N]
         delta[:, 0] = addmod(delta[:, 0], rotated[:, 0], q)

@@ -23,11 +23,24 @@ from fhe.backends.gpu.modarith import addmod, mulmod
 from fhe.backends.gpu.rns import LevelTables, drop_last_rounded, intt, ntt, summod
 
 
+def expand(d: torch.Tensor, t: torch.Tensor, lt: LevelTables) -> torch.Tensor:
+    """Digits ``d [..., L, N]`` (``intt`` of ``t [..., L, N]``) -> ``D [..., L, L+1, N]``: each reduced into every ext
+    prime, NTT form. On CUDA (``triton_ops.SKIP_DIAG``) the rows ``D[J, J]`` are ``t[J]`` itself, as in SEAL, and
+    only the others are transformed: the same residues."""
+    if d.is_cuda:
+        from fhe.backends.gpu import triton_ops
+
+        if triton_ops.skips_diag(d.shape[-1]):
+            primes = lt.ext.primes.view(-1).contiguous()
+            out = triton_ops.expand_digits(d.contiguous(), t.contiguous(), primes)
+            return ntt(out, lt.ext, inplace=True, skip_diag=True)
+    return ntt(torch.remainder(d.unsqueeze(-2), lt.ext.primes), lt.ext, inplace=True)
+
+
 def decompose(t: torch.Tensor, lt: LevelTables) -> tuple[torch.Tensor, torch.Tensor]:
     """``t [L, N]`` NTT form -> (digits d [L, N] coefficient form, D [L, L+1, N] NTT form in every prime)."""
     d = intt(t, lt.data)                                              # [L, N] in [0, q_J)
-    expanded = torch.remainder(d.unsqueeze(1), lt.ext.primes)        # [L, L+1, N]
-    return d, ntt(expanded, lt.ext, inplace=True)
+    return d, expand(d, t, lt)
 
 
 def inner_product(D: torch.Tensor, key: torch.Tensor, lt: LevelTables) -> torch.Tensor:
@@ -93,5 +106,5 @@ def hoisted_switch(D: torch.Tensor, perm: torch.Tensor, key: torch.Tensor, corr:
     return finish(hoisted_inner(D, perm, key, corr, lt), lt)
 
 
-__all__ = ["decompose", "finish", "hoisted_correction", "hoisted_inner", "hoisted_switch", "inner_product",
+__all__ = ["decompose", "expand", "finish", "hoisted_correction", "hoisted_inner", "hoisted_switch", "inner_product",
            "negated_positions", "switch_key"]

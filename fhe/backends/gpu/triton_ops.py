@@ -52,6 +52,13 @@ STRIDED_BUTTERFLIES = 512
 #: in CI). Off: built in session 19 after its last device call, not yet run on CUDA or timed (bench/gpu_step_ab.py
 #: --ab lazy).
 LAZY = False
+#: Key switching's expanded digits (issue 16, session 20): the rows ``[J, J]`` (digit J in its own prime) are the
+#: input polynomial's row J as it is, NTT_J(INTT_J(t_J)) = t_J, which SEAL's ``switch_key_inplace`` uses instead of
+#: transforming (CKKS, ``I == J``); so :func:`expand_digits` copies them and :func:`ntt_` (``skip_diag``) transforms
+#: the other L of each digit's L + 1 rows: 144 instead of 156 row transforms per decomposition at the top level
+#: (12 primes). The reduction into the ext primes moves from torch's int64 remainder into the same launch (a float64
+#: quotient estimate). The same residues. False: reduce and transform all rows (before session 20).
+SKIP_DIAG = True
 
 
 @triton.jit
@@ -172,6 +179,43 @@ def _canon(x, q):
 
 
 @triton.jit
+def _butterfly(u, v, w, ws, q, qinv, last, INVERSE: tl.constexpr, SHOUP: tl.constexpr, LAZY: tl.constexpr,
+               FINAL: tl.constexpr):
+    """One butterfly of :func:`_ntt_local` / :func:`_ntt_strided`: Gentleman-Sande (``INVERSE``) or Cooley-Tukey;
+    with ``LAZY`` Harvey's (:func:`_gs_lazy`, :func:`_ct_lazy`), made canonical where ``FINAL`` and ``last`` (the
+    transform's last stage)."""
+    if LAZY:
+        if INVERSE:
+            a, b = _gs_lazy(u, v, w, ws, q)
+        else:
+            a, b = _ct_lazy(u, v, w, ws, q)
+        if FINAL:
+            if last:
+                a = _canon(a, q)
+                b = _canon(b, q)
+    elif INVERSE:
+        a, b = _gs(u, v, w, q, qinv, ws, SHOUP)
+    else:
+        a, b = _ct(u, v, w, q, qinv, ws, SHOUP)
+    return a, b
+
+
+@triton.jit
+def _row_of(k, P, SKIP_DIAG: tl.constexpr):
+    """Program ``k``'s (row, prime index) in a ``[..., P, N]`` tensor; ``SKIP_DIAG``: of ``[B, P - 1, P, N]`` expanded
+    digits, the rows (b, J, i) with i != J only (:func:`expand_digits` wrote those already in NTT form)."""
+    if SKIP_DIAG:
+        blk = k // (P - 1)                                           # b * L + J
+        i0 = k % (P - 1)
+        p = i0 + (i0 >= blk % (P - 1)).to(i0.dtype)
+        row = blk * P + p
+    else:
+        row = k
+        p = k % P
+    return row, p
+
+
+@triton.jit
 def _ntt_stage2(x_ptr, w_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, BLOCK: tl.constexpr):
     """Two radix-2 stages in one pass (half the launches and the memory traffic of :func:`_ntt_stage`).
 
@@ -221,14 +265,15 @@ def _ntt_stage2(x_ptr, w_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, BLOCK:
 
 @triton.jit
 def _ntt_local(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, S0, LOGN: tl.constexpr, INVERSE: tl.constexpr,
-               SHOUP: tl.constexpr, HALF: tl.constexpr, LAZY: tl.constexpr = False, FINAL: tl.constexpr = True):
+               SHOUP: tl.constexpr, HALF: tl.constexpr, LAZY: tl.constexpr = False, FINAL: tl.constexpr = True,
+               SKIP_DIAG: tl.constexpr = False):
     """The stages of :func:`_ntt_stage` whose butterflies stay inside blocks of 2 HALF values (gap <= HALF:
     stages S0..LOGN-1), all in one program per block: the block stays in the cache between stages, a CTA
     barrier after each (a stage's butterflies touch disjoint pairs, so one barrier orders it before the
     next). Forward they are the last stages, inverse the first; the rest stay staged launches. ``LAZY``
-    (:data:`LAZY`): Harvey's butterflies, canonical outputs in the last stage where ``FINAL``."""
-    row = tl.program_id(0)
-    p = row % P
+    (:data:`LAZY`): Harvey's butterflies, canonical outputs in the last stage where ``FINAL``. ``SKIP_DIAG``:
+    :func:`_row_of`'s."""
+    row, p = _row_of(tl.program_id(0), P, SKIP_DIAG)
     q = tl.load(q_ptr + p)
     qinv = 1.0 / q.to(tl.float64)
     g = tl.program_id(1) * HALF + tl.arange(0, HALF)                 # global butterfly index in [0, N/2)
@@ -248,29 +293,20 @@ def _ntt_local(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, S0, LOGN: tl.constexpr, INVERS
         ws = w
         if SHOUP:
             ws = tl.load(ws_ptr + p.to(tl.int64) * N + (1 << s) + i)
-        if LAZY:
-            if INVERSE:
-                a, b = _gs_lazy(u, v, w, ws, q)
-            else:
-                a, b = _ct_lazy(u, v, w, ws, q)
-            if FINAL:
-                if t == LOGN - S0 - 1:                               # the transform's last stage: canonical
-                    a = _canon(a, q)
-                    b = _canon(b, q)
-        elif INVERSE:
-            a, b = _gs(u, v, w, q, qinv, ws, SHOUP)
-        else:
-            a, b = _ct(u, v, w, q, qinv, ws, SHOUP)
+        a, b = _butterfly(u, v, w, ws, q, qinv, t == LOGN - S0 - 1, INVERSE, SHOUP, LAZY, FINAL)
         tl.store(base + idx, a)
         tl.store(base + idx + (1 << sh), b)
         tl.debug_barrier()
 
 
-def _local(x, roots, ws, primes, p, n, s0, logn, local, inverse, shoup, lazy=False, final=True) -> None:
+def _local(x, roots, ws, primes, p, n, s0, logn, local, inverse, shoup, lazy=False, final=True, rows=None,
+           skip_diag=False) -> None:
     """The local stages by :func:`_ntt_local` (``lazy``: its Harvey butterflies, canonical at the end where
-    ``final``)."""
-    rows = x.numel() // n
+    ``final``; ``rows``: programs on axis 0, ``skip_diag``: :func:`_row_of`'s)."""
+    rows = x.numel() // n if rows is None else rows
     extra = {"LAZY": True, "FINAL": final} if lazy else {}
+    if skip_diag:
+        extra["SKIP_DIAG"] = True
     _ntt_local[(rows, n // local)](x, roots, ws, primes, p, n, s0, LOGN=logn, INVERSE=inverse, SHOUP=shoup,
                                    HALF=local // 2, num_warps=LOCAL_WARPS, **extra)
 
@@ -278,18 +314,17 @@ def _local(x, roots, ws, primes, p, n, s0, logn, local, inverse, shoup, lazy=Fal
 @triton.jit
 def _ntt_strided(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, P, N, LOGN: tl.constexpr, S0: tl.constexpr,
                  INVERSE: tl.constexpr, SHOUP: tl.constexpr, SCALE: tl.constexpr, COLS: tl.constexpr,
-                 LAZY: tl.constexpr = False, FINAL: tl.constexpr = True):
+                 LAZY: tl.constexpr = False, FINAL: tl.constexpr = True, SKIP_DIAG: tl.constexpr = False):
     """Stages 0..S0-1 of :func:`_ntt_stage` (gap = 2^sh >= C = N >> S0) in one launch, in the transform's
     order (forward 0 up, inverse S0-1 down; ``SCALE``: the inverse's last one times N^-1 too, as
     :func:`_ntt_stage`'s). View a row as ``[2^S0, C]`` (value ``k*C + j``): these stages only pair values of one
     column j, so a program owns ``COLS`` columns and all their ``2^S0`` values, with a CTA barrier after each
     stage (as :func:`_ntt_local`). Butterfly ``t`` of a stage: column ``j0 + t % COLS``, ``kk = t // COLS``;
     its lower value has ``k`` = kk with a 0 bit inserted at bit ``sh - log2 C`` and twiddle index
-    ``2^s + (kk >> (sh - log2 C))`` (= :func:`_ntt_stage`'s ``m + i``). ``LAZY``, ``FINAL``: as
+    ``2^s + (kk >> (sh - log2 C))`` (= :func:`_ntt_stage`'s ``m + i``). ``LAZY``, ``FINAL``, ``SKIP_DIAG``: as
     :func:`_ntt_local`'s."""
     LOGC: tl.constexpr = LOGN - S0
-    row = tl.program_id(0)
-    p = row % P
+    row, p = _row_of(tl.program_id(0), P, SKIP_DIAG)
     q = tl.load(q_ptr + p)
     qinv = 1.0 / q.to(tl.float64)
     t = tl.arange(0, (1 << (S0 - 1)) * COLS)
@@ -313,29 +348,12 @@ def _ntt_strided(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, P, N, LOGN: tl.constexpr
         ws = w
         if SHOUP:
             ws = tl.load(wsrow + (1 << s) + i)
-        if LAZY:
-            if INVERSE:
-                a, b = _gs_lazy(u, v, w, ws, q)
-            else:
-                a, b = _ct_lazy(u, v, w, ws, q)
-            if FINAL:
-                if tt == S0 - 1:                                     # the transform's last stage: canonical
-                    a = _canon(a, q)
-                    b = _canon(b, q)
-            if INVERSE and SCALE:
-                if s == 0:
-                    ni = tl.load(ninv_ptr + p) + tl.zeros(a.shape, tl.int64)
-                    a = _mulmod(a, ni, q, qinv)
-                    b = _mulmod(b, ni, q, qinv)
-        elif INVERSE:
-            a, b = _gs(u, v, w, q, qinv, ws, SHOUP)
-            if SCALE:
-                if s == 0:
-                    ni = tl.load(ninv_ptr + p) + tl.zeros(a.shape, tl.int64)
-                    a = _mulmod(a, ni, q, qinv)
-                    b = _mulmod(b, ni, q, qinv)
-        else:
-            a, b = _ct(u, v, w, q, qinv, ws, SHOUP)
+        a, b = _butterfly(u, v, w, ws, q, qinv, tt == S0 - 1, INVERSE, SHOUP, LAZY, FINAL)
+        if INVERSE and SCALE:
+            if s == 0:                                               # the inverse's last stage: times N^-1 too
+                ni = tl.load(ninv_ptr + p) + tl.zeros(a.shape, tl.int64)
+                a = _mulmod(a, ni, q, qinv)
+                b = _mulmod(b, ni, q, qinv)
         tl.store(base + idx, a)
         tl.store(base + idx + gap, b)
         tl.debug_barrier()
@@ -525,13 +543,15 @@ def _check(x: torch.Tensor, what: str) -> None:
 
 
 def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bool,
-         n_inv: torch.Tensor | None = None, roots_shoup: torch.Tensor | None = None) -> torch.Tensor:
+         n_inv: torch.Tensor | None = None, roots_shoup: torch.Tensor | None = None,
+         skip_diag: bool = False) -> torch.Tensor:
     """In-place (I)NTT butterflies of ``x [..., P, N]``; ``roots [P, N]`` (inverse roots if ``inverse``).
 
     ``n_inv [P]`` (inverse only): also multiply by N^-1 (else the caller does, :func:`mulmod_rows`). With
     :data:`FUSED` the stages within blocks of :data:`LOCAL` values take one launch (:func:`_ntt_local`).
     ``roots_shoup [P, N]``: the roots' Shoup companions (:func:`fhe.backends.gpu.ntt.shoup`); with
-    :data:`SHOUP` the butterflies multiply with them.
+    :data:`SHOUP` the butterflies multiply with them. ``skip_diag`` (forward, ``x [..., P - 1, P, N]``, only where
+    :func:`skips_diag`): rows ``[..., J, J, :]`` are left as they are (:func:`expand_digits`).
     """
     _check(x, "ntt")
     p, n = roots.shape
@@ -547,6 +567,9 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
     strided = STRIDED and not RADIX4 and local > 1 and s0 > 0
     # lazy values cross from one kernel to the other only between these two (the staged launches expect canonical)
     lazy = LAZY and shoup and local > 1 and (strided or s0 == 0)
+    if skip_diag:
+        assert not inverse and strided and x.dim() >= 3 and x.shape[-3] == p - 1, ("skip_diag", x.shape)
+        rows -= rows // p                                            # the programs of the rows i != J
     if inverse and local > 1:
         _local(x, roots, ws, primes, p, n, s0, logn, local, True, shoup, lazy, final=s0 == 0)
     if strided:                                                      # the staged stages in one launch
@@ -554,6 +577,8 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
         cols = min(cols, n >> s0)
         scale = inverse and FEWER and n_inv is not None
         extra = {"LAZY": True, "FINAL": inverse} if lazy else {}
+        if skip_diag:
+            extra["SKIP_DIAG"] = True
         _ntt_strided[(rows, (n >> s0) // cols)](x, roots, ws, n_inv if scale else primes, primes, p, n,
                                                  LOGN=logn, S0=s0, INVERSE=inverse, SHOUP=shoup, SCALE=scale,
                                                  COLS=cols, num_warps=LOCAL_WARPS, **extra)
@@ -562,7 +587,8 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
         folded = _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, s0 if local > 1 else logn,
                              n_inv if FEWER else None)
     if not inverse and local > 1:
-        _local(x, roots, ws, primes, p, n, s0, logn, local, False, shoup, lazy, final=True)
+        _local(x, roots, ws, primes, p, n, s0, logn, local, False, shoup, lazy, final=True, rows=rows,
+               skip_diag=skip_diag)
     return x if n_inv is None or folded else mulmod_rows(x, n_inv, primes)
 
 
@@ -583,6 +609,48 @@ def _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, upto, n_inv=No
         _ntt_stage[grid](x, roots, ws, n_inv if scale else primes, primes, p, n, m, gap, INVERSE=inverse,
                          SHOUP=shoup, SCALE=scale, BLOCK=BLOCK)
     return bool(order) and inverse and n_inv is not None
+
+
+def skips_diag(n: int) -> bool:
+    """Whether :func:`ntt_` can leave the expanded digits' rows ``[J, J]`` alone at size ``n`` (:data:`SKIP_DIAG`,
+    the strided and local kernels: the path that has the row map)."""
+    local = min(n, LOCAL) if FUSED else 1
+    return SKIP_DIAG and STRIDED and not RADIX4 and 1 < local < n
+
+
+@triton.jit
+def _expand_digits(d_ptr, t_ptr, q_ptr, out_ptr, L, N, BLOCK: tl.constexpr):
+    """out[b, J, i] = t[b, J] where i == J (that row's NTT, which :func:`ntt_` then skips), else d[b, J] mod q_i:
+    the quotient by a float64 estimate (|error| < 1 for d < 2^61, q >= 2^20), then one correction each way."""
+    row = tl.program_id(1)                                           # (b * L + J) * (L + 1) + i
+    i = row % (L + 1)
+    bj = row // (L + 1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    out = out_ptr + row.to(tl.int64) * N + offs
+    if i == bj % L:
+        tl.store(out, tl.load(t_ptr + bj.to(tl.int64) * N + offs, mask=mask), mask=mask)
+    else:
+        q = tl.load(q_ptr + i)
+        d = tl.load(d_ptr + bj.to(tl.int64) * N + offs, mask=mask)
+        est = tl.floor(d.to(tl.float64) * (1.0 / q.to(tl.float64))).to(tl.int64)
+        r = d - est * q
+        r = tl.where(r < 0, r + q, r)
+        tl.store(out, tl.where(r >= q, r - q, r), mask=mask)
+
+
+def expand_digits(d: torch.Tensor, t: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:
+    """Key switching's digits ``d [..., L, N]`` (coefficients, d_J < q_J < 2^61) reduced into the ``L + 1`` ext
+    ``primes`` -> ``[..., L, L + 1, N]``, except rows ``[J, J]``, which get ``t [..., L, N]`` (the NTT-form input the
+    digits came from: NTT_J(d_J mod q_J) = t_J exactly, SEAL's ``switch_key_inplace`` uses it as is). Then
+    :func:`ntt_` with ``skip_diag`` transforms the other rows: the same residues as reducing and transforming all."""
+    _check(d, "digits")
+    _check(t, "input")
+    *lead, lev, n = d.shape
+    assert t.shape == d.shape and primes.numel() == lev + 1 and primes.is_contiguous(), (d.shape, t.shape)
+    out = torch.empty((*lead, lev, lev + 1, n), dtype=torch.int64, device=d.device)
+    _expand_digits[(triton.cdiv(n, BLOCK), out.numel() // n)](d, t, primes, out, lev, n, BLOCK=BLOCK)
+    return out
 
 
 def mulmod_rows(a: torch.Tensor, b: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:
@@ -618,4 +686,5 @@ def inner_product(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor,
     return out if batched else out[0]
 
 
-__all__ = ["addsub_rows", "dot_rows", "inner_product", "mulmod_rows", "ntt_", "round_tail", "sub_scale"]
+__all__ = ["addsub_rows", "dot_rows", "expand_digits", "inner_product", "mulmod_rows", "ntt_", "round_tail",
+           "skips_diag", "sub_scale"]

@@ -85,6 +85,21 @@ _DIAG = textwrap.dedent("""
         got = T.expand_digits(d.contiguous(), t.contiguous(), ext.primes.view(-1).contiguous())
         got = T.ntt_(got, ext.roots, ext.primes.view(-1), inverse=False, roots_shoup=ext.roots_shoup, skip_diag=True)
         assert torch.equal(got, want), (lazy, lead)
+    # the inner product with a hoisted rotation's correction as its starting value, written into a batch's row
+    from types import SimpleNamespace
+    from fhe.backends.gpu import keyswitch as ks
+    lt = SimpleNamespace(ext=ext)
+    g = torch.Generator().manual_seed(7)
+    q = ext.primes
+    D = torch.remainder(torch.randint(0, 1 << 62, (3, 4, n), generator=g), q)               # [L, L+1, N]
+    key = torch.randint(0, 1 << 62, (3, 2, 4, n), generator=g) % q                           # [K, 2, K+1, N]
+    corr = torch.remainder(torch.randint(0, 1 << 62, (2, 4, n), generator=g), q)
+    perm = torch.randperm(n, generator=g)
+    want = ks.addmod(ks.inner_product(D[..., perm], key, lt), corr, q)
+    out = torch.full((2, 2, 4, n), -1, dtype=torch.int64)
+    got = T.inner_product(D, key, q.view(-1).contiguous(), perm, add=corr, out=out[1])
+    assert torch.equal(got, want) and torch.equal(out[1], want) and bool((out[0] == -1).all())
+    assert torch.equal(T.inner_product(D, key, q.view(-1).contiguous()), ks.inner_product(D, key, lt))
     print("ok")
 """)
 
@@ -102,7 +117,8 @@ def test_expanded_digits_skip_their_diagonal_rows_under_the_interpreter():
     """Session 20 (``triton_ops.SKIP_DIAG``): the digits reduced into the ext primes with row [J, J] = the input's
     row J, then the NTT of the other rows, = reducing and transforming every row (the torch reference), one
     decomposition and a batch of two, with the lazy butterflies and without; 60- and 50-bit primes, so the reduction
-    of a larger prime's digit into a smaller prime is exercised."""
+    of a larger prime's digit into a smaller prime is exercised. And the inner product with a hoisted rotation's
+    correction added in the kernel (``keyswitch.FUSED_CORRECTION``), written into a batch's row: = adding after."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

@@ -475,12 +475,14 @@ def _mulmod_rows(a_ptr, b_ptr, out_ptr, q_ptr, P, N, B_SCALAR: tl.constexpr, BLO
 
 
 @triton.jit
-def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N, D_STRIDE, KEY_STRIDE,
-                   PERMUTE: tl.constexpr, BLOCK: tl.constexpr):
+def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, add_ptr, L, R, K1, N, D_STRIDE, KEY_STRIDE,
+                   PERMUTE: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
     """out[b, c, r] = sum_J D[b, J, r, perm] * key[b, J, c, krow(r)] mod q_r; krow = r, or K (special) for
     r = L. Program axis 2 = b * 2 + c: row b of a batch (its digits at ``D_STRIDE``, its key at
     ``KEY_STRIDE``, 0 when the rows share one key); one row is the batch of one. The same products and
-    reductions in the same order for every row, so a row's result does not depend on the batch."""
+    reductions in the same order for every row, so a row's result does not depend on the batch. ``ADD``: the
+    sum starts from ``add[b, c, r]`` (canonical residues, out's layout) instead of 0: the residue of the same
+    sum as adding it after (a hoisted rotation's correction), one pass less."""
     r = tl.program_id(1)
     b = tl.program_id(2) // 2
     c = tl.program_id(2) % 2
@@ -495,13 +497,17 @@ def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N, D_STRI
         src = offs
     d_base = d_ptr + b.to(tl.int64) * D_STRIDE
     k_base = key_ptr + b.to(tl.int64) * KEY_STRIDE
-    acc = tl.zeros((BLOCK,), tl.int64)
+    o = ((b * 2 + c) * R + r).to(tl.int64) * N + offs
+    if ADD:
+        acc = tl.load(add_ptr + o, mask=mask, other=0)
+    else:
+        acc = tl.zeros((BLOCK,), tl.int64)
     for j in range(L):
         d = tl.load(d_base + (j * R + r).to(tl.int64) * N + src, mask=mask)
         k = tl.load(k_base + ((j * 2 + c) * K1 + krow).to(tl.int64) * N + offs, mask=mask)
         acc += _mulmod(d, k, q, qinv)
         acc = tl.where(acc >= q, acc - q, acc)
-    tl.store(out_ptr + ((b * 2 + c) * R + r).to(tl.int64) * N + offs, acc, mask=mask)
+    tl.store(out_ptr + o, acc, mask=mask)
 
 
 @triton.jit
@@ -666,24 +672,33 @@ def mulmod_rows(a: torch.Tensor, b: torch.Tensor, primes: torch.Tensor) -> torch
 
 
 def inner_product(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor,
-                  perm: torch.Tensor | None = None) -> torch.Tensor:
+                  perm: torch.Tensor | None = None, add: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``D [L, L+1, N]`` (digits in every ext prime), ``key [K, 2, K+1, N]`` -> ``[2, L+1, N]``; or a batch:
     ``D [B, L, L+1, N]``, ``key [B, K, 2, K+1, N]`` (row b's key for row b's digits; a batch axis of stride
     0, ``key.expand(B, ...)``, shares one key) -> ``[B, 2, L+1, N]``. ``perm [N]``: read the digits
-    through this slot permutation (a hoisted rotation)."""
+    through this slot permutation (a hoisted rotation). ``add`` (the result's shape, canonical): added to the
+    sum mod q in the same pass. ``out`` (the result's shape, contiguous): written there (a batch's row)."""
     batched = D.dim() == 4
     Db, kb = (D, key) if batched else (D[None], key[None])
     _check(Db, "digits")
-    assert key.dtype == torch.int64 and key.is_cuda and key[(0,) * (key.dim() - 4)].is_contiguous(), "key"
+    assert key.dtype == torch.int64 and key.device == D.device and key[(0,) * (key.dim() - 4)].is_contiguous(), "key"
     b, lev, r, n = Db.shape
     assert r == lev + 1 and kb.shape[0] == b and kb.shape[1] >= lev and kb.shape[2] == 2, (D.shape, key.shape)
     assert kb.shape[4] == n and primes.numel() == r, (D.shape, key.shape, primes.shape)
-    out = torch.empty((b, 2, r, n), dtype=torch.int64, device=D.device)
+    shape = (b, 2, r, n) if batched else (2, r, n)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int64, device=D.device)
+    _check(out, "out")
+    assert out.shape == shape, (out.shape, shape)
+    if add is not None:
+        _check(add, "add")
+        assert add.shape == shape, (add.shape, shape)
     src = perm if perm is not None else Db
-    _inner_product[(triton.cdiv(n, BLOCK), r, 2 * b)](Db, src, kb, primes, out, lev, r, kb.shape[3], n,
-                                                      lev * r * n, kb.stride(0), PERMUTE=perm is not None,
-                                                      BLOCK=BLOCK)
-    return out if batched else out[0]
+    _inner_product[(triton.cdiv(n, BLOCK), r, 2 * b)](Db, src, kb, primes, out, out if add is None else add, lev, r,
+                                                      kb.shape[3], n, lev * r * n, kb.stride(0),
+                                                      PERMUTE=perm is not None, ADD=add is not None, BLOCK=BLOCK)
+    return out
 
 
 __all__ = ["addsub_rows", "dot_rows", "expand_digits", "inner_product", "mulmod_rows", "ntt_", "round_tail",

@@ -57,6 +57,9 @@ def worker(rank: int, args: dict, blobs: dict, barrier, commands, results) -> No
     from fhe.params import ckks_params_for
     from fhe.plan import load_default_plan
 
+    from fhe.backends.gpu import whole_step
+
+    whole_step.CAPTURE_AFTER = 1            # the steady state: the warm-up step captures, the timed rounds replay
     torch.set_num_threads(1)
     cfg, layer, rope, _ = load_layer(Path(args["weights"]), args["layer"])
     lp = load_default_plan().layer(args["layer"])

@@ -53,11 +53,9 @@ def worker(rank: int, args: dict, blobs: dict, barrier, commands, results) -> No
 
     from bench.gpu_attention import load_layer
     from fhe.attention import EncryptedAttentionLayer
-    from fhe.backends.gpu import GpuEvaluator
+    from fhe.backends.gpu import GpuEvaluator, whole_step
     from fhe.params import ckks_params_for
     from fhe.plan import load_default_plan
-
-    from fhe.backends.gpu import whole_step
 
     whole_step.CAPTURE_AFTER = 1            # the steady state: the warm-up step captures, the timed rounds replay
     torch.set_num_threads(1)

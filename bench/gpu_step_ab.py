@@ -9,7 +9,8 @@ each of a variant's steps (each variant has its own evaluator and key set object
 kernels); ``batch`` = both strided, ``evaluator.BATCH_SWITCHES`` off / on; ``lazy`` (session 19) = both with
 the batched switches, ``triton_ops.LAZY`` off / on; ``lazy+batch`` (session 19) = ``triton_ops.LAZY`` and
 ``evaluator.BATCH_SWITCHES`` off / on; ``diag`` (session 20) = ``triton_ops.SKIP_DIAG`` and
-``keyswitch.FUSED_CORRECTION`` off / on (the rest at the defaults); ``s20`` = those two and ``triton_ops.LAZY`` off / on;
+``keyswitch.FUSED_CORRECTION`` off / on (the rest at the defaults); ``s20`` = those two and
+``triton_ops.LAZY`` off / on;
 ``both`` = main as merged before
 session 18 against both switches on. ``--profile``: one step of each at context 128 under
 torch's profiler (kernels, their summed device time, the top kernels by time).

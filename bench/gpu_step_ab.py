@@ -8,9 +8,9 @@
 each of a variant's steps (each variant has its own evaluator and key set object, so its graphs hold its own
 kernels); ``batch`` = both strided, ``evaluator.BATCH_SWITCHES`` off / on; ``lazy`` (session 19) = both with
 the batched switches, ``triton_ops.LAZY`` off / on; ``lazy+batch`` (session 19) = ``triton_ops.LAZY`` and
-``evaluator.BATCH_SWITCHES`` off / on; ``diag`` (session 20) = ``triton_ops.SKIP_DIAG`` and
-``keyswitch.FUSED_CORRECTION`` off / on (the rest at the defaults); ``s20`` = those two and
-``triton_ops.LAZY`` off / on;
+``evaluator.BATCH_SWITCHES`` off / on; ``fuse`` (session 20) = ``triton_ops.SKIP_DIAG``, ``triton_ops.FUSED_FINISH``
+and ``keyswitch.FUSED_CORRECTION`` off / on (the rest at the defaults); ``s20`` = those three and ``triton_ops.LAZY``
+off / on;
 ``both`` = main as merged before
 session 18 against both switches on. ``--profile``: one step of each at context 128 under
 torch's profiler (kernels, their summed device time, the top kernels by time).
@@ -55,15 +55,19 @@ AB = {
                                    ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
                    "new": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): True,
                                   ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): True})},
-    "diag": {"main": (True, {("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): False,
+    "fuse": {"main": (True, {("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): False,
+                             ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): False,
                              ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): False}),
              "new": (True, {("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): True,
+                            ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): True,
                             ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): True})},
     "s20": {"main": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): False,
                             ("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): False,
+                            ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): False,
                             ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): False}),
             "new": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): True,
                            ("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): True,
+                           ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): True,
                            ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): True})},
     "both": {"main": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): False,
                              ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),

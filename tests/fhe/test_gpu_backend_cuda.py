@@ -83,6 +83,7 @@ def test_every_operation_at_n8192(shoup, batch, monkeypatch):
     monkeypatch.setattr(triton_ops, "LAZY", batch)
     monkeypatch.setattr(triton_ops, "SKIP_DIAG", shoup)              # the expanded digits' rows [J, J] not transformed
     monkeypatch.setattr(keyswitch, "FUSED_CORRECTION", shoup)        # the hoisted correction inside the inner product
+    monkeypatch.setattr(triton_ops, "FUSED_FINISH", shoup)           # rounding, NTT, subtract-scale in 2 launches
     monkeypatch.setattr(evaluator, "BATCH_SWITCHES", batch)          # rotate_many/rotate_each finished as batches
     monkeypatch.setattr(triton_ops, "STRIDED", shoup)
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)
@@ -97,6 +98,7 @@ def test_key_switching_at_the_shipped_parameters(shoup, batch, monkeypatch):
     monkeypatch.setattr(triton_ops, "LAZY", batch)
     monkeypatch.setattr(triton_ops, "SKIP_DIAG", shoup)              # the expanded digits' rows [J, J] not transformed
     monkeypatch.setattr(keyswitch, "FUSED_CORRECTION", shoup)        # the hoisted correction inside the inner product
+    monkeypatch.setattr(triton_ops, "FUSED_FINISH", shoup)           # rounding, NTT, subtract-scale in 2 launches
     monkeypatch.setattr(evaluator, "BATCH_SWITCHES", batch)
     monkeypatch.setattr(triton_ops, "STRIDED", shoup)
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)

@@ -100,6 +100,23 @@ _DIAG = textwrap.dedent("""
     got = T.inner_product(D, key, q.view(-1).contiguous(), perm, add=corr, out=out[1])
     assert torch.equal(got, want) and torch.equal(out[1], want) and bool((out[0] == -1).all())
     assert torch.equal(T.inner_product(D, key, q.view(-1).contiguous()), ks.inner_product(D, key, lt))
+    # the finish in two launches: the rounded tail as the strided kernel's input, (x - y) / q_last in the local one
+    from fhe.backends.gpu.rns import drop_last_rounded
+    keep, last = ext.take(slice(0, 3)), ext.take(slice(3, 4))
+    ql = primes[3]
+    inv = torch.tensor([pow(ql, -1, qq) for qq in primes[:3]], dtype=torch.int64).view(-1, 1)
+    for lazy, shoup, lead in itertools.product((False, True), (False, True), ((), (2,))):
+        if lazy and not shoup:
+            continue
+        T.LAZY, T.SHOUP = lazy, shoup
+        g = torch.Generator().manual_seed(11 + len(lead))
+        x = torch.remainder(torch.randint(0, 1 << 62, (*lead, 4, n), generator=g), ext.primes)     # [.., R+1, N]
+        want = drop_last_rounded(x, keep, last, inv, ql)
+        tail = intt(x[..., -1:, :], last)
+        assert T.fuses_finish(n)
+        got = T.rounded_ntt_sub_scale(x.contiguous(), tail.contiguous(), keep.roots, keep.roots_shoup,
+                                      keep.primes.view(-1).contiguous(), inv.view(-1).contiguous(), ql)
+        assert torch.equal(got, want), (lazy, shoup, lead)
     print("ok")
 """)
 
@@ -118,7 +135,9 @@ def test_expanded_digits_skip_their_diagonal_rows_under_the_interpreter():
     row J, then the NTT of the other rows, = reducing and transforming every row (the torch reference), one
     decomposition and a batch of two, with the lazy butterflies and without; 60- and 50-bit primes, so the reduction
     of a larger prime's digit into a smaller prime is exercised. And the inner product with a hoisted rotation's
-    correction added in the kernel (``keyswitch.FUSED_CORRECTION``), written into a batch's row: = adding after."""
+    correction added in the kernel (``keyswitch.FUSED_CORRECTION``), written into a batch's row: = adding after. And
+    the rescale's / key switch's finish in the NTT's two launches (``FUSED_FINISH``) = ``drop_last_rounded``'s torch
+    reference, a 60-bit last prime over 50- and 60-bit kept ones."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

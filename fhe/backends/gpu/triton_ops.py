@@ -59,6 +59,12 @@ LAZY = False
 #: (12 primes). The reduction into the ext primes moves from torch's int64 remainder into the same launch (a float64
 #: quotient estimate). The same residues. False: reduce and transform all rows (before session 20).
 SKIP_DIAG = True
+#: The finish of a key switch and a rescale (``rns.drop_last_rounded``) in two launches instead of four (issue 16,
+#: session 20): the strided NTT kernel reads the last prime's coefficients through :func:`_round_tail`'s rounding as
+#: its first stage's inputs, and the local kernel's last stage subtracts from x and multiplies by q_last^-1
+#: (:func:`_sub_scale`) before it stores: :func:`rounded_ntt_sub_scale`. ~280 such finishes in a decode step at
+#: context 128. The same residues. False: round_tail, the NTT, sub_scale (before session 20).
+FUSED_FINISH = True
 
 
 @triton.jit
@@ -201,6 +207,25 @@ def _butterfly(u, v, w, ws, q, qinv, last, INVERSE: tl.constexpr, SHOUP: tl.cons
 
 
 @triton.jit
+def _reduce_est(x, q):
+    """x mod q for 0 <= x < 2^61 and q >= 2^20: the quotient by a float64 estimate (off by at most one), then one
+    correction each way; exact, so torch's ``remainder``'s residue."""
+    est = tl.floor(x.to(tl.float64) * (1.0 / q.to(tl.float64))).to(tl.int64)
+    r = x - est * q
+    r = tl.where(r < 0, r + q, r)
+    return tl.where(r >= q, r - q, r)
+
+
+@triton.jit
+def _rounded(t, q, ql, half_q):
+    """:func:`_round_tail`'s value: ((t + ql//2 mod ql) mod q - (ql//2 mod q)) mod q, ``half_q`` = (ql//2) mod q."""
+    t = t + (ql >> 1)
+    t = _reduce_est(tl.where(t >= ql, t - ql, t), q)
+    d = t - half_q
+    return tl.where(d < 0, d + q, d)
+
+
+@triton.jit
 def _row_of(k, P, SKIP_DIAG: tl.constexpr):
     """Program ``k``'s (row, prime index) in a ``[..., P, N]`` tensor; ``SKIP_DIAG``: of ``[B, P - 1, P, N]`` expanded
     digits, the rows (b, J, i) with i != J only (:func:`expand_digits` wrote those already in NTT form)."""
@@ -264,15 +289,24 @@ def _ntt_stage2(x_ptr, w_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _ntt_local(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, S0, LOGN: tl.constexpr, INVERSE: tl.constexpr,
+def _sub_times(x, y, sc, q, qinv):
+    """(x - y) * sc mod q (:func:`_sub_scale`'s arithmetic)."""
+    d = x - y
+    d = tl.where(d < 0, d + q, d)
+    return _mulmod(d, sc + tl.zeros(d.shape, tl.int64), q, qinv)
+
+
+@triton.jit
+def _ntt_local(x_ptr, w_ptr, ws_ptr, q_ptr, aux_ptr, sc_ptr, P, N, S0, LOGN: tl.constexpr, INVERSE: tl.constexpr,
                SHOUP: tl.constexpr, HALF: tl.constexpr, LAZY: tl.constexpr = False, FINAL: tl.constexpr = True,
-               SKIP_DIAG: tl.constexpr = False):
+               SKIP_DIAG: tl.constexpr = False, SUB_SCALE: tl.constexpr = False):
     """The stages of :func:`_ntt_stage` whose butterflies stay inside blocks of 2 HALF values (gap <= HALF:
     stages S0..LOGN-1), all in one program per block: the block stays in the cache between stages, a CTA
     barrier after each (a stage's butterflies touch disjoint pairs, so one barrier orders it before the
     next). Forward they are the last stages, inverse the first; the rest stay staged launches. ``LAZY``
     (:data:`LAZY`): Harvey's butterflies, canonical outputs in the last stage where ``FINAL``. ``SKIP_DIAG``:
-    :func:`_row_of`'s."""
+    :func:`_row_of`'s. ``SUB_SCALE`` (forward, :data:`FUSED_FINISH`): the last stage stores
+    ``(aux[m, p] - y) * sc[p] mod q`` instead of y (:func:`_sub_scale`; ``aux`` has P + 1 rows per m, row = m P + p)."""
     row, p = _row_of(tl.program_id(0), P, SKIP_DIAG)
     q = tl.load(q_ptr + p)
     qinv = 1.0 / q.to(tl.float64)
@@ -293,28 +327,40 @@ def _ntt_local(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, S0, LOGN: tl.constexpr, INVERS
         ws = w
         if SHOUP:
             ws = tl.load(ws_ptr + p.to(tl.int64) * N + (1 << s) + i)
-        a, b = _butterfly(u, v, w, ws, q, qinv, t == LOGN - S0 - 1, INVERSE, SHOUP, LAZY, FINAL)
+        last = t == LOGN - S0 - 1
+        a, b = _butterfly(u, v, w, ws, q, qinv, last, INVERSE, SHOUP, LAZY, FINAL)
+        if SUB_SCALE:
+            if last:                                                 # the finish: (x - y) * scale, in place
+                xb = aux_ptr + ((row // P) * (P + 1) + p).to(tl.int64) * N
+                sc = tl.load(sc_ptr + p)
+                a = _sub_times(tl.load(xb + idx), a, sc, q, qinv)
+                b = _sub_times(tl.load(xb + idx + (1 << sh)), b, sc, q, qinv)
         tl.store(base + idx, a)
         tl.store(base + idx + (1 << sh), b)
         tl.debug_barrier()
 
 
 def _local(x, roots, ws, primes, p, n, s0, logn, local, inverse, shoup, lazy=False, final=True, rows=None,
-           skip_diag=False) -> None:
+           skip_diag=False, sub_scale=None) -> None:
     """The local stages by :func:`_ntt_local` (``lazy``: its Harvey butterflies, canonical at the end where
-    ``final``; ``rows``: programs on axis 0, ``skip_diag``: :func:`_row_of`'s)."""
+    ``final``; ``rows``: programs on axis 0, ``skip_diag``: :func:`_row_of`'s; ``sub_scale``: (x, scale) of its
+    ``SUB_SCALE`` epilogue)."""
     rows = x.numel() // n if rows is None else rows
     extra = {"LAZY": True, "FINAL": final} if lazy else {}
     if skip_diag:
         extra["SKIP_DIAG"] = True
-    _ntt_local[(rows, n // local)](x, roots, ws, primes, p, n, s0, LOGN=logn, INVERSE=inverse, SHOUP=shoup,
+    aux, sc = (x, primes) if sub_scale is None else sub_scale
+    if sub_scale is not None:
+        extra["SUB_SCALE"] = True
+    _ntt_local[(rows, n // local)](x, roots, ws, primes, aux, sc, p, n, s0, LOGN=logn, INVERSE=inverse, SHOUP=shoup,
                                    HALF=local // 2, num_warps=LOCAL_WARPS, **extra)
 
 
 @triton.jit
-def _ntt_strided(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, P, N, LOGN: tl.constexpr, S0: tl.constexpr,
+def _ntt_strided(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, aux_ptr, P, N, QL, LOGN: tl.constexpr, S0: tl.constexpr,
                  INVERSE: tl.constexpr, SHOUP: tl.constexpr, SCALE: tl.constexpr, COLS: tl.constexpr,
-                 LAZY: tl.constexpr = False, FINAL: tl.constexpr = True, SKIP_DIAG: tl.constexpr = False):
+                 LAZY: tl.constexpr = False, FINAL: tl.constexpr = True, SKIP_DIAG: tl.constexpr = False,
+                 ROUND: tl.constexpr = False):
     """Stages 0..S0-1 of :func:`_ntt_stage` (gap = 2^sh >= C = N >> S0) in one launch, in the transform's
     order (forward 0 up, inverse S0-1 down; ``SCALE``: the inverse's last one times N^-1 too, as
     :func:`_ntt_stage`'s). View a row as ``[2^S0, C]`` (value ``k*C + j``): these stages only pair values of one
@@ -322,7 +368,9 @@ def _ntt_strided(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, P, N, LOGN: tl.constexpr
     stage (as :func:`_ntt_local`). Butterfly ``t`` of a stage: column ``j0 + t % COLS``, ``kk = t // COLS``;
     its lower value has ``k`` = kk with a 0 bit inserted at bit ``sh - log2 C`` and twiddle index
     ``2^s + (kk >> (sh - log2 C))`` (= :func:`_ntt_stage`'s ``m + i``). ``LAZY``, ``FINAL``, ``SKIP_DIAG``: as
-    :func:`_ntt_local`'s."""
+    :func:`_ntt_local`'s. ``ROUND`` (forward, :data:`FUSED_FINISH`): the first stage reads its inputs from
+    ``aux [M, 1, N]`` (the last prime's coefficients, row = m P + p) through :func:`_rounded` (``QL`` the last
+    prime) instead of from x: :func:`_round_tail` in the same pass."""
     LOGC: tl.constexpr = LOGN - S0
     row, p = _row_of(tl.program_id(0), P, SKIP_DIAG)
     q = tl.load(q_ptr + p)
@@ -342,8 +390,14 @@ def _ntt_strided(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, P, N, LOGN: tl.constexpr
         i = kk >> pb
         idx = (((i << (pb + 1)) | (kk & ((1 << pb) - 1))) << LOGC) + j
         gap = 1 << (LOGN - 1 - s)
-        u = tl.load(base + idx)
-        v = tl.load(base + idx + gap)
+        if ROUND and tt == 0:                                        # the rounded tail, reduced into q_p
+            tb = aux_ptr + (row // P).to(tl.int64) * N
+            hq = (QL >> 1) % q
+            u = _rounded(tl.load(tb + idx), q, QL, hq)
+            v = _rounded(tl.load(tb + idx + gap), q, QL, hq)
+        else:
+            u = tl.load(base + idx)
+            v = tl.load(base + idx + gap)
         w = tl.load(wrow + (1 << s) + i)
         ws = w
         if SHOUP:
@@ -585,7 +639,7 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
         extra = {"LAZY": True, "FINAL": inverse} if lazy else {}
         if skip_diag:
             extra["SKIP_DIAG"] = True
-        _ntt_strided[(rows, (n >> s0) // cols)](x, roots, ws, n_inv if scale else primes, primes, p, n,
+        _ntt_strided[(rows, (n >> s0) // cols)](x, roots, ws, n_inv if scale else primes, primes, x, p, n, 0,
                                                  LOGN=logn, S0=s0, INVERSE=inverse, SHOUP=shoup, SCALE=scale,
                                                  COLS=cols, num_warps=LOCAL_WARPS, **extra)
         folded = scale
@@ -615,6 +669,41 @@ def _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, upto, n_inv=No
         _ntt_stage[grid](x, roots, ws, n_inv if scale else primes, primes, p, n, m, gap, INVERSE=inverse,
                          SHOUP=shoup, SCALE=scale, BLOCK=BLOCK)
     return bool(order) and inverse and n_inv is not None
+
+
+def fuses_finish(n: int) -> bool:
+    """Whether :func:`rounded_ntt_sub_scale` runs at size ``n`` (:data:`FUSED_FINISH` and the strided and local
+    kernels, which carry its prologue and epilogue)."""
+    local = min(n, LOCAL) if FUSED else 1
+    return FUSED_FINISH and STRIDED and not RADIX4 and 1 < local < n
+
+
+def rounded_ntt_sub_scale(x: torch.Tensor, tail: torch.Tensor, roots: torch.Tensor, roots_shoup: torch.Tensor,
+                          primes: torch.Tensor, scale: torch.Tensor, q_last: int) -> torch.Tensor:
+    """``drop_last_rounded``'s device part in two launches (where :func:`fuses_finish`): ``x [..., R+1, N]``
+    (NTT form), ``tail [..., 1, N]`` (its last row's coefficients) -> ``(x[..., :R, :] - NTT(round_tail(tail)))
+    * scale mod q``, the strided kernel reading the tail through the rounding (``ROUND``) and the local kernel
+    subtracting and scaling in its last stage (``SUB_SCALE``): :func:`round_tail`, :func:`ntt_` and
+    :func:`sub_scale`'s residues without their two launches and two passes over ``[..., R, N]``."""
+    _check(x, "x")
+    _check(tail, "tail")
+    r, n = primes.numel(), x.shape[-1]
+    assert roots.shape == (r, n) and x.shape[-2] == r + 1 and tail.shape == (*x.shape[:-2], 1, n), (x.shape, tail.shape)
+    assert scale.numel() == r and scale.is_contiguous() and fuses_finish(n), (scale.shape, n)
+    out = torch.empty((*x.shape[:-2], r, n), dtype=torch.int64, device=x.device)
+    shoup = SHOUP and roots_shoup is not None
+    ws = roots_shoup if shoup else roots
+    rows, logn = out.numel() // n, n.bit_length() - 1
+    local = min(n, LOCAL)
+    s0 = logn - (local.bit_length() - 1)
+    lazy = LAZY and shoup
+    cols = min(max(1, STRIDED_BUTTERFLIES >> (s0 - 1)), n >> s0)
+    extra = {"LAZY": True, "FINAL": False} if lazy else {}
+    _ntt_strided[(rows, (n >> s0) // cols)](out, roots, ws, primes, primes, tail, r, n, q_last, LOGN=logn, S0=s0,
+                                            INVERSE=False, SHOUP=shoup, SCALE=False, COLS=cols, ROUND=True,
+                                            num_warps=LOCAL_WARPS, **extra)
+    _local(out, roots, ws, primes, r, n, s0, logn, local, False, shoup, lazy, final=True, sub_scale=(x, scale))
+    return out
 
 
 def skips_diag(n: int) -> bool:
@@ -701,5 +790,5 @@ def inner_product(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor,
     return out
 
 
-__all__ = ["addsub_rows", "dot_rows", "expand_digits", "inner_product", "mulmod_rows", "ntt_", "round_tail",
-           "skips_diag", "sub_scale"]
+__all__ = ["addsub_rows", "dot_rows", "expand_digits", "fuses_finish", "inner_product", "mulmod_rows", "ntt_",
+           "round_tail", "rounded_ntt_sub_scale", "skips_diag", "sub_scale"]

@@ -10,7 +10,7 @@ kernels); ``batch`` = both strided, ``evaluator.BATCH_SWITCHES`` off / on; ``laz
 the batched switches, ``triton_ops.LAZY`` off / on; ``lazy+batch`` (session 19) = ``triton_ops.LAZY`` and
 ``evaluator.BATCH_SWITCHES`` off / on; ``fuse`` (session 20) = ``triton_ops.SKIP_DIAG``, ``triton_ops.FUSED_FINISH``
 and ``keyswitch.FUSED_CORRECTION`` off / on (the rest at the defaults); ``s20`` = those three and ``triton_ops.LAZY``
-off / on;
+off / on; ``warps`` = ``triton_ops.LOCAL_WARPS`` (the local and strided NTT kernels' warps) 4 / 8;
 ``both`` = main as merged before
 session 18 against both switches on. ``--profile``: one step of each at context 128 under
 torch's profiler (kernels, their summed device time, the top kernels by time).
@@ -69,6 +69,8 @@ AB = {
                            ("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): True,
                            ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): True,
                            ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): True})},
+    "warps": {"main": (True, {("fhe.backends.gpu.triton_ops", "LOCAL_WARPS"): 4}),
+              "new": (True, {("fhe.backends.gpu.triton_ops", "LOCAL_WARPS"): 8})},
     "both": {"main": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): False,
                              ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
              "new": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): True,

@@ -188,12 +188,12 @@ class PackedMap:
 #: 0 by default: built after session 19's last device call, = SEAL on the CPU reference (CI), not yet run on CUDA or
 #: timed (``bench/gpu_packed.py --ab-group`` A/Bs it against 8). A group of 8 holds ~8x one shift's plaintexts (about
 #: 430 MB at 12 primes for a 17-baby map) while it is used.
-SHIFT_GROUP = 0
+SHIFT_GROUP = 8
 #: The chunk's per-row output maps (``enc_out``, ``enc_z``: ~1,670 of a 28-token chunk's ~2,380 key switches, at
 #: low levels where a switch is a few µs of launches) as one batch over its rows on the gpu backend (session 19: the
 #: outputs took 0.21 s of a 0.74 s chunk on an H100). Off by default: built after the last device call, = SEAL on
 #: the CPU reference (CI), not yet run on CUDA or timed. Each row's ciphertext is the same either way.
-BATCH_ROWS = False
+BATCH_ROWS = True
 
 
 def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[PackedMap], rows: int,

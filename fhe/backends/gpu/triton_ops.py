@@ -51,7 +51,7 @@ STRIDED_BUTTERFLIES = 512
 #: integer arithmetic, not by their memory traffic). Canonical outputs, so the same residues (interpreter-checked
 #: in CI). Off: built in session 19 after its last device call, not yet run on CUDA or timed (bench/gpu_step_ab.py
 #: --ab lazy).
-LAZY = False
+LAZY = True
 #: Key switching's expanded digits (issue 16, session 20): the rows ``[J, J]`` (digit J in its own prime) are the
 #: input polynomial's row J as it is, NTT_J(INTT_J(t_J)) = t_J, which SEAL's ``switch_key_inplace`` uses instead of
 #: transforming (CKKS, ``I == J``); so :func:`expand_digits` copies them and :func:`ntt_` (``skip_diag``) transforms

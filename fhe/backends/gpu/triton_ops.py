@@ -23,7 +23,9 @@ RADIX4 = False
 #: microseconds, 52 of them NTT stages; now 3 + 1 per transform). False: every stage its own launch.
 FUSED = True
 LOCAL = 1024
-LOCAL_WARPS = 4
+#: warps per program of :func:`_ntt_local` and :func:`_ntt_strided` (issue 16, session 20: 4 -> 8 took the decode step
+#: at context 128 from 49.3 to 47.0 ms on an H100, interleaved in one run, the same outputs; docs/benchmarks.md)
+LOCAL_WARPS = 8
 #: NTT twiddle products by Shoup's method (the tables' precomputed floor(w 2^64 / q): one 64-bit high product
 #: and two wrapping ones) instead of :func:`_mulmod`'s three float64-estimated 30-bit partial products (issue
 #: 16). Both give the canonical residue, so the transforms are the same bit for bit. Measured on an H100: 6-14 %
@@ -45,25 +47,28 @@ STRIDED = True
 STRIDED_BUTTERFLIES = 512
 #: Harvey's lazy butterflies in :func:`_ntt_local` and :func:`_ntt_strided` (with :data:`SHOUP` and :data:`STRIDED`):
 #: values stay in [0, 4q) forward and [0, 2q) inverse between stages (Shoup's product without its correction, one
-#: compare-and-subtract per butterfly instead of three) and are made canonical in the transform's last stage
-#: (issue 16, session 19: kernels that kept a block's stages in registers instead of ten global round trips were
-#: no faster, 19.5 vs 19.4 ms of a decode step on an H100, and were removed; so the NTT kernels are bound by their
-#: integer arithmetic, not by their memory traffic). Canonical outputs, so the same residues (interpreter-checked
-#: in CI). Off: built in session 19 after its last device call, not yet run on CUDA or timed (bench/gpu_step_ab.py
-#: --ab lazy).
+#: compare-and-subtract per butterfly instead of three) and are made canonical in the transform's last stage.
+#: Canonical outputs, so the same residues (interpreter-checked in CI; on an H100 every operation = SEAL with it on).
+#: Measured in session 20 (H100, three variants in turn): the decode step 52.47 -> 52.21 ms at context 128, 39.94 ->
+#: 38.66 at 16, 100.17 -> 100.44 at 512, all inside the run's spread; kernels 41.96 -> 41.75 ms (the strided stages
+#: -4 %, the local ones +1 %): the compare-and-selects were not what the NTT kernels wait on either. On: never slower
+#: where it counts, and every other figure of that call was measured with it on.
 LAZY = True
 #: Key switching's expanded digits (issue 16, session 20): the rows ``[J, J]`` (digit J in its own prime) are the
 #: input polynomial's row J as it is, NTT_J(INTT_J(t_J)) = t_J, which SEAL's ``switch_key_inplace`` uses instead of
 #: transforming (CKKS, ``I == J``); so :func:`expand_digits` copies them and :func:`ntt_` (``skip_diag``) transforms
 #: the other L of each digit's L + 1 rows: 144 instead of 156 row transforms per decomposition at the top level
 #: (12 primes). The reduction into the ext primes moves from torch's int64 remainder into the same launch (a float64
-#: quotient estimate). The same residues. False: reduce and transform all rows (before session 20).
+#: quotient estimate). The same residues. False: reduce and transform all rows (before session 20). With
+#: :data:`FUSED_FINISH` (H100, session 20): the decode step at context 128 58.45 -> 52.47 ms, 5,354 -> 4,792 kernels,
+#: 47.16 -> 41.96 ms of kernels, the same outputs.
 SKIP_DIAG = True
 #: The finish of a key switch and a rescale (``rns.drop_last_rounded``) in two launches instead of four (issue 16,
 #: session 20): the strided NTT kernel reads the last prime's coefficients through :func:`_round_tail`'s rounding as
 #: its first stage's inputs, and the local kernel's last stage subtracts from x and multiplies by q_last^-1
 #: (:func:`_sub_scale`) before it stores: :func:`rounded_ntt_sub_scale`. ~280 such finishes in a decode step at
-#: context 128. The same residues. False: round_tail, the NTT, sub_scale (before session 20).
+#: context 128 (measured: 562 kernels fewer, exactly two per finish). The same residues. False: round_tail, the NTT,
+#: sub_scale (before session 20).
 FUSED_FINISH = True
 
 

@@ -128,7 +128,7 @@ def ab_group(args, packed_chunk, as_the_sdk, res: dict) -> None:
 MAIN_SWITCHES = {("fhe.backends.gpu.triton_ops", "LAZY"): False, ("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): False,
                  ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): False,
                  ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): False, ("fhe.packed", "SHIFT_GROUP"): 0,
-                 ("fhe.packed", "BATCH_ROWS"): False}
+                 ("fhe.packed", "BATCH_ROWS"): False, ("fhe.backends.gpu.triton_ops", "LOCAL_WARPS"): 4}
 
 
 def ab_main(args, s: dict, chunk, rest, res: dict) -> None:

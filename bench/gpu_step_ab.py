@@ -10,7 +10,8 @@ kernels); ``batch`` = both strided, ``evaluator.BATCH_SWITCHES`` off / on; ``laz
 the batched switches, ``triton_ops.LAZY`` off / on; ``lazy+batch`` (session 19) = ``triton_ops.LAZY`` and
 ``evaluator.BATCH_SWITCHES`` off / on; ``fuse`` (session 20) = ``triton_ops.SKIP_DIAG``, ``triton_ops.FUSED_FINISH``
 and ``keyswitch.FUSED_CORRECTION`` off / on (the rest at the defaults); ``s20`` = those three and ``triton_ops.LAZY``
-off / on; ``s20x3`` = three variants, main (the four off) / ``fuse`` (the three fusions, LAZY off) / new (all four);
+off / on; ``s20x3`` = three variants, main (the four off) / ``fuse`` (the three fusions, LAZY off) / new (all four;
+session 20 ran it with ``LOCAL_WARPS`` 4, then the default, in all three);
 ``warps`` = ``triton_ops.LOCAL_WARPS`` (the local and strided NTT kernels' warps) 4 / 8;
 ``both`` = main as merged before
 session 18 against both switches on. ``--profile``: one step of each at context 128 under

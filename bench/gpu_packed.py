@@ -14,6 +14,9 @@ What it measures, in one run, from the same client ciphertexts and keys (level-a
 * fidelity: the GPU chunk's decrypted outputs against the plaintext simulator and the GPU token path.
 * ``--ab-group G [--ab-rows]``: ``fhe.packed.SHIFT_GROUP`` 0 (one band shift at a time) against G (and
   ``BATCH_ROWS`` off against on), in turn.
+* ``--ab-main`` (session 20): main's switches as merged before session 20 (:data:`MAIN_SWITCHES`: the NTT's lazy
+  butterflies, the key switch's fusions, SHIFT_GROUP, BATCH_ROWS all off) on a second evaluator, block and key set
+  object against the defaults, in turn. ``--quick``: stop after the timings and A/Bs.
 * ``--profile``: one chunk with its parts timed (:data:`PHASES`) and one under torch's profiler.
 * then (``--marker`` is written first, so a caller may start other GPU work: this part is CPU only) the
   same chunk on the SEAL backend (CPU, one thread, as in a worker): the decrypted outputs' largest
@@ -121,6 +124,56 @@ def ab_group(args, packed_chunk, as_the_sdk, res: dict) -> None:
     print(f"ab shift group: {json.dumps(res['ab_shift_group'])}", flush=True)
 
 
+#: --ab-main: main's switches (as merged before session 20), set before each of main's runs on its own evaluator
+MAIN_SWITCHES = {("fhe.backends.gpu.triton_ops", "LAZY"): False, ("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): False,
+                 ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): False,
+                 ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): False, ("fhe.packed", "SHIFT_GROUP"): 0,
+                 ("fhe.packed", "BATCH_ROWS"): False, ("fhe.backends.gpu.triton_ops", "LOCAL_WARPS"): 4}
+
+
+def ab_main(args, s: dict, chunk, rest, res: dict) -> None:
+    """``--ab-main``: main's switches (:data:`MAIN_SWITCHES`) on a second evaluator, block and key set object (its
+    graphs hold main's kernels) against this tree's defaults on the first, one run of each in turn (``--repeat``
+    rounds after a warm-up round), the chunk and the 32 tokens as the SDK sends them; outputs equal residue for
+    residue?"""
+    import importlib
+
+    from fhe.backends.gpu import GpuEvaluator
+
+    ev = GpuEvaluator(s["params"], device=args.device, encoder="fft")
+    blocks = {"main": EncryptedAttentionLayer(s["layer"], s["rope"], s["lp"], s["cfg"], s["params"], max_tokens=1024,
+                                              evaluator=ev), "new": s["gpu"]}
+    keys = {"main": ev.keys_from_server(s["server"]), "new": s["keys"]}
+    saved = {k: getattr(importlib.import_module(k[0]), k[1]) for k in MAIN_SWITCHES}
+    switches = {"main": MAIN_SWITCHES, "new": saved}
+    b = s["gpu"].packed_chunk
+
+    def switch(values):
+        for (mod, attr), v in values.items():
+            setattr(importlib.import_module(mod), attr, v)
+
+    def run(var, sdk):
+        blk, k = blocks[var], keys[var]
+        cache = blk.new_cache()
+        out = blk.prefill_packed(cache, chunk, 0, b, k)
+        return out + blk.prefill(cache, rest, b, k) if sdk else out
+
+    rows = {}
+    for name, sdk in (("chunk", False), ("as_sdk", True)):
+        times: dict[str, list] = {"main": [], "new": []}
+        outs = {}
+        for _ in range(args.repeat + 1):                              # the first round: warm-up
+            for var in ("main", "new"):
+                switch(switches[var])
+                sec, outs[var] = _median_s(lambda var=var, sdk=sdk: run(var, sdk), 1)
+                times[var].append(round(sec, 4))
+        switch(saved)
+        rows[name] = {v: {"median_s": statistics.median(t[1:]), "all_s": t} for v, t in times.items()}
+        rows[name]["same"] = all(torch.equal(x.data, y.data) for x, y in zip(outs["main"], outs["new"], strict=True))
+    res["ab_main"] = {v: {f"{m}.{a}": x for (m, a), x in sw.items()} for v, sw in switches.items()} | rows
+    print(f"ab main: {json.dumps(res['ab_main'])}", flush=True)
+
+
 def gpu_part(args, s: dict, res: dict) -> None:
     """The GPU timings and the fidelity checks (see the module docstring)."""
     cfg, layer, rope, x, lp, gpu, client, keys = (s[k] for k in ("cfg", "layer", "rope", "x", "lp", "gpu",
@@ -145,8 +198,13 @@ def gpu_part(args, s: dict, res: dict) -> None:
     res["packed_32_as_sdk_s"], _ = _median_s(as_the_sdk, args.repeat)
     print(f"packed chunk of {b}: {res['packed_chunk_s']:.3f} s; {len(xs)} as the SDK sends them: "
           f"{res['packed_32_as_sdk_s']:.3f} s", flush=True)
+    if args.ab_main:
+        ab_main(args, s, chunk, rest, res)
     if args.ab_group:
         ab_group(args, packed_chunk, as_the_sdk, res)
+    if args.quick:
+        print(json.dumps(res), flush=True)
+        return
     if args.profile and args.device == "cuda":
         from bench.gpu_decode import _profile
 
@@ -197,6 +255,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="the chunk's parts timed, its kernels profiled")
     ap.add_argument("--ab-group", type=int, default=0, help="fhe.packed.SHIFT_GROUP 0 against this, in turn")
     ap.add_argument("--ab-rows", action="store_true", help="with --ab-group: fhe.packed.BATCH_ROWS on in 'new'")
+    ap.add_argument("--ab-main", action="store_true", help="main's switches, own evaluator, against the defaults")
+    ap.add_argument("--quick", action="store_true", help="stop after the timings and A/Bs (no token path, fidelity)")
     ap.add_argument("--marker", type=Path, help="touched when the GPU part is done")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

@@ -14,6 +14,9 @@ the block on the real layer weights (on-device encoder), fills each of its sessi
 ``--context`` - 1 with random residues and steps one decode token per session per round (a step's cost
 does not depend on the values). Workers start each configuration at a barrier; aggregate = tokens over
 (last end - first start). Device bytes per session (its KV cache) and per worker (keys + plaintexts) too.
+``--own-keys`` (session 20): each session steps with its own copy of the key set in device memory, as sessions
+of distinct clients do (their whole-step graphs then copy each session's keys in; its bytes are reported per
+session); without it every session of a worker uses the worker's one key set.
 """
 
 from __future__ import annotations
@@ -47,16 +50,25 @@ def _fill(block, tokens: int) -> object:
     return cache
 
 
+def _copy_keys(keys):
+    """The same key set in new device memory (another client's keys occupy their own)."""
+    from fhe.backends.gpu.keys import GpuKeys
+
+    return GpuKeys(keys.params, keys.relin.clone(), {e: k.clone() for e, k in keys.galois.items()},
+                   keys.rotation_steps, keys.fingerprint)
+
+
 def worker(rank: int, args: dict, blobs: dict, barrier, commands, results) -> None:
     """One GPU worker: block + keys once, then one timed round per command."""
     import torch
 
     from bench.gpu_attention import load_layer
     from fhe.attention import EncryptedAttentionLayer
-    from fhe.backends.gpu import GpuEvaluator
+    from fhe.backends.gpu import GpuEvaluator, whole_step
     from fhe.params import ckks_params_for
     from fhe.plan import load_default_plan
 
+    whole_step.CAPTURE_AFTER = 1            # the steady state: the warm-up step captures, the timed rounds replay
     torch.set_num_threads(1)
     cfg, layer, rope, _ = load_layer(Path(args["weights"]), args["layer"])
     lp = load_default_plan().layer(args["layer"])
@@ -80,15 +92,19 @@ def worker(rank: int, args: dict, blobs: dict, barrier, commands, results) -> No
         cts = [_random_ct(ev, ev.top) for _ in range(n)]
         torch.cuda.synchronize()
         per_session = (torch.cuda.memory_allocated() - before) / n if n else 0.0
+        # each session its own key set (a copy on the device, as distinct clients' keys are) or all the worker's
+        own = [_copy_keys(keys) for _ in range(n)] if args.get("own_keys") else [keys] * n
+        torch.cuda.synchronize()
+        per_session_keys = (torch.cuda.memory_allocated() - before) / n - per_session if n else 0.0
         barrier.wait()
         t0 = time.time()
         for _ in range(rounds):
-            for cache, snap, ct in zip(caches, snaps, cts, strict=True):
+            for cache, snap, ct, k in zip(caches, snaps, cts, own, strict=True):
                 cache.k_blocks, cache.v_blocks, cache.length = list(snap[0]), list(snap[1]), snap[2]
-                block.forward(cache, ct, ctx - 1, keys)
+                block.forward(cache, ct, ctx - 1, k)
         torch.cuda.synchronize()
-        results.put(("done", rank, t0, time.time(), n * rounds, per_session))
-        del caches, snaps, cts
+        results.put(("done", rank, t0, time.time(), n * rounds, per_session, per_session_keys))
+        del caches, snaps, cts, own
 
 
 def run_config(procs: list, commands, results, barrier_n: int, sessions: int, active: int, rounds: int) -> dict:
@@ -103,7 +119,8 @@ def run_config(procs: list, commands, results, barrier_n: int, sessions: int, ac
     tokens = sum(d[4] for d in busy)
     return {"sessions": sessions, "workers": active, "rounds": rounds, "seconds": end - start,
             "tokens_per_s_per_layer": tokens / (end - start),
-            "device_bytes_per_session_cache": max(d[5] for d in busy)}
+            "device_bytes_per_session_cache": max(d[5] for d in busy),
+            "device_bytes_per_session_keys": max(d[6] for d in busy)}
 
 
 def main() -> None:
@@ -114,6 +131,7 @@ def main() -> None:
     ap.add_argument("--procs", default="1,2,4,8")
     ap.add_argument("--sessions", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--own-keys", action="store_true", help="each session its own copy of the key set on the device")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     import torch
@@ -134,7 +152,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(n), ctx.Queue()
     commands = [ctx.Queue() for _ in range(n)]
-    conf = {"weights": str(args.weights), "layer": args.layer, "context": args.context}
+    conf = {"weights": str(args.weights), "layer": args.layer, "context": args.context, "own_keys": args.own_keys}
     procs = [ctx.Process(target=worker, args=(r, conf, blobs, barrier, commands[r], results)) for r in range(n)]
     t = time.time()
     for p in procs:

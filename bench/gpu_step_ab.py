@@ -8,7 +8,12 @@
 each of a variant's steps (each variant has its own evaluator and key set object, so its graphs hold its own
 kernels); ``batch`` = both strided, ``evaluator.BATCH_SWITCHES`` off / on; ``lazy`` (session 19) = both with
 the batched switches, ``triton_ops.LAZY`` off / on; ``lazy+batch`` (session 19) = ``triton_ops.LAZY`` and
-``evaluator.BATCH_SWITCHES`` off / on; ``both`` = main as merged before
+``evaluator.BATCH_SWITCHES`` off / on; ``fuse`` (session 20) = ``triton_ops.SKIP_DIAG``, ``triton_ops.FUSED_FINISH``
+and ``keyswitch.FUSED_CORRECTION`` off / on (the rest at the defaults); ``s20`` = those three and ``triton_ops.LAZY``
+off / on; ``s20x3`` = three variants, main (the four off) / ``fuse`` (the three fusions, LAZY off) / new (all four;
+session 20 ran it with ``LOCAL_WARPS`` 4, then the default, in all three);
+``warps`` = ``triton_ops.LOCAL_WARPS`` (the local and strided NTT kernels' warps) 4 / 8;
+``both`` = main as merged before
 session 18 against both switches on. ``--profile``: one step of each at context 128 under
 torch's profiler (kernels, their summed device time, the top kernels by time).
 
@@ -52,6 +57,34 @@ AB = {
                                    ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
                    "new": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): True,
                                   ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): True})},
+    "fuse": {"main": (True, {("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): False,
+                             ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): False,
+                             ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): False}),
+             "new": (True, {("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): True,
+                            ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): True,
+                            ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): True})},
+    "s20": {"main": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): False,
+                            ("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): False,
+                            ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): False,
+                            ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): False}),
+            "new": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): True,
+                           ("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): True,
+                           ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): True,
+                           ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): True})},
+    "s20x3": {"main": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): False,
+                              ("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): False,
+                              ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): False,
+                              ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): False}),
+              "fuse": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): False,
+                              ("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): True,
+                              ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): True,
+                              ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): True}),
+              "new": (True, {("fhe.backends.gpu.triton_ops", "LAZY"): True,
+                             ("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): True,
+                             ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): True,
+                             ("fhe.backends.gpu.keyswitch", "FUSED_CORRECTION"): True})},
+    "warps": {"main": (True, {("fhe.backends.gpu.triton_ops", "LOCAL_WARPS"): 4}),
+              "new": (True, {("fhe.backends.gpu.triton_ops", "LOCAL_WARPS"): 8})},
     "both": {"main": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): False,
                              ("fhe.backends.gpu.evaluator", "BATCH_SWITCHES"): False}),
              "new": (True, {("fhe.backends.gpu.triton_ops", "STRIDED"): True,
@@ -164,10 +197,10 @@ def main() -> None:
             for n in runs:
                 times[n].append(round(_ms(lambda n=n: step_fn(n)), 2))
         row = {n: {"median_ms": round(statistics.median(t), 2), "all_ms": t} for n, t in times.items()}
-        row["same"] = bool(torch.equal(outs["main"], outs["new"]))
+        row["same"] = all(bool(torch.equal(outs["main"], o)) for o in outs.values())   # every variant = main's
         res["contexts"][ctx] = row
-        print(f"decode @ {ctx}: main {row['main']['median_ms']} ms, new {row['new']['median_ms']} ms, "
-              f"same {row['same']}", flush=True)
+        print(f"decode @ {ctx}: " + ", ".join(f"{n} {row[n]['median_ms']} ms" for n in runs) + f", same {row['same']}",
+              flush=True)
         if args.profile and ctx == 128:
             from bench.gpu_decode import _profile
 

@@ -185,15 +185,16 @@ class PackedMap:
 #: band shifts whose diagonals a device-side map (``w`` a torch tensor) builds and encodes together: one gather and
 #: one batched encode per group instead of per shift (issue 16, session 19: the chunk's 192 shifts each paid two
 #: host syncs and ~40 launches for ~17 diagonals). 0: one shift at a time (:meth:`PackedMap.diagonals`), as before.
-#: 0 by default: built after session 19's last device call, = SEAL on the CPU reference (CI), not yet run on CUDA or
-#: timed (``bench/gpu_packed.py --ab-group`` A/Bs it against 8). A group of 8 holds ~8x one shift's plaintexts (about
-#: 430 MB at 12 primes for a 17-baby map) while it is used.
-SHIFT_GROUP = 0
+#: 8 since session 20: with :data:`BATCH_ROWS` the 28-token chunk 0.707 -> 0.405 s and 32 tokens as the SDK sends them
+#: 0.807 -> 0.540 s on an H100, in turn in one run, every output ciphertext the same (bench/gpu_packed.py --ab-group 8
+#: --ab-rows; = SEAL on CUDA, tests/fhe/test_gpu_backend_packed.py). A group of 8 holds ~8x one shift's plaintexts
+#: (about 430 MB at 12 primes for a 17-baby map) while it is used.
+SHIFT_GROUP = 8
 #: The chunk's per-row output maps (``enc_out``, ``enc_z``: ~1,670 of a 28-token chunk's ~2,380 key switches, at
 #: low levels where a switch is a few µs of launches) as one batch over its rows on the gpu backend (session 19: the
-#: outputs took 0.21 s of a 0.74 s chunk on an H100). Off by default: built after the last device call, = SEAL on
-#: the CPU reference (CI), not yet run on CUDA or timed. Each row's ciphertext is the same either way.
-BATCH_ROWS = False
+#: outputs took 0.21 s of a 0.74 s chunk on an H100). On since session 20 (measured with :data:`SHIFT_GROUP`, above;
+#: not apart from it). Each row's ciphertext is the same either way.
+BATCH_ROWS = True
 
 
 def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[PackedMap], rows: int,

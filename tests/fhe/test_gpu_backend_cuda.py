@@ -78,9 +78,12 @@ def test_triton_ntt_matches_the_torch_reference(shoup, strided, lazy, monkeypatc
 
 @pytest.mark.parametrize("shoup,batch", [(False, False), (True, False), (True, True)])
 def test_every_operation_at_n8192(shoup, batch, monkeypatch):
-    from fhe.backends.gpu import evaluator, triton_ops
+    from fhe.backends.gpu import evaluator, keyswitch, triton_ops
 
     monkeypatch.setattr(triton_ops, "LAZY", batch)
+    monkeypatch.setattr(triton_ops, "SKIP_DIAG", shoup)              # the expanded digits' rows [J, J] not transformed
+    monkeypatch.setattr(keyswitch, "FUSED_CORRECTION", shoup)        # the hoisted correction inside the inner product
+    monkeypatch.setattr(triton_ops, "FUSED_FINISH", shoup)           # rounding, NTT, subtract-scale in 2 launches
     monkeypatch.setattr(evaluator, "BATCH_SWITCHES", batch)          # rotate_many/rotate_each finished as batches
     monkeypatch.setattr(triton_ops, "STRIDED", shoup)
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)
@@ -90,9 +93,12 @@ def test_every_operation_at_n8192(shoup, batch, monkeypatch):
 
 @pytest.mark.parametrize("shoup,batch", [(False, False), (True, False), (True, True)])
 def test_key_switching_at_the_shipped_parameters(shoup, batch, monkeypatch):
-    from fhe.backends.gpu import evaluator, triton_ops
+    from fhe.backends.gpu import evaluator, keyswitch, triton_ops
 
     monkeypatch.setattr(triton_ops, "LAZY", batch)
+    monkeypatch.setattr(triton_ops, "SKIP_DIAG", shoup)              # the expanded digits' rows [J, J] not transformed
+    monkeypatch.setattr(keyswitch, "FUSED_CORRECTION", shoup)        # the hoisted correction inside the inner product
+    monkeypatch.setattr(triton_ops, "FUSED_FINISH", shoup)           # rounding, NTT, subtract-scale in 2 launches
     monkeypatch.setattr(evaluator, "BATCH_SWITCHES", batch)
     monkeypatch.setattr(triton_ops, "STRIDED", shoup)
     monkeypatch.setattr(triton_ops, "SHOUP", shoup)

@@ -65,6 +65,61 @@ _SCRIPT = textwrap.dedent("""
     print("ok", len(launches))
 """)
 
+_DIAG = textwrap.dedent("""
+    import itertools, torch
+    from fhe.backends.gpu import triton_ops as T
+    from fhe.backends.gpu.ntt import NTTTables, intt, ntt
+    T._check = lambda *a, **k: None                       # the launchers assert CUDA tensors
+    n = 1024
+    T.LOCAL = 128
+    primes = [1152921504606584833, 1125899906826241, 1125899906629633, 1152921504606748673]  # 3 data, special
+    ext = NTTTables.build(primes[:3] + primes[3:], n)
+    data = ext.take(slice(0, 3))
+    for lazy, lead in itertools.product((False, True), ((), (2,))):
+        T.LAZY = lazy
+        g = torch.Generator().manual_seed(len(lead) * 2 + lazy)
+        t = torch.remainder(torch.randint(0, 1 << 62, (*lead, 3, n), generator=g), data.primes)   # [.., L, N] NTT form
+        d = intt(t, data)
+        want = ntt(torch.remainder(d.unsqueeze(-2), ext.primes), ext)                          # [.., L, L+1, N]
+        assert T.skips_diag(n)
+        got = T.expand_digits(d.contiguous(), t.contiguous(), ext.primes.view(-1).contiguous())
+        got = T.ntt_(got, ext.roots, ext.primes.view(-1), inverse=False, roots_shoup=ext.roots_shoup, skip_diag=True)
+        assert torch.equal(got, want), (lazy, lead)
+    # the inner product with a hoisted rotation's correction as its starting value, written into a batch's row
+    from types import SimpleNamespace
+    from fhe.backends.gpu import keyswitch as ks
+    lt = SimpleNamespace(ext=ext)
+    g = torch.Generator().manual_seed(7)
+    q = ext.primes
+    D = torch.remainder(torch.randint(0, 1 << 62, (3, 4, n), generator=g), q)               # [L, L+1, N]
+    key = torch.randint(0, 1 << 62, (3, 2, 4, n), generator=g) % q                           # [K, 2, K+1, N]
+    corr = torch.remainder(torch.randint(0, 1 << 62, (2, 4, n), generator=g), q)
+    perm = torch.randperm(n, generator=g)
+    want = ks.addmod(ks.inner_product(D[..., perm], key, lt), corr, q)
+    out = torch.full((2, 2, 4, n), -1, dtype=torch.int64)
+    got = T.inner_product(D, key, q.view(-1).contiguous(), perm, add=corr, out=out[1])
+    assert torch.equal(got, want) and torch.equal(out[1], want) and bool((out[0] == -1).all())
+    assert torch.equal(T.inner_product(D, key, q.view(-1).contiguous()), ks.inner_product(D, key, lt))
+    # the finish in two launches: the rounded tail as the strided kernel's input, (x - y) / q_last in the local one
+    from fhe.backends.gpu.rns import drop_last_rounded
+    keep, last = ext.take(slice(0, 3)), ext.take(slice(3, 4))
+    ql = primes[3]
+    inv = torch.tensor([pow(ql, -1, qq) for qq in primes[:3]], dtype=torch.int64).view(-1, 1)
+    for lazy, shoup, lead in itertools.product((False, True), (False, True), ((), (2,))):
+        if lazy and not shoup:
+            continue
+        T.LAZY, T.SHOUP = lazy, shoup
+        g = torch.Generator().manual_seed(11 + len(lead))
+        x = torch.remainder(torch.randint(0, 1 << 62, (*lead, 4, n), generator=g), ext.primes)     # [.., R+1, N]
+        want = drop_last_rounded(x, keep, last, inv, ql)
+        tail = intt(x[..., -1:, :], last)
+        assert T.fuses_finish(n)
+        got = T.rounded_ntt_sub_scale(x.contiguous(), tail.contiguous(), keep.roots, keep.roots_shoup,
+                                      keep.primes.view(-1).contiguous(), inv.view(-1).contiguous(), ql)
+        assert torch.equal(got, want), (lazy, shoup, lead)
+    print("ok")
+""")
+
 
 def test_strided_stages_kernel_matches_the_torch_reference_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
@@ -73,3 +128,19 @@ def test_strided_stages_kernel_matches_the_torch_reference_under_the_interpreter
     res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["ok", "24"]
+
+
+def test_expanded_digits_skip_their_diagonal_rows_under_the_interpreter():
+    """Session 20 (``triton_ops.SKIP_DIAG``): the digits reduced into the ext primes with row [J, J] = the input's
+    row J, then the NTT of the other rows, = reducing and transforming every row (the torch reference), one
+    decomposition and a batch of two, with the lazy butterflies and without; 60- and 50-bit primes, so the reduction
+    of a larger prime's digit into a smaller prime is exercised. And the inner product with a hoisted rotation's
+    correction added in the kernel (``keyswitch.FUSED_CORRECTION``), written into a batch's row: = adding after. And
+    the rescale's / key switch's finish in the NTT's two launches (``FUSED_FINISH``) = ``drop_last_rounded``'s torch
+    reference, a 60-bit last prime over 50- and 60-bit kept ones."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _DIAG], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["ok"]

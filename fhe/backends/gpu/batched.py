@@ -25,8 +25,9 @@ import torch
 from fhe.backends.gpu.evaluator import GpuCiphertext, GpuEvaluator, GpuPlaintext, _are_close
 from fhe.backends.gpu.galois import galois_elt
 from fhe.backends.gpu.keys import GpuKeys
+from fhe.backends.gpu.keyswitch import expand
 from fhe.backends.gpu.modarith import addmod, mulmod
-from fhe.backends.gpu.rns import LevelTables, drop_last_rounded, intt, ntt, summod
+from fhe.backends.gpu.rns import LevelTables, drop_last_rounded, intt, summod
 from fhe.errors import KeyMismatchError, LevelError, ShapeError
 from fhe.params import CKKSParams
 
@@ -199,8 +200,7 @@ def triton_ops_addsub(a: torch.Tensor, b: torch.Tensor, q: torch.Tensor) -> bool
 def switch_key(t: torch.Tensor, key: torch.Tensor, lt: LevelTables) -> torch.Tensor:
     """Row b's ``t [B, L, N]`` switched with row b's ``key [B, Lk, 2, Lk+1, N]`` -> ``[B, 2, L, N]``
     (:func:`fhe.backends.gpu.keyswitch.switch_key` per row, the same digits, products and rounding)."""
-    d = intt(t, lt.data)                                              # [B, L, N] in [0, q_J)
-    digits = ntt(torch.remainder(d.unsqueeze(-2), lt.ext.primes), lt.ext)   # [B, L, L+1, N]
+    digits = expand(intt(t, lt.data), t, lt)                          # [B, L, L+1, N]
     acc = inner_product(digits, key, lt)                              # [B, 2, L+1, N]
     return drop_last_rounded(acc, lt.data, lt.special, lt.inv_p, lt.q_ext_ints[-1])
 

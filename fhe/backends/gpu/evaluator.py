@@ -447,10 +447,11 @@ class GpuEvaluator(ParamsQueries):
             return out | {s: self.rotate(ct, s, keys) for s in todo}
         q = self._q(ct.level)
         if BATCH_SWITCHES and len(found) > 1:                          # the steps' finishes as one batch
-            accs = [ks.hoisted_inner(D, self._perm(elt), key, self._correction(keys, elt, key, lt), lt)
-                    for elt, key in found.values()]
+            acc = self._accumulators(len(found), D)                                        # [B, 2, L+1, N]
+            for i, (elt, key) in enumerate(found.values()):
+                ks.hoisted_inner(D, self._perm(elt), key, self._correction(keys, elt, key, lt), lt, out=acc[i])
             perms = torch.stack([self._perm(elt) for elt, _ in found.values()])           # [B, N]
-            delta = ks.finish(torch.stack(accs), lt)                                       # [B, 2, L, N]
+            delta = ks.finish(acc, lt)                                                     # [B, 2, L, N]
             c0 = ct.data[0]
             c0 = torch.gather(c0.expand(len(perms), *c0.shape), 2, perms[:, None, :].expand(len(perms), *c0.shape))
             delta[:, 0] = addmod(delta[:, 0], c0, q)
@@ -480,15 +481,23 @@ class GpuEvaluator(ParamsQueries):
         perms = torch.stack([self._perm(elt) for elt, _ in found])                          # [B, N]
         data = torch.stack([cts[i].data for i in todo])                                     # [B, 2, L, N]
         rotated = torch.gather(data, 3, perms[:, None, None, :].expand(data.shape))         # sigma per row
-        d = intt(rotated[:, 1].contiguous(), lt.data)                                       # [B, L, N]
-        D = ntt(torch.remainder(d.unsqueeze(-2), lt.ext.primes), lt.ext, inplace=True)     # [B, L, L+1, N]
-        accs = [ks.inner_product(D[b], key, lt) for b, (_, key) in enumerate(found)]
-        delta = ks.finish(torch.stack(accs), lt)                                            # [B, 2, L, N]
+        t = rotated[:, 1].contiguous()                                                      # [B, L, N]
+        D = ks.expand(intt(t, lt.data), t, lt)                                              # [B, L, L+1, N]
+        acc = self._accumulators(len(found), D[0])                                          # [B, 2, L+1, N]
+        for b, (_, key) in enumerate(found):
+            ks.inner_product(D[b], key, lt, out=acc[b])
+        delta = ks.finish(acc, lt)                                                          # [B, 2, L, N]
         delta[:, 0] = addmod(delta[:, 0], rotated[:, 0], q)
         out = list(cts)
         for b, i in enumerate(todo):
             out[i] = GpuCiphertext(delta[b], cts[i].scale)
         return out
+
+    @staticmethod
+    def _accumulators(b: int, D: torch.Tensor) -> torch.Tensor:
+        """``[b, 2, L+1, N]`` for ``b`` key switches' inner products of digits ``D [L, L+1, N]``."""
+        lev, r, n = D.shape
+        return torch.empty((b, 2, r, n), dtype=torch.int64, device=D.device)
 
     # --- key switching: graphs around the fixed-shape halves on CUDA --------------------------------
     def _decompose(self, t: torch.Tensor, lt) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,25 +22,48 @@ import torch
 from fhe.backends.gpu.modarith import addmod, mulmod
 from fhe.backends.gpu.rns import LevelTables, drop_last_rounded, intt, ntt, summod
 
+#: A hoisted rotation's correction added inside the inner product's kernel (its sum starts from it) instead of by a
+#: launch after (issue 16, session 20; and, always since, a batch's inner products are written into one tensor
+#: instead of stacked after): a launch and two passes over [2, L+1, N] less per hoisted step. The same residues.
+#: False: the addition after, as before. Not isolated on CUDA: a decode step has no hoisted rotations (its 435
+#: additions and 148 stacks were unchanged in session 20's profile); it serves ``rotate_many`` (the matmul's babies, the
+#: packed prefill), whose residues the CUDA tests compare with SEAL with it on.
+FUSED_CORRECTION = True
+
+
+def expand(d: torch.Tensor, t: torch.Tensor, lt: LevelTables) -> torch.Tensor:
+    """Digits ``d [..., L, N]`` (``intt`` of ``t [..., L, N]``) -> ``D [..., L, L+1, N]``: each reduced into every ext
+    prime, NTT form. On CUDA (``triton_ops.SKIP_DIAG``) the rows ``D[J, J]`` are ``t[J]`` itself, as in SEAL, and
+    only the others are transformed: the same residues."""
+    if d.is_cuda:
+        from fhe.backends.gpu import triton_ops
+
+        if triton_ops.skips_diag(d.shape[-1]):
+            primes = lt.ext.primes.view(-1).contiguous()
+            out = triton_ops.expand_digits(d.contiguous(), t.contiguous(), primes)
+            return ntt(out, lt.ext, inplace=True, skip_diag=True)
+    return ntt(torch.remainder(d.unsqueeze(-2), lt.ext.primes), lt.ext, inplace=True)
+
 
 def decompose(t: torch.Tensor, lt: LevelTables) -> tuple[torch.Tensor, torch.Tensor]:
     """``t [L, N]`` NTT form -> (digits d [L, N] coefficient form, D [L, L+1, N] NTT form in every prime)."""
     d = intt(t, lt.data)                                              # [L, N] in [0, q_J)
-    expanded = torch.remainder(d.unsqueeze(1), lt.ext.primes)        # [L, L+1, N]
-    return d, ntt(expanded, lt.ext, inplace=True)
+    return d, expand(d, t, lt)
 
 
-def inner_product(D: torch.Tensor, key: torch.Tensor, lt: LevelTables) -> torch.Tensor:
-    """acc [2, L+1, N] = sum_J D[J] * key[J] over the ext rows; ``key [K, 2, K+1, N]`` (all rows)."""
+def inner_product(D: torch.Tensor, key: torch.Tensor, lt: LevelTables, out: torch.Tensor | None = None) -> torch.Tensor:
+    """acc [2, L+1, N] = sum_J D[J] * key[J] over the ext rows; ``key [K, 2, K+1, N]`` (all rows). ``out``: a
+    contiguous ``[2, L+1, N]`` to write it to (a batch's row, instead of a stack after)."""
     lev = D.shape[0]
     q = lt.ext.primes
     if D.is_cuda:
         from fhe.backends.gpu import triton_ops
 
-        return triton_ops.inner_product(D.contiguous(), key, q.view(-1).contiguous())
+        return triton_ops.inner_product(D.contiguous(), key, q.view(-1).contiguous(), out=out)
     data = mulmod(D[:, None, :lev], key[:lev, :, :lev], q[:lev], None)        # [L, 2, L, N]
     spec = mulmod(D[:, None, lev:], key[:lev, :, -1:], q[lev:], None)          # [L, 2, 1, N]
-    return torch.cat((summod(data, q[:lev]), summod(spec, q[lev:])), dim=1)
+    acc = torch.cat((summod(data, q[:lev]), summod(spec, q[lev:])), dim=1)
+    return acc if out is None else out.copy_(acc)
 
 
 def finish(acc: torch.Tensor, lt: LevelTables) -> torch.Tensor:
@@ -75,16 +98,21 @@ def hoisted_correction(key: torch.Tensor, neg: torch.Tensor, lt: LevelTables) ->
 
 
 def hoisted_inner(D: torch.Tensor, perm: torch.Tensor, key: torch.Tensor, corr: torch.Tensor,
-                  lt: LevelTables) -> torch.Tensor:
+                  lt: LevelTables, out: torch.Tensor | None = None) -> torch.Tensor:
     """The inner product of sigma(c1)'s key switch from c1's hoisted digits ``D``: permute, multiply, add
-    the fix -> acc [2, L+1, N] (what :func:`finish` takes)."""
+    the fix -> acc [2, L+1, N] (what :func:`finish` takes); ``out``: as :func:`inner_product`'s. On CUDA the fix
+    is the sum's starting value (one kernel, the same residues)."""
     if D.is_cuda:
         from fhe.backends.gpu import triton_ops
 
-        acc = triton_ops.inner_product(D, key, lt.ext.primes.view(-1).contiguous(), perm)
+        primes = lt.ext.primes.view(-1).contiguous()
+        if FUSED_CORRECTION:
+            return triton_ops.inner_product(D, key, primes, perm, add=corr.contiguous(), out=out)
+        acc = triton_ops.inner_product(D, key, primes, perm)
     else:
         acc = inner_product(D[..., perm], key, lt)
-    return addmod(acc, corr, lt.ext.primes)
+    acc = addmod(acc, corr, lt.ext.primes)
+    return acc if out is None else out.copy_(acc)
 
 
 def hoisted_switch(D: torch.Tensor, perm: torch.Tensor, key: torch.Tensor, corr: torch.Tensor,
@@ -93,5 +121,5 @@ def hoisted_switch(D: torch.Tensor, perm: torch.Tensor, key: torch.Tensor, corr:
     return finish(hoisted_inner(D, perm, key, corr, lt), lt)
 
 
-__all__ = ["decompose", "finish", "hoisted_correction", "hoisted_inner", "hoisted_switch", "inner_product",
+__all__ = ["decompose", "expand", "finish", "hoisted_correction", "hoisted_inner", "hoisted_switch", "inner_product",
            "negated_positions", "switch_key"]

@@ -101,10 +101,11 @@ class NTTTables:
         return NTTTables(*(x.to(device) for x in self._fields()))
 
 
-def ntt(x: torch.Tensor, tab: NTTTables, inplace: bool = False) -> torch.Tensor:
+def ntt(x: torch.Tensor, tab: NTTTables, inplace: bool = False, skip_diag: bool = False) -> torch.Tensor:
     """Forward negacyclic NTT of ``x [..., P, N]`` (coefficients mod each row's prime) -> SEAL's NTT form.
     ``inplace``: ``x`` is a temporary the caller drops, which the CUDA kernels may transform in place (with
-    ``triton_ops.FEWER``); the torch reference ignores it."""
+    ``triton_ops.FEWER``); the torch reference ignores it. ``skip_diag`` (CUDA only, where
+    ``triton_ops.skips_diag``): ``x [..., P - 1, P, N]``'s rows ``[J, J]`` are already in NTT form and stay."""
     *lead, p, n = x.shape
     assert tab.roots.shape == (p, n), (tab.roots.shape, x.shape)
     if x.is_cuda:
@@ -113,7 +114,8 @@ def ntt(x: torch.Tensor, tab: NTTTables, inplace: bool = False) -> torch.Tensor:
         own = inplace and triton_ops.FEWER and x.is_contiguous()
         return triton_ops.ntt_(x if own else x.clone(memory_format=torch.contiguous_format), tab.roots,
                                tab.primes.view(-1),
-                               inverse=False, roots_shoup=tab.roots_shoup)
+                               inverse=False, roots_shoup=tab.roots_shoup, skip_diag=skip_diag)
+    assert not skip_diag, "skip_diag: CUDA only"
     q = tab.primes.view(p, 1, 1)
     qf = q.to(torch.float64)
     m, gap = 1, n // 2

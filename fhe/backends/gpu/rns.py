@@ -87,8 +87,11 @@ def drop_last_rounded(x: torch.Tensor, keep: NTTTables, last: NTTTables, inv_las
     if x.is_cuda:
         from fhe.backends.gpu import triton_ops
 
+        primes = keep.primes.view(-1).contiguous()
+        if triton_ops.fuses_finish(x.shape[-1]):                        # the same steps in the NTT's 2 kernels
+            return triton_ops.rounded_ntt_sub_scale(x.contiguous(), tail.contiguous(), keep.roots, keep.roots_shoup,
+                                                    primes, inv_last.view(-1).contiguous(), ql)
         if triton_ops.FUSED:                                            # the same steps, 2 kernels + the NTT
-            primes = keep.primes.view(-1).contiguous()
             temp = ntt(triton_ops.round_tail(tail.contiguous(), primes, ql), keep, inplace=True)
             return triton_ops.sub_scale(x.contiguous(), temp, inv_last.view(-1).contiguous(), primes)
     tail = addmod(tail, torch.full_like(tail, half), last.primes)

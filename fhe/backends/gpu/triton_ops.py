@@ -23,7 +23,9 @@ RADIX4 = False
 #: microseconds, 52 of them NTT stages; now 3 + 1 per transform). False: every stage its own launch.
 FUSED = True
 LOCAL = 1024
-LOCAL_WARPS = 4
+#: warps per program of :func:`_ntt_local` and :func:`_ntt_strided` (issue 16, session 20: 4 -> 8 took the decode step
+#: at context 128 from 49.3 to 47.0 ms on an H100, interleaved in one run, the same outputs; docs/benchmarks.md)
+LOCAL_WARPS = 8
 #: NTT twiddle products by Shoup's method (the tables' precomputed floor(w 2^64 / q): one 64-bit high product
 #: and two wrapping ones) instead of :func:`_mulmod`'s three float64-estimated 30-bit partial products (issue
 #: 16). Both give the canonical residue, so the transforms are the same bit for bit. Measured on an H100: 6-14 %
@@ -45,13 +47,29 @@ STRIDED = True
 STRIDED_BUTTERFLIES = 512
 #: Harvey's lazy butterflies in :func:`_ntt_local` and :func:`_ntt_strided` (with :data:`SHOUP` and :data:`STRIDED`):
 #: values stay in [0, 4q) forward and [0, 2q) inverse between stages (Shoup's product without its correction, one
-#: compare-and-subtract per butterfly instead of three) and are made canonical in the transform's last stage
-#: (issue 16, session 19: kernels that kept a block's stages in registers instead of ten global round trips were
-#: no faster, 19.5 vs 19.4 ms of a decode step on an H100, and were removed; so the NTT kernels are bound by their
-#: integer arithmetic, not by their memory traffic). Canonical outputs, so the same residues (interpreter-checked
-#: in CI). Off: built in session 19 after its last device call, not yet run on CUDA or timed (bench/gpu_step_ab.py
-#: --ab lazy).
-LAZY = False
+#: compare-and-subtract per butterfly instead of three) and are made canonical in the transform's last stage.
+#: Canonical outputs, so the same residues (interpreter-checked in CI; on an H100 every operation = SEAL with it on).
+#: Measured in session 20 (H100, three variants in turn): the decode step 52.47 -> 52.21 ms at context 128, 39.94 ->
+#: 38.66 at 16, 100.17 -> 100.44 at 512, all inside the run's spread; kernels 41.96 -> 41.75 ms (the strided stages
+#: -4 %, the local ones +1 %): the compare-and-selects were not what the NTT kernels wait on either. On: never slower
+#: where it counts, and every other figure of that call was measured with it on.
+LAZY = True
+#: Key switching's expanded digits (issue 16, session 20): the rows ``[J, J]`` (digit J in its own prime) are the
+#: input polynomial's row J as it is, NTT_J(INTT_J(t_J)) = t_J, which SEAL's ``switch_key_inplace`` uses instead of
+#: transforming (CKKS, ``I == J``); so :func:`expand_digits` copies them and :func:`ntt_` (``skip_diag``) transforms
+#: the other L of each digit's L + 1 rows: 144 instead of 156 row transforms per decomposition at the top level
+#: (12 primes). The reduction into the ext primes moves from torch's int64 remainder into the same launch (a float64
+#: quotient estimate). The same residues. False: reduce and transform all rows (before session 20). With
+#: :data:`FUSED_FINISH` (H100, session 20): the decode step at context 128 58.45 -> 52.47 ms, 5,354 -> 4,792 kernels,
+#: 47.16 -> 41.96 ms of kernels, the same outputs.
+SKIP_DIAG = True
+#: The finish of a key switch and a rescale (``rns.drop_last_rounded``) in two launches instead of four (issue 16,
+#: session 20): the strided NTT kernel reads the last prime's coefficients through :func:`_round_tail`'s rounding as
+#: its first stage's inputs, and the local kernel's last stage subtracts from x and multiplies by q_last^-1
+#: (:func:`_sub_scale`) before it stores: :func:`rounded_ntt_sub_scale`. ~280 such finishes in a decode step at
+#: context 128 (measured: 562 kernels fewer, exactly two per finish). The same residues. False: round_tail, the NTT,
+#: sub_scale (before session 20).
+FUSED_FINISH = True
 
 
 @triton.jit
@@ -172,6 +190,62 @@ def _canon(x, q):
 
 
 @triton.jit
+def _butterfly(u, v, w, ws, q, qinv, last, INVERSE: tl.constexpr, SHOUP: tl.constexpr, LAZY: tl.constexpr,
+               FINAL: tl.constexpr):
+    """One butterfly of :func:`_ntt_local` / :func:`_ntt_strided`: Gentleman-Sande (``INVERSE``) or Cooley-Tukey;
+    with ``LAZY`` Harvey's (:func:`_gs_lazy`, :func:`_ct_lazy`), made canonical where ``FINAL`` and ``last`` (the
+    transform's last stage)."""
+    if LAZY:
+        if INVERSE:
+            a, b = _gs_lazy(u, v, w, ws, q)
+        else:
+            a, b = _ct_lazy(u, v, w, ws, q)
+        if FINAL:
+            if last:
+                a = _canon(a, q)
+                b = _canon(b, q)
+    elif INVERSE:
+        a, b = _gs(u, v, w, q, qinv, ws, SHOUP)
+    else:
+        a, b = _ct(u, v, w, q, qinv, ws, SHOUP)
+    return a, b
+
+
+@triton.jit
+def _reduce_est(x, q):
+    """x mod q for 0 <= x < 2^61 and q >= 2^20: the quotient by a float64 estimate (off by at most one), then one
+    correction each way; exact, so torch's ``remainder``'s residue."""
+    est = tl.floor(x.to(tl.float64) * (1.0 / q.to(tl.float64))).to(tl.int64)
+    r = x - est * q
+    r = tl.where(r < 0, r + q, r)
+    return tl.where(r >= q, r - q, r)
+
+
+@triton.jit
+def _rounded(t, q, ql, half_q):
+    """:func:`_round_tail`'s value: ((t + ql//2 mod ql) mod q - (ql//2 mod q)) mod q, ``half_q`` = (ql//2) mod q."""
+    t = t + (ql >> 1)
+    t = _reduce_est(tl.where(t >= ql, t - ql, t), q)
+    d = t - half_q
+    return tl.where(d < 0, d + q, d)
+
+
+@triton.jit
+def _row_of(k, P, SKIP_DIAG: tl.constexpr):
+    """Program ``k``'s (row, prime index) in a ``[..., P, N]`` tensor; ``SKIP_DIAG``: of ``[B, P - 1, P, N]`` expanded
+    digits, the rows (b, J, i) with i != J only (:func:`expand_digits` wrote those already in NTT form)."""
+    if SKIP_DIAG:
+        blk = k // (P - 1)                                           # b * L + J
+        i0 = k % (P - 1)
+        p = i0 + (i0 >= blk % (P - 1)).to(i0.dtype)
+        row = blk * P + p
+    else:
+        row = k
+        p = k % P
+    return row, p
+
+
+@triton.jit
 def _ntt_stage2(x_ptr, w_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, BLOCK: tl.constexpr):
     """Two radix-2 stages in one pass (half the launches and the memory traffic of :func:`_ntt_stage`).
 
@@ -220,15 +294,25 @@ def _ntt_stage2(x_ptr, w_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _ntt_local(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, S0, LOGN: tl.constexpr, INVERSE: tl.constexpr,
-               SHOUP: tl.constexpr, HALF: tl.constexpr, LAZY: tl.constexpr = False, FINAL: tl.constexpr = True):
+def _sub_times(x, y, sc, q, qinv):
+    """(x - y) * sc mod q (:func:`_sub_scale`'s arithmetic)."""
+    d = x - y
+    d = tl.where(d < 0, d + q, d)
+    return _mulmod(d, sc + tl.zeros(d.shape, tl.int64), q, qinv)
+
+
+@triton.jit
+def _ntt_local(x_ptr, w_ptr, ws_ptr, q_ptr, aux_ptr, sc_ptr, P, N, S0, LOGN: tl.constexpr, INVERSE: tl.constexpr,
+               SHOUP: tl.constexpr, HALF: tl.constexpr, LAZY: tl.constexpr = False, FINAL: tl.constexpr = True,
+               SKIP_DIAG: tl.constexpr = False, SUB_SCALE: tl.constexpr = False):
     """The stages of :func:`_ntt_stage` whose butterflies stay inside blocks of 2 HALF values (gap <= HALF:
     stages S0..LOGN-1), all in one program per block: the block stays in the cache between stages, a CTA
     barrier after each (a stage's butterflies touch disjoint pairs, so one barrier orders it before the
     next). Forward they are the last stages, inverse the first; the rest stay staged launches. ``LAZY``
-    (:data:`LAZY`): Harvey's butterflies, canonical outputs in the last stage where ``FINAL``."""
-    row = tl.program_id(0)
-    p = row % P
+    (:data:`LAZY`): Harvey's butterflies, canonical outputs in the last stage where ``FINAL``. ``SKIP_DIAG``:
+    :func:`_row_of`'s. ``SUB_SCALE`` (forward, :data:`FUSED_FINISH`): the last stage stores
+    ``(aux[m, p] - y) * sc[p] mod q`` instead of y (:func:`_sub_scale`; ``aux`` has P + 1 rows per m, row = m P + p)."""
+    row, p = _row_of(tl.program_id(0), P, SKIP_DIAG)
     q = tl.load(q_ptr + p)
     qinv = 1.0 / q.to(tl.float64)
     g = tl.program_id(1) * HALF + tl.arange(0, HALF)                 # global butterfly index in [0, N/2)
@@ -248,48 +332,52 @@ def _ntt_local(x_ptr, w_ptr, ws_ptr, q_ptr, P, N, S0, LOGN: tl.constexpr, INVERS
         ws = w
         if SHOUP:
             ws = tl.load(ws_ptr + p.to(tl.int64) * N + (1 << s) + i)
-        if LAZY:
-            if INVERSE:
-                a, b = _gs_lazy(u, v, w, ws, q)
-            else:
-                a, b = _ct_lazy(u, v, w, ws, q)
-            if FINAL:
-                if t == LOGN - S0 - 1:                               # the transform's last stage: canonical
-                    a = _canon(a, q)
-                    b = _canon(b, q)
-        elif INVERSE:
-            a, b = _gs(u, v, w, q, qinv, ws, SHOUP)
-        else:
-            a, b = _ct(u, v, w, q, qinv, ws, SHOUP)
+        last = t == LOGN - S0 - 1
+        a, b = _butterfly(u, v, w, ws, q, qinv, last, INVERSE, SHOUP, LAZY, FINAL)
+        if SUB_SCALE:
+            if last:                                                 # the finish: (x - y) * scale, in place
+                xb = aux_ptr + ((row // P) * (P + 1) + p).to(tl.int64) * N
+                sc = tl.load(sc_ptr + p)
+                a = _sub_times(tl.load(xb + idx), a, sc, q, qinv)
+                b = _sub_times(tl.load(xb + idx + (1 << sh)), b, sc, q, qinv)
         tl.store(base + idx, a)
         tl.store(base + idx + (1 << sh), b)
         tl.debug_barrier()
 
 
-def _local(x, roots, ws, primes, p, n, s0, logn, local, inverse, shoup, lazy=False, final=True) -> None:
+def _local(x, roots, ws, primes, p, n, s0, logn, local, inverse, shoup, lazy=False, final=True, rows=None,
+           skip_diag=False, sub_scale=None) -> None:
     """The local stages by :func:`_ntt_local` (``lazy``: its Harvey butterflies, canonical at the end where
-    ``final``)."""
-    rows = x.numel() // n
+    ``final``; ``rows``: programs on axis 0, ``skip_diag``: :func:`_row_of`'s; ``sub_scale``: (x, scale) of its
+    ``SUB_SCALE`` epilogue)."""
+    rows = x.numel() // n if rows is None else rows
     extra = {"LAZY": True, "FINAL": final} if lazy else {}
-    _ntt_local[(rows, n // local)](x, roots, ws, primes, p, n, s0, LOGN=logn, INVERSE=inverse, SHOUP=shoup,
+    if skip_diag:
+        extra["SKIP_DIAG"] = True
+    aux, sc = (x, primes) if sub_scale is None else sub_scale
+    if sub_scale is not None:
+        extra["SUB_SCALE"] = True
+    _ntt_local[(rows, n // local)](x, roots, ws, primes, aux, sc, p, n, s0, LOGN=logn, INVERSE=inverse, SHOUP=shoup,
                                    HALF=local // 2, num_warps=LOCAL_WARPS, **extra)
 
 
 @triton.jit
-def _ntt_strided(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, P, N, LOGN: tl.constexpr, S0: tl.constexpr,
+def _ntt_strided(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, aux_ptr, P, N, QL, LOGN: tl.constexpr, S0: tl.constexpr,
                  INVERSE: tl.constexpr, SHOUP: tl.constexpr, SCALE: tl.constexpr, COLS: tl.constexpr,
-                 LAZY: tl.constexpr = False, FINAL: tl.constexpr = True):
+                 LAZY: tl.constexpr = False, FINAL: tl.constexpr = True, SKIP_DIAG: tl.constexpr = False,
+                 ROUND: tl.constexpr = False):
     """Stages 0..S0-1 of :func:`_ntt_stage` (gap = 2^sh >= C = N >> S0) in one launch, in the transform's
     order (forward 0 up, inverse S0-1 down; ``SCALE``: the inverse's last one times N^-1 too, as
     :func:`_ntt_stage`'s). View a row as ``[2^S0, C]`` (value ``k*C + j``): these stages only pair values of one
     column j, so a program owns ``COLS`` columns and all their ``2^S0`` values, with a CTA barrier after each
     stage (as :func:`_ntt_local`). Butterfly ``t`` of a stage: column ``j0 + t % COLS``, ``kk = t // COLS``;
     its lower value has ``k`` = kk with a 0 bit inserted at bit ``sh - log2 C`` and twiddle index
-    ``2^s + (kk >> (sh - log2 C))`` (= :func:`_ntt_stage`'s ``m + i``). ``LAZY``, ``FINAL``: as
-    :func:`_ntt_local`'s."""
+    ``2^s + (kk >> (sh - log2 C))`` (= :func:`_ntt_stage`'s ``m + i``). ``LAZY``, ``FINAL``, ``SKIP_DIAG``: as
+    :func:`_ntt_local`'s. ``ROUND`` (forward, :data:`FUSED_FINISH`): the first stage reads its inputs from
+    ``aux [M, 1, N]`` (the last prime's coefficients, row = m P + p) through :func:`_rounded` (``QL`` the last
+    prime) instead of from x: :func:`_round_tail` in the same pass."""
     LOGC: tl.constexpr = LOGN - S0
-    row = tl.program_id(0)
-    p = row % P
+    row, p = _row_of(tl.program_id(0), P, SKIP_DIAG)
     q = tl.load(q_ptr + p)
     qinv = 1.0 / q.to(tl.float64)
     t = tl.arange(0, (1 << (S0 - 1)) * COLS)
@@ -307,35 +395,24 @@ def _ntt_strided(x_ptr, w_ptr, ws_ptr, ninv_ptr, q_ptr, P, N, LOGN: tl.constexpr
         i = kk >> pb
         idx = (((i << (pb + 1)) | (kk & ((1 << pb) - 1))) << LOGC) + j
         gap = 1 << (LOGN - 1 - s)
-        u = tl.load(base + idx)
-        v = tl.load(base + idx + gap)
+        if ROUND and tt == 0:                                        # the rounded tail, reduced into q_p
+            tb = aux_ptr + (row // P).to(tl.int64) * N
+            hq = (QL >> 1) % q
+            u = _rounded(tl.load(tb + idx), q, QL, hq)
+            v = _rounded(tl.load(tb + idx + gap), q, QL, hq)
+        else:
+            u = tl.load(base + idx)
+            v = tl.load(base + idx + gap)
         w = tl.load(wrow + (1 << s) + i)
         ws = w
         if SHOUP:
             ws = tl.load(wsrow + (1 << s) + i)
-        if LAZY:
-            if INVERSE:
-                a, b = _gs_lazy(u, v, w, ws, q)
-            else:
-                a, b = _ct_lazy(u, v, w, ws, q)
-            if FINAL:
-                if tt == S0 - 1:                                     # the transform's last stage: canonical
-                    a = _canon(a, q)
-                    b = _canon(b, q)
-            if INVERSE and SCALE:
-                if s == 0:
-                    ni = tl.load(ninv_ptr + p) + tl.zeros(a.shape, tl.int64)
-                    a = _mulmod(a, ni, q, qinv)
-                    b = _mulmod(b, ni, q, qinv)
-        elif INVERSE:
-            a, b = _gs(u, v, w, q, qinv, ws, SHOUP)
-            if SCALE:
-                if s == 0:
-                    ni = tl.load(ninv_ptr + p) + tl.zeros(a.shape, tl.int64)
-                    a = _mulmod(a, ni, q, qinv)
-                    b = _mulmod(b, ni, q, qinv)
-        else:
-            a, b = _ct(u, v, w, q, qinv, ws, SHOUP)
+        a, b = _butterfly(u, v, w, ws, q, qinv, tt == S0 - 1, INVERSE, SHOUP, LAZY, FINAL)
+        if INVERSE and SCALE:
+            if s == 0:                                               # the inverse's last stage: times N^-1 too
+                ni = tl.load(ninv_ptr + p) + tl.zeros(a.shape, tl.int64)
+                a = _mulmod(a, ni, q, qinv)
+                b = _mulmod(b, ni, q, qinv)
         tl.store(base + idx, a)
         tl.store(base + idx + gap, b)
         tl.debug_barrier()
@@ -457,12 +534,14 @@ def _mulmod_rows(a_ptr, b_ptr, out_ptr, q_ptr, P, N, B_SCALAR: tl.constexpr, BLO
 
 
 @triton.jit
-def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N, D_STRIDE, KEY_STRIDE,
-                   PERMUTE: tl.constexpr, BLOCK: tl.constexpr):
+def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, add_ptr, L, R, K1, N, D_STRIDE, KEY_STRIDE,
+                   PERMUTE: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
     """out[b, c, r] = sum_J D[b, J, r, perm] * key[b, J, c, krow(r)] mod q_r; krow = r, or K (special) for
     r = L. Program axis 2 = b * 2 + c: row b of a batch (its digits at ``D_STRIDE``, its key at
     ``KEY_STRIDE``, 0 when the rows share one key); one row is the batch of one. The same products and
-    reductions in the same order for every row, so a row's result does not depend on the batch."""
+    reductions in the same order for every row, so a row's result does not depend on the batch. ``ADD``: the
+    sum starts from ``add[b, c, r]`` (canonical residues, out's layout) instead of 0: the residue of the same
+    sum as adding it after (a hoisted rotation's correction), one pass less."""
     r = tl.program_id(1)
     b = tl.program_id(2) // 2
     c = tl.program_id(2) % 2
@@ -477,13 +556,17 @@ def _inner_product(d_ptr, perm_ptr, key_ptr, q_ptr, out_ptr, L, R, K1, N, D_STRI
         src = offs
     d_base = d_ptr + b.to(tl.int64) * D_STRIDE
     k_base = key_ptr + b.to(tl.int64) * KEY_STRIDE
-    acc = tl.zeros((BLOCK,), tl.int64)
+    o = ((b * 2 + c) * R + r).to(tl.int64) * N + offs
+    if ADD:
+        acc = tl.load(add_ptr + o, mask=mask, other=0)
+    else:
+        acc = tl.zeros((BLOCK,), tl.int64)
     for j in range(L):
         d = tl.load(d_base + (j * R + r).to(tl.int64) * N + src, mask=mask)
         k = tl.load(k_base + ((j * 2 + c) * K1 + krow).to(tl.int64) * N + offs, mask=mask)
         acc += _mulmod(d, k, q, qinv)
         acc = tl.where(acc >= q, acc - q, acc)
-    tl.store(out_ptr + ((b * 2 + c) * R + r).to(tl.int64) * N + offs, acc, mask=mask)
+    tl.store(out_ptr + o, acc, mask=mask)
 
 
 @triton.jit
@@ -525,13 +608,15 @@ def _check(x: torch.Tensor, what: str) -> None:
 
 
 def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bool,
-         n_inv: torch.Tensor | None = None, roots_shoup: torch.Tensor | None = None) -> torch.Tensor:
+         n_inv: torch.Tensor | None = None, roots_shoup: torch.Tensor | None = None,
+         skip_diag: bool = False) -> torch.Tensor:
     """In-place (I)NTT butterflies of ``x [..., P, N]``; ``roots [P, N]`` (inverse roots if ``inverse``).
 
     ``n_inv [P]`` (inverse only): also multiply by N^-1 (else the caller does, :func:`mulmod_rows`). With
     :data:`FUSED` the stages within blocks of :data:`LOCAL` values take one launch (:func:`_ntt_local`).
     ``roots_shoup [P, N]``: the roots' Shoup companions (:func:`fhe.backends.gpu.ntt.shoup`); with
-    :data:`SHOUP` the butterflies multiply with them.
+    :data:`SHOUP` the butterflies multiply with them. ``skip_diag`` (forward, ``x [..., P - 1, P, N]``, only where
+    :func:`skips_diag`): rows ``[..., J, J, :]`` are left as they are (:func:`expand_digits`).
     """
     _check(x, "ntt")
     p, n = roots.shape
@@ -547,6 +632,9 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
     strided = STRIDED and not RADIX4 and local > 1 and s0 > 0
     # lazy values cross from one kernel to the other only between these two (the staged launches expect canonical)
     lazy = LAZY and shoup and local > 1 and (strided or s0 == 0)
+    if skip_diag:
+        assert not inverse and strided and x.dim() >= 3 and x.shape[-3] == p - 1, ("skip_diag", x.shape)
+        rows -= rows // p                                            # the programs of the rows i != J
     if inverse and local > 1:
         _local(x, roots, ws, primes, p, n, s0, logn, local, True, shoup, lazy, final=s0 == 0)
     if strided:                                                      # the staged stages in one launch
@@ -554,7 +642,9 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
         cols = min(cols, n >> s0)
         scale = inverse and FEWER and n_inv is not None
         extra = {"LAZY": True, "FINAL": inverse} if lazy else {}
-        _ntt_strided[(rows, (n >> s0) // cols)](x, roots, ws, n_inv if scale else primes, primes, p, n,
+        if skip_diag:
+            extra["SKIP_DIAG"] = True
+        _ntt_strided[(rows, (n >> s0) // cols)](x, roots, ws, n_inv if scale else primes, primes, x, p, n, 0,
                                                  LOGN=logn, S0=s0, INVERSE=inverse, SHOUP=shoup, SCALE=scale,
                                                  COLS=cols, num_warps=LOCAL_WARPS, **extra)
         folded = scale
@@ -562,7 +652,8 @@ def ntt_(x: torch.Tensor, roots: torch.Tensor, primes: torch.Tensor, inverse: bo
         folded = _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, s0 if local > 1 else logn,
                              n_inv if FEWER else None)
     if not inverse and local > 1:
-        _local(x, roots, ws, primes, p, n, s0, logn, local, False, shoup, lazy, final=True)
+        _local(x, roots, ws, primes, p, n, s0, logn, local, False, shoup, lazy, final=True, rows=rows,
+               skip_diag=skip_diag)
     return x if n_inv is None or folded else mulmod_rows(x, n_inv, primes)
 
 
@@ -585,6 +676,83 @@ def _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, upto, n_inv=No
     return bool(order) and inverse and n_inv is not None
 
 
+def fuses_finish(n: int) -> bool:
+    """Whether :func:`rounded_ntt_sub_scale` runs at size ``n`` (:data:`FUSED_FINISH` and the strided and local
+    kernels, which carry its prologue and epilogue)."""
+    local = min(n, LOCAL) if FUSED else 1
+    return FUSED_FINISH and STRIDED and not RADIX4 and 1 < local < n
+
+
+def rounded_ntt_sub_scale(x: torch.Tensor, tail: torch.Tensor, roots: torch.Tensor, roots_shoup: torch.Tensor,
+                          primes: torch.Tensor, scale: torch.Tensor, q_last: int) -> torch.Tensor:
+    """``drop_last_rounded``'s device part in two launches (where :func:`fuses_finish`): ``x [..., R+1, N]``
+    (NTT form), ``tail [..., 1, N]`` (its last row's coefficients) -> ``(x[..., :R, :] - NTT(round_tail(tail)))
+    * scale mod q``, the strided kernel reading the tail through the rounding (``ROUND``) and the local kernel
+    subtracting and scaling in its last stage (``SUB_SCALE``): :func:`round_tail`, :func:`ntt_` and
+    :func:`sub_scale`'s residues without their two launches and two passes over ``[..., R, N]``."""
+    _check(x, "x")
+    _check(tail, "tail")
+    r, n = primes.numel(), x.shape[-1]
+    assert roots.shape == (r, n) and x.shape[-2] == r + 1 and tail.shape == (*x.shape[:-2], 1, n), (x.shape, tail.shape)
+    assert scale.numel() == r and scale.is_contiguous() and fuses_finish(n), (scale.shape, n)
+    out = torch.empty((*x.shape[:-2], r, n), dtype=torch.int64, device=x.device)
+    shoup = SHOUP and roots_shoup is not None
+    ws = roots_shoup if shoup else roots
+    rows, logn = out.numel() // n, n.bit_length() - 1
+    local = min(n, LOCAL)
+    s0 = logn - (local.bit_length() - 1)
+    lazy = LAZY and shoup
+    cols = min(max(1, STRIDED_BUTTERFLIES >> (s0 - 1)), n >> s0)
+    extra = {"LAZY": True, "FINAL": False} if lazy else {}
+    _ntt_strided[(rows, (n >> s0) // cols)](out, roots, ws, primes, primes, tail, r, n, q_last, LOGN=logn, S0=s0,
+                                            INVERSE=False, SHOUP=shoup, SCALE=False, COLS=cols, ROUND=True,
+                                            num_warps=LOCAL_WARPS, **extra)
+    _local(out, roots, ws, primes, r, n, s0, logn, local, False, shoup, lazy, final=True, sub_scale=(x, scale))
+    return out
+
+
+def skips_diag(n: int) -> bool:
+    """Whether :func:`ntt_` can leave the expanded digits' rows ``[J, J]`` alone at size ``n`` (:data:`SKIP_DIAG`,
+    the strided and local kernels: the path that has the row map)."""
+    local = min(n, LOCAL) if FUSED else 1
+    return SKIP_DIAG and STRIDED and not RADIX4 and 1 < local < n
+
+
+@triton.jit
+def _expand_digits(d_ptr, t_ptr, q_ptr, out_ptr, L, N, BLOCK: tl.constexpr):
+    """out[b, J, i] = t[b, J] where i == J (that row's NTT, which :func:`ntt_` then skips), else d[b, J] mod q_i:
+    the quotient by a float64 estimate (|error| < 1 for d < 2^61, q >= 2^20), then one correction each way."""
+    row = tl.program_id(1)                                           # (b * L + J) * (L + 1) + i
+    i = row % (L + 1)
+    bj = row // (L + 1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    out = out_ptr + row.to(tl.int64) * N + offs
+    if i == bj % L:
+        tl.store(out, tl.load(t_ptr + bj.to(tl.int64) * N + offs, mask=mask), mask=mask)
+    else:
+        q = tl.load(q_ptr + i)
+        d = tl.load(d_ptr + bj.to(tl.int64) * N + offs, mask=mask)
+        est = tl.floor(d.to(tl.float64) * (1.0 / q.to(tl.float64))).to(tl.int64)
+        r = d - est * q
+        r = tl.where(r < 0, r + q, r)
+        tl.store(out, tl.where(r >= q, r - q, r), mask=mask)
+
+
+def expand_digits(d: torch.Tensor, t: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:
+    """Key switching's digits ``d [..., L, N]`` (coefficients, d_J < q_J < 2^61) reduced into the ``L + 1`` ext
+    ``primes`` -> ``[..., L, L + 1, N]``, except rows ``[J, J]``, which get ``t [..., L, N]`` (the NTT-form input the
+    digits came from: NTT_J(d_J mod q_J) = t_J exactly, SEAL's ``switch_key_inplace`` uses it as is). Then
+    :func:`ntt_` with ``skip_diag`` transforms the other rows: the same residues as reducing and transforming all."""
+    _check(d, "digits")
+    _check(t, "input")
+    *lead, lev, n = d.shape
+    assert t.shape == d.shape and primes.numel() == lev + 1 and primes.is_contiguous(), (d.shape, t.shape)
+    out = torch.empty((*lead, lev, lev + 1, n), dtype=torch.int64, device=d.device)
+    _expand_digits[(triton.cdiv(n, BLOCK), out.numel() // n)](d, t, primes, out, lev, n, BLOCK=BLOCK)
+    return out
+
+
 def mulmod_rows(a: torch.Tensor, b: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:
     """a * b mod q_row for ``a [..., P, N]`` and ``b`` of a's shape, or ``b [P]`` (one scalar per prime)."""
     _check(a, "mulmod a")
@@ -598,24 +766,34 @@ def mulmod_rows(a: torch.Tensor, b: torch.Tensor, primes: torch.Tensor) -> torch
 
 
 def inner_product(D: torch.Tensor, key: torch.Tensor, primes: torch.Tensor,
-                  perm: torch.Tensor | None = None) -> torch.Tensor:
+                  perm: torch.Tensor | None = None, add: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``D [L, L+1, N]`` (digits in every ext prime), ``key [K, 2, K+1, N]`` -> ``[2, L+1, N]``; or a batch:
     ``D [B, L, L+1, N]``, ``key [B, K, 2, K+1, N]`` (row b's key for row b's digits; a batch axis of stride
     0, ``key.expand(B, ...)``, shares one key) -> ``[B, 2, L+1, N]``. ``perm [N]``: read the digits
-    through this slot permutation (a hoisted rotation)."""
+    through this slot permutation (a hoisted rotation). ``add`` (the result's shape, canonical): added to the
+    sum mod q in the same pass. ``out`` (the result's shape, contiguous): written there (a batch's row)."""
     batched = D.dim() == 4
     Db, kb = (D, key) if batched else (D[None], key[None])
     _check(Db, "digits")
-    assert key.dtype == torch.int64 and key.is_cuda and key[(0,) * (key.dim() - 4)].is_contiguous(), "key"
+    assert key.dtype == torch.int64 and key.device == D.device and key[(0,) * (key.dim() - 4)].is_contiguous(), "key"
     b, lev, r, n = Db.shape
     assert r == lev + 1 and kb.shape[0] == b and kb.shape[1] >= lev and kb.shape[2] == 2, (D.shape, key.shape)
     assert kb.shape[4] == n and primes.numel() == r, (D.shape, key.shape, primes.shape)
-    out = torch.empty((b, 2, r, n), dtype=torch.int64, device=D.device)
+    shape = (b, 2, r, n) if batched else (2, r, n)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int64, device=D.device)
+    _check(out, "out")
+    assert out.shape == shape, (out.shape, shape)
+    if add is not None:
+        _check(add, "add")
+        assert add.shape == shape, (add.shape, shape)
     src = perm if perm is not None else Db
-    _inner_product[(triton.cdiv(n, BLOCK), r, 2 * b)](Db, src, kb, primes, out, lev, r, kb.shape[3], n,
-                                                      lev * r * n, kb.stride(0), PERMUTE=perm is not None,
-                                                      BLOCK=BLOCK)
-    return out if batched else out[0]
+    _inner_product[(triton.cdiv(n, BLOCK), r, 2 * b)](Db, src, kb, primes, out, out if add is None else add, lev, r,
+                                                      kb.shape[3], n, lev * r * n, kb.stride(0),
+                                                      PERMUTE=perm is not None, ADD=add is not None, BLOCK=BLOCK)
+    return out
 
 
-__all__ = ["addsub_rows", "dot_rows", "inner_product", "mulmod_rows", "ntt_", "round_tail", "sub_scale"]
+__all__ = ["addsub_rows", "dot_rows", "expand_digits", "fuses_finish", "inner_product", "mulmod_rows", "ntt_",
+           "round_tail", "rounded_ntt_sub_scale", "skips_diag", "sub_scale"]

@@ -192,12 +192,12 @@ class ProcessAsyncLLM:
     """Serve many concurrent requests from asyncio code; the engine steps in a child process."""
 
     def __init__(self, model_dir_or_model, engine_config: EngineConfig | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, *, parts=None) -> None:
         self.config = engine_config or EngineConfig()
         if isinstance(model_dir_or_model, (str, Path)):
-            self._spec = CoreSpec(self.config, path=str(model_dir_or_model))
+            self._spec = CoreSpec(self.config, path=str(model_dir_or_model), parts=parts)
         else:
-            self._spec = CoreSpec(self.config, model=model_dir_or_model, tokenizer=tokenizer)
+            self._spec = CoreSpec(self.config, model=model_dir_or_model, tokenizer=tokenizer, parts=parts)
         self._info: CoreInfo | None = None
         self._validator: _Validator | None = None
         # streams per extra token a wake-up waits for (0: off): with S open streams, a stream's consumer is

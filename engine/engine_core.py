@@ -44,13 +44,17 @@ class CoreSpec:
     path: str | None = None
     model: Any = None            # LlamaForCausalLM (pickled to the child: CPU tensors, shared memory)
     tokenizer: Tokenizer | None = None
+    # () -> EngineParts, a module-level function (it is pickled to the child): injected parts, e.g. the
+    # model-free executor with which bench/serve_api_cpu.py measures the API process alone
+    parts: Any = None
 
     def build(self):
         from engine.llm_engine import LLMEngine
 
+        parts = self.parts() if self.parts is not None else None
         if self.path is not None:
-            return LLMEngine.from_pretrained(Path(self.path), self.config)
-        return LLMEngine(self.model, self.tokenizer, self.config)
+            return LLMEngine.from_pretrained(Path(self.path), self.config, parts)
+        return LLMEngine(self.model, self.tokenizer, self.config, parts)
 
 
 @dataclasses.dataclass

@@ -116,6 +116,7 @@ class EngineCore:
     def __init__(self, engine, conn: Connection) -> None:
         self.engine, self.conn = engine, conn
         engine.output_processor.cumulative = False  # the client rebuilds token_ids and text from the deltas
+        engine.emit_deltas = True  # streamed progress comes as wire tuples (finished requests: RequestOutput)
         self.collector = _Collector()
         engine.listeners.append(self.collector)
         self.adds_seen = 0
@@ -130,10 +131,11 @@ class EngineCore:
             if stats is not None or acks:
                 self._send(outputs, stats, acks, errors)
 
-    def _send(self, outputs: list[RequestOutput], stats, acks: list[int], errors) -> None:
+    def _send(self, outputs: list, stats, acks: list[int], errors) -> None:
         finished, self.collector.finished = self.collector.finished, []
-        batch = StepBatch([encode(o) for o in outputs], stats, finished, acks, self.adds_seen,
-                          self.engine.num_waiting_requests, errors)
+        deltas = [o if type(o) is tuple else encode(o) for o in outputs]  # tuples: emit_deltas' own
+        batch = StepBatch(deltas, stats, finished, acks, self.adds_seen, self.engine.num_waiting_requests,
+                          errors)
         self.conn.send(("step", batch))
 
     def _drain(self, block: bool) -> tuple[list[int], list, list[RequestOutput]]:

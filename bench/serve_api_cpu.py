@@ -76,7 +76,6 @@ def stub_parts():
 def serve(config_path: str, tok: str, engine_set: list[str]) -> None:
     """The server process: the app with a stub-core ProcessAsyncLLM, under uvicorn."""
     import tomllib
-
     import uvicorn
 
     import server.app as app_mod

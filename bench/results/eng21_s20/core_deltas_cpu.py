@@ -1,21 +1,22 @@
 """The engine core's per-row cost of streamed outputs, CPU, stub executor (no model), real tokenizer:
 RequestOutput objects then encode() (before) vs OutputProcessor.delta tuples (emit_deltas, after), each step's
-batch pickled as the core sends it. 256 requests x (128 prompt + 256 output) tokens, the sampled tokens ordinary words; rounds alternate."""
+batch pickled as the core sends it. 256 requests x (128 prompt + 256 output) tokens, the sampled
+tokens ordinary words; rounds alternate."""
 import json
 import statistics
 import sys
 import time
-
-import torch
 from multiprocessing.reduction import ForkingPickler
 
-from bench.engine_host_cpu import C, OUTPUT_LEN, PROMPT_LEN
+import torch
+
+from bench.engine_host_cpu import OUTPUT_LEN, PROMPT_LEN, C
 from bench.serve_api_cpu import HIDDEN_VOCAB, stub_parts
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
+from engine.engine_core import StepBatch, encode
 from engine.llm import LLM
 from engine.model import LlamaForCausalLM
-from engine.engine_core import StepBatch, encode
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -101,11 +102,20 @@ def serve(config_path: str, tok: str, engine_set: list[str]) -> None:
         return llm
 
     app_mod.build_engine = build_engine
+    if os.environ.get("CIPHERLM_BENCH_STARLETTE_STREAM"):  # the A/B's "before": Starlette's task-group body
+        from starlette.responses import StreamingResponse
+
+        from server.routers import openai as openai_mod
+
+        async def starlette_body(self, receive, send, scope={"asgi": {"spec_version": "2.3"}}):  # noqa: B006
+            await StreamingResponse.__call__(self, {"type": "http", **scope}, receive, send)
+
+        openai_mod._GuardedStream._stream_until_disconnect = starlette_body
     app = app_mod.create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
 
 
-def start(workdir: Path, tok: str, server_set: list[str], engine_set: list[str]):
+def start(workdir: Path, tok: str, server_set: list[str], engine_set: list[str], env: dict[str, str]):
     from server.local_server import exit_with_parent, free_port, wait_ready
     from server.tenants import generate_api_key, hash_api_key
 
@@ -119,7 +129,8 @@ def start(workdir: Path, tok: str, server_set: list[str], engine_set: list[str])
     log = open(workdir / "server.log", "w")  # noqa: SIM115 - lives as long as the server
     cmd = [sys.executable, "-m", "bench.serve_api_cpu", "--serve", str(path), "--tok", tok]
     cmd += [a for s in engine_set for a in ("--engine-set", s)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=exit_with_parent)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=exit_with_parent,
+                            env=os.environ | env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url, 120, workdir / "server.log", poll_s=0.3)
@@ -135,7 +146,8 @@ def main() -> None:
     ap.add_argument("--tok", required=True, help="a folder with SmolLM2's tokenizer files")
     ap.add_argument("--engine-set", action="append", default=[], help=argparse.SUPPRESS)
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL:K=V,...",
-                    help="a server variant: label, then server settings (engine.* for the engine's)")
+                    help="a server variant: label, then server settings (engine.K=V: the engine's; env.K=V: "
+                         "the server process's environment)")
     ap.add_argument("--users", type=int, default=256)
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--duration", type=float, default=8.0)
@@ -153,8 +165,9 @@ def main() -> None:
     for v in args.variant or ["default:"]:
         label, _, sets = v.partition(":")
         items = [s for s in sets.split(",") if s]
-        variants.append((label, [s for s in items if not s.startswith("engine.")],
-                         [s[len("engine."):] for s in items if s.startswith("engine.")]))
+        variants.append((label, [s for s in items if not s.startswith(("engine.", "env."))],
+                         [s[len("engine."):] for s in items if s.startswith("engine.")],
+                         dict(s[len("env."):].split("=", 1) for s in items if s.startswith("env."))))
     bargs = argparse.Namespace(users=[args.users], request_rate=float("inf"), duration=args.duration,
                                input_len=args.input_len, output_len=args.output_len, timeout=300.0, seed=0,
                                clients=args.clients)
@@ -162,8 +175,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cipherlm-api-") as tmp:
         for r in range(args.rounds):
             order = variants if r % 2 == 0 else variants[::-1]
-            for label, server_set, engine_set in order:
-                proc, url, key = start(Path(tmp), args.tok, server_set, engine_set)
+            for label, server_set, engine_set, env in order:
+                proc, url, key = start(Path(tmp), args.tok, server_set, engine_set, env)
                 try:
                     row = asyncio.run(bench(bargs, url, key, proc.pid))[0]
                 finally:

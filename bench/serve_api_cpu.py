@@ -112,6 +112,20 @@ def serve(config_path: str, tok: str, engine_set: list[str]) -> None:
 
         openai_mod._GuardedStream._stream_until_disconnect = starlette_body
     app = app_mod.create_app(settings)
+    prof_path = os.environ.get("CIPHERLM_BENCH_CPROFILE")  # the API process under cProfile, dumped at exit
+    if prof_path:
+        import cProfile
+        import signal
+
+        prof = cProfile.Profile()
+
+        def dump(*_) -> None:  # uvicorn re-raises the SIGTERM it drained on: dump, then leave
+            prof.disable()
+            prof.dump_stats(prof_path)
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, dump)
+        prof.enable()
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
 
 

@@ -28,8 +28,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+STEP_S = float(os.environ.get("CIPHERLM_BENCH_STEP_MS", "0")) / 1e3  # the stub core's floor per step
 HIDDEN_VOCAB = 49152      # SmolLM2's: prompt ids must fit the (tiny) embedding
 WORD_IDS = range(600, 4600)  # the stub's sampled tokens: ordinary BPE pieces of SmolLM2's vocabulary
 
@@ -50,12 +52,16 @@ def stub_parts():
             super().__init__(*a)
             n = self.config.max_num_seqs + 64
             self._ids = [(torch.arange(n) * 7 + s * 13) % len(WORD_IDS) + WORD_IDS.start for s in range(16)]
-            self._step = 0
+            self._step, self._next = 0, 0.0
 
         def _logits(self, n: int) -> torch.Tensor:
             return torch.zeros(n, 1)  # the synchronous path's (rare here) logits: token 0
 
         def launch(self, sched, prev):
+            if STEP_S:  # a GPU's step time: the core waits for the device as it would in resolve
+                now = time.perf_counter()
+                time.sleep(max(0.0, self._next - now))
+                self._next = max(now, self._next) + STEP_S
             key = self._graph_for(sched.scheduled)
             if key is not None:
                 _, sampling = self._run_graph(sched.scheduled, key[0], 0, prev)
@@ -117,16 +123,34 @@ def serve(config_path: str, tok: str, engine_set: list[str]) -> None:
         import cProfile
         import signal
 
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.process_time)  # CPU time: a busy box's waits stay out
+        import gc
 
-        def dump(*_) -> None:  # uvicorn re-raises the SIGTERM it drained on: dump, then leave
+        gc_time = {"t": 0.0, "n": [0, 0, 0], "t0": 0.0}
+
+        def gc_cb(phase, info):  # collector passes and their CPU time, reported with the profile
+            if phase == "start":
+                gc_time["t0"] = time.process_time()
+            else:
+                gc_time["t"] += time.process_time() - gc_time["t0"]
+                gc_time["n"][info["generation"]] += 1
+
+        gc.callbacks.append(gc_cb)
+
+        def dump(*_) -> None:  # after the server returns (or a plain uvicorn re-raising SIGTERM): dump, leave
             prof.disable()
             prof.dump_stats(prof_path)
+            Path(prof_path + ".gc").write_text(json.dumps(gc_time))
             os._exit(0)
 
         signal.signal(signal.SIGTERM, dump)
         prof.enable()
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    from server.cli_serve import _server_class  # the server `cipherlm serve` runs (drain, gc_freeze)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
+    _server_class()(config, app.state.lifecycle, settings.drain_timeout_s, settings.gc_freeze).run()
+    if prof_path:  # the draining server returns after SIGTERM
+        dump()
 
 
 def start(workdir: Path, tok: str, server_set: list[str], engine_set: list[str], env: dict[str, str]):

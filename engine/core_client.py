@@ -125,9 +125,10 @@ class _Stream:
         min_tokens)`` new tokens have come since it last took (``min_tokens``: the load's, see
         ``ProcessAsyncLLM.load_coalescing``)."""
         self.items.append(item)
-        need = max(self.min_tokens, min_tokens)
-        if need > 1 and self.delivered and isinstance(item, tuple) and not item[1]:
-            self.pending += sum(len(c[2]) for c in item[4])
+        need = self.min_tokens if self.min_tokens > min_tokens else min_tokens
+        if need > 1 and self.delivered and type(item) is tuple and not item[1]:
+            comps = item[4]  # one completion (n = 1) is the common case: no generator per delta
+            self.pending += len(comps[0][2]) if len(comps) == 1 else sum(len(c[2]) for c in comps)
             if self.pending < need:
                 return  # not worth a wake-up yet
         self.ready = True

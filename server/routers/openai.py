@@ -492,8 +492,9 @@ class _GuardedStream(StreamingResponse):
         state = {"done": False, "gone": False}
 
         async def listen() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            with contextlib.suppress(Exception):  # a receive that breaks: the client is as good as gone
+                while (await receive())["type"] != "http.disconnect":
+                    pass
             if not state["done"]:  # this task is suspended inside the body: the cancel lands there
                 state["gone"] = True
                 task.cancel()

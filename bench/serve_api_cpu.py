@@ -38,6 +38,16 @@ WORD_IDS = range(600, 4600)  # the stub's sampled tokens: ordinary BPE pieces of
 
 def stub_parts():
     """EngineParts whose executor runs no model (built in the core process)."""
+    if os.environ.get("CIPHERLM_BENCH_BLOCKING_SEND"):  # the A/B's "before": the core's sends block
+        from engine import engine_core
+
+        init = engine_core._Outbox.__init__
+
+        def blocking(self, conn) -> None:
+            init(self, conn)
+            self._sock = None
+
+        engine_core._Outbox.__init__ = blocking
     import torch
 
     from bench.engine_host_cpu import StubExecutor, StubRunner

@@ -2,7 +2,8 @@
 # call 1 (bench/results/gpu_lead_2026-12-06_s20_call1.sh), which did not run: (A) main 41a1006 at 256 users with
 # the offline engine (the baseline: coalescing on, no admission delay); (B) this branch at 256 users (the core's
 # delta tuples, the plain disconnect listener, the backend tokenizer) with py-spy on the API process and the core;
-# (C) this branch with admission_delay_steps=8; (D) this branch at 1 and 32 users with the offline engine.
+# (C) this branch with admission_delay_steps=8; (D) this branch at 1 and 32 users with the offline engine;
+# (E) in the time left, (C) with stream_coalesce_streams=32.
 . .carry/setup.sh eng21
 R=/tmp/r; mkdir -p $R/spy /tmp/s/base
 tar -xJf $C/base.tar.xz -C /tmp/s/base || exit 1
@@ -31,5 +32,11 @@ head -30 $R/spy_summary.txt
 el serve-low
 timeout 70 $B --offline --label low --users 1 32 --json $R/serve_low.json > $R/serve_low.log 2>&1
 el "rc=$?"; grep -v Warn $R/serve_low.log | grep -v '^{' | tail -8
+LEFT=$(( 300 - $(date +%s) + T0 )); el "left ${LEFT}s"
+if [ $LEFT -gt 40 ]; then  # (E) if time is left: the delay with coarser chunks (1 + S // 32 tokens: 9 at 256)
+  timeout $LEFT $B --label delay8c32 --users 256 --engine-set admission_delay_steps=8 \
+    --server-set stream_coalesce_streams=32 --json $R/serve_delay8c32.json > $R/serve_delay8c32.log 2>&1
+  el "rc=$?"; grep -v Warn $R/serve_delay8c32.log | grep -v '^{' | tail -3
+fi
 smi | tee -a $R/smi.txt
 el done

@@ -132,10 +132,11 @@ class _Outbox:
         self.conn = conn
         self._sock: socket.socket | None = None
         if hasattr(socket, "MSG_DONTWAIT"):
+            fd = os.dup(conn.fileno())
             try:
-                self._sock = socket.socket(fileno=os.dup(conn.fileno()))
-            except OSError:
-                self._sock = None  # not a socket: blocking sends
+                self._sock = socket.socket(fileno=fd)
+            except OSError:  # not a socket (a one-way pipe): blocking sends
+                os.close(fd)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending = 0          # frames queued for the writer thread, not yet fully written

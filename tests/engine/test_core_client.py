@@ -245,3 +245,15 @@ def test_the_core_never_waits_for_a_reader_that_is_behind():
     assert [m[1] for m in got] == list(range(40)) and all(m[2] == payload for m in got)
     box.send(("step", 40, b""))  # after close: plain blocking sends
     assert reader.recv() == ("step", 40, b"")
+
+
+def test_an_outbox_on_a_plain_pipe_sends_blocking():
+    import multiprocessing as mp
+
+    from engine.engine_core import _Outbox
+
+    reader, writer = mp.Pipe(duplex=False)  # os.pipe, not a socket
+    box = _Outbox(writer)
+    box.send(("step", 1))
+    assert reader.recv() == ("step", 1) and box.deferred == 0
+    box.close()

@@ -290,12 +290,29 @@ async def bench(args: argparse.Namespace, url: str, key: str, server_pid: int | 
     meter = CpuMeter(server_pid)
     for users in args.users:
         before = meter.sample()
+        spies = spy(args, meter, users)
         row = await run_level(url, key, users, args.request_rate, args.duration, args.input_len,
                               args.output_len, args.timeout, args.seed, args.clients)
         row |= meter.per_token(row, before, meter.sample())
+        for proc in spies:
+            proc.wait(30)
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
     return rows
+
+
+def spy(args: argparse.Namespace, meter: CpuMeter, users: int) -> list[subprocess.Popen]:
+    """``--py-spy DIR``: sample the API process and the engine core for the level's arrival window
+    (``py-spy record --nonblocking``: the processes are never paused; raw stacks, bench/profile_summary.py)."""
+    if not getattr(args, "py_spy", None) or not meter.pid:
+        return []
+    Path(args.py_spy).mkdir(parents=True, exist_ok=True)
+    label = args.label or "serve"
+    return [subprocess.Popen([args.py_spy_bin, "record", "--nonblocking", "--rate", "100", "--duration",
+                              str(max(1, int(args.duration))), "--format", "raw", "-o",
+                              str(Path(args.py_spy) / f"{label}_{users}_{name}.txt"), "--pid", str(pid)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in [("api", meter.pid)] + [(f"child{i}", k) for i, k in enumerate(meter.kids)]]
 
 
 # --- the offline engine on the same lengths ----------------------------------------------------------
@@ -399,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
                         "async_scheduling=false; repeatable")
     p.add_argument("--server-set", action="append", default=[], type=engine_setting, metavar="KEY=VALUE",
                    help="a top-level server setting (TOML value), e.g. stream_coalesce_streams=0; repeatable")
+    p.add_argument("--py-spy", metavar="DIR", help="record py-spy profiles of the API process and its children "
+                   "(the engine core) during each level's arrivals into DIR")
+    p.add_argument("--py-spy-bin", default="py-spy", help="the py-spy executable")
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)
     rows: list[dict] = []

@@ -125,9 +125,10 @@ class _Stream:
         min_tokens)`` new tokens have come since it last took (``min_tokens``: the load's, see
         ``ProcessAsyncLLM.load_coalescing``)."""
         self.items.append(item)
-        need = max(self.min_tokens, min_tokens)
-        if need > 1 and self.delivered and isinstance(item, tuple) and not item[1]:
-            self.pending += sum(len(c[2]) for c in item[4])
+        need = self.min_tokens if self.min_tokens > min_tokens else min_tokens
+        if need > 1 and self.delivered and type(item) is tuple and not item[1]:
+            comps = item[4]  # one completion (n = 1) is the common case: no generator per delta
+            self.pending += len(comps[0][2]) if len(comps) == 1 else sum(len(c[2]) for c in comps)
             if self.pending < need:
                 return  # not worth a wake-up yet
         self.ready = True
@@ -192,12 +193,12 @@ class ProcessAsyncLLM:
     """Serve many concurrent requests from asyncio code; the engine steps in a child process."""
 
     def __init__(self, model_dir_or_model, engine_config: EngineConfig | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, *, parts=None) -> None:
         self.config = engine_config or EngineConfig()
         if isinstance(model_dir_or_model, (str, Path)):
-            self._spec = CoreSpec(self.config, path=str(model_dir_or_model))
+            self._spec = CoreSpec(self.config, path=str(model_dir_or_model), parts=parts)
         else:
-            self._spec = CoreSpec(self.config, model=model_dir_or_model, tokenizer=tokenizer)
+            self._spec = CoreSpec(self.config, model=model_dir_or_model, tokenizer=tokenizer, parts=parts)
         self._info: CoreInfo | None = None
         self._validator: _Validator | None = None
         # streams per extra token a wake-up waits for (0: off): with S open streams, a stream's consumer is

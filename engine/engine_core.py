@@ -16,8 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
+import socket
+import struct
 import sys
+import threading
+import time
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,7 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.tokenizer import Tokenizer
 
 IDLE_POLL_S = 0.5  # an idle core blocks on the pipe this long between checks of its parent
+MAX_DEFERRED_FRAMES = 512  # step batches queued for a reader that is behind (~10 MB at 256 rows) before sends wait
 
 # One completion's progress in a step: (index, delta_text, delta_token_ids, logprobs, finish_reason,
 # stop_reason); one request's: (request_id, finished, num_cached_tokens, metrics-if-finished, completions).
@@ -44,13 +51,17 @@ class CoreSpec:
     path: str | None = None
     model: Any = None            # LlamaForCausalLM (pickled to the child: CPU tensors, shared memory)
     tokenizer: Tokenizer | None = None
+    # () -> EngineParts, a module-level function (it is pickled to the child): injected parts, e.g. the
+    # model-free executor with which bench/serve_api_cpu.py measures the API process alone
+    parts: Any = None
 
     def build(self):
         from engine.llm_engine import LLMEngine
 
+        parts = self.parts() if self.parts is not None else None
         if self.path is not None:
-            return LLMEngine.from_pretrained(Path(self.path), self.config)
-        return LLMEngine(self.model, self.tokenizer, self.config)
+            return LLMEngine.from_pretrained(Path(self.path), self.config, parts)
+        return LLMEngine(self.model, self.tokenizer, self.config, parts)
 
 
 @dataclasses.dataclass
@@ -106,12 +117,85 @@ class _Collector:
         pass
 
 
+class _Outbox:
+    """The core's writes to the pipe, which never wait for the API process.
+
+    A message goes straight into the socket when it takes the whole frame (the common case: no thread, no
+    GIL handoff); when the API process is behind and the socket's buffer (~200 KB, about ten 256-row step
+    batches) is full, the rest of that frame and every later one go to a writer thread, in order, and the
+    core keeps stepping. Before, ``conn.send`` blocked the core until the API read: a burst of new HTTP
+    requests in the API process (hundreds of users finishing together) held the engine's steps up. Frames
+    are multiprocessing's (``engine.core_client._frame`` reads them). Where the pipe is no socket (Windows)
+    every message is a plain blocking ``conn.send``."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._sock: socket.socket | None = None
+        if hasattr(socket, "MSG_DONTWAIT"):
+            fd = os.dup(conn.fileno())
+            try:
+                self._sock = socket.socket(fileno=fd)
+            except OSError:  # not a socket (a one-way pipe): blocking sends
+                os.close(fd)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = 0          # frames queued for the writer thread, not yet fully written
+        self._thread: threading.Thread | None = None
+        self.deferred = 0          # frames the socket did not take at once (the API process was behind)
+
+    def send(self, msg: tuple) -> None:
+        if self._sock is None:
+            self.conn.send(msg)
+            return
+        data = ForkingPickler.dumps(msg)
+        n = len(data)
+        frame = (struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)) + bytes(data)
+        with self._lock:
+            if not self._pending:
+                try:
+                    sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                if sent == len(frame):
+                    return
+                frame = frame[sent:]
+            self._pending += 1
+            self.deferred += 1
+        while self._pending > MAX_DEFERRED_FRAMES:  # a reader gone quiet: bound the core's memory
+            time.sleep(0.001)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write, name="cipherlm-core-out", daemon=True)
+            self._thread.start()
+        self._queue.put(frame)
+
+    def _write(self) -> None:
+        while (frame := self._queue.get()) is not None:
+            try:
+                self._sock.sendall(frame)
+            except OSError:
+                return  # the API process is gone; the core's next receive sees it
+            with self._lock:
+                self._pending -= 1
+
+    def close(self) -> None:
+        """Write out what is queued (before a final message or the process's exit)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
 class EngineCore:
     """The loop of the core process: handle control messages, step, send one batch."""
 
     def __init__(self, engine, conn: Connection) -> None:
         self.engine, self.conn = engine, conn
+        self.outbox = _Outbox(conn)
         engine.output_processor.cumulative = False  # the client rebuilds token_ids and text from the deltas
+        engine.emit_deltas = True  # streamed progress comes as wire tuples (finished requests: RequestOutput)
         self.collector = _Collector()
         engine.listeners.append(self.collector)
         self.adds_seen = 0
@@ -126,11 +210,12 @@ class EngineCore:
             if stats is not None or acks:
                 self._send(outputs, stats, acks, errors)
 
-    def _send(self, outputs: list[RequestOutput], stats, acks: list[int], errors) -> None:
+    def _send(self, outputs: list, stats, acks: list[int], errors) -> None:
         finished, self.collector.finished = self.collector.finished, []
-        batch = StepBatch([encode(o) for o in outputs], stats, finished, acks, self.adds_seen,
-                          self.engine.num_waiting_requests, errors)
-        self.conn.send(("step", batch))
+        deltas = [o if type(o) is tuple else encode(o) for o in outputs]  # tuples: emit_deltas' own
+        batch = StepBatch(deltas, stats, finished, acks, self.adds_seen, self.engine.num_waiting_requests,
+                          errors)
+        self.outbox.send(("step", batch))
 
     def _drain(self, block: bool) -> tuple[list[int], list, list[RequestOutput]]:
         """Handle every waiting message (waiting for one when idle); abort outputs join the step's."""
@@ -185,7 +270,11 @@ def core_main(conn: Connection, spec: CoreSpec) -> None:
             structured.bind_process_model(engine.tokenizer, engine.model_config)
         conn.send(("ready", CoreInfo(engine.model_config, engine.tokenizer, engine.max_model_len,
                                      engine.stats())))
-        EngineCore(engine, conn).run()
+        core = EngineCore(engine, conn)
+        try:
+            core.run()
+        finally:
+            core.outbox.close()  # every step batch written before a "failed" message or the exit
         conn.close()
         _exit_now()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):

@@ -71,6 +71,9 @@ class LLMEngine:
         self.output_processor = parts.output_processor(tokenizer, sorted(eos), self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.stream_outputs = True  # False: step() returns finished requests only (offline use)
+        # True (the engine core process): an unfinished request's streamed output is its wire delta tuple
+        # (OutputProcessor.delta), not a RequestOutput; finished and aborted requests stay RequestOutputs
+        self.emit_deltas = False
         self.listeners: list[MetricsListener] = []
         self._seq_ids = itertools.count()
         self._admission = threading.Lock()
@@ -200,7 +203,8 @@ class LLMEngine:
         """Schedule, run and sample one step; return outputs of the requests that progressed.
 
         With :attr:`overlap` on, a step of overlappable requests is launched and the step launched before
-        it is resolved: the outputs returned are that earlier step's (see the module docstring).
+        it is resolved: the outputs returned are that earlier step's (see the module docstring). With
+        :attr:`emit_deltas` on, unfinished requests' outputs are wire delta tuples (the core process's).
         """
         sched = self.scheduler.schedule()
         if not self.overlap:
@@ -306,6 +310,8 @@ class LLMEngine:
             request.metrics.last_token_time = now
             if request.finished:
                 outputs.append(self._finish_request(request))
+            elif self.emit_deltas:
+                outputs.append(self.output_processor.delta(request))
             elif self.stream_outputs:
                 outputs.append(self.output_processor.build(request))
         return outputs

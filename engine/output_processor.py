@@ -103,16 +103,32 @@ class OutputProcessor:
             self._text[seq.seq_id] = st
         return st
 
-    def _completion(self, seq: Sequence) -> CompletionOutput:
-        finished = seq.finish_reason is not None
+    def delta(self, request: Request) -> tuple:
+        """The request's progress since its previous output as the engine core's wire tuple
+        (``engine.engine_core.RequestDelta``), built without :class:`RequestOutput` objects: the core
+        process sends every streaming request's delta each step, and the objects cost it ~2-3 µs a row."""
+        seqs = request.seqs
+        if len(seqs) != 1:
+            seqs = sorted(seqs, key=lambda s: s.index)
+        comps = [(s.index, *self._advance(s), s.finish_reason, s.stop_reason) for s in seqs]
+        return (request.request_id, request.finished, request.num_cached_tokens,
+                request.metrics if request.finished else None, comps)
+
+    def _advance(self, seq: Sequence) -> tuple[str, list[int], list | None]:
+        """(delta text, new token ids, their logprobs) since the sequence's last output; moves its cursors."""
         st = self._text.get(seq.seq_id) or self._text_of(seq)
-        delta_text = st.take_delta(finished)
+        delta_text = st.take_delta(seq.finish_reason is not None)
         start, end = seq.num_prompt_tokens + st.emitted_tokens, len(seq.token_ids) - seq.num_pending
         new_ids = seq.token_ids[start:end]
         logprobs = seq.logprobs[st.emitted_tokens:] if seq.request.params.logprobs is not None else None
         st.emitted_tokens = end - seq.num_prompt_tokens
+        return delta_text, new_ids, logprobs
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        delta_text, new_ids, logprobs = self._advance(seq)
         if not self.cumulative:
             return CompletionOutput(seq.index, [], "", delta_text, new_ids, logprobs, seq.finish_reason,
                                     seq.stop_reason)
+        st = self._text[seq.seq_id]
         return CompletionOutput(seq.index, seq.output_token_ids, st.full[:st.emitted], delta_text, new_ids,
                                 logprobs, seq.finish_reason, seq.stop_reason)

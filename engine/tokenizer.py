@@ -27,8 +27,30 @@ from engine.errors import InvalidRequestError, ModelLoadError
 class Tokenizer:
     """The model's tokenizer and chat template."""
 
+    # text the native path must tokenize exactly as transformers does before it is used (spaces, digits,
+    # special-token text, non-ASCII)
+    _PROBE = "  Hello wörld 12345\n\t<|im_start|>user x</s> <s> [INST] 東京 🙂  end "
+
     def __init__(self, hf_tokenizer: Any) -> None:
         self._tok = hf_tokenizer
+        self._native = self._native_encoder(hf_tokenizer)
+
+    @classmethod
+    def _native_encoder(cls, hf: Any) -> Any:
+        """The fast backend's own ``encode`` where it gives transformers' ids on the probe text, else None.
+
+        transformers' ``encode`` of one text goes through the backend's ``encode_batch`` (a thread-pool hop
+        per call) and its Python wrapper: 0.15-0.4 ms per 120-token prompt in the API process against
+        ~0.1 ms direct (bench/serve_api_cpu.py under cProfile)."""
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is None or not callable(getattr(backend, "encode", None)):
+            return None
+        try:
+            same = all(list(hf.encode(cls._PROBE, add_special_tokens=sp)) ==
+                       backend.encode(cls._PROBE, add_special_tokens=sp).ids for sp in (True, False))
+        except Exception:  # noqa: BLE001 - any doubt: transformers' path
+            return None
+        return backend if same else None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
@@ -82,6 +104,8 @@ class Tokenizer:
         if not text:
             raise InvalidRequestError("prompt is empty")
         check_unicode(text, "prompt")
+        if self._native is not None:
+            return self._native.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_plain(self, text: str) -> list[int]:

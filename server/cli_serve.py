@@ -159,11 +159,21 @@ def _server_class():
         app shuts down (final audit checkpoint). uvicorn's own graceful wait is only ``FLUSH_GRACE_S``:
         it must not wait a second drain window after ours."""
 
-        def __init__(self, config: uvicorn.Config, lifecycle, drain_timeout_s: float) -> None:
+        def __init__(self, config: uvicorn.Config, lifecycle, drain_timeout_s: float,
+                     gc_freeze: bool = False) -> None:
             super().__init__(config)
             self.lifecycle = lifecycle
             self.drain_timeout_s = drain_timeout_s
             self.drain_deadline: float | None = None
+            self.gc_freeze = gc_freeze
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.gc_freeze:  # Settings.gc_freeze: the start-up heap leaves every later full collection
+                import gc
+
+                gc.collect()
+                gc.freeze()
 
         def handle_exit(self, sig, frame) -> None:
             if self.drain_deadline is None:
@@ -208,7 +218,7 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
                             timeout_graceful_shutdown=FLUSH_GRACE_S)
-    server = _server_class()(config, app.state.lifecycle, settings.drain_timeout_s)
+    server = _server_class()(config, app.state.lifecycle, settings.drain_timeout_s, settings.gc_freeze)
     print(f"cipherlm: serving on http://{settings.host}:{settings.port}", flush=True)
     server.run()
     return 0

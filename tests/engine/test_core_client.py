@@ -223,3 +223,37 @@ async def test_under_load_a_wake_up_waits_for_more_tokens():
         assert len(outs[0].outputs[0].delta_token_ids) == 1
         middle = [len(o.outputs[0].delta_token_ids) for o in outs[1:-1]]
         assert middle and min(middle) >= 2 and len(outs) <= 10  # 20 tokens in chunks of about 3
+
+
+def test_the_core_never_waits_for_a_reader_that_is_behind():
+    """``_Outbox``: with nobody reading, sends return at once (the overflow goes to the writer thread); the
+    reader then gets every message whole and in order, through multiprocessing's framing."""
+    import multiprocessing as mp
+    import time
+
+    from engine.engine_core import _Outbox
+
+    reader, writer = mp.Pipe(duplex=True)
+    box = _Outbox(writer)
+    payload = b"x" * 50_000
+    t0 = time.perf_counter()
+    for i in range(40):  # ~2 MB: far over the socket's buffer
+        box.send(("step", i, payload))
+    assert time.perf_counter() - t0 < 2.0 and box.deferred > 0
+    got = [reader.recv() for _ in range(40)]
+    box.close()
+    assert [m[1] for m in got] == list(range(40)) and all(m[2] == payload for m in got)
+    box.send(("step", 40, b""))  # after close: plain blocking sends
+    assert reader.recv() == ("step", 40, b"")
+
+
+def test_an_outbox_on_a_plain_pipe_sends_blocking():
+    import multiprocessing as mp
+
+    from engine.engine_core import _Outbox
+
+    reader, writer = mp.Pipe(duplex=False)  # os.pipe, not a socket
+    box = _Outbox(writer)
+    box.send(("step", 1))
+    assert reader.recv() == ("step", 1) and box.deferred == 0
+    box.close()

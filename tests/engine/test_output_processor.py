@@ -72,3 +72,28 @@ def test_delta_only_outputs_carry_the_same_deltas_and_no_cumulative_fields():
         [(o.delta_token_ids, o.delta_text) for o in runs[True]]
     assert runs[True][-1].token_ids == [0, 1, 2, 3, 4] and runs[True][-1].text == "Hello world!"
     assert all(o.token_ids == [] and o.text == "" for o in runs[False])
+
+
+def test_wire_deltas_equal_the_encoded_outputs():
+    """``OutputProcessor.delta`` (the core's fast path) makes the tuple ``engine_core.encode`` makes of a built
+    output, step by step, finish included."""
+    from engine.engine_core import encode
+    from engine.output_processor import OutputProcessor
+    from engine.sampling_params import SamplingParams
+    from tests.engine.engine_helpers import make_seq
+
+    runs = {}
+    for fast in (True, False):
+        proc = OutputProcessor(PieceTokenizer(), [], 1024)
+        proc.cumulative = False
+        seq = make_seq([0], params=SamplingParams(max_tokens=8, stop=["STOP"]))
+        wire = []
+        for tok in [0, 1, 2, 3, 5, 6, 7]:
+            seq.append_token(tok)
+            verdict = proc.check_finish(seq, tok)
+            if verdict is not None:
+                seq.finish(*verdict)
+            wire.append(proc.delta(seq.request) if fast else encode(proc.build(seq.request)))
+        runs[fast] = wire
+    assert runs[True] == runs[False]
+    assert runs[True][-1][4][0][4] == "stop" and "".join(w[4][0][1] for w in runs[True]) == "Hello world "

@@ -86,3 +86,30 @@ def test_native_stream_gives_the_windows_pieces(tok, skip):
         pieces = [(native.step(s), window.step(s)) for s in steps]
         assert [a for a, _ in pieces] == [b for _, b in pieces]
         assert native.text == window.text == tok.decode(prompt + gen, skip)[len(tok.decode(prompt, skip)):]
+
+
+@pytest.mark.parametrize("text", ["Hello world", "  two  spaces ", "<|im_start|>user\nhi<|im_end|>", "ünï 東京 🙂 42",
+                                  "a\n\n\tb", "x" * 300])
+@pytest.mark.parametrize("special", [True, False])
+def test_native_encode_gives_transformers_ids(tok, text, special):
+    """``encode`` takes the fast backend directly (no batch hop): the same ids as transformers' encode."""
+    assert tok._native is not None
+    expected = list(tok.hf_tokenizer.encode(text, add_special_tokens=special))
+    assert tok.encode(text, add_special_tokens=special) == expected
+
+
+def test_a_tokenizer_whose_backend_disagrees_keeps_transformers_path():
+    class Hf:
+        class backend_tokenizer:  # noqa: N801 - the attribute transformers exposes
+            @staticmethod
+            def encode(text, add_special_tokens=True):
+                class E:
+                    ids = [1, 2, 3]
+                return E()
+
+        @staticmethod
+        def encode(text, add_special_tokens=True):
+            return [7]
+
+    t = Tokenizer(Hf())
+    assert t._native is None and t.encode("x") == [7]

@@ -679,8 +679,7 @@ def _ntt_staged(x, roots, ws, primes, inverse, shoup, p, n, rows, upto, n_inv=No
 def fuses_finish(n: int) -> bool:
     """Whether :func:`rounded_ntt_sub_scale` runs at size ``n`` (:data:`FUSED_FINISH` and the strided and local
     kernels, which carry its prologue and epilogue)."""
-    local = min(n, LOCAL) if FUSED else 1
-    return FUSED_FINISH and STRIDED and not RADIX4 and 1 < local < n
+    return FUSED_FINISH and _strided_and_local(n)
 
 
 def rounded_ntt_sub_scale(x: torch.Tensor, tail: torch.Tensor, roots: torch.Tensor, roots_shoup: torch.Tensor,
@@ -714,14 +713,20 @@ def rounded_ntt_sub_scale(x: torch.Tensor, tail: torch.Tensor, roots: torch.Tens
 def skips_diag(n: int) -> bool:
     """Whether :func:`ntt_` can leave the expanded digits' rows ``[J, J]`` alone at size ``n`` (:data:`SKIP_DIAG`,
     the strided and local kernels: the path that has the row map)."""
+    return SKIP_DIAG and _strided_and_local(n)
+
+
+def _strided_and_local(n: int) -> bool:
+    """Whether :func:`ntt_` runs at size ``n`` as the strided kernel then the local one (the two kernels that carry
+    :data:`SKIP_DIAG`'s row map and :data:`FUSED_FINISH`'s prologue and epilogue)."""
     local = min(n, LOCAL) if FUSED else 1
-    return SKIP_DIAG and STRIDED and not RADIX4 and 1 < local < n
+    return STRIDED and not RADIX4 and 1 < local < n
 
 
 @triton.jit
 def _expand_digits(d_ptr, t_ptr, q_ptr, out_ptr, L, N, BLOCK: tl.constexpr):
-    """out[b, J, i] = t[b, J] where i == J (that row's NTT, which :func:`ntt_` then skips), else d[b, J] mod q_i:
-    the quotient by a float64 estimate (|error| < 1 for d < 2^61, q >= 2^20), then one correction each way."""
+    """out[b, J, i] = t[b, J] where i == J (that row's NTT, which :func:`ntt_` then skips), else d[b, J] mod q_i
+    (:func:`_reduce_est`: d < 2^61, q >= 2^20)."""
     row = tl.program_id(1)                                           # (b * L + J) * (L + 1) + i
     i = row % (L + 1)
     bj = row // (L + 1)
@@ -731,12 +736,8 @@ def _expand_digits(d_ptr, t_ptr, q_ptr, out_ptr, L, N, BLOCK: tl.constexpr):
     if i == bj % L:
         tl.store(out, tl.load(t_ptr + bj.to(tl.int64) * N + offs, mask=mask), mask=mask)
     else:
-        q = tl.load(q_ptr + i)
         d = tl.load(d_ptr + bj.to(tl.int64) * N + offs, mask=mask)
-        est = tl.floor(d.to(tl.float64) * (1.0 / q.to(tl.float64))).to(tl.int64)
-        r = d - est * q
-        r = tl.where(r < 0, r + q, r)
-        tl.store(out, tl.where(r >= q, r - q, r), mask=mask)
+        tl.store(out, _reduce_est(d, tl.load(q_ptr + i)), mask=mask)
 
 
 def expand_digits(d: torch.Tensor, t: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:

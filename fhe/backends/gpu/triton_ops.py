@@ -295,7 +295,7 @@ def _ntt_stage2(x_ptr, w_ptr, q_ptr, P, N, m, gap, INVERSE: tl.constexpr, BLOCK:
 
 @triton.jit
 def _sub_times(x, y, sc, q, qinv):
-    """(x - y) * sc mod q (:func:`_sub_scale`'s arithmetic)."""
+    """(x - y) * sc mod q: :func:`_sub_scale`'s arithmetic, and the fused finish's (``SUB_SCALE``)."""
     d = x - y
     d = tl.where(d < 0, d + q, d)
     return _mulmod(d, sc + tl.zeros(d.shape, tl.int64), q, qinv)
@@ -461,15 +461,12 @@ def _sub_scale(x_ptr, t_ptr, s_ptr, q_ptr, out_ptr, R, N, BLOCK: tl.constexpr):
     m = row // R
     r = row % R
     q = tl.load(q_ptr + r)
-    qinv = 1.0 / q.to(tl.float64)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + (m * (R + 1) + r).to(tl.int64) * N + offs, mask=mask)
     t = tl.load(t_ptr + row.to(tl.int64) * N + offs, mask=mask)
-    d = x - t
-    d = tl.where(d < 0, d + q, d)
-    sc = tl.load(s_ptr + r) + tl.zeros((BLOCK,), tl.int64)
-    tl.store(out_ptr + row.to(tl.int64) * N + offs, _mulmod(d, sc, q, qinv), mask=mask)
+    out = _sub_times(x, t, tl.load(s_ptr + r), q, 1.0 / q.to(tl.float64))
+    tl.store(out_ptr + row.to(tl.int64) * N + offs, out, mask=mask)
 
 
 def _rows3(x: torch.Tensor) -> torch.Tensor | None:

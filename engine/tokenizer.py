@@ -45,6 +45,11 @@ class Tokenizer:
         backend = getattr(hf, "backend_tokenizer", None)
         if backend is None or not callable(getattr(backend, "encode", None)):
             return None
+        # a tokenizer.json with truncation or padding set: the backend's own encode applies them; only a side
+        # effect of transformers' encode (it switches them off on the backend, as the probe below would) hides
+        # that, so such a tokenizer keeps transformers' path rather than depend on it
+        if getattr(backend, "truncation", None) is not None or getattr(backend, "padding", None) is not None:
+            return None
         try:
             same = all(list(hf.encode(cls._PROBE, add_special_tokens=sp)) ==
                        backend.encode(cls._PROBE, add_special_tokens=sp).ids for sp in (True, False))

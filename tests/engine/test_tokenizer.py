@@ -113,3 +113,15 @@ def test_a_tokenizer_whose_backend_disagrees_keeps_transformers_path():
 
     t = Tokenizer(Hf())
     assert t._native is None and t.encode("x") == [7]
+
+
+def test_a_backend_that_truncates_keeps_transformers_path(tok):
+    """tokenizer.json may set truncation: the backend's own encode would apply it, so transformers' path is kept."""
+    import copy
+
+    hf = copy.deepcopy(tok.hf_tokenizer)
+    hf.backend_tokenizer.enable_truncation(max_length=4)
+    t = Tokenizer(hf)
+    text = "one two three four five six seven eight"
+    assert t._native is None
+    assert t.encode(text) == list(tok.hf_tokenizer.encode(text)) and len(t.encode(text)) > 4

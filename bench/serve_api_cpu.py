@@ -13,7 +13,7 @@ Per round and variant (a ``--server-set`` / ``--engine-set`` group), the same st
 fresh server; rows: out tok/s, TPOT/ITL, chunks per token and CPU µs per token of the API process, the
 core and the clients. Variants alternate within a round (A B, B A, ...).
 
-    python bench/serve_api_cpu.py --tok DIR --users 256 --rounds 2 \\
+    python -m bench.serve_api_cpu --tok DIR --users 256 --rounds 2 \\
         --variant default: --variant nocoalesce:stream_coalesce_streams=0
 
 ``--serve CONFIG`` (internal): run the server process itself.
@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -164,28 +163,17 @@ def serve(config_path: str, tok: str, engine_set: list[str]) -> None:
 
 
 def start(workdir: Path, tok: str, server_set: list[str], engine_set: list[str], env: dict[str, str]):
-    from server.local_server import exit_with_parent, free_port, wait_ready
-    from server.tenants import generate_api_key, hash_api_key
+    from bench.serve_bench import bench_tenant, launch
+    from server.local_server import free_port
+    from server.tenants import generate_api_key
 
     key, port = generate_api_key(), free_port()
     path = workdir / "settings.toml"
     path.write_text(f'host = "127.0.0.1"\nport = {port}\nengine_process = true\n'
-                    + "".join(f"{s}\n" for s in server_set)
-                    + "[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\n"
-                    + "tokens_per_minute = 0\n"
-                    f'[[tenants]]\nid = "bench"\napi_key_hashes = ["{hash_api_key(key)}"]\n')
-    log = open(workdir / "server.log", "w")  # noqa: SIM115 - lives as long as the server
+                    + "".join(f"{s}\n" for s in server_set) + bench_tenant(key))
     cmd = [sys.executable, "-m", "bench.serve_api_cpu", "--serve", str(path), "--tok", tok]
     cmd += [a for s in engine_set for a in ("--engine-set", s)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=exit_with_parent,
-                            env=os.environ | env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url, 120, workdir / "server.log", poll_s=0.3)
-    except RuntimeError:
-        proc.kill()
-        raise
-    return proc, url, key
+    return launch(cmd, workdir, port, 120, 0.3, env), f"http://127.0.0.1:{port}", key
 
 
 def main() -> None:

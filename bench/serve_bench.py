@@ -213,8 +213,8 @@ def markdown(rows: list[dict]) -> str:
 
 def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Popen, str, str]:
     """``cipherlm serve`` with one fresh plaintext tenant on a free loopback port; waits for readiness."""
-    from server.local_server import exit_with_parent, free_port, wait_ready
-    from server.tenants import generate_api_key, hash_api_key
+    from server.local_server import free_port
+    from server.tenants import generate_api_key
 
     key, port = generate_api_key(), free_port()
     engine = f'device = "{args.device}"' + (f"\nnum_threads = {args.threads}" if args.threads else "")
@@ -224,21 +224,34 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
                         + (f"stream_interval = {args.stream_interval}\n" if args.stream_interval else "")
                         + (f'model = "{args.model}"\n' if args.model else "")
                         + "".join(f"{k} = {v}\n" for k, v in args.server_set)
-                        + f"[engine]\n{engine}\n"
-                        + "[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\n"
-                        + "tokens_per_minute = 0\n"  # 0: off (the default 60k/min 429s a GPU at 32+ users)
-                        f'[[tenants]]\nid = "bench"\napi_key_hashes = ["{hash_api_key(key)}"]\n')
+                        + f"[engine]\n{engine}\n" + bench_tenant(key))
+    cmd = [sys.executable, "-m", "server.cli_serve", "--config", str(settings), "--log-level", "warning"]
+    return launch(cmd, workdir, port, 300, 0.5), f"http://127.0.0.1:{port}", key
+
+
+def bench_tenant(key: str) -> str:
+    """Settings TOML: the one tenant ``bench`` (API key ``key``) with limits that never refuse the load."""
+    from server.tenants import hash_api_key
+
+    return ("[limits_default]\nmax_concurrent = 1024\nrequests_per_minute = 1000000\n"
+            "tokens_per_minute = 0\n"  # 0: off (the default 60k/min 429s a GPU at 32+ users)
+            f'[[tenants]]\nid = "bench"\napi_key_hashes = ["{hash_api_key(key)}"]\n')
+
+
+def launch(cmd: list[str], workdir: Path, port: int, timeout_s: float, poll_s: float,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a server process (output to ``workdir/server.log``) and wait until it answers on ``port``."""
+    from server.local_server import exit_with_parent, wait_ready
+
     log = open(workdir / "server.log", "w")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli_serve", "--config", str(settings),
-                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=exit_with_parent)
-    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=exit_with_parent,
+                            env=None if env is None else os.environ | env)
     try:
-        wait_ready(proc, url, 300, workdir / "server.log", poll_s=0.5)
+        wait_ready(proc, f"http://127.0.0.1:{port}", timeout_s, workdir / "server.log", poll_s=poll_s)
     except RuntimeError:
         proc.kill()
         raise
-    return proc, url, key
+    return proc
 
 
 def cpu_seconds(pid: int) -> float:

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import openai_api
@@ -34,17 +34,16 @@ from engine.sampling_params import SamplingParams
 from server.errors import APIError, InvalidRequestError, NotFoundError, from_engine_error
 from server.limits import TenantLimiter
 from server.routers.deps import (
-    EngineDep,
+    PlaintextCallDep,
     admit_request,
     charge_tokens,
-    ensure_admitting,
     get_metrics,
     record_fallback,
 )
 from server.routers.openai_format import ChunkBuilder, ResponseMeta, full_response, sse
 from server.routers.openai_schemas import ChatCompletionRequest, CompletionRequest
 from server.settings import Settings, SettingsDep
-from server.tenants import PlaintextTenantDep, Tenant, TenantDep
+from server.tenants import Tenant, TenantDep
 
 router = APIRouter(tags=["openai"])
 log = logging.getLogger("cipherlm.server")
@@ -544,20 +543,13 @@ def _token_decoder(engine: Any):
     return decode
 
 
-_PLAINTEXT = [Depends(ensure_admitting)]
-
-
-@router.post("/v1/completions", dependencies=_PLAINTEXT)
-async def create_completion(body: CompletionRequest, request: Request,
-                            tenant: PlaintextTenantDep,
-                            settings: SettingsDep, engine: EngineDep):
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request, call: PlaintextCallDep):
     """Text completion (OpenAI's legacy completions API), streamed with ``stream: true``."""
-    return await _serve(body, request, tenant, settings, engine, "/v1/completions")
+    return await _serve(body, request, call.tenant, call.settings, call.engine, "/v1/completions")
 
 
-@router.post("/v1/chat/completions", dependencies=_PLAINTEXT)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request,
-                                 tenant: PlaintextTenantDep,
-                                 settings: SettingsDep, engine: EngineDep):
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, call: PlaintextCallDep):
     """Chat completion with the model's chat template, streamed with ``stream: true``."""
-    return await _serve(body, request, tenant, settings, engine, "/v1/chat/completions")
+    return await _serve(body, request, call.tenant, call.settings, call.engine, "/v1/chat/completions")

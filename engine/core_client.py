@@ -120,12 +120,11 @@ class _Stream:
         self.delivered = False    # the consumer has taken an output
         self.ready = False        # ``items`` holds something worth a wake-up
 
-    def put(self, item, min_tokens: int = 1) -> None:
-        """Queue a step's delta (or an error); wake the consumer unless fewer than ``max(self.min_tokens,
-        min_tokens)`` new tokens have come since it last took (``min_tokens``: the load's, see
-        ``ProcessAsyncLLM.load_coalescing``)."""
+    def put(self, item) -> None:
+        """Queue a step's delta (or an error); wake the consumer unless fewer than ``min_tokens`` new tokens
+        have come since it last took."""
         self.items.append(item)
-        need = self.min_tokens if self.min_tokens > min_tokens else min_tokens
+        need = self.min_tokens
         if need > 1 and self.delivered and type(item) is tuple and not item[1]:
             comps = item[4]  # one completion (n = 1) is the common case: no generator per delta
             self.pending += len(comps[0][2]) if len(comps) == 1 else sum(len(c[2]) for c in comps)
@@ -201,11 +200,7 @@ class ProcessAsyncLLM:
             self._spec = CoreSpec(self.config, model=model_dir_or_model, tokenizer=tokenizer, parts=parts)
         self._info: CoreInfo | None = None
         self._validator: _Validator | None = None
-        # streams per extra token a wake-up waits for (0: off): with S open streams, a stream's consumer is
-        # woken once 1 + S // load_coalescing new tokens are in (first output, finish, error: at once), so
-        # the API's per-chunk cost (framing, socket write) stops growing with users (the server's
-        # ``stream_coalesce_streams``)
-        self.load_coalescing = 0
+        self._load_coalescing = 0
         self._proc = None
         self._conn = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -223,6 +218,23 @@ class ProcessAsyncLLM:
         self._adds_seen = 0
         self._num_unscheduled = 0
         self._stats: EngineStats | None = None
+
+    @property
+    def load_coalescing(self) -> int:
+        """Streams per extra token a streamed output waits for (0: off; the server's
+        ``stream_coalesce_streams``): with R requests in the engine, a request's progress is sent once
+        1 + R // this many new tokens are in (its first output, a finish, an error: at once), so the API's
+        per-chunk cost (framing, socket write) stops growing with users. The core process holds the tokens
+        (``LLMEngine.delta_coalescing``): a held token costs neither the core's delta building and pickling
+        nor this process's reading and queueing."""
+        return self._load_coalescing
+
+    @load_coalescing.setter
+    def load_coalescing(self, per: int) -> None:
+        self._load_coalescing = per = max(0, int(per))
+        self._spec.coalesce_streams = per
+        if self._info is not None and self._error is None:  # a running core learns it before later adds
+            self._send(("coalesce", per))
 
     @classmethod
     def from_model(cls, model, tokenizer: Tokenizer | None,
@@ -395,15 +407,13 @@ class ProcessAsyncLLM:
             stream = streams.get(rid)
             if stream is not None:
                 stream.put(exc)
-        per = self.load_coalescing
-        min_tokens = 1 + len(streams) // per if per else 1  # under load a chunk carries more tokens
         for delta in batch.outputs:  # delta: (request_id, finished, ...); rebuilt by the consumer
             stream = streams.get(delta[0])
             if stream is None:
                 continue  # its consumer left: the abort is on its way
             if delta[1]:
                 del streams[delta[0]]
-            stream.put(delta, min_tokens)
+            stream.put(delta)  # under load the core sent it once it had 1 + R // load_coalescing tokens
         for token in batch.acks:
             fut = self._waiters.pop(token, None)
             if fut is not None and not fut.done():

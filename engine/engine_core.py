@@ -54,6 +54,7 @@ class CoreSpec:
     # () -> EngineParts, a module-level function (it is pickled to the child): injected parts, e.g. the
     # model-free executor with which bench/serve_api_cpu.py measures the API process alone
     parts: Any = None
+    coalesce_streams: int = 0  # the engine's delta_coalescing (ProcessAsyncLLM.load_coalescing at the start)
 
     def build(self):
         from engine.llm_engine import LLMEngine
@@ -234,6 +235,8 @@ class EngineCore:
                 if out is not None:
                     outputs.append(out)
                 acks.append(msg[2])
+            elif kind == "coalesce":  # ProcessAsyncLLM.load_coalescing, set after the start
+                self.engine.delta_coalescing = msg[1]
             elif kind == "sync":
                 acks.append(msg[1])
             elif kind == "stop":
@@ -270,6 +273,7 @@ def core_main(conn: Connection, spec: CoreSpec) -> None:
             structured.bind_process_model(engine.tokenizer, engine.model_config)
         conn.send(("ready", CoreInfo(engine.model_config, engine.tokenizer, engine.max_model_len,
                                      engine.stats())))
+        engine.delta_coalescing = spec.coalesce_streams
         core = EngineCore(engine, conn)
         try:
             core.run()

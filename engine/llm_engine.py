@@ -42,6 +42,8 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Request, Sequence
 from engine.tokenizer import Tokenizer
 
+_INT = {int}  # validate(): plain ints take the check through C loops
+
 
 class LLMEngine:
     """Continuous-batching engine over one model."""
@@ -74,6 +76,11 @@ class LLMEngine:
         # True (the engine core process): an unfinished request's streamed output is its wire delta tuple
         # (OutputProcessor.delta), not a RequestOutput; finished and aborted requests stay RequestOutputs
         self.emit_deltas = False
+        # with emit_deltas: requests per extra token a streamed delta waits for (0: off): with R requests in
+        # the engine, an unfinished request's delta goes out once 1 + R // this many new tokens are in (its
+        # first one at once); the core process's copy of the server's stream_coalesce_streams, so that a
+        # held token costs neither the core's delta building and pickling nor the API's reading
+        self.delta_coalescing = 0
         self.listeners: list[MetricsListener] = []
         self._seq_ids = itertools.count()
         self._admission = threading.Lock()
@@ -130,7 +137,8 @@ class LLMEngine:
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            fast = not ids or (set(map(type, ids)) == _INT and min(ids) >= 0 and max(ids) < vocab)  # C loops
+            if not fast and not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         else:
             raise InvalidRequestError(
@@ -304,6 +312,7 @@ class LLMEngine:
                 self.generation_tokens_total += 1
             touched[seq.request.request_id] = seq.request
         outputs = []
+        hold = 1 + len(self.requests) // self.delta_coalescing if self.delta_coalescing else 1
         for request in touched.values():
             self._token_times[request.request_id].append(now)
             request.metrics.first_token_time = request.metrics.first_token_time or now
@@ -311,7 +320,8 @@ class LLMEngine:
             if request.finished:
                 outputs.append(self._finish_request(request))
             elif self.emit_deltas:
-                outputs.append(self.output_processor.delta(request))
+                if hold == 1 or self.output_processor.due(request, hold):
+                    outputs.append(self.output_processor.delta(request))
             elif self.stream_outputs:
                 outputs.append(self.output_processor.build(request))
         return outputs

@@ -114,6 +114,17 @@ class OutputProcessor:
         return (request.request_id, request.finished, request.num_cached_tokens,
                 request.metrics if request.finished else None, comps)
 
+    def due(self, request: Request, min_tokens: int) -> bool:
+        """Whether the request's next :meth:`delta` should go out now: its first output, or at least
+        ``min_tokens`` new tokens (over its sequences) since the last one (the engine's ``delta_coalescing``)."""
+        new = 0
+        for seq in request.seqs:
+            st = self._text.get(seq.seq_id)
+            if st is None or not st.emitted_tokens:
+                return True
+            new += len(seq.token_ids) - seq.num_pending - seq.num_prompt_tokens - st.emitted_tokens
+        return new >= min_tokens
+
     def _advance(self, seq: Sequence) -> tuple[str, list[int], list | None]:
         """(delta text, new token ids, their logprobs) since the sequence's last output; moves its cursors."""
         st = self._text.get(seq.seq_id) or self._text_of(seq)

@@ -141,9 +141,10 @@ class Settings(BaseSettings):
         "completion (the first chunk and the last never wait); 1: every step's tokens as they come, "
         "coalesced only when the client's stream is behind")
     stream_coalesce_streams: int = Field(
-        96, ge=0, description="streamed responses with the engine in its own process: while S streams are "
-        "open, a chunk waits for 1 + S // this many new tokens (96: 1 below 96 streams, 3 at 256); the first "
-        "chunk and the last never wait; 0: off (stream_interval alone)")
+        96, ge=0, description="streamed responses with the engine in its own process: while S requests are "
+        "in the engine, a chunk waits for 1 + S // this many new tokens (96: 1 below 96 requests, 3 at 256), "
+        "held in the engine's process (never built, sent or read before); the first chunk and the last never "
+        "wait; 0: off (stream_interval alone)")
     gc_freeze: bool = Field(
         True, description="`cipherlm serve`: once started (engine up, app ready), collect once and freeze the "
         "API process's heap (gc.freeze, as vLLM's API server does), so later full collections skip the "

@@ -136,7 +136,7 @@ def _tokenize(body: CompletionRequest | ChatCompletionRequest, engine: Any,
         raise InvalidRequestError(f"at most {settings.max_prompts_per_request} prompts per request",
                                   param="prompt")
     vocab = engine.model_config.vocab_size
-    if any(not 0 <= t < vocab for ids in prompts for t in ids):
+    if any(ids and (min(ids) < 0 or max(ids) >= vocab) for ids in prompts):  # ints (pydantic / tokenizer)
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
     return prompts
 

@@ -97,3 +97,35 @@ def test_wire_deltas_equal_the_encoded_outputs():
         runs[fast] = wire
     assert runs[True] == runs[False]
     assert runs[True][-1][4][0][4] == "stop" and "".join(w[4][0][1] for w in runs[True]) == "Hello world "
+
+
+def test_the_core_holds_deltas_under_load_and_loses_no_token():
+    """``LLMEngine.delta_coalescing`` (the core process's copy of ``stream_coalesce_streams``): with R requests
+    in the engine an unfinished request's delta goes out once 1 + R // delta_coalescing tokens are in; the
+    first never waits, the finish carries the rest, and the tokens and text are those of every-step deltas."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from tests.engine.engine_helpers import random_prompts, tiny_model
+
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = random_prompts([5, 5, 7], seed=4)
+    runs = {}
+    for per in (0, 1):  # 1: three requests, four tokens a delta
+        engine = LLM(tiny_model()).engine
+        engine.output_processor.cumulative, engine.emit_deltas, engine.stream_outputs = False, True, True
+        engine.delta_coalescing = per
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        sizes: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        ids: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                rid, comps = (out[0], out[4]) if type(out) is tuple else \
+                    (out.request_id, [(c.index, c.delta_text, c.delta_token_ids) for c in out.outputs])
+                sizes[rid].append(len(comps[0][2]))
+                ids[rid] += comps[0][2]
+        runs[per] = sizes, ids
+    assert runs[0][1] == runs[1][1] and all(len(v) == 20 for v in runs[1][1].values())
+    assert all(s == [1] * 20 for s in runs[0][0].values())
+    for s in runs[1][0].values():
+        assert s[0] == 1 and min(s[1:-1]) >= 4 and len(s) <= 7  # 1 + 4 x 4 + the finish's rest

@@ -323,7 +323,8 @@ class PrivateRuntime:
         verify = self.verifying
         packed = not verify and self._packs(start, count)
         rows = block.layout_packed(x_normed) if packed else [block.layout_input(row) for row in x_normed]
-        blobs = tuple(wire.encrypt_to_wire(self.ckks, vec) for vec in rows)
+        seeded = self.manifest.upload != "full"   # full: the server's GPU workers parse them without SEAL
+        blobs = tuple(wire.encrypt_to_wire(self.ckks, vec, seeded=seeded) for vec in rows)
         call = self.session.step_call(layer, start, blobs, count if packed else None, verify=verify)
         t0 = time.perf_counter()
         reply = self.exchange(call)

@@ -9,7 +9,7 @@ timeout 45 python3 -m bench.worker_handoff --device cuda --repeat 15 --json $OUT
 el "handoff rc=$?"; tail -22 $OUT/handoff.log
 python3 bench/gpu_e2e_home.py --tokenizer $C/tok --home /tmp/home > $OUT/home.log 2>&1; el "home rc=$?"; tail -1 $OUT/home.log
 ( el "packed start" > $OUT/bg.log
-  timeout 100 python3 bench/gpu_packed.py --weights $C/packed --repeat 3 --skip-seal --quick --out $OUT/packed.json > $OUT/packed.log 2>&1
+  timeout 110 python3 bench/gpu_packed.py --weights $C/packed --repeat 3 --skip-seal --quick --out $OUT/packed.json > $OUT/packed.log 2>&1
   el "packed rc=$?" >> $OUT/bg.log
   LT=$(( T0 + ${TESTS_END:-160} - $(date +%s) )); [ $LT -gt 5 ] && timeout -s INT $LT $PT -m "not heavy" \
     tests/server/test_private_device.py tests/server/test_private_batched.py -k cuda \

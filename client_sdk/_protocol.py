@@ -121,6 +121,10 @@ class Manifest:
     #: ``offload.attention_key``) for an offload plan whose server layers are all linear steps: the SDK
     #: makes and registers only the offload key set and opens sessions on it alone.
     attention_key: bool = True
+    #: How attention steps' ciphertexts travel (manifest ``upload``): "seeded" (SEAL's seeded form; absent: a
+    #: SEAL-backed or older server) or "full" (unseeded: the server's GPU workers read them straight into
+    #: device tensors, without SEAL's load).
+    upload: str = "seeded"
 
     @classmethod
     def from_json(cls, d: Any) -> Manifest:
@@ -131,14 +135,18 @@ class Manifest:
             approx = ({int(lp["index"]): (str(lp["approx"]["kind"]), int(lp["approx"]["squarings"]))
                        for lp in d["plan"]["layers"]} if attention_key else {})
             limits = d["limits"]
-            return cls(str(d["model"]), str(d["plan_hash"]), dict(d["ckks"]),
-                       tuple(int(i) for i in d["layers"]["encrypted_attention"]), approx,
-                       str(d["bundle"]["sha256"]), int(d["bundle"]["size"]), int(limits["max_session_tokens"]),
-                       int(limits["max_step_tokens"]), int(limits.get("max_key_bytes") or 1 << 30),
-                       max(0, int(limits.get("packed_chunk") or 0)), limits.get("verify_steps") is True,
-                       attention_key)
+            man = cls(str(d["model"]), str(d["plan_hash"]), dict(d["ckks"]),
+                      tuple(int(i) for i in d["layers"]["encrypted_attention"]), approx,
+                      str(d["bundle"]["sha256"]), int(d["bundle"]["size"]), int(limits["max_session_tokens"]),
+                      int(limits["max_step_tokens"]), int(limits.get("max_key_bytes") or 1 << 30),
+                      max(0, int(limits.get("packed_chunk") or 0)), limits.get("verify_steps") is True,
+                      attention_key, str(d.get("upload", "seeded")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PrivateModeError(f"the server's private manifest is malformed ({exc!r})") from exc
+        if man.upload not in ("seeded", "full"):
+            raise PrivateModeError(f"the server asks for uploads as {man.upload[:32]!r}, this SDK sends 'seeded' "
+                                   "or 'full': update the SDK")
+        return man
 
     @property
     def ring_degree(self) -> int:

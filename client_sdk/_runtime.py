@@ -168,6 +168,10 @@ class PrivateRuntime:
         #: The last generation's :class:`client_sdk._speculate.Speculation` (its acceptance counters), or
         #: None when it did not speculate.
         self.last_speculation: Any = None
+        #: For full uploads (manifest ``upload``), make each attention step's encryption of zero on a thread while
+        #: the previous step is on the server (``client_sdk._zeros``; False: encrypt in the step, as before).
+        self.zeros_ahead = True
+        self._zeros_ahead: Any = None
 
     # -- setup -------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -323,8 +327,15 @@ class PrivateRuntime:
         verify = self.verifying
         packed = not verify and self._packs(start, count)
         rows = block.layout_packed(x_normed) if packed else [block.layout_input(row) for row in x_normed]
-        blobs = tuple(wire.encrypt_to_wire(self.ckks, vec) for vec in rows)
+        zeros = self._zeros()
+        if zeros is None:
+            seeded = self.manifest.upload != "full"   # full: the server's GPU workers parse them without SEAL
+            blobs = tuple(wire.encrypt_to_wire(self.ckks, vec, seeded=seeded) for vec in rows)
+        else:
+            blobs = tuple(zeros.encrypt_to_wire(vec) for vec in rows)
         call = self.session.step_call(layer, start, blobs, count if packed else None, verify=verify)
+        if zeros is not None:
+            zeros.prefetch()   # the next step's encryption of zero is made while this one is on the server
         t0 = time.perf_counter()
         reply = self.exchange(call)
         stats.seconds += time.perf_counter() - t0
@@ -337,6 +348,20 @@ class PrivateRuntime:
             return block.finish(*block.decrypt_output(cts))
         except FHEError as exc:   # garbage, another key, or an output out of range: never a silent token
             raise PrivateModeError(f"layer {layer}: unusable server answer ({type(exc).__name__}: {exc})") from exc
+
+    def _zeros(self) -> Any:
+        """The encryptions of zero made ahead for full uploads (:mod:`client_sdk._zeros`), of the current key set;
+        None where steps go seeded (the manifest), with an offload plan (its crypto pool forks), or when
+        :attr:`zeros_ahead` is off."""
+        if self.manifest.upload != "full" or self.offload is not None or not self.zeros_ahead:
+            return None
+        if self._zeros_ahead is None or self._zeros_ahead.ckks is not self.ckks:   # a new key set: new zeros
+            from client_sdk._zeros import ZerosAhead
+
+            if self._zeros_ahead is not None:
+                self._zeros_ahead.close()
+            self._zeros_ahead = ZerosAhead(self.ckks)
+        return self._zeros_ahead
 
     def _chunk(self) -> int:
         return self.manifest.packed_chunk if getattr(self, "packed_prefill", True) else 0

@@ -234,16 +234,22 @@ class PrivateCompute:
         if cache.length != start:
             raise TaskFailure(WorkerCode.SESSION_DESYNC,
                               f"layer {layer} holds {cache.length} positions, step starts at {start}")
-        cts = self._inputs(blobs, keys, block.ev.top)
+        clock = self.clock
+        clock.start()
+        cts = (self._inputs(blobs, keys, block.ev.top) if self.gpu is None
+               else device_inputs(self.gpu, blobs, keys, block.ev.top))
+        clock.lap("worker_parse", self._sync)
         if not speculative:   # a plain step after a verify step makes its positions final
             cache.commit()
-        if self.gpu is None:
-            outs = run(block, cache, cts, keys)
-        else:  # SEAL parsed and checked the client's bytes; the device copy is ours
-            outs = run(block, cache, [self.gpu.deserialize(seal.to_bytes(c)) for c in cts], self.device_keys[fp])
-            outs = [seal.from_bytes("ciphertext", keys.kit, self.gpu.serialize(c)) for c in outs]
-        out = [wire.dump_ciphertext(c, self.params, keys.fingerprint) for c in outs]
+        outs = run(block, cache, cts, keys if self.gpu is None else self.device_keys[fp])
+        clock.lap("worker_compute", self._sync)
+        out = ([wire.dump_ciphertext(c, self.params, keys.fingerprint) for c in outs] if self.gpu is None
+               else device_results(self.gpu, outs, keys.fingerprint))
+        clock.lap("worker_serialize")
         return out, sum(c.nbytes() for c in caches.values())
+
+    def _sync(self) -> None:
+        _sync_device(self.gpu)
 
     def mlp_step(self, fingerprint: str, layer: int, part: str, blobs: list[bytes], packed: bool = False
                  ) -> list[bytes]:
@@ -374,26 +380,10 @@ class _OffloadLinear:
         pool, one device copy); a seeded one, which only SEAL's PRNG expands, goes through SEAL as before."""
         if self.gpu is None:
             return PrivateCompute._inputs(blobs, keys, top)
-        payloads = []
-        for i, blob in enumerate(blobs):
-            try:
-                payloads.append(wire.ciphertext_payload(blob, self.params, keys.fingerprint))
-            except FHEError as exc:
-                raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"ciphertext {i}: {exc}"[:300]) from exc
-        out = self.gpu.deserialize_fresh_many(payloads)   # a step's uploads at once: threads, one device copy
-        for i, x in enumerate(out):
-            if x is None:   # seeded (or anything else): SEAL parses and checks it, then the device copy is ours
-                (ct,) = PrivateCompute._inputs([blobs[i]], keys, top, first=i)
-                try:
-                    out[i] = self.device(ct)
-                except FHEError as exc:
-                    raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"ciphertext {i}: {exc}"[:300]) from exc
-        return out
+        return device_inputs(self.gpu, blobs, keys, top)
 
     def sync(self) -> None:
-        """Wait for the device's queued work (CUDA only: a stage's time is then its own, not the next one's)."""
-        if self.gpu is not None and self.gpu.device.type == "cuda":
-            torch.cuda.synchronize(self.gpu.device)
+        _sync_device(self.gpu)
 
     def device(self, ct):
         """A device ciphertext of ``ct`` (already one, or a SEAL ciphertext SEAL parsed and checked)."""
@@ -635,6 +625,48 @@ def placeholder_keys(gpu, steps) -> object:
 
     return GpuKeys(gpu.params, zeros(), {galois_elt(s, gpu.params.slots): zeros() for s in steps}, tuple(steps),
                    "placeholder")
+
+
+def _sync_device(gpu) -> None:
+    """Wait for the gpu backend's queued device work (CUDA only; None: SEAL, nothing queued), so that a stage's
+    time is its own, not the next one's."""
+    if gpu is not None and gpu.device.type == "cuda":
+        torch.cuda.synchronize(gpu.device)
+
+
+def device_inputs(gpu, blobs: list[bytes], keys: ServerKeys, top: int) -> list:
+    """A step's client ciphertexts as device ciphertexts of the gpu backend ``gpu``, parsed and checked fresh;
+    any refusal is ``bad_ciphertext`` (the client's fault), and only here.
+
+    A full (unseeded) upload is read straight into device tensors
+    (:meth:`~fhe.backends.gpu.evaluator.GpuEvaluator.deserialize_fresh_many`: the same residues and the same
+    refusals as SEAL's load with the freshness check; a step's uploads on a thread pool, one device copy). A
+    seeded one, which only SEAL's PRNG expands, or anything that parse does not take, goes through SEAL, which
+    refuses with a typed error what it refuses; its device copy is then ours. At the attention plan's
+    N = 32768 the direct parse spares SEAL's load, a zstd save and our parse of that per upload
+    (``bench/worker_handoff.py``)."""
+    payloads = []
+    for i, blob in enumerate(blobs):
+        try:
+            payloads.append(wire.ciphertext_payload(blob, gpu.params, keys.fingerprint))
+        except FHEError as exc:
+            raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"ciphertext {i}: {exc}"[:300]) from exc
+    out = gpu.deserialize_fresh_many(payloads)
+    for i, x in enumerate(out):
+        if x is None:   # seeded (or anything else): SEAL parses and checks it, then the device copy is ours
+            (ct,) = PrivateCompute._inputs([blobs[i]], keys, top, first=i)
+            try:
+                out[i] = gpu.deserialize(seal.to_bytes(ct))
+            except FHEError as exc:
+                raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"ciphertext {i}: {exc}"[:300]) from exc
+    return out
+
+
+def device_results(gpu, outs: list, fingerprint: str) -> list[bytes]:
+    """Device ciphertexts of a step's results as wire blobs: the gpu backend's own serialization (SEAL's format,
+    zstd-compressed as SEAL saves it, which the SDK's SEAL loads) goes into the envelope as is, without a SEAL
+    load and save per result."""
+    return [wire.pack_ciphertext(gpu.serialize(c), gpu.params, fingerprint) for c in outs]
 
 
 def _result_or_error(fn, *args):

@@ -118,7 +118,9 @@ def build_manifest(model_name: str, plan: Any, bundle: dict, cfg: PrivateSetting
             "limits": {"max_session_tokens": cfg.max_session_tokens, "max_step_tokens": cfg.max_step_tokens,
                        "max_blob_bytes": cfg.max_blob_bytes, "max_step_bytes": cfg.max_step_bytes,
                        "max_key_bytes": cfg.max_key_bytes, "session_ttl_s": cfg.session_ttl_s,
-                       "verify_steps": True}}
+                       "verify_steps": True},
+            # gpu workers read full uploads straight into device tensors (docs/protocol.md "upload")
+            **({"upload": "full"} if cfg.gpu_backend else {})}
 
 
 class AuditFallbackRecorder:

@@ -13,6 +13,7 @@ import pytest
 
 from server.private.codes import TaskFailure, WorkerCode
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
+from tests.server.upload_mutations import full_upload_mutations
 
 
 @pytest.fixture(scope="module")
@@ -225,45 +226,7 @@ def test_a_full_upload_is_parsed_without_seal_into_the_tensors_seal_gives(worker
 
 def _mutations(worker, client, blob: bytes) -> dict[str, bytes]:
     """Full uploads that are each wrong in one way SEAL's load or the freshness check refuses."""
-    import struct
-
-    from fhe.backends.gpu import sealio
-    from fhe.backends.seal import wire
-
-    lin = worker.linear
-    params, n, top = lin.params, lin.params.poly_modulus_degree, lin.gpu.top
-    raw = sealio.read_ciphertext(wire.ciphertext_payload(blob, params, client.fingerprint), n, top)
-
-    def wrap(r, **patch) -> bytes:
-        payload = bytearray(sealio.write_ciphertext(r, compress=False))
-        for off, value in patch.values():
-            payload[16 + off:16 + off + len(value)] = value
-        return wire.pack_ciphertext(bytes(payload), params, client.fingerprint)
-
-    def data(arr):
-        return sealio.RawCiphertext(raw.parms_id, raw.scale, arr, raw.correction_factor)
-
-    over = raw.data.copy()
-    over[1, 0, 7] = lin.gpu.ctx.primes[0]                   # a residue equal to its prime
-    lower = raw.data[:, :top - 1].copy()                    # a valid ciphertext one level down
-    good = wrap(raw)
-    tail = sealio.write_ciphertext(raw, compress=False) + b"\0" * 8
-    tail = tail[:8] + len(tail).to_bytes(8, "little") + tail[16:]
-    return {
-        "bytes after the ciphertext": wire.pack_ciphertext(tail, params, client.fingerprint),
-        "residue >= prime": wrap(data(over)),
-        "not NTT form": wrap(raw, ntt=(32, b"\0")),
-        "correction factor 2": wrap(raw, corr=(32 + 1 + 8 * 4, struct.pack("<Q", 2))),
-        "other scale": wrap(sealio.RawCiphertext(raw.parms_id, raw.scale * 2, raw.data)),
-        "size 3": wrap(data(np.concatenate([raw.data, raw.data[:1]]))),
-        "lower level": wrap(sealio.RawCiphertext(lin.gpu.ctx.parms_ids[top - 1], raw.scale, lower)),
-        "parms_id of another level": wrap(sealio.RawCiphertext(lin.gpu.ctx.parms_ids[top - 1], raw.scale, raw.data)),
-        "truncated": good[:-8],
-        "other key set": wire.pack_ciphertext(wire.ciphertext_payload(good, params, client.fingerprint), params,
-                                              "ab" * 32),
-        "garbage in SEAL's frame": wire.pack_ciphertext(good[78:94] + b"\x17" * (len(good) - 94), params,
-                                                        client.fingerprint),
-    }
+    return full_upload_mutations(worker.linear.gpu, client.fingerprint, blob)
 
 
 def test_malformed_full_uploads_are_refused_as_bad_ciphertext_as_seal_refuses_them(worker, seal_worker):

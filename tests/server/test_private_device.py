@@ -66,21 +66,28 @@ def test_the_device_budget_caps_key_sets_per_worker(tiny):
 
 def _worker_against_seal(tiny, device: str) -> None:
     """One prefill step (2 real tokens) through a worker on ``device`` and through the SEAL worker: the
-    decrypted outputs agree to 1e-6 of their range (the gpu worker's encoder is not SEAL's bit for bit)."""
+    decrypted outputs agree to 1e-6 of their range (the gpu worker's encoder is not SEAL's bit for bit). The
+    SEAL worker gets the seeded uploads, the gpu one the same ciphertexts as full uploads (what the SDK sends
+    when the manifest asks, ``upload = "full"``: read without SEAL's load), and its results go out in the gpu
+    backend's own serialization, which the client's SEAL loads."""
+    from fhe.backends.seal import hazmat as seal
     from fhe.backends.seal import wire
     from server.private.compute import PrivateCompute
 
     model_dir, model, plan_path = tiny
     client = TinyClient(model, plan_path)
     x = client.layer_input([3, 14])
-    blobs = [wire.encrypt_to_wire(client.ckks, client.block.layout_input(row)) for row in x]
+    seeded = [wire.encrypt_to_wire(client.ckks, client.block.layout_input(row)) for row in x]
+    full = [wire.pack_ciphertext(seal.to_bytes(wire.load_ciphertext(b, client.ckks.kit, client.ckks.fingerprint)),
+                                 client.ckks.params, client.ckks.fingerprint) for b in seeded]
     outs = {}
-    for dev in ("cpu", device):
+    for dev, blobs in (("cpu", seeded), (device, full)):
         worker = PrivateCompute(str(model_dir), str(plan_path), 16, dev)
         worker.load_key(client.fingerprint, client.upload)
         worker.open_session("s", client.fingerprint)
         res, cache_bytes = worker.step("s", client.fingerprint, LAYER, 0, blobs)
         assert cache_bytes > 0 and len(res) == len(blobs)
+        assert set(worker.take_stages()) == {"worker_parse", "worker_compute", "worker_serialize"}
         cts = [wire.load_ciphertext(b, client.ckks.kit, client.ckks.fingerprint) for b in res]
         outs[dev] = client.block.finish(*client.block.decrypt_output(cts))
         assert worker.drop_key(client.fingerprint) == 1 and not worker.device_keys

@@ -306,6 +306,32 @@ def encrypt_symmetric(kit: Kit, sk: sa.SecretKey, values: np.ndarray) -> sa.Ciph
     return ct
 
 
+def encrypt_zero_symmetric(kit: Kit, sk: sa.SecretKey) -> sa.Ciphertext:
+    """A fresh secret-key encryption of zero at the top level (scale 1: not yet carrying a message).
+
+    SEAL's :func:`encrypt_symmetric` is exactly this plus the encoded plaintext added to c0 (its scale then the
+    plaintext's): :func:`add_message` finishes it, so the randomness can be drawn ahead of the message."""
+    ct = sa.Ciphertext()
+    sa.Encryptor(kit.context, sk).encrypt_zero_symmetric(kit.parms_ids[kit.top], ct)
+    return ct
+
+
+def add_message(kit: Kit, zero: sa.Ciphertext, values: np.ndarray) -> sa.Ciphertext:
+    """``zero`` (from :func:`encrypt_zero_symmetric`, never used before) turned into the encryption of ``values``
+    at the top level and default scale, in place: what :func:`encrypt_symmetric` computes after its own zero.
+
+    Raises:
+        ValueError: ``zero`` carries a message already (its scale is no longer 1) or is not a fresh top-level
+            ciphertext: an encryption's randomness serves one message, never two.
+    """
+    if zero.scale != 1.0 or zero.size() != 2 or zero.coeff_modulus_size() != kit.top or not zero.is_ntt_form():
+        raise ValueError("not an unused encryption of zero at the top level")
+    pt = kit.encode(values, kit.top, kit.scale)
+    zero.scale = pt.scale
+    kit.evaluator.add_plain_inplace(zero, pt)
+    return zero
+
+
 def encrypt_symmetric_seeded(kit: Kit, sk: sa.SecretKey, values: np.ndarray) -> bytes:
     """Serialized secret-key encryption with the random half replaced by its seed (about half the bytes)."""
     ser = sa.Encryptor(kit.context, sk).encrypt_symmetric(kit.encode(values, kit.top, kit.scale))

@@ -172,6 +172,17 @@ class CKKSClient:
         """
         return seal.encrypt_symmetric(self.kit, self.keys.secret, self._check(values))
 
+    def encrypt_zero(self) -> seal.Ciphertext:
+        """A fresh encryption of zero (secret key, top level) for :meth:`encrypt_onto`: an encryption's
+        randomness and noise drawn ahead of its message (off a step's critical path). Each serves one message."""
+        return seal.encrypt_zero_symmetric(self.kit, self.keys.secret)
+
+    def encrypt_onto(self, values: np.ndarray, zero: seal.Ciphertext) -> seal.Ciphertext:
+        """:meth:`encrypt` with the randomness of ``zero`` (an unused :meth:`encrypt_zero` of this key set; it
+        becomes the result): SEAL's symmetric encryption is an encryption of zero with the encoded message added
+        to c0, so the ciphertext is distributed exactly as :meth:`encrypt`'s. ValueError for a used ``zero``."""
+        return seal.add_message(self.kit, zero, self._check(values))
+
     def encrypt_bytes(self, values: np.ndarray) -> bytes:
         """Like :meth:`encrypt`, serialized in SEAL's seeded form (half the upload)."""
         return seal.encrypt_symmetric_seeded(self.kit, self.keys.secret, self._check(values))

@@ -1,0 +1,135 @@
+"""The GPU worker's per-step host work around an attention step, main's path against the direct one (issue 16).
+
+A worker on the gpu backend (``[private] device = "cuda"``) hands each client ciphertext to the device and each
+result back to the wire. Before session 21 an attention step took every upload through SEAL (its load of the
+seeded bytes, which expands c1 with SEAL's PRNG and checks the residues), saved it again (sealapi's ``save``
+always zstd-compresses) and parsed that save with the gpu backend's reader; each result went out through our
+serialization, SEAL's load and SEAL's save. Now the manifest asks GPU servers for full (unseeded) uploads, which
+``server.private.compute.device_inputs`` reads straight into device tensors (``deserialize_fresh_many``, the
+same checks), and ``device_results`` puts our serialization into the envelope as is.
+
+Timed here on the same client values, in one process on one thread (``torch.set_num_threads(1)``, as a worker
+runs), at the shipped plan's parameters (N = 32768, 12 data primes + the special one): the evaluator runs on
+the torch-CPU device by default (the host work is the same; ``--device cuda`` adds what a CUDA worker adds, one
+host-to-device copy per upload and the device-to-host copy of each result, in both paths). Median of
+``--repeat`` timings of each row, the rows timed in turn round after round:
+
+* inputs, main: the seeded upload -> SEAL's load and the freshness check -> SEAL's save -> our parse;
+* inputs, now: the full upload -> ``device_inputs`` (the envelope check and the direct parse);
+* inputs, now, a seeded upload (an older SDK): ``device_inputs``' fallback, main's path;
+* results, main / now: one result ciphertext at ``--result-level`` primes (1: the attention block's output);
+* the client's encryption of one upload, seeded and full, and the bytes of each; full on an encryption of zero made
+  ahead (``client_sdk._zeros``: what the SDK's step then does while the zero's own cost, ``client_zero_ms``, runs
+  on a thread during the previous step's wait).
+
+    python -m bench.worker_handoff --json bench/results/worker_handoff.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _medians_ms(fns: dict, repeat: int) -> dict[str, float]:
+    """Median milliseconds of each of ``fns``, timed in turn round after round (a shared box's load drifts: each
+    round times every row under about the same load), after one untimed round."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(repeat + 1):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _setup(plan: Path, device: str = "cpu"):
+    """(plan params, client, server keys, gpu evaluator on ``device``, one input vector)."""
+    from fhe.backends.gpu import GpuEvaluator
+    from fhe.backends.seal.keys import CKKSClient
+    from fhe.params import CKKSParams
+
+    params = CKKSParams.from_dict(json.loads(plan.read_text())["ckks"])
+    client = CKKSClient(params, ())
+    gpu = GpuEvaluator(params, device, encoder="fft")
+    values = np.random.default_rng(0).normal(size=params.slots)
+    return params, client, client.server_keys(), gpu, values
+
+
+def run(plan: Path, repeat: int, result_level: int, device: str = "cpu") -> dict:
+    from fhe.backends.seal import hazmat as seal
+    from fhe.backends.seal import wire
+    from server.private.compute import PrivateCompute, device_inputs, device_results
+
+    torch.set_num_threads(1)
+    params, client, keys, gpu, values = _setup(plan, device)
+    top = keys.kit.top
+    zeros = iter([client.encrypt_zero() for _ in range(repeat + 1)])   # made ahead: client_sdk._zeros
+    seeded = wire.encrypt_to_wire(client, values)
+    full = wire.encrypt_to_wire(client, values, seeded=False)
+
+    def main_inputs(blob: bytes):
+        (ct,) = PrivateCompute._inputs([blob], keys, top)
+        return gpu.deserialize(seal.to_bytes(ct))
+
+    # the same ciphertext both ways: the full upload holds the residues SEAL expands from the seeded one
+    a, b = main_inputs(seeded), device_inputs(gpu, [wire.pack_ciphertext(
+        seal.to_bytes(seal.from_bytes("ciphertext", keys.kit, wire.ciphertext_payload(seeded, params,
+                                                                                      client.fingerprint))),
+        params, client.fingerprint)], keys, top)[0]
+    assert torch.equal(a.data, b.data) and a.scale == b.scale
+    result = gpu.mod_switch(a, result_level)
+
+    def main_results():
+        ct = seal.from_bytes("ciphertext", keys.kit, gpu.serialize(result))
+        return [wire.dump_ciphertext(ct, params, keys.fingerprint)]
+
+    rows = _medians_ms({
+        "inputs_main_seeded_ms": lambda: main_inputs(seeded),
+        "inputs_now_full_ms": lambda: device_inputs(gpu, [full], keys, top),
+        "inputs_now_seeded_ms": lambda: device_inputs(gpu, [seeded], keys, top),
+        "results_main_ms": main_results,
+        "results_now_ms": lambda: device_results(gpu, [result], keys.fingerprint),
+        "client_encrypt_seeded_ms": lambda: wire.encrypt_to_wire(client, values),
+        "client_encrypt_full_ms": lambda: wire.encrypt_to_wire(client, values, seeded=False),
+        "client_encrypt_full_zero_ahead_ms": lambda: wire.encrypt_to_wire(client, values, seeded=False,
+                                                                          zero=next(zeros)),
+        "client_zero_ms": client.encrypt_zero,
+    }, repeat)
+    rows |= {"upload_seeded_bytes": len(seeded), "upload_full_bytes": len(full),
+             "result_main_bytes": len(main_results()[0]),
+             "result_now_bytes": len(device_results(gpu, [result], keys.fingerprint)[0])}
+    rows["handoff_main_ms"] = rows["inputs_main_seeded_ms"] + rows["results_main_ms"]
+    rows["handoff_now_ms"] = rows["inputs_now_full_ms"] + rows["results_now_ms"]
+    return {"device": str(gpu.device), "N": params.poly_modulus_degree, "primes": len(params.coeff_mod_bit_sizes),
+            "result_level": result_level,
+            "repeat": repeat, "host": platform.node(), "cpu": platform.processor() or platform.machine(), **rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan", type=Path, default=Path(__file__).resolve().parents[1] / "fhe" / "data"
+                    / "smollm2-135m-instruct.plan.json")
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--result-level", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="the gpu backend's device (cuda: the worker's copy included)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    out = run(args.plan, args.repeat, args.result_level, args.device)
+    for k, v in out.items():
+        print(f"{k:28s} {v:.2f}" if isinstance(v, float) else f"{k:28s} {v}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,11 @@ checked against the torch reference on fresh random inputs (poisoned output) bef
 the engine rows of ``bench/int4_gpu.py`` (batch-1 decode step, bf16 and int4, one run).
 
     python -m bench.gemv_int4_gpu --shapes llama3.2-1b --json $OUT/gemv_int4.json
+    python -m bench.gemv_int4_gpu --pdl-ab --shapes llama3.2-1b,qwen2.5-0.5b   # default launches, PDL off/on
+
+``--pdl-ab``: no sweep and no engine rows; per GEMM the bf16 ``gemv`` and the int4 w32 default launch, each
+in its graph of ``LAUNCHES`` launches with plain launches and with programmatic dependent launch
+(``kernels.set_pdl``: the next launch starts, and loads its weights, while this one finishes).
 """
 
 from __future__ import annotations
@@ -97,6 +102,24 @@ def gemm_row(shape: str, part: str, n: int, k: int, copies: int) -> dict:
     return row
 
 
+def pdl_ab_row(shape: str, part: str, n: int, k: int, copies: int) -> dict:
+    """bf16 gemv and int4 w32 (default launch) in graphs of LAUNCHES launches, PDL off then on."""
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    qs = [quantize_int4_rtn(w, 32) for w in ws]
+    row = {"shape": shape, "gemm": part, "n": n, "k": k, "int4_bytes": qs[0].nbytes(), "bf16_bytes": n * k * 2}
+    for pdl in (False, True):
+        kernels.set_pdl(pdl)  # read at launch: the graphs below capture launches with / without it
+        tag = "on" if pdl else "off"
+        row[f"bf16_us_{tag}"] = graph_us([lambda w=w: kernels.gemv(x, w) for w in ws])
+        row[f"w32_us_{tag}"] = graph_us([lambda q=q: kernels.gemv_int4_w32(x, q.qweight, q.scale_offset)
+                                         for q in qs])
+        row[f"bf16_tb_s_{tag}"] = row["bf16_bytes"] / row[f"bf16_us_{tag}"] / 1e6
+        row[f"w32_tb_s_{tag}"] = row["int4_bytes"] / row[f"w32_us_{tag}"] / 1e6
+    kernels.set_pdl(False)
+    return row
+
+
 def byte_layout_us(n: int, k: int, copies: int) -> float:
     """The previous kernel (kernels.gemv_int4, byte layout, its default tuning) on the same shape."""
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -113,6 +136,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama3.2-1b")
     ap.add_argument("--no-engine", action="store_true", help="only the GEMMs")
     ap.add_argument("--json")
+    ap.add_argument("--pdl-ab", action="store_true", help="default launches with PDL off / on, nothing else")
     args = ap.parse_args()
     bw = copy_bandwidth()
     res = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "gemm": [], "engine": []}
@@ -120,6 +144,15 @@ def main() -> None:
     for name in args.shapes.split(","):
         for part, (n, k) in gemm_shapes(name).items():
             copies = max(2, min(LAUNCHES, int(160e6 // (n * k * 0.625)) + 1))  # int4 copies > 60 MB L2
+            if args.pdl_ab:
+                row = pdl_ab_row(name, part, n, k, copies)
+                res["gemm"].append(row)
+                print(f"{name} {part:>7} {n}x{k}: " + ", ".join(
+                    f"{kind} {row[f'{kind}_us_{t}']:.2f} us ({row[f'{kind}_tb_s_{t}']:.2f} TB/s) pdl {t}"
+                    for kind in ("bf16", "w32") for t in ("off", "on")), flush=True)
+                del row
+                torch.cuda.empty_cache()
+                continue
             row = gemm_row(name, part, n, k, copies)
             row["byte_layout_us"] = byte_layout_us(n, k, copies)
             res["gemm"].append(row)
@@ -128,7 +161,7 @@ def main() -> None:
                   f"({row['w32_default_tb_s']:.2f} TB/s), best {row['w32_best_us']:.1f} us {row['w32_best']} "
                   f"({row['w32_best_tb_s']:.2f} TB/s), max rel err {row['w32_max_rel_err']:.1e}", flush=True)
             torch.cuda.empty_cache()
-        if not args.no_engine:
+        if not (args.no_engine or args.pdl_ab):
             from bench.int4_gpu import engine_row
 
             for fmt in ("bf16", "int4"):

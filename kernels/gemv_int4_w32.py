@@ -70,6 +70,11 @@ class GemvInt4W32Tuning:
     # nibble (seen in the SASS of the default). H200, 2026-12-02: best launch of every 1B GEMM, but only
     # 3-9 % faster, and slower on the head at the default shape, hence off by default (docs/benchmarks.md)
     x_per_row: bool = False
+    # load the next K step's words and scales before computing this one's (register double-buffering): Triton
+    # does not pipeline these loads (no async copies in the TTGIR at any num_stages, checked with Triton 3.9
+    # for sm_90), so without it a program's loads and its unpack/FMA never overlap and every tuning waits the
+    # same way (docs/benchmarks.md, "PDL and prefetch"); needs groups < K / group to have a next step
+    prefetch: bool = False
 
 
 # (N, K, group) -> a launch measured best on this machine (bench/gemv_int4_gpu.py records its sweep here)
@@ -235,7 +240,7 @@ if HAS_TRITON:
         ss_scale,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
         EVEN: tl.constexpr, X_PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         # PROLOGUE (kernels._prologue): 0 none; 1/2 RMSNorm (NORM; 2: of x + residual, h written); 3 SiLU·mul.
         # ss_scale: 1 / (K * the times each column's square is summed: BLOCK_N with x_per_row, else 1)
@@ -248,17 +253,32 @@ if HAS_TRITON:
         first = tl.where(tl.program_id(0) == 0, K, 0)  # columns of h this program writes (ADD_NORM)
         acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
         ss = tl.zeros([GROUPS, W], dtype=tl.float32)  # the norm's sum of squares (x_per_row: BLOCK_N times)
-        g_first = 0
-        if PDL:  # the first step's words and scales load before the wait (no kernel writes them)
+        if PREFETCH:  # step g0's data is in registers while step g0 + 1's loads are in flight
             words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, 0, n_groups, GROUP, GROUPS, EVEN)
-            pdl_wait(PDL)
-            acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, 0, n_groups, K, first,
-                                GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
-            g_first = GROUPS
-        for g0 in range(g_first, n_groups, GROUPS):
-            words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, g0, n_groups, GROUP, GROUPS, EVEN)
-            acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g0, n_groups, K, first,
-                                GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
+            pdl_wait(PDL)  # (PDL) the first step's weights load before the wait: no kernel writes them
+            last = (n_groups - 1) // GROUPS * GROUPS  # the last step's first group
+            for g0 in range(0, n_groups, GROUPS):
+                # the next step; past the end the last one again (an L2 hit), so the loads need no extra mask
+                gn = tl.minimum(g0 + GROUPS, last)
+                nw, nsc, nof = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, gn, n_groups, GROUP, GROUPS,
+                                         EVEN)
+                acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g0, n_groups, K,
+                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
+                words, sc, of = nw, nsc, nof
+        else:
+            g_first = 0
+            if PDL:  # the first step's words and scales load before the wait (no kernel writes them)
+                words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, 0, n_groups, GROUP, GROUPS,
+                                          EVEN)
+                pdl_wait(PDL)
+                acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, 0, n_groups, K,
+                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
+                g_first = GROUPS
+            for g0 in range(g_first, n_groups, GROUPS):
+                words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, g0, n_groups, GROUP, GROUPS,
+                                          EVEN)
+                acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g0, n_groups, K,
+                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
         y = tl.sum(acc, axis=1)
         if NORM:  # y = inv * W (h * g): the norm's scale applied once, after the weights
             y *= tl.rsqrt(tl.sum(tl.sum(ss, 1), 0) * ss_scale + eps)
@@ -342,7 +362,7 @@ def _launch(x, qweight, scale_offset, bias, out, tune: GemvInt4W32Tuning, prolog
         GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, GROUPS=tune.groups,
         EVEN=n % tune.block_n == 0 and (k // group) % tune.groups == 0, X_PER_ROW=tune.x_per_row,
         PROLOGUE=prologue, NORM=prologue in (_prologue.NORM, _prologue.ADD_NORM), PDL=pdl,
-        num_warps=tune.num_warps, num_stages=tune.num_stages, **_pdl.launch_options(pdl),
+        PREFETCH=tune.prefetch, num_warps=tune.num_warps, num_stages=tune.num_stages, **_pdl.launch_options(pdl),
     )
 
 

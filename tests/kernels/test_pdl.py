@@ -126,14 +126,17 @@ def test_gemv_with_pdl(pdl_on, k):
 
 
 @needs_triton
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("x_per_row", [False, True])
-@pytest.mark.parametrize("groups", [4, 16])  # 4 K steps / the whole K in the first (pre-wait) step
-def test_gemv_int4_w32_with_pdl(pdl_on, x_per_row, groups):
+@pytest.mark.parametrize("groups", [4, 16])  # K = 512: 4 K steps / the whole K in the first (pre-wait) step
+@pytest.mark.parametrize("k", [512, 576])    # 576: 18 groups, masked last steps (prefetch re-reads the last)
+def test_gemv_int4_w32_with_pdl(pdl_on, x_per_row, groups, prefetch, k):
     torch.manual_seed(groups)
-    n, k = 40, 512
+    n = 40
     q32, so = _int4(n, k, 32, seed=groups)
     x, r, g = torch.randn(1, k, device=DEVICE), torch.randn(1, k, device=DEVICE), torch.rand(k, device=DEVICE) + 0.5
-    tune = kernels.GemvInt4W32Tuning(block_n=8, groups=groups, num_warps=4, x_per_row=x_per_row)
+    tune = kernels.GemvInt4W32Tuning(block_n=8, groups=groups, num_warps=4, x_per_row=x_per_row,
+                                     prefetch=prefetch)
     off, on = _both(pdl_on, lambda: (
         kernels.gemv_int4_w32(x, q32, so, tuning=tune, **B),
         *kernels.gemv_int4_w32_rms_norm(x, g, EPS, q32, so, residual=r, tuning=tune, **B)))

@@ -10,8 +10,12 @@ following it: at batch 1 a step is ~190-280 launches of 2-20 µs each with ~0.5 
 The contract every PDL kernel here keeps: it calls :func:`pdl_wait` (``griddepcontrol.wait``: the previous
 grid has completed and its writes are visible) before it reads anything another kernel writes and before it
 writes anything, on every program. That makes the chain safe transitively: a kernel that passed its wait can
-only have been launched after its predecessor passed its own. A kernel launched without PDL (torch ops,
-cuBLAS) waits for everything before it as usual, and a PDL kernel after one of those starts when it ends.
+only have been launched after its predecessor passed its own, so only the launch just before a PDL kernel
+can still be running while it starts. What such a kernel reads before its wait (a GEMV's weights, a norm's
+gain) must therefore not be written by the launch just before it — true of model weights, and the
+caller's side of the contract when the launchers are used on other data with PDL switched on. A kernel
+launched without PDL (torch ops, cuBLAS) waits for everything before it as usual, and a PDL kernel after one
+of those starts when it ends.
 CUDA graphs captured from such launches keep the programmatic edges (CUDA 12.3 and later).
 
 The switch is process-wide (:func:`set_pdl`; the engine sets it from ``EngineConfig.cuda_pdl`` when it builds
@@ -20,6 +24,8 @@ default until a measurement shows a gain (docs/benchmarks.md).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -45,7 +51,12 @@ def pdl_launch(t: torch.Tensor) -> bool:
     """Whether a launch on ``t``'s device uses PDL: switched on and a CUDA device of compute capability 9.0 or
     more (``griddepcontrol`` is sm_90 PTX). Never on CPU tensors (Triton's interpreter has no grids to wait
     on; tests/kernels/test_pdl.py runs the PDL code paths there with the wait made a no-op)."""
-    return _ENABLED and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+    return _ENABLED and t.is_cuda and _sm90(t.device.index)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm90(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def launch_options(pdl: bool) -> dict:

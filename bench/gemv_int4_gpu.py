@@ -7,6 +7,13 @@ checked against the torch reference on fresh random inputs (poisoned output) bef
 the engine rows of ``bench/int4_gpu.py`` (batch-1 decode step, bf16 and int4, one run).
 
     python -m bench.gemv_int4_gpu --shapes llama3.2-1b --json $OUT/gemv_int4.json
+    python -m bench.gemv_int4_gpu --pdl-ab --shapes llama3.2-1b,qwen2.5-0.5b   # default launches, PDL off/on
+
+``--pdl-ab``: per GEMM the bf16 ``gemv`` and the int4 w32 default launch, each in its graph of ``LAUNCHES``
+launches with plain launches and with programmatic dependent launch (``kernels.set_pdl``: the next launch
+starts, and loads its weights, while this one finishes); then, with PDL on, the ``PREFETCH_TUNINGS`` (each
+checked against the fp64 reference first), the best launch of each GEMM recorded (``set_tuning_int4_w32``)
+for the engine rows that follow in the same process (bf16 and int4, PDL on; ``--no-engine``: none).
 """
 
 from __future__ import annotations
@@ -32,6 +39,13 @@ TUNINGS += [kernels.GemvInt4W32Tuning(bn, g, w, st, x_per_row=True) for bn, g, w
     (4, 64, 4, 2), (8, 32, 4, 2), (16, 64, 4, 2), (4, 32, 2, 3), (16, 32, 4, 2), (32, 32, 8, 2),
     # session 8: deeper pipelines and shorter K steps once the barriers are gone (expect 2-3 TB/s on gate_up)
     (8, 16, 4, 3), (16, 16, 4, 3), (8, 16, 4, 4), (32, 16, 8, 3), (8, 64, 8, 2))]
+
+
+# session 21: Triton does not pipeline the w32 loads (no async copies at any num_stages), so a program's loads
+# and its unpack/FMA never overlap; prefetch=True double-buffers the next K step in registers. Several K
+# steps per program (groups < 64 at K = 2048) so that there is a next step to load
+PREFETCH_TUNINGS = [kernels.GemvInt4W32Tuning(bn, g, w, 2, prefetch=True) for bn, g, w in (
+    (16, 16, 4), (8, 32, 4), (16, 32, 4), (8, 16, 4), (4, 16, 4), (32, 16, 8))]
 
 
 def gemm_shapes(name: str) -> dict[str, tuple[int, int]]:
@@ -97,6 +111,36 @@ def gemm_row(shape: str, part: str, n: int, k: int, copies: int) -> dict:
     return row
 
 
+def pdl_ab_row(shape: str, part: str, n: int, k: int, copies: int) -> dict:
+    """bf16 gemv and int4 w32 (default launch) in graphs of LAUNCHES launches, PDL off then on."""
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    qs = [quantize_int4_rtn(w, 32) for w in ws]
+    row = {"shape": shape, "gemm": part, "n": n, "k": k, "int4_bytes": qs[0].nbytes(), "bf16_bytes": n * k * 2}
+    for pdl in (False, True):
+        kernels.set_pdl(pdl)  # read at launch: the graphs below capture launches with / without it
+        tag = "on" if pdl else "off"
+        row[f"bf16_us_{tag}"] = graph_us([lambda w=w: kernels.gemv(x, w) for w in ws])
+        row[f"w32_us_{tag}"] = graph_us([lambda q=q: kernels.gemv_int4_w32(x, q.qweight, q.scale_offset)
+                                         for q in qs])
+        row[f"bf16_tb_s_{tag}"] = row["bf16_bytes"] / row[f"bf16_us_{tag}"] / 1e6
+        row[f"w32_tb_s_{tag}"] = row["int4_bytes"] / row[f"w32_us_{tag}"] / 1e6
+    times, errs = {"default": row["w32_us_on"]}, {}
+    for t in PREFETCH_TUNINGS:  # PDL still on
+        errs[str(t)] = check(torch.randn(1, k, device="cuda", dtype=torch.bfloat16), qs[0].qweight,
+                             qs[0].scale_offset, t)
+        if not errs[str(t)] < 1e-2:  # a wrong launch is recorded, never timed or chosen
+            continue
+        times[str(t)] = graph_us([lambda q=q, t=t: kernels.gemv_int4_w32(x, q.qweight, q.scale_offset, tuning=t)
+                                  for q in qs])
+    kernels.set_pdl(False)
+    best = min(times, key=times.get)
+    kernels.set_tuning_int4_w32(n, k, 32, next((t for t in PREFETCH_TUNINGS if str(t) == best), None))
+    row.update(w32_prefetch_us=times, w32_prefetch_err=errs, w32_best_on=best, w32_best_us_on=times[best],
+               w32_best_tb_s_on=row["int4_bytes"] / times[best] / 1e6)
+    return row
+
+
 def byte_layout_us(n: int, k: int, copies: int) -> float:
     """The previous kernel (kernels.gemv_int4, byte layout, its default tuning) on the same shape."""
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -108,11 +152,20 @@ def byte_layout_us(n: int, k: int, copies: int) -> float:
     return graph_us([lambda q=q: kernels.gemv_int4(x, *q) for q in qs])
 
 
+def save(path: str | None, res: dict) -> None:
+    """Write the results so far (a run cut short keeps what it measured)."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump(res, fh, indent=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="llama3.2-1b")
     ap.add_argument("--no-engine", action="store_true", help="only the GEMMs")
     ap.add_argument("--json")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="default launches with PDL off / on, prefetch launches with PDL on (no full sweep)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     res = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "gemm": [], "engine": []}
@@ -120,6 +173,18 @@ def main() -> None:
     for name in args.shapes.split(","):
         for part, (n, k) in gemm_shapes(name).items():
             copies = max(2, min(LAUNCHES, int(160e6 // (n * k * 0.625)) + 1))  # int4 copies > 60 MB L2
+            if args.pdl_ab:
+                row = pdl_ab_row(name, part, n, k, copies)
+                res["gemm"].append(row)
+                save(args.json, res)
+                print(f"{name} {part:>7} {n}x{k}: " + ", ".join(
+                    f"{kind} {row[f'{kind}_us_{t}']:.2f} us ({row[f'{kind}_tb_s_{t}']:.2f} TB/s) pdl {t}"
+                    for kind in ("bf16", "w32") for t in ("off", "on"))
+                    + f"; best w32 with pdl {row['w32_best_us_on']:.2f} us ({row['w32_best_tb_s_on']:.2f} TB/s) "
+                    f"{row['w32_best_on']}", flush=True)
+                del row
+                torch.cuda.empty_cache()
+                continue
             row = gemm_row(name, part, n, k, copies)
             row["byte_layout_us"] = byte_layout_us(n, k, copies)
             res["gemm"].append(row)
@@ -128,7 +193,21 @@ def main() -> None:
                   f"({row['w32_default_tb_s']:.2f} TB/s), best {row['w32_best_us']:.1f} us {row['w32_best']} "
                   f"({row['w32_best_tb_s']:.2f} TB/s), max rel err {row['w32_max_rel_err']:.1e}", flush=True)
             torch.cuda.empty_cache()
-        if not args.no_engine:
+        if args.pdl_ab and not args.no_engine:  # the recorded launches, PDL on, in this process
+            from bench.int4_gpu import engine_row
+
+            for fmt in ("bf16", "int4"):
+                try:
+                    row = engine_row(name, fmt, bw, pdl=True)
+                except Exception as exc:  # noqa: BLE001 - recorded; the other rows still run
+                    row = {"shape": name, "format": fmt, "pdl": True, "error": repr(exc)}
+                row["tunings"] = "gemv_int4_gpu --pdl-ab best" if fmt == "int4" else "-"
+                res["engine"].append(row)
+                save(args.json, res)
+                print(json.dumps(row), flush=True)
+            for n, k in gemm_shapes(name).values():
+                kernels.set_tuning_int4_w32(n, k, 32, None)
+        elif not (args.no_engine or args.pdl_ab):
             from bench.int4_gpu import engine_row
 
             for fmt in ("bf16", "int4"):

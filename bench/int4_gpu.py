@@ -11,6 +11,9 @@ Each layer GEMM alone, in CUDA graphs: ``bench/gemv_int4_gpu.py`` (which also ru
     python bench/int4_gpu.py --shapes llama3.2-1b,qwen2.5-0.5b --profile   # + each row's kernels per step
     python bench/int4_gpu.py --variants off,rope,prologues,all   # without / with the issue-19.2 fusions
     python bench/int4_gpu.py --formats bf16,fp8,int4               # EngineConfig.cuda_weight_format values
+    python bench/int4_gpu.py --pdl off,on,on,off   # EngineConfig.cuda_pdl per row, A/B/B/A on one card
+
+A row that fails (an exception in the engine or the bench) is recorded with its error and the run goes on.
 """
 
 from __future__ import annotations
@@ -59,19 +62,25 @@ VARIANTS = {"off": (False, False, 0), "rope": (True, False, 0), "prologues": (Tr
             "all": (True, True, 512)}
 
 
-def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: str = "default") -> dict:
+def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: str = "default",
+               pdl: bool | None = None) -> dict:
     cfg = ModelConfig(**SHAPES[name])
     switches = {} if variant == "default" else dict(zip(
         ("cuda_fused_rope_store", "cuda_gemv_prologues", "cuda_one_pass_decode_tokens"), VARIANTS[variant],
         strict=True))
+    if pdl is not None:
+        switches["cuda_pdl"] = pdl
     llm = LLM(random_model(cfg), engine_config=EngineConfig(
         device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3, max_model_len=4096, cuda_weight_format=fmt,
         **switches))
+    if not llm.engine.runner._graphs:  # a failed capture decodes eagerly: not the step this bench measures
+        raise RuntimeError("no CUDA graphs were captured")
     step = decode_step_time(llm, cfg.vocab_size)
     with torch.inference_mode():  # the runner's buffers are inference tensors
         replay = graph_replay_ms(llm, 1)
     nbytes = step_bytes(llm, cfg)
-    row = {"shape": name, "format": fmt, "variant": variant, "step_ms": step * 1e3, "tok_per_s": 1 / step,
+    row = {"shape": name, "format": fmt, "variant": variant, "pdl": kernels.pdl_enabled(),
+           "step_ms": step * 1e3, "tok_per_s": 1 / step,
            "replay_ms": replay, "step_bytes": nbytes,
            "resident_weight_bytes": llm.engine.runner.model.resident_weight_bytes(),
            "floor_ms_nominal": nbytes / NOMINAL_BW * 1e3,
@@ -97,19 +106,28 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,int4", help="cuda_weight_format values, comma-separated")
     ap.add_argument("--variants", default="default",
                     help=f"issue-19.2 switches per row, comma-separated: default or of {sorted(VARIANTS)}")
+    ap.add_argument("--pdl", default="default",
+                    help="EngineConfig.cuda_pdl per row, comma-separated: default, off or on (repeats allowed)")
     args = ap.parse_args()
+    pdls = [{"default": None, "off": False, "on": True}[p] for p in args.pdl.split(",")]
     bw = copy_bandwidth()
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    res = {"copy_bw": bw, "engine": []}
+    res = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "engine": []}
     for name in args.shapes.split(","):
         for fmt in args.formats.split(","):
             for variant in args.variants.split(","):
-                row = engine_row(name, fmt, bw, args.profile, variant)
-                print(json.dumps(row), flush=True)
-                res["engine"].append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+                for pdl in pdls:
+                    try:
+                        row = engine_row(name, fmt, bw, args.profile, variant, pdl)
+                    except Exception as exc:  # noqa: BLE001 - recorded; the other rows still run
+                        row = {"shape": name, "format": fmt, "variant": variant, "pdl": pdl, "error": repr(exc)}
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                    print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+                    res["engine"].append(row)
+                    if args.json:  # after every row: a run cut short keeps what it measured
+                        with open(args.json, "w") as f:
+                            json.dump(res, f, indent=2)
 
 
 if __name__ == "__main__":

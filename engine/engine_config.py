@@ -184,6 +184,10 @@ class EngineConfig:
             this many tokens replay a graph whose attention is one pass per (sequence, KV head), without
             the split-K reduce kernel (``engine.model_runner.ONE_PASS_MAX_BATCH``); 0 (default): off (split-K
             only; the one-pass graphs measured slower at 129-384-token contexts on an H100).
+        cuda_pdl: on CUDA (compute capability 9.0+), launch the decode step's Triton kernels (GEMVs, norms,
+            RoPE + store, attention, SiLU·mul) with programmatic dependent launch (``kernels._pdl``): each
+            starts, and loads its weights, while the kernel before it finishes. Process-wide (the last
+            engine built sets it). Off by default until measured (docs/benchmarks.md).
         seed: seed of the generator used by requests without their own seed.
         speculative_method: "ngram" (prompt lookup, :mod:`engine.spec_decode`) or None (no request
             speculates; one that asks is refused).
@@ -243,6 +247,7 @@ class EngineConfig:
     cuda_fused_rope_store: bool = True
     cuda_gemv_prologues: bool = False
     cuda_one_pass_decode_tokens: int = 0
+    cuda_pdl: bool = False
     seed: int = 0
     speculative_method: str | None = "ngram"
     num_speculative_tokens: int = 0

@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+import kernels
 from engine import cpu_decode
 from engine.config import ModelConfig
 from engine.cpu_linear import fuse_projections, pack_linears
@@ -97,6 +98,7 @@ class ModelRunner:
         # RoPE frequencies stay fp32: bf16 would put angles off by radians at positions in the thousands
         self.model.rotary.inv_freq = rope_inv_freq(model.config).to(self.device)
         if self.is_cuda:  # fused QKV / gate-up weights and Triton norm/RoPE/SwiGLU kernels (engine.fused)
+            kernels.set_pdl(config.cuda_pdl)  # before any launch or graph capture of this runner
             int4 = config.weight_group_size if config.cuda_weight_format == "int4" else None
             self.model = fuse_for_cuda(self.model, int4_group=int4, gemv_prologues=config.cuda_gemv_prologues,
                                        fused_rope_store=config.cuda_fused_rope_store,

@@ -6,6 +6,7 @@ a ValueError) and runs the Triton kernel on CUDA tensors when Triton imports, th
 take fp8 (e4m3) pools with per-KV-head scales (:mod:`kernels.kv_quant`).
 """
 
+from ._pdl import pdl_enabled, set_pdl
 from .errors import BackendUnavailableError, KernelError, KernelInputError
 from .gemv import (
     GemvTuning,
@@ -52,6 +53,8 @@ from .silu_mul import silu_mul, silu_mul_reference
 from .store_kv import store_kv, store_kv_reference
 
 __all__ = [
+    "pdl_enabled",
+    "set_pdl",
     "BackendUnavailableError",
     "GemvTuning",
     "gemv",

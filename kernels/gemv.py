@@ -16,7 +16,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from . import _prologue
+from . import _pdl, _prologue
 from ._common import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -36,6 +36,7 @@ from .rms_norm import rms_norm_reference
 from .silu_mul import silu_mul_reference
 
 if HAS_TRITON:
+    from ._pdl import pdl_wait
     from ._prologue import prologue_load
 
 __all__ = ["GemvTuning", "gemv", "gemv_reference", "gemv_rms_norm", "gemv_rms_norm_reference", "gemv_silu_mul",
@@ -69,10 +70,21 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 if HAS_TRITON:
 
     @triton.jit
+    def _gemv_step(acc, ss, w, x_ptr, r_ptr, g_ptr, h_ptr, m, s_xm, s_rm, s_hm, cols, col_ok, K,
+                   PROLOGUE: tl.constexpr, NORM: tl.constexpr):
+        """One K step: x's columns (through the prologue) times the step's weight tile w [BLOCK_N, BLOCK_K]."""
+        x, sq = prologue_load(x_ptr + m * s_xm, r_ptr + m * s_rm, g_ptr, h_ptr + m * s_hm, cols, col_ok,
+                              K, tl.where(tl.program_id(0) == 0, K, 0), PROLOGUE, True)
+        if NORM:
+            ss += sq * sq
+        acc += w.to(tl.float32) * x[None, :]
+        return acc, ss
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, g_ptr, h_ptr, N, K, s_xm, s_wn, s_ym, s_rm, s_hm, eps,
         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr,
-        NORM: tl.constexpr,
+        NORM: tl.constexpr, PDL: tl.constexpr,
     ):
         # PROLOGUE (kernels._prologue): 0 none; 1/2 RMSNorm (NORM; 2: of x + residual, h written); 3 SiLU·mul
         m = tl.program_id(1).to(tl.int64)
@@ -81,16 +93,23 @@ if HAS_TRITON:
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * s_wn
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # the norm's sum of squares (NORM prologues)
-        for k0 in range(0, K, BLOCK_K):
+        k_first = 0
+        if PDL:  # the first step's weights load before the wait (no kernel writes them), the rest after it
+            cols = tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            pdl_wait(PDL)
+            acc, ss = _gemv_step(acc, ss, w, x_ptr, r_ptr, g_ptr, h_ptr, m, s_xm, s_rm, s_hm, cols, col_ok, K,
+                                 PROLOGUE, NORM)
+            k_first = BLOCK_K
+        for k0 in range(k_first, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_ok = cols < K
-            x, sq = prologue_load(x_ptr + m * s_xm, r_ptr + m * s_rm, g_ptr, h_ptr + m * s_hm, cols, col_ok,
-                                  K, tl.where(tl.program_id(0) == 0, K, 0), PROLOGUE, True)
-            if NORM:
-                ss += sq * sq
             w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
                         eviction_policy="evict_first")  # each weight byte is read once: keep L2 for x
-            acc += w.to(tl.float32) * x[None, :]
+            acc, ss = _gemv_step(acc, ss, w, x_ptr, r_ptr, g_ptr, h_ptr, m, s_xm, s_rm, s_hm, cols, col_ok, K,
+                                 PROLOGUE, NORM)
         y = tl.sum(acc, axis=1)
         if NORM:
             y *= tl.rsqrt(tl.sum(ss, 0) / K + eps)
@@ -150,14 +169,15 @@ def _launch(x, weight, bias, out, tune: GemvTuning, prologue: int = _prologue.NO
             gain=None, h_out=None, eps: float = 0.0) -> None:
     """The kernel over x [M, K] (SILU: gate/up [M, 2K]) and weight [N, K] -> out [M, N]."""
     n, k = weight.shape
+    pdl = _pdl.pdl_launch(x)
     r = residual if residual is not None else x
     h = h_out if h_out is not None else out
     _gemv_kernel[(cdiv(n, tune.block_n), x.shape[0])](
         x, weight, bias if bias is not None else weight, out, r, gain if gain is not None else weight, h,
         n, k, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), h.stride(0), float(eps),
         HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, BLOCK_K=tune.block_k, PROLOGUE=prologue,
-        NORM=prologue in (_prologue.NORM, _prologue.ADD_NORM),
-        num_warps=tune.num_warps, num_stages=tune.num_stages,
+        NORM=prologue in (_prologue.NORM, _prologue.ADD_NORM), PDL=pdl,
+        num_warps=tune.num_warps, num_stages=tune.num_stages, **_pdl.launch_options(pdl),
     )
 
 

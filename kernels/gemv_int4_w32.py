@@ -26,7 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from . import _prologue
+from . import _pdl, _prologue
 from ._common import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -46,6 +46,7 @@ from .rms_norm import rms_norm_reference
 from .silu_mul import silu_mul_reference
 
 if HAS_TRITON:
+    from ._pdl import pdl_wait
     from ._prologue import prologue_load
 
 __all__ = ["GemvInt4W32Tuning", "dequantize_int4_w32", "gemv_int4_w32", "gemv_int4_w32_reference",
@@ -69,6 +70,11 @@ class GemvInt4W32Tuning:
     # nibble (seen in the SASS of the default). H200, 2026-12-02: best launch of every 1B GEMM, but only
     # 3-9 % faster, and slower on the head at the default shape, hence off by default (docs/benchmarks.md)
     x_per_row: bool = False
+    # load the next K step's words and scales before computing this one's (register double-buffering): Triton
+    # does not pipeline these loads (no async copies in the TTGIR at any num_stages, checked with Triton 3.9
+    # for sm_90), so without it a program's loads and its unpack/FMA never overlap and every tuning waits the
+    # same way (docs/benchmarks.md, "PDL and prefetch"); needs groups < K / group to have a next step
+    prefetch: bool = False
 
 
 # (N, K, group) -> a launch measured best on this machine (bench/gemv_int4_gpu.py records its sweep here)
@@ -170,11 +176,71 @@ if HAS_TRITON:
         return (bits | 0x3F800000).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, g0, n_groups, GROUP: tl.constexpr,
+                  GROUPS: tl.constexpr, EVEN: tl.constexpr):
+        """The weight data of one K step: words [BN, G, W] and the groups' scales and offsets [BN, G] (fp32)."""
+        W: tl.constexpr = GROUP // 8
+        rows64 = rows.to(tl.int64)
+        gi = g0 + tl.arange(0, GROUPS)                                    # [G]
+        g_ok = gi < n_groups
+        widx = gi[:, None] * W + tl.arange(0, W)[None, :]                 # [G, W] word index in the row
+        w_ptrs = q_ptr + rows64[:, None, None] * s_qn + widx[None, :, :]
+        sc_off = so_ptr + rows64[:, None] * s_sn + gi[None, :] * 2
+        if EVEN:  # no mask: a mask stops the 16-byte vector loads (one LDG.128 per 32 weights)
+            words = tl.load(w_ptrs, eviction_policy="evict_first")        # [BN, G, W]: each read once
+            sc = tl.load(sc_off).to(tl.float32)                           # [BN, G]
+            of = tl.load(sc_off + 1).to(tl.float32)
+        else:
+            words = tl.load(w_ptrs, mask=row_ok[:, None, None] & g_ok[None, :, None], other=0,
+                            eviction_policy="evict_first")
+            g_mask = row_ok[:, None] & g_ok[None, :]
+            sc = tl.load(sc_off, mask=g_mask, other=0.0).to(tl.float32)
+            of = tl.load(sc_off + 1, mask=g_mask, other=0.0).to(tl.float32)
+        return words, sc, of
+
+    @triton.jit
+    def _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g0, n_groups, K, first,
+                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, EVEN: tl.constexpr,
+                  X_PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr):
+        """One K step: x's columns (through the prologue) against the step's words, scaled per group."""
+        W: tl.constexpr = GROUP // 8
+        gi = g0 + tl.arange(0, GROUPS)
+        g_ok = gi < n_groups
+        w_off = tl.arange(0, W)
+        dot = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
+        col0 = gi[:, None] * GROUP + w_off[None, :]                       # [G, W] column of nibble 0
+        if X_PER_ROW:  # x in the words' [BN, G, W] layout: no layout conversion, no barrier
+            xs3 = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
+            for i in tl.static_range(8):
+                cols3 = (col0 + i * W)[None, :, :] + 0 * rows[:, None, None]
+                xi3, sq3 = prologue_load(x_row, r_row, g_ptr, h_row, cols3, g_ok[None, :, None], K, first,
+                                         PROLOGUE, not EVEN)
+                if NORM:
+                    ss += tl.sum(sq3 * sq3, axis=0)
+                dot += _nibble_as_float(words, i) * xi3
+                xs3 += xi3
+            xsum = tl.sum(xs3, axis=2)                                    # [BN, G]
+        else:
+            xs = tl.zeros([GROUPS, W], dtype=tl.float32)
+            for i in tl.static_range(8):
+                xi, sq = prologue_load(x_row, r_row, g_ptr, h_row, col0 + i * W, g_ok[:, None], K, first,
+                                       PROLOGUE, not EVEN)
+                if NORM:
+                    ss += sq * sq
+                dot += _nibble_as_float(words, i) * xi[None, :, :]
+                xs += xi
+            xsum = tl.sum(xs, axis=1)[None, :]                            # [1, G]
+        sc16 = 16.0 * sc
+        acc += sc16 * tl.sum(dot, axis=2) + (of - sc16) * xsum
+        return acc, ss
+
+    @triton.jit
     def _gemv_int4_w32_kernel(
         x_ptr, q_ptr, so_ptr, b_ptr, y_ptr, r_ptr, g_ptr, h_ptr, N, K, s_xm, s_qn, s_sn, s_ym, s_rm, s_hm, eps,
         ss_scale,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
         EVEN: tl.constexpr, X_PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr,
+        PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         # PROLOGUE (kernels._prologue): 0 none; 1/2 RMSNorm (NORM; 2: of x + residual, h written); 3 SiLU·mul.
         # ss_scale: 1 / (K * the times each column's square is summed: BLOCK_N with x_per_row, else 1)
@@ -182,57 +248,37 @@ if HAS_TRITON:
         m = tl.program_id(1).to(tl.int64)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        rows64 = rows.to(tl.int64)
-        g_off = tl.arange(0, GROUPS)
-        w_off = tl.arange(0, W)
         n_groups = K // GROUP
         x_row, r_row, h_row = x_ptr + m * s_xm, r_ptr + m * s_rm, h_ptr + m * s_hm
         first = tl.where(tl.program_id(0) == 0, K, 0)  # columns of h this program writes (ADD_NORM)
         acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
         ss = tl.zeros([GROUPS, W], dtype=tl.float32)  # the norm's sum of squares (x_per_row: BLOCK_N times)
-        for g0 in range(0, n_groups, GROUPS):
-            gi = g0 + g_off                                               # [G]
-            g_ok = gi < n_groups
-            widx = gi[:, None] * W + w_off[None, :]                       # [G, W] word index in the row
-            w_ptrs = q_ptr + rows64[:, None, None] * s_qn + widx[None, :, :]
-            if EVEN:  # no mask: a mask stops the 16-byte vector loads (one LDG.128 per 32 weights)
-                words = tl.load(w_ptrs, eviction_policy="evict_first")    # [BN, G, W]: each read once
-            else:
-                words = tl.load(w_ptrs, mask=row_ok[:, None, None] & g_ok[None, :, None], other=0,
-                                eviction_policy="evict_first")
-            dot = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
-            col0 = gi[:, None] * GROUP + w_off[None, :]                   # [G, W] column of nibble 0
-            if X_PER_ROW:  # x in the words' [BN, G, W] layout: no layout conversion, no barrier
-                xs3 = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
-                for i in tl.static_range(8):
-                    cols3 = (col0 + i * W)[None, :, :] + 0 * rows[:, None, None]
-                    xi3, sq3 = prologue_load(x_row, r_row, g_ptr, h_row, cols3, g_ok[None, :, None], K, first,
-                                             PROLOGUE, not EVEN)
-                    if NORM:
-                        ss += tl.sum(sq3 * sq3, axis=0)
-                    dot += _nibble_as_float(words, i) * xi3
-                    xs3 += xi3
-                xsum = tl.sum(xs3, axis=2)                                # [BN, G]
-            else:
-                xs = tl.zeros([GROUPS, W], dtype=tl.float32)
-                for i in tl.static_range(8):
-                    xi, sq = prologue_load(x_row, r_row, g_ptr, h_row, col0 + i * W, g_ok[:, None], K, first,
-                                           PROLOGUE, not EVEN)
-                    if NORM:
-                        ss += sq * sq
-                    dot += _nibble_as_float(words, i) * xi[None, :, :]
-                    xs += xi
-                xsum = tl.sum(xs, axis=1)[None, :]                        # [1, G]
-            sc_off = so_ptr + rows64[:, None] * s_sn + gi[None, :] * 2
-            g_mask = row_ok[:, None] & g_ok[None, :]
-            if EVEN:
-                sc = tl.load(sc_off).to(tl.float32)                       # [BN, G]
-                of = tl.load(sc_off + 1).to(tl.float32)
-            else:
-                sc = tl.load(sc_off, mask=g_mask, other=0.0).to(tl.float32)
-                of = tl.load(sc_off + 1, mask=g_mask, other=0.0).to(tl.float32)
-            sc16 = 16.0 * sc
-            acc += sc16 * tl.sum(dot, axis=2) + (of - sc16) * xsum
+        if PREFETCH:  # step g0's data is in registers while step g0 + 1's loads are in flight
+            words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, 0, n_groups, GROUP, GROUPS, EVEN)
+            pdl_wait(PDL)  # (PDL) the first step's weights load before the wait: no kernel writes them
+            last = (n_groups - 1) // GROUPS * GROUPS  # the last step's first group
+            for g0 in range(0, n_groups, GROUPS):
+                # the next step; past the end the last one again (an L2 hit), so the loads need no extra mask
+                gn = tl.minimum(g0 + GROUPS, last)
+                nw, nsc, nof = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, gn, n_groups, GROUP, GROUPS,
+                                         EVEN)
+                acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g0, n_groups, K,
+                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
+                words, sc, of = nw, nsc, nof
+        else:
+            g_first = 0
+            if PDL:  # the first step's words and scales load before the wait (no kernel writes them)
+                words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, 0, n_groups, GROUP, GROUPS,
+                                          EVEN)
+                pdl_wait(PDL)
+                acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, 0, n_groups, K,
+                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
+                g_first = GROUPS
+            for g0 in range(g_first, n_groups, GROUPS):
+                words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, g0, n_groups, GROUP, GROUPS,
+                                          EVEN)
+                acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g0, n_groups, K,
+                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
         y = tl.sum(acc, axis=1)
         if NORM:  # y = inv * W (h * g): the norm's scale applied once, after the weights
             y *= tl.rsqrt(tl.sum(tl.sum(ss, 1), 0) * ss_scale + eps)
@@ -307,6 +353,7 @@ def _launch(x, qweight, scale_offset, bias, out, tune: GemvInt4W32Tuning, prolog
     assert qweight.shape == (n, k // 8) and scale_offset.shape == (n, k // group, 2)
     r = residual if residual is not None else x
     h = h_out if h_out is not None else out
+    pdl = _pdl.pdl_launch(x)
     _gemv_int4_w32_kernel[(cdiv(n, tune.block_n), x.shape[0])](
         x, qweight, scale_offset, bias if bias is not None else scale_offset, out,
         r, gain if gain is not None else scale_offset, h, n, k,
@@ -314,8 +361,8 @@ def _launch(x, qweight, scale_offset, bias, out, tune: GemvInt4W32Tuning, prolog
         float(eps), 1.0 / (k * (tune.block_n if tune.x_per_row else 1)),
         GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, GROUPS=tune.groups,
         EVEN=n % tune.block_n == 0 and (k // group) % tune.groups == 0, X_PER_ROW=tune.x_per_row,
-        PROLOGUE=prologue, NORM=prologue in (_prologue.NORM, _prologue.ADD_NORM),
-        num_warps=tune.num_warps, num_stages=tune.num_stages,
+        PROLOGUE=prologue, NORM=prologue in (_prologue.NORM, _prologue.ADD_NORM), PDL=pdl,
+        PREFETCH=tune.prefetch, num_warps=tune.num_warps, num_stages=tune.num_stages, **_pdl.launch_options(pdl),
     )
 
 

@@ -25,6 +25,7 @@ import dataclasses
 
 import torch
 
+from . import _pdl
 from ._common import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -130,6 +131,7 @@ def paged_decode_attention_reference(
 
 
 if HAS_TRITON:
+    from ._pdl import pdl_wait
 
     @triton.jit
     def _decode_partition_kernel(
@@ -139,10 +141,12 @@ if HAS_TRITON:
         max_blocks, G, D, HQ, NUM_SPLITS,
         BS: tl.constexpr, PARTITION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
+        pdl_wait(PDL)
         if QUANT:  # fp8 pools: this KV head's K scale joins the softmax scale, its V scale the output
             sm_scale_log2 = sm_scale_log2 * tl.load(ks_ptr + h)
         ctx = tl.minimum(tl.load(ctx_ptr + b), max_blocks * BS)  # never index past the table
@@ -202,9 +206,11 @@ if HAS_TRITON:
         part_out_ptr, part_lse_ptr, ctx_ptr, out_ptr,
         s_ob, s_oh, max_blocks, D, HQ, NUM_SPLITS,
         BS: tl.constexpr, PARTITION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         hq = tl.program_id(1)
+        pdl_wait(PDL)
         ctx = tl.minimum(tl.load(ctx_ptr + b), max_blocks * BS)
         n_valid = tl.cdiv(ctx, PARTITION)  # partitions that saw at least one token
         n_valid = tl.where(n_valid > 1, n_valid, 0)  # 0 or 1: the partition kernel wrote `out` itself
@@ -257,6 +263,7 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         part_out = part_lse = out  # unused
     block_d = next_pow2(d)
     quant = k_scale is not None
+    pdl = _pdl.pdl_launch(q)
     _decode_partition_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         k_scale if quant else context_lens, v_scale if quant else context_lens,
@@ -266,13 +273,15 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         out.stride(0), out.stride(1),
         max_blocks, g, d, hq, num_splits,
         BS=bs, PARTITION=part, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=split, DOT_PREC=dot_precision(q.dtype), QUANT=quant, num_warps=tuning.num_warps,
+        SPLIT=split, DOT_PREC=dot_precision(q.dtype), QUANT=quant, PDL=pdl, num_warps=tuning.num_warps,
+        **_pdl.launch_options(pdl),
     )
     if split:
         _decode_reduce_kernel[(b, hq)](
             part_out, part_lse, context_lens, out, out.stride(0), out.stride(1),
             max_blocks, d, hq, num_splits,
-            BS=bs, PARTITION=part, BLOCK_S=min(32, next_pow2(num_splits)), BLOCK_D=block_d, num_warps=2,
+            BS=bs, PARTITION=part, BLOCK_S=min(32, next_pow2(num_splits)), BLOCK_D=block_d, PDL=pdl,
+            num_warps=2, **_pdl.launch_options(pdl),
         )
     return out
 

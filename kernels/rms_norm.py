@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _pdl
 from ._common import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -41,16 +42,19 @@ def add_rms_norm_reference(
 
 
 if HAS_TRITON:
+    from ._pdl import pdl_wait
 
     @triton.jit
     def _rms_norm_kernel(
         x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
         s_x, s_r, s_o, s_s, H, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         mask = cols < H
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # the gain: no kernel writes it
+        pdl_wait(PDL)
         x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + row * s_r + cols, mask=mask, other=0.0)
@@ -58,7 +62,6 @@ if HAS_TRITON:
             tl.store(sum_ptr + row * s_s + cols, x, mask=mask)
         xf = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(xf * xf, 0) / H + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * s_o + cols, (xf * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -68,9 +71,11 @@ def _launch(x, residual, weight, eps):
     summed = torch.empty_like(x) if residual is not None else out
     r = residual if residual is not None else x
     block = next_pow2(h)
+    pdl = _pdl.pdl_launch(x)
     _rms_norm_kernel[(t,)](
         x, r, weight, out, summed, x.stride(0), r.stride(0), out.stride(0), summed.stride(0), h, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK_H=block, num_warps=min(16, max(1, block // 256)),
+        HAS_RESIDUAL=residual is not None, BLOCK_H=block, num_warps=min(16, max(1, block // 256)), PDL=pdl,
+        **_pdl.launch_options(pdl),
     )
     return out, summed
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _pdl
 from ._common import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -56,6 +57,7 @@ def rope_store_kv_reference(qkv: torch.Tensor, num_heads: int, num_kv_heads: int
 
 
 if HAS_TRITON:
+    from ._pdl import pdl_wait
     from .kv_quant import quantize_fp8
     from .rope import _rope_heads
 
@@ -82,9 +84,10 @@ if HAS_TRITON:
         s_t, s_cos, s_sin, s_qot, s_qoh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch,
         num_slots, HQ, HKV, D,
         BS: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-        BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
+        BLOCK_D: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
+        pdl_wait(PDL)
         half = D // 2
         i = tl.arange(0, BLOCK_HALF)[None, :]
         c = tl.load(cos_ptr + t * s_cos + i, mask=i < half, other=0.0).to(tl.float32)  # halves repeat
@@ -164,6 +167,7 @@ def rope_store_kv(
                                        v_scale)
     nb, bs = k_cache.shape[:2]
     q = qkv.new_empty((t, num_heads, d))
+    pdl = _pdl.pdl_launch(qkv)
     _rope_store_kv_kernel[(t,)](
         qkv, cos, sin, q, k_cache, v_cache, slot_mapping, k_scale if quantized else cos,
         v_scale if quantized else cos,
@@ -172,6 +176,6 @@ def rope_store_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         nb * bs, num_heads, hkv, d,
         BS=bs, BLOCK_HQ=next_pow2(num_heads), BLOCK_HKV=next_pow2(hkv), BLOCK_HALF=next_pow2(d // 2),
-        BLOCK_D=next_pow2(d), QUANT=quantized, num_warps=2,
+        BLOCK_D=next_pow2(d), QUANT=quantized, PDL=pdl, num_warps=2, **_pdl.launch_options(pdl),
     )
     return q

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _pdl
 from ._common import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -36,12 +37,14 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 if HAS_TRITON:
+    from ._pdl import pdl_wait
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, o_ptr, s_x, s_o, N, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, o_ptr, s_x, s_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
+        pdl_wait(PDL)
         g = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + row * s_x + N + cols, mask=mask, other=0.0).to(tl.float32)
         out = g / (1.0 + tl.exp(-g)) * u
@@ -73,8 +76,8 @@ def silu_mul(
         check_shape("out", out, (t, i))
         check_same_device(out=out, gate_up=gate_up)
     if t and use_triton(backend, gate_up, out):
-        block = 1024
+        block, pdl = 1024, _pdl.pdl_launch(gate_up)
         _silu_mul_kernel[(t, cdiv(i, block))](gate_up, out, gate_up.stride(0), out.stride(0), i,
-                                             BLOCK=block, num_warps=4)
+                                             BLOCK=block, PDL=pdl, num_warps=4, **_pdl.launch_options(pdl))
         return out
     return out.copy_(silu_mul_reference(gate_up))

@@ -142,6 +142,31 @@ def test_decode_fusions_keep_the_greedy_tokens(fmt):
     assert tokens[0] == tokens[1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability 9.0")
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_pdl_keeps_the_greedy_tokens_and_the_graphs(fmt):
+    """EngineConfig.cuda_pdl: the decode kernels launched with programmatic dependent launch, captured in the
+    CUDA graphs (a failed capture would fall back to eager steps: asserted not to), give the tokens of plain
+    launches, fp32, batch-1 graphs and a batch of several."""
+    import kernels
+
+    prompts = random_prompts([5, 17, 33, 40], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = []
+    for pdl in (False, True):
+        llm = _engine({}, dtype="float32", cuda_weight_format=fmt, cuda_pdl=pdl)
+        assert kernels.pdl_enabled() == pdl and llm.engine.runner._graphs
+        one = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        tokens.append((one, batch))
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    kernels.set_pdl(False)
+    assert tokens[0] == tokens[1]
+
+
 def test_decode_fusions_bf16_logprobs_close():
     """bf16: the first decode step's top-5 log-probs with every fusion on are those without, to bf16 precision."""
     prompt = random_prompts([40], seed=4)[0]

@@ -31,6 +31,7 @@ def test_exported_members():
         "quantize_kv", "dequantize_kv",
         "GemvFp8Tuning", "dequantize_fp8_rows", "gemv_fp8", "gemv_fp8_reference", "set_tuning_fp8", "tuning_fp8",
         "quantize_fp8_rows", "quantize_fp8_rows_reference", "scaled_mm_fp8", "scaled_mm_fp8_reference",
+        "set_pdl", "pdl_enabled",
     ])
     for name in kernels.__all__:
         assert getattr(kernels, name).__module__.startswith("kernels.")

@@ -104,7 +104,9 @@ def test_triton_matches_reference(n, k, group, m, dtype):
     ref = gemv_int4_w32_reference(x.double().to(dtype), q32, so, bias).double()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for tune in (None, GemvInt4W32Tuning(block_n=16, groups=2, num_warps=4), GemvInt4W32Tuning(1, 64, 2),
-                 GemvInt4W32Tuning(8, 2, 4, x_per_row=True), GemvInt4W32Tuning(4, 64, 4, x_per_row=True)):
+                 GemvInt4W32Tuning(8, 2, 4, x_per_row=True), GemvInt4W32Tuning(4, 64, 4, x_per_row=True),
+                 GemvInt4W32Tuning(8, 2, 4, prefetch=True), GemvInt4W32Tuning(16, 4, 4, x_per_row=True, prefetch=True),
+                 GemvInt4W32Tuning(4, 64, 4, prefetch=True)):
         out = torch.full((m, n), float("nan"), device=DEVICE, dtype=dtype)   # poisoned: all must be written
         got = gemv_int4_w32(x, q32, so, bias, out=out, tuning=tune, backend="triton").double()
         assert torch.isfinite(got).all()

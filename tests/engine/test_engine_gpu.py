@@ -16,11 +16,16 @@ from tests.engine.engine_helpers import random_prompts, tiny_model
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _release_gpu_memory():
-    """Engines size their KV pool from free memory: free the previous test's pool first."""
+def _free_gpu_memory() -> None:
+    """Engines size their KV pool from free memory: release a dropped engine's pool before the next is built."""
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """Free the previous test's pool first."""
+    _free_gpu_memory()
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -119,6 +124,12 @@ def _engine(switches: dict, **kw) -> LLM:
     return LLM(tiny_model("llama-gqa"), engine_config=cfg)
 
 
+def _alone_and_together(llm: LLM, prompts, params) -> tuple[list, list]:
+    """The greedy token ids of each prompt alone (batch-1 steps), then of all at once (a batch of several)."""
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    return alone, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_decode_fusions_keep_the_greedy_tokens(fmt):
     """Issue 19.2: the engine with every decode fusion (norm / SiLU·mul in GEMV prologues, RoPE + K/V store
@@ -133,12 +144,9 @@ def test_decode_fusions_keep_the_greedy_tokens(fmt):
         llm = _engine(switches, dtype="float32", cuda_weight_format=fmt)
         assert llm.engine.runner.model.gemv_prologues == switches["cuda_gemv_prologues"]
         assert bool(llm.engine.runner._one_pass) == bool(switches["cuda_one_pass_decode_tokens"])
-        one = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
-        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        tokens.append((one, batch))
+        tokens.append(_alone_and_together(llm, prompts, params))
         del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free_gpu_memory()
     assert tokens[0] == tokens[1]
 
 
@@ -157,12 +165,9 @@ def test_pdl_keeps_the_greedy_tokens_and_the_graphs(fmt):
     for pdl in (False, True):
         llm = _engine({}, dtype="float32", cuda_weight_format=fmt, cuda_pdl=pdl)
         assert kernels.pdl_enabled() == pdl and llm.engine.runner._graphs
-        one = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
-        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        tokens.append((one, batch))
+        tokens.append(_alone_and_together(llm, prompts, params))
         del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free_gpu_memory()
     kernels.set_pdl(False)
     assert tokens[0] == tokens[1]
 
@@ -176,8 +181,7 @@ def test_decode_fusions_bf16_logprobs_close():
         llm = _engine(switches)
         got.append(llm.generate([prompt], params)[0].outputs[0])
         del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free_gpu_memory()
     assert got[0].token_ids[0] == got[1].token_ids[0]  # the prefill's token: no prologue on that path
     off, on = got[0].logprobs[1], got[1].logprobs[1]  # the first decode step (batch-1 graph)
     scale = max(abs(v) for v in off.values())
@@ -203,8 +207,7 @@ def test_fp8_kv_engine_stays_close_to_model_dtype_pools(dtype):
         per_token.append(runner.kv.nbytes / (runner.kv.num_blocks * runner.kv.block_size))
         runs.append(_generate(llm, prompts))
         del llm, runner
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free_gpu_memory()
     a = _agreement(*runs)
     assert _good(a), a
     assert per_token[0] == per_token[1] * (4 if dtype == "float32" else 2)
@@ -256,8 +259,7 @@ def test_fp8_engine_graphs_equal_eager(batch):
         assert bool(llm.engine.runner._graphs) == graphs
         outs.append([o.outputs[0] for o in llm.generate(prompts, params)])
         del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free_gpu_memory()
     for on, off in zip(*outs, strict=True):
         assert on.token_ids[0] == off.token_ids[0]               # the prefill: eager in both
         a, b = on.logprobs[1], off.logprobs[1]                   # the first decode step: graph vs eager

@@ -162,13 +162,15 @@ def test_pdl_keeps_the_greedy_tokens_and_the_graphs(fmt):
     prompts = random_prompts([5, 17, 33, 40], seed=5)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tokens = []
-    for pdl in (False, True):
-        llm = _engine({}, dtype="float32", cuda_weight_format=fmt, cuda_pdl=pdl)
-        assert kernels.pdl_enabled() == pdl and llm.engine.runner._graphs
-        tokens.append(_alone_and_together(llm, prompts, params))
-        del llm
-        _free_gpu_memory()
-    kernels.set_pdl(False)
+    try:
+        for pdl in (False, True):
+            llm = _engine({}, dtype="float32", cuda_weight_format=fmt, cuda_pdl=pdl)
+            assert kernels.pdl_enabled() == pdl and llm.engine.runner._graphs
+            tokens.append(_alone_and_together(llm, prompts, params))
+            del llm
+            _free_gpu_memory()
+    finally:
+        kernels.set_pdl(False)   # process-wide: a failure here must not leave it on for the next tests
     assert tokens[0] == tokens[1]
 
 

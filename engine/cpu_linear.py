@@ -98,7 +98,7 @@ def _fuse_packed(parts: list[PackedLinear]) -> PackedLinear:
     (no fp32 weight stored twice) and their own packed copies are dropped (they fall back to F.linear)."""
     w = torch.cat([p.weight.detach() for p in parts])
     b = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")  # no init: replaced below
     lin.weight = nn.Parameter(w, requires_grad=False)
     if b is not None:
         lin.bias = nn.Parameter(b, requires_grad=False)

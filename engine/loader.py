@@ -142,13 +142,14 @@ def dequantize_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, QuantLinear):
-                lin = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                lin = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                      device="meta")  # no random init: both parameters are replaced
                 lin.weight = torch.nn.Parameter(child.dequantize(), requires_grad=False)
                 if child.bias is not None:
                     lin.bias = child.bias
                 setattr(parent, name, lin)
     if tied and not isinstance(model.model.embed_tokens, torch.nn.Embedding):
-        emb = torch.nn.Embedding(model.config.vocab_size, model.config.hidden_size)
+        emb = torch.nn.Embedding(model.config.vocab_size, model.config.hidden_size, device="meta")
         emb.weight = model.lm_head.weight
         model.model.embed_tokens = emb
     return model.eval()

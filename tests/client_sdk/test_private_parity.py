@@ -25,7 +25,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 KEYS = {"plain": "clm-parity-plain-000000000000", "enc": "clm-parity-enc-1111111111111"}
 TENANT_MAX_TOKENS = 6        # sets the chat default (min(room, cap, 1024)) to 6 for both tenants
-PROMPT = "The capital of France is"
+# Three tokens: every prompt token is an encrypted layer step of seconds (five requests here, one replayed),
+# and what is checked (the same answer, hold-back, replay) does not depend on the prompt's length. Its greedy
+# answer " time, the city of ..." puts a two-token stop string ("the city") in the first four tokens, with a
+# logit gap >= 0.33 for each of them in the plan's simulator (CKKS noise does not flip them). Until session
+# 22 this was "The capital of France is" (five tokens; its stop string was tokens five and six).
+PROMPT = "Once upon a"
 
 
 @pytest.fixture(scope="module")

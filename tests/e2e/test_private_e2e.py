@@ -34,7 +34,9 @@ from tests.leaks import found
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 KEYS = {"enc-a": "clm-e2e-tenant-a-0000000000000000", "enc-b": "clm-e2e-tenant-b-1111111111111111"}
-PROMPT = "The capital of France is"
+# Three tokens (each an encrypted position; the leak check does not depend on the length): greedy
+# " time, the", logit gaps >= 0.55 in the plan's simulator. Until session 22: "The capital of France is".
+PROMPT = "Once upon a"
 TIMEOUT = Timeout(connect=10, read=900, write=900, pool=10)
 
 

@@ -3,6 +3,10 @@ ciphertext (CI): the device-side path of the projections' diagonals (built in to
 gather and encode: ``SHIFT_GROUP``, session 19) and the token rows' output maps as one batch (``BATCH_ROWS``,
 session 19), with SEAL's encoder, on the same client ciphertexts and keys (tiny GQA model with biases, 2Quad,
 N = 16384). Their defaults (off) run on CUDA in tests/fhe/test_gpu_backend_packed.py.
+
+Three tokens (five until session 22, ~2x the torch-CPU reference's time): position 0 and a batch of two rows
+(u and z of each), so a group of rows is still stacked; what is compared (every output ciphertext, byte for
+byte) does not depend on how many positions there are.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ def test_packed_prefill_on_the_cpu_reference_is_seals(monkeypatch):
     stacked = []
     stack = BatchedEvaluator.stack
     monkeypatch.setattr(BatchedEvaluator, "stack", lambda self, cts: stacked.append(len(cts)) or stack(self, cts))
-    model, plan, params, x, client, _, chunks, want = packed_case()
+    model, plan, params, x, client, _, chunks, want = packed_case((3, 14, 15))
     ev = GpuEvaluator(params, device="cpu", encoder="seal")
     gpu = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, model.config, params, max_tokens=64,
                                   evaluator=ev)

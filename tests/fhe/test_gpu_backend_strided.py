@@ -7,7 +7,11 @@ without, N^-1 folded into the last stage and not, and must give the torch refere
 (:func:`fhe.backends.gpu.ntt.ntt` / :func:`~fhe.backends.gpu.ntt.intt`) and the per-stage launches'
 (``STRIDED = False``); likewise with Harvey's lazy butterflies (``LAZY``, session 19: non-canonical values
 between stages). Small
-``LOCAL`` blocks give more strided stages than the shipped N would (4 and 2 here, 5 at N = 32768).
+``LOCAL`` blocks give more strided stages than the shipped N would (4 and 2 here, 5 at N = 32768). The sizes are
+small (N = 512 and 256 with LOCAL = 32 and 64; 256 with 32 for the digits): what the kernels do per stage does not
+depend on N, only how many stages are strided and local and how many column programs a row takes (2 and 1 here, as
+at N = 2048 / LOCAL = 128 with 512 butterflies per program, the sizes these ran at until session 22: 4x the
+interpreter's time).
 On the GPU: tests/fhe/test_gpu_backend_cuda.py (the shipped size, the CUDA kernels).
 """
 
@@ -35,7 +39,8 @@ _SCRIPT = textwrap.dedent("""
             launches.append(grid)
             return self.kernel[grid]
     T._ntt_strided = Count(T._ntt_strided)
-    for n, local in ((2048, 128), (1024, 256)):
+    T.STRIDED_BUTTERFLIES = 128                           # 2 column programs per row at n = 512 (as 512 at 2048)
+    for n, local in ((512, 32), (256, 64)):
         T.LOCAL = local
         tab = NTTTables.build([1152921504606584833, 1125899906826241, 1125899906629633], n)
         x = torch.remainder(torch.randint(0, 1 << 62, (2, 3, n), generator=torch.Generator().manual_seed(n)),
@@ -54,9 +59,9 @@ _SCRIPT = textwrap.dedent("""
             assert torch.equal(fwd, want), (n, shoup, fewer, strided, lazy)
             assert torch.equal(inv, x), (n, shoup, fewer, strided, lazy)
             assert len(launches) - before == (2 if strided else 0), launches
-    T.LOCAL, T.LAZY = 256, True                           # N = LOCAL: the local kernel alone, lazy and canonical
-    tab = NTTTables.build([1152921504606584833, 1125899906826241], 256)
-    x = torch.remainder(torch.randint(0, 1 << 62, (2, 2, 256), generator=torch.Generator().manual_seed(1)), tab.primes)
+    T.LOCAL, T.LAZY = 64, True                            # N = LOCAL: the local kernel alone, lazy and canonical
+    tab = NTTTables.build([1152921504606584833, 1125899906826241], 64)
+    x = torch.remainder(torch.randint(0, 1 << 62, (2, 2, 64), generator=torch.Generator().manual_seed(1)), tab.primes)
     want = ntt(x, tab)
     fwd = T.ntt_(x.clone(), tab.roots, tab.primes.view(-1), inverse=False, roots_shoup=tab.roots_shoup)
     assert torch.equal(fwd, want)
@@ -70,8 +75,8 @@ _DIAG = textwrap.dedent("""
     from fhe.backends.gpu import triton_ops as T
     from fhe.backends.gpu.ntt import NTTTables, intt, ntt
     T._check = lambda *a, **k: None                       # the launchers assert CUDA tensors
-    n = 1024
-    T.LOCAL = 128
+    n = 256
+    T.LOCAL = 32                                          # 3 strided stages, as n = 1024 with LOCAL = 128
     primes = [1152921504606584833, 1125899906826241, 1125899906629633, 1152921504606748673]  # 3 data, special
     ext = NTTTables.build(primes[:3] + primes[3:], n)
     data = ext.take(slice(0, 3))

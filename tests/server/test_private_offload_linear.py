@@ -15,7 +15,10 @@ import pytest
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
 from tests.server.private_app import KEYS, greedy_with_gap, headers, serve_offload_plan
 
-PROMPT = "The capital of France is"
+# Three tokens (five, "The capital of France is", until session 22): each prompt token is a position through
+# every encrypted step of the plan in each generation here, and nothing checked depends on the prompt's length
+# (the prefill still has several positions; the greedy tokens' gap is asserted where they are compared).
+PROMPT = "Once upon a"
 MAX_TOKENS = 3
 
 
@@ -184,7 +187,10 @@ def gpu_reference(tiny_model_dir, tmp_path_factory):  # noqa: F811
     yield from _serve(tiny_model_dir, tmp_path_factory, device="cpu-reference", offload_chunk_layout=False)
 
 
-@pytest.mark.parametrize("processes", [2, 1])
+# One process (the serial path) is ``pytest -m heavy``: the pooled run here gives the plaintext model's tokens, and
+# tests/client_sdk/test_crypto_pool.py checks in the default run that the pool's decryptions are the serial
+# path's bit for bit and its encryptions (seeded and full) decrypt to their values.
+@pytest.mark.parametrize("processes", [2, pytest.param(1, marks=pytest.mark.heavy)])
 def test_a_gpu_worker_asks_for_full_uploads_and_pooled_client_crypto_keeps_the_tokens(gpu_reference, processes):
     """Workers on the gpu backend (its torch-CPU reference here) publish ``offload.mlp.upload = "full"``: the SDK
     uploads unseeded ciphertexts, which the worker reads without SEAL; with ``crypto_processes = 2`` the prefill's

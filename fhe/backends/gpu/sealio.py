@@ -200,4 +200,18 @@ def write_ciphertext(ct: RawCiphertext, compress: bool = True) -> bytes:
     return _frame(members + dyn + struct.pack("<Q", size * lev * n) + arr, compress)
 
 
-__all__ = ["PRNG_BLAKE2XB", "RawCiphertext", "SeededCiphertext", "read_ciphertext", "read_fresh_ct_members", "read_kswitch_keys", "read_plaintext", "write_ciphertext"]
+
+def write_seeded_ciphertext(ct: SeededCiphertext, compress: bool = True) -> bytes:
+    """SEAL's serialized form of a seeded ciphertext (what SEAL's save of an encryption made with its seed writes:
+    c0, then the seed in its own uncompressed frame; zstd over the whole like SEAL's default, or uncompressed)."""
+    lev, n = ct.c0.shape
+    arr = np.ascontiguousarray(ct.c0, dtype="<u8").tobytes()
+    dyn = _HEADER.pack(MAGIC, _HEADER.size, *VERSION, COMPR_NONE, 0, _HEADER.size + 8 + len(arr))
+    members = _CT_MEMBERS.pack(ct.parms_id, 1, 2, n, lev, ct.scale, ct.correction_factor)
+    info = _HEADER.pack(MAGIC, _HEADER.size, *VERSION, COMPR_NONE, 0, _SEED_INFO_BYTES)
+    seed = bytes([ct.prng_type]) + ct.seed
+    return _frame(members + dyn + struct.pack("<Q", lev * n) + arr + info + seed, compress)
+
+
+__all__ = ["PRNG_BLAKE2XB", "RawCiphertext", "SeededCiphertext", "read_ciphertext", "read_fresh_ct_members",
+           "read_kswitch_keys", "read_plaintext", "write_ciphertext", "write_seeded_ciphertext"]

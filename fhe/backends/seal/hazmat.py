@@ -364,8 +364,8 @@ def add_message_seeded(kit: Kit, zero, values: np.ndarray) -> bytes:
     # SEAL has no bulk accessor for a plaintext's residues: its own save, read back (numpy)
     _, _, m = sealio.read_plaintext(to_bytes(pt), n)
     c0 = zero.c0 + m                                          # residues < q < 2^61: no overflow
-    c0 = np.minimum(c0, c0 - np.asarray(kit.primes, dtype=np.uint64).reshape(-1, 1))   # mod q (a wrapped
-    # difference is the larger one)
+    # mod q: c0 - q wraps around (to the larger value) where c0 < q
+    np.minimum(c0, c0 - np.asarray(kit.primes, dtype=np.uint64).reshape(-1, 1), out=c0)
     out = sealio.write_seeded_ciphertext(sealio.SeededCiphertext(zero.parms_id, pt.scale, c0, zero.prng_type,
                                                                  zero.seed))
     zero.scale, zero.c0 = pt.scale, None                      # an encryption's randomness serves one message

@@ -91,20 +91,27 @@ def test_the_device_expansion_is_seals_load_of_the_same_seeded_bytes(params):
 #: primes = 1 mod 2N where SEAL's bound rejects ~3 % of the words (SEAL's own primes, just below a power of two,
 #: reject about one word in 10^13: the redraws must be tested on primes like these)
 REDRAWING_PRIMES = (1117984489316155393, 1054099661355286529, 997121301281701889)
+#: two more (~1.5 %): four data primes redraw more words than one extra buffer holds
+MORE_REDRAWING_PRIMES = (1135184250689814529, 1069376468041187329)
+
+
+def _seeded_zero(primes: tuple[int, ...], security=sa.SEC_LEVEL_TYPE.TC128):
+    """(the seeded members, SEAL's load of them [2, L, N]) of an encryption of zero in a context of ``primes``."""
+    parms = sa.EncryptionParameters(sa.SCHEME_TYPE.CKKS)
+    parms.set_poly_modulus_degree(8192)
+    parms.set_coeff_modulus([sa.Modulus(q) for q in primes])
+    context = sa.SEALContext(parms, True, security)
+    payload = seal.to_bytes(sa.Encryptor(context, sa.KeyGenerator(context).secret_key()).encrypt_zero_symmetric())
+    members = sealio.read_fresh_ct_members(sealio.open_object(payload, 1 << 30), 8192)
+    want = sealio.read_ciphertext(seal.to_bytes(seal.from_bytes_in("ciphertext", context, payload)), 8192, 8)
+    return members, want
 
 
 def test_the_redraws_are_seals_on_primes_that_reject_often():
-    parms = sa.EncryptionParameters(sa.SCHEME_TYPE.CKKS)
-    parms.set_poly_modulus_degree(8192)
-    parms.set_coeff_modulus([sa.Modulus(q) for q in REDRAWING_PRIMES])
-    context = sa.SEALContext(parms, True, sa.SEC_LEVEL_TYPE.TC128)
-    encryptor = sa.Encryptor(context, sa.KeyGenerator(context).secret_key())
     primes = list(REDRAWING_PRIMES[:2])                                 # the data level (the last is special)
     for _ in range(3):
-        payload = seal.to_bytes(encryptor.encrypt_zero_symmetric())
-        members = sealio.read_fresh_ct_members(sealio.open_object(payload, 1 << 30), 8192)
+        members, want = _seeded_zero(REDRAWING_PRIMES)
         assert isinstance(members, sealio.SeededCiphertext) and members.c0.shape == (2, 8192)
-        want = sealio.read_ciphertext(seal.to_bytes(seal.from_bytes_in("ciphertext", context, payload)), 8192, 3)
         assert _rejections(members, primes) > 300                      # ~3 % of 16384 words redrawn
         got = uniform.sample_poly_uniform(members.seed, primes, 8192, torch.empty((2, 8192), dtype=torch.int64))
         assert np.array_equal(got.numpy().view(np.uint64), want.data[1])
@@ -115,18 +122,17 @@ def test_too_few_extra_words_draws_more_with_the_same_result(monkeypatch):
     ev = GpuEvaluator(SMALL, "cpu")
     payload = client.encrypt_bytes(np.ones(SMALL.slots))
     want = ev.deserialize(payload)                                     # through SEAL
-    monkeypatch.setattr(uniform, "_extra_words", lambda primes, n: 1)
+    monkeypatch.setattr(uniform, "_extra_words", lambda primes, n: 0)   # one refill at a time
     assert torch.equal(ev.deserialize_fresh(payload).data, want.data)
-    parms = sa.EncryptionParameters(sa.SCHEME_TYPE.CKKS)                 # and where there are redraws to make
-    parms.set_poly_modulus_degree(8192)
-    parms.set_coeff_modulus([sa.Modulus(q) for q in REDRAWING_PRIMES])
-    context = sa.SEALContext(parms, True, sa.SEC_LEVEL_TYPE.TC128)
-    payload = seal.to_bytes(sa.Encryptor(context, sa.KeyGenerator(context).secret_key()).encrypt_zero_symmetric())
-    members = sealio.read_fresh_ct_members(sealio.open_object(payload, 1 << 30), 8192)
-    want = sealio.read_ciphertext(seal.to_bytes(seal.from_bytes_in("ciphertext", context, payload)), 8192, 3)
-    got = uniform.sample_poly_uniform(members.seed, list(REDRAWING_PRIMES[:2]), 8192,
-                                      torch.empty((2, 8192), dtype=torch.int64))
+    # and where there are redraws to make, more than the first extra buffer holds
+    members, want = _seeded_zero(REDRAWING_PRIMES[:2] + MORE_REDRAWING_PRIMES + REDRAWING_PRIMES[2:],
+                                 sa.SEC_LEVEL_TYPE.NONE)
+    draws, real = [], uniform.stream_words
+    monkeypatch.setattr(uniform, "stream_words", lambda *a: draws.append(a[2]) or real(*a))
+    primes = list(REDRAWING_PRIMES[:2] + MORE_REDRAWING_PRIMES)
+    got = uniform.sample_poly_uniform(members.seed, primes, 8192, torch.empty((4, 8192), dtype=torch.int64))
     assert np.array_equal(got.numpy().view(np.uint64), want.data[1])
+    assert _rejections(members, primes) > 512 and len(draws) >= 2  # > one extra buffer
 
 
 def test_a_seed_of_another_prng_or_in_another_frame_is_left_to_seal():

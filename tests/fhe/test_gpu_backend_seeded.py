@@ -148,3 +148,22 @@ def test_a_seed_of_another_prng_or_in_another_frame_is_left_to_seal():
     members.prng_type = sealio.PRNG_BLAKE2XB
     assert ev.deserialize_fresh(sealio.write_seeded_ciphertext(members)) is not None   # our writer = SEAL's bytes
     assert ev.deserialize_fresh(sealio.write_seeded_ciphertext(members)[:-1]) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_kernel_and_the_expansion_are_the_references_and_seals():
+    from fhe.backends.gpu.blake2xb_triton import xof_blocks
+
+    for first, count in ((0, 1), (3, 777)):
+        roots = torch.from_numpy(blake2xb.refill_roots(bytes(range(64)), first, count).view(np.int64).copy())
+        assert torch.equal(xof_blocks(roots.cuda()).cpu(), blake2xb.xof_blocks_torch(roots))
+    params = ckks_params_for("sqexp", 6)
+    client = CKKSClient(params, ())
+    ev = GpuEvaluator(params, "cuda")
+    full, _, got = _expanded_both_ways(client, ev, np.random.default_rng(5).normal(size=params.slots))
+    assert np.array_equal(got.data.cpu().numpy().view(np.uint64), full.data) and got.scale == full.scale
+    members, want = _seeded_zero(REDRAWING_PRIMES)                      # the redraws, on the card
+    got = uniform.sample_poly_uniform(members.seed, list(REDRAWING_PRIMES[:2]), 8192,
+                                      torch.empty((2, 8192), dtype=torch.int64, device="cuda"))
+    assert np.array_equal(got.cpu().numpy().view(np.uint64), want.data[1])

@@ -14,7 +14,7 @@ from client_sdk._private import runtime_of
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 (fixture)
 from tests.server.private_helpers import private_settings, tiny_plan
 
-pytestmark = pytest.mark.slow   # key generation and ~4 encrypted positions (~4 min on 2 busy cores) on the torch-CPU reference
+pytestmark = pytest.mark.slow   # keys and ~4 encrypted positions on the torch-CPU reference (~4 min, 2 cores)
 
 KEY = "clm-device-e2e-enc-0000000000"
 PROMPT = "one two"

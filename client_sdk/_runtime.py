@@ -350,17 +350,19 @@ class PrivateRuntime:
             raise PrivateModeError(f"layer {layer}: unusable server answer ({type(exc).__name__}: {exc})") from exc
 
     def _zeros(self) -> Any:
-        """The encryptions of zero made ahead for full uploads (:mod:`client_sdk._zeros`), of the current key set;
-        None where steps go seeded (the manifest), with an offload plan (its crypto pool forks), or when
-        :attr:`zeros_ahead` is off."""
-        if self.manifest.upload != "full" or self.offload is not None or not self.zeros_ahead:
+        """The encryptions of zero made ahead (:mod:`client_sdk._zeros`) of the current key set, in the upload form
+        the manifest asks for; None with an offload plan (its crypto pool forks) or when :attr:`zeros_ahead` is
+        off."""
+        if self.offload is not None or not self.zeros_ahead:
             return None
-        if self._zeros_ahead is None or self._zeros_ahead.ckks is not self.ckks:   # a new key set: new zeros
+        seeded = self.manifest.upload != "full"
+        if (self._zeros_ahead is None or self._zeros_ahead.ckks is not self.ckks
+                or self._zeros_ahead.seeded != seeded):                 # a new key set: new zeros
             from client_sdk._zeros import ZerosAhead
 
             if self._zeros_ahead is not None:
                 self._zeros_ahead.close()
-            self._zeros_ahead = ZerosAhead(self.ckks)
+            self._zeros_ahead = ZerosAhead(self.ckks, seeded)
         return self._zeros_ahead
 
     def _chunk(self) -> int:

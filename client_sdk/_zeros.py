@@ -2,14 +2,15 @@
 
 An attention step's upload is on the client's critical path: encode, encrypt, serialize, then wait for the
 server's answer. SEAL's symmetric encryption is an encryption of zero (uniform c1 from a fresh seed, c0 = -c1·s
-+ e) with the encoded message added to c0 (:meth:`fhe.backends.seal.keys.CKKSClient.encrypt_onto`), and the
-zero, its costly half (~30 ms of the ~60 ms at N = 32768 on this project's 2-core box), needs no message: it is
-made here while the previous step is on the server, and the step then only encodes, adds and serializes.
++ e) with the encoded message added to c0, and the zero, its costly half, needs no message: it is made here while
+the previous step is on the server, and the step then only encodes, adds and serializes.
 
-Only for full uploads (the manifest's ``upload = "full"``; SEAL's seeded form is made by SEAL's own encryption
-call). Each zero serves exactly one message: it is taken off the queue, and a zero that carries a message
-already is refused (``encrypt_onto``). The zeros never leave this process's memory; they are made under the
-same secret key the runtime holds, by the same SEAL calls as :meth:`~fhe.backends.seal.keys.CKKSClient.encrypt`'s.
+Both upload forms (the manifest's ``upload``): seeded (the default, half the bytes: SEAL's seeded zero, c0 and the
+seed parsed here, and :meth:`~fhe.backends.seal.keys.CKKSClient.encrypt_onto_seeded` writes c0 + the message and
+the seed, the bytes SEAL's seeded encryption writes for that zero) and full (``upload = "full"``:
+:meth:`~fhe.backends.seal.keys.CKKSClient.encrypt_onto`). Each zero serves exactly one message: it is taken off
+the queue, and a zero that carries a message already is refused. The zeros never leave this process's memory;
+they are made under the same secret key the runtime holds, by the same SEAL calls as the encryption's own.
 
 ``tenseal.sealapi`` holds the GIL during a call, so the thread's work overlaps only the time this process waits
 (the HTTP answer); a zero still in progress when the answer arrives delays the main thread by what is left of
@@ -27,8 +28,9 @@ from typing import Any
 class ZerosAhead:
     """Encryptions of zero of one key set (a ``CKKSClient``), made ahead on one thread."""
 
-    def __init__(self, ckks: Any) -> None:
-        self.ckks = ckks
+    def __init__(self, ckks: Any, seeded: bool = True) -> None:
+        self.ckks, self.seeded = ckks, seeded
+        self._make = ckks.encrypt_zero_seeded if seeded else ckks.encrypt_zero
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckks-zeros")
         self._ready: collections.deque[Future] = collections.deque()
         #: zeros taken from the queue / made in the caller's thread because none was queued (the benchmarks read them)
@@ -36,22 +38,22 @@ class ZerosAhead:
         self.inline = 0
 
     def encrypt_to_wire(self, values: Any) -> bytes:
-        """``values`` as a full wire blob (:func:`fhe.backends.seal.wire.encrypt_to_wire`), on a zero made ahead
-        if one is queued (waiting for it if it is still being made), else on one made now."""
+        """``values`` as a wire blob in this queue's form (:func:`fhe.backends.seal.wire.encrypt_to_wire`), on a
+        zero made ahead if one is queued (waiting for it if it is still being made), else on one made now."""
         from fhe import wire
 
         if self._ready:
             zero = self._ready.popleft().result()
             self.taken += 1
         else:
-            zero = self.ckks.encrypt_zero()
+            zero = self._make()
             self.inline += 1
-        return wire.encrypt_to_wire(self.ckks, values, seeded=False, zero=zero)
+        return wire.encrypt_to_wire(self.ckks, values, seeded=self.seeded, zero=zero)
 
     def prefetch(self, count: int = 1) -> None:
         """Have ``count`` zeros queued (made on the thread from now on)."""
         while len(self._ready) < count:
-            self._ready.append(self._pool.submit(self.ckks.encrypt_zero))
+            self._ready.append(self._pool.submit(self._make))
 
     def close(self) -> None:
         """Drop the queued zeros and end the thread (after the zero it may be making)."""

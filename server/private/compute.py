@@ -374,10 +374,8 @@ class _OffloadLinear:
     def inputs(self, blobs: list[bytes], keys: ServerKeys, top: int) -> list:
         """The client's ciphertexts of a linear step, parsed and checked fresh (any refusal is
         ``bad_ciphertext``, the client's fault). On SEAL: :meth:`PrivateCompute._inputs`, SEAL ciphertexts. On
-        the gpu backend, device ciphertexts: a full (unseeded) upload is read straight into device tensors
-        (:meth:`~fhe.backends.gpu.evaluator.GpuEvaluator.deserialize_fresh_many`: the same residues and the
-        same refusals as SEAL's load, ~2.7 ms of host work less per ciphertext; a step's uploads on a thread
-        pool, one device copy); a seeded one, which only SEAL's PRNG expands, goes through SEAL as before."""
+        the gpu backend, device ciphertexts: :func:`device_inputs` (full and seeded uploads read straight into
+        device tensors, a seeded one's c1 expanded on the device)."""
         if self.gpu is None:
             return PrivateCompute._inputs(blobs, keys, top)
         return device_inputs(self.gpu, blobs, keys, top)
@@ -638,13 +636,13 @@ def device_inputs(gpu, blobs: list[bytes], keys: ServerKeys, top: int) -> list:
     """A step's client ciphertexts as device ciphertexts of the gpu backend ``gpu``, parsed and checked fresh;
     any refusal is ``bad_ciphertext`` (the client's fault), and only here.
 
-    A full (unseeded) upload is read straight into device tensors
+    Full (unseeded) and seeded uploads are read straight into device tensors
     (:meth:`~fhe.backends.gpu.evaluator.GpuEvaluator.deserialize_fresh_many`: the same residues and the same
-    refusals as SEAL's load with the freshness check; a step's uploads on a thread pool, one device copy). A
-    seeded one, which only SEAL's PRNG expands, or anything that parse does not take, goes through SEAL, which
-    refuses with a typed error what it refuses; its device copy is then ours. At the attention plan's
-    N = 32768 the direct parse spares SEAL's load, a zstd save and our parse of that per upload
-    (``bench/worker_handoff.py``)."""
+    refusals as SEAL's load with the freshness check; a step's uploads on a thread pool; a seeded upload's c1
+    expanded on the device from its seed, as SEAL's load expands it: :mod:`fhe.backends.gpu.uniform`). Anything
+    that parse does not take (a seed of SEAL's other PRNG, a malformed upload) goes through SEAL, which refuses
+    with a typed error what it refuses; its device copy is then ours. At the attention plan's N = 32768 the
+    direct parse spares SEAL's load, a zstd save and our parse of that per upload (``bench/worker_handoff.py``)."""
     payloads = []
     for i, blob in enumerate(blobs):
         try:
@@ -653,7 +651,7 @@ def device_inputs(gpu, blobs: list[bytes], keys: ServerKeys, top: int) -> list:
             raise TaskFailure(WorkerCode.BAD_CIPHERTEXT, f"ciphertext {i}: {exc}"[:300]) from exc
     out = gpu.deserialize_fresh_many(payloads)
     for i, x in enumerate(out):
-        if x is None:   # seeded (or anything else): SEAL parses and checks it, then the device copy is ours
+        if x is None:   # anything else: SEAL parses and checks it, then the device copy is ours
             (ct,) = PrivateCompute._inputs([blobs[i]], keys, top, first=i)
             try:
                 out[i] = gpu.deserialize(seal.to_bytes(ct))

@@ -108,6 +108,8 @@ def build_manifest(model_name: str, plan: Any, bundle: dict, cfg: PrivateSetting
     from fhe.params import CKKSParams
 
     enc = list(plan.layer_indices)
+    # no "upload" key: attention steps go in SEAL's seeded form from every backend (half the bytes; docs/protocol.md
+    # "upload"), gpu workers expanding c1 on the device (fhe.backends.gpu.uniform), SEAL workers through SEAL's load
     return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "model": model_name,
             "model_sha256": plan.weights_sha256, "plan_hash": plan.content_hash,
             "plan": plan.metadata(), "ckks": dict(plan.ckks), "backend": describe(CKKSParams.from_dict(plan.ckks)),
@@ -118,9 +120,7 @@ def build_manifest(model_name: str, plan: Any, bundle: dict, cfg: PrivateSetting
             "limits": {"max_session_tokens": cfg.max_session_tokens, "max_step_tokens": cfg.max_step_tokens,
                        "max_blob_bytes": cfg.max_blob_bytes, "max_step_bytes": cfg.max_step_bytes,
                        "max_key_bytes": cfg.max_key_bytes, "session_ttl_s": cfg.session_ttl_s,
-                       "verify_steps": True},
-            # gpu workers read full uploads straight into device tensors (docs/protocol.md "upload")
-            **({"upload": "full"} if cfg.gpu_backend else {})}
+                       "verify_steps": True}}
 
 
 class AuditFallbackRecorder:

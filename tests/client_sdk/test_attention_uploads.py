@@ -1,5 +1,6 @@
-"""How the SDK uploads an attention step's ciphertexts: the manifest's ``upload`` ("full" from a server whose
-workers run the gpu backend, which reads them without SEAL's load; absent or "seeded": SEAL's seeded form)."""
+"""How the SDK uploads an attention step's ciphertexts: the manifest's ``upload`` (absent or "seeded": SEAL's
+seeded form, what every backend asks for since session 22, the gpu workers expanding c1 themselves; "full": c1
+written out, what session 21's gpu servers asked for), on encryptions of zero made ahead in either form."""
 
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def _small_client():
     return SMALL
 
 
-def test_a_ciphertext_on_a_zero_made_ahead_is_a_fresh_encryption_of_the_values():
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "full"])
+def test_a_ciphertext_on_a_zero_made_ahead_is_a_fresh_encryption_of_the_values(seeded):
     import numpy as np
 
     from client_sdk._zeros import ZerosAhead
@@ -90,13 +92,15 @@ def test_a_ciphertext_on_a_zero_made_ahead_is_a_fresh_encryption_of_the_values()
 
     ckks = _small_client()
     values = np.random.default_rng(0).normal(size=ckks.params.slots)
-    zeros = ZerosAhead(ckks)
+    zeros = ZerosAhead(ckks, seeded)
     try:
         zeros.prefetch(2)
         blobs = [zeros.encrypt_to_wire(values) for _ in range(3)]    # two made ahead, one inline
         assert (zeros.taken, zeros.inline) == (2, 1)
     finally:
         zeros.close()
+    full_bytes = len(wire.encrypt_to_wire(ckks, values, seeded=False))
+    assert all((len(b) < 0.6 * full_bytes) == seeded for b in blobs)   # seeded: about half the bytes
     server = ckks.server_keys()
     cts = [wire.load_ciphertext(b, ckks.kit, ckks.fingerprint, level=ckks.kit.top) for b in blobs]
     c1 = set()
@@ -108,8 +112,36 @@ def test_a_ciphertext_on_a_zero_made_ahead_is_a_fresh_encryption_of_the_values()
     from fhe.backends.gpu import GpuEvaluator
 
     gpu = GpuEvaluator(ckks.params, "cpu")                           # a GPU worker's direct parse takes them
-    assert all(gpu.deserialize_fresh(wire.ciphertext_payload(b, ckks.params, ckks.fingerprint)) is not None
-               for b in blobs)
+    for blob, ct in zip(blobs, cts, strict=True):
+        got = gpu.deserialize_fresh(wire.ciphertext_payload(blob, ckks.params, ckks.fingerprint))
+        assert got is not None and torch.equal(got.data, gpu.deserialize(seal_bytes(ct)).data)
+
+
+def seal_bytes(ct) -> bytes:
+    from fhe.backends.seal import hazmat as seal
+
+    return seal.to_bytes(ct)
+
+
+def test_a_seeded_zero_made_ahead_gives_the_bytes_seals_seeded_encryption_writes():
+    """SEAL's seeded encryption = its seeded zero + the encoded message in c0: with the randomness fixed (the same
+    seeded zero), ours and SEAL's serializations agree once decompressed (here: SEAL's c0 + m, rebuilt)."""
+    import numpy as np
+
+    from fhe.backends.gpu import sealio
+    from fhe.backends.seal import hazmat as seal
+
+    ckks = _small_client()
+    values = np.random.default_rng(1).normal(size=ckks.params.slots)
+    zero = ckks.encrypt_zero_seeded()
+    c0, seed = zero.c0.copy(), zero.seed
+    ours = sealio.read_fresh_ct_members(sealio.open_object(ckks.encrypt_onto_seeded(values, zero), 1 << 30),
+                                        ckks.params.poly_modulus_degree)
+    pt = ckks.kit.encode(values, ckks.kit.top, ckks.kit.scale)
+    m = sealio.read_plaintext(seal.to_bytes(pt), ckks.params.poly_modulus_degree)[2]
+    q = np.asarray(ckks.kit.primes, dtype=object).reshape(-1, 1)
+    assert np.array_equal(ours.c0.astype(object), (c0.astype(object) + m.astype(object)) % q)
+    assert ours.seed == seed and ours.scale == pt.scale and ours.prng_type == sealio.PRNG_BLAKE2XB
 
 
 def test_a_zero_serves_one_message():
@@ -120,21 +152,29 @@ def test_a_zero_serves_one_message():
     ckks.encrypt_onto(np.ones(4), zero)
     with pytest.raises(ValueError, match="unused encryption of zero"):
         ckks.encrypt_onto(np.ones(4), zero)
+    seeded = ckks.encrypt_zero_seeded()
+    ckks.encrypt_onto_seeded(np.ones(4), seeded)
+    with pytest.raises(ValueError, match="unused seeded encryption of zero"):
+        ckks.encrypt_onto_seeded(np.ones(4), seeded)
 
 
-def test_the_runtime_makes_zeros_ahead_only_for_full_uploads_without_an_offload_plan():
+def test_the_runtime_makes_zeros_ahead_in_the_manifests_form_without_an_offload_plan():
     import numpy as np
 
     ckks = _small_client()
-    assert _Runtime(manifest("seeded"), ckks, zeros_ahead=True)._zeros() is None
     assert _Runtime(manifest("full"), ckks, zeros_ahead=False)._zeros() is None
+    seeded = _Runtime(manifest(None), ckks, zeros_ahead=True)
+    try:
+        assert seeded._zeros().seeded
+    finally:
+        seeded._zeros().close()
     rt = _Runtime(manifest("full"), ckks, zeros_ahead=True)
     rt.offload = object()
     assert rt._zeros() is None
     rt.offload = None
     zeros = rt._zeros()
     try:
-        assert zeros is rt._zeros() and zeros.ckks is ckks
+        assert zeros is rt._zeros() and zeros.ckks is ckks and not zeros.seeded
         rt.blocks = {2: type("B", (), {"layout_input": staticmethod(lambda row: np.resize(row.numpy(), 8))})()}
         with pytest.raises(_Sent):
             rt.encrypted_attention(2, 5, torch.zeros(1, 8), StepStats())

@@ -192,8 +192,8 @@ def _seal_parse(lin, keys, blob: bytes):
 
 def test_a_full_upload_is_parsed_without_seal_into_the_tensors_seal_gives(worker, seal_worker, monkeypatch):
     """A full upload goes straight to the device (SEAL's load is never called for it) as exactly the residues
-    and scale the SEAL path gives; a seeded one still goes through SEAL; the answers of a one-position and of
-    a chunk step on full uploads are the SEAL worker's, ciphertext for ciphertext."""
+    and scale the SEAL path gives; so does a seeded one since session 22 (c1 expanded on the device); the answers
+    of a one-position and of a chunk step on full uploads are the SEAL worker's, ciphertext for ciphertext."""
     import torch
 
     from fhe.backends.seal import wire
@@ -210,7 +210,7 @@ def test_a_full_upload_is_parsed_without_seal_into_the_tensors_seal_gives(worker
     real = wire.load_ciphertext
     monkeypatch.setattr(compute.wire, "load_ciphertext", lambda *a, **k: calls.append(1) or real(*a, **k))
     got = lin.inputs([*full, seeded], keys, lin.gpu.top)
-    assert len(calls) == 1                                   # the seeded one only
+    assert not calls                                         # the seeded one too: expanded on the device
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.data, w.data) and g.scale == w.scale and g.data.dtype == w.data.dtype
     monkeypatch.undo()

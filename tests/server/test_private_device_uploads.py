@@ -1,9 +1,9 @@
-"""Attention steps on a gpu-backend worker read full (unseeded) uploads directly (issue 16, session 21): the
-device ciphertexts are those SEAL's load gave, bit for bit; every malformed full upload is still
-``bad_ciphertext`` (the direct parse refuses it, then SEAL or the freshness check does), with nothing cached; a
-seeded upload (an older SDK) still goes through SEAL. The manifest asks for full uploads only where the workers
-run the gpu backend. The tiny model and 2Quad plan of :mod:`tests.server.private_app`, the worker on the gpu
-backend's torch-CPU reference (the step's evaluation itself: ``test_private_device.py``)."""
+"""Attention steps on a gpu-backend worker read full (unseeded, session 21) and seeded (session 22: c1 expanded
+on the device from the seed) uploads directly (issue 16): the device ciphertexts are those SEAL's load gave, bit
+for bit; every malformed full or seeded upload is still ``bad_ciphertext`` (the direct parse refuses it, then SEAL
+or the freshness check does), with nothing cached. The manifest asks every backend for seeded uploads. The tiny
+model and 2Quad plan of :mod:`tests.server.private_app`, the worker on the gpu backend's torch-CPU reference (the
+step's evaluation itself: ``test_private_device.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from server.private.codes import TaskFailure, WorkerCode
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 - fixture
 from tests.server.private_app import LAYER, TinyClient, tiny_plan
-from tests.server.upload_mutations import full_upload_mutations
+from tests.server.upload_mutations import full_upload_mutations, seeded_upload_mutations
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def _seeded_and_full(client) -> tuple[bytes, bytes]:
     return seeded, wire.pack_ciphertext(seal.to_bytes(ct), client.ckks.params, client.ckks.fingerprint)
 
 
-def test_a_full_upload_is_read_without_seal_into_the_ciphertext_seal_loads(setup, monkeypatch):
+def test_full_and_seeded_uploads_are_read_without_seal_into_the_ciphertext_seal_loads(setup, monkeypatch):
     from fhe.backends.seal import wire
     from server.private import compute
 
@@ -51,17 +51,20 @@ def test_a_full_upload_is_read_without_seal_into_the_ciphertext_seal_loads(setup
     calls, real = [], wire.load_ciphertext
     monkeypatch.setattr(compute.wire, "load_ciphertext", lambda *a, **k: calls.append(1) or real(*a, **k))
     got = compute.device_inputs(worker.gpu, [full, seeded, full], keys, top)
-    assert len(calls) == 1                                       # the seeded one only
+    assert not calls                                             # the seeded one expanded on the device
     for g in got:
         assert g.data.shape == (2, top, client.ckks.params.poly_modulus_degree)
         assert torch.equal(g.data, got[1].data) and g.scale == got[1].scale
 
 
-def test_malformed_full_uploads_to_an_attention_step_are_bad_ciphertext(setup):
+def test_malformed_full_and_seeded_uploads_to_an_attention_step_are_bad_ciphertext(setup):
     client, worker = setup
-    _, full = _seeded_and_full(client)
+    seeded, full = _seeded_and_full(client)
     worker.open_session("s", client.fingerprint)
-    for name, bad in full_upload_mutations(worker.gpu, client.ckks.fingerprint, full).items():
+    bad_ones = (full_upload_mutations(worker.gpu, client.ckks.fingerprint, full)
+                | {f"seeded: {k}": v for k, v in seeded_upload_mutations(worker.gpu, client.ckks.fingerprint,
+                                                                        seeded).items()})
+    for name, bad in bad_ones.items():
         for blobs in ([bad], [full, bad]):
             with pytest.raises(TaskFailure) as err:
                 worker.step("s", client.fingerprint, LAYER, 0, blobs)
@@ -70,8 +73,8 @@ def test_malformed_full_uploads_to_an_attention_step_are_bad_ciphertext(setup):
     worker.close_session("s")
 
 
-@pytest.mark.parametrize(("device", "upload"), [("cpu", None), ("cpu-reference", "full"), ("cuda", "full")])
-def test_the_manifest_asks_for_full_uploads_only_from_gpu_workers(setup, device, upload):
+@pytest.mark.parametrize("device", ["cpu", "cpu-reference", "cuda"])
+def test_the_manifest_asks_every_backend_for_seeded_uploads(setup, device):
     from fhe.plan import Plan
     from server.private.config import PrivateSettings
     from server.private.feature import build_manifest
@@ -79,5 +82,5 @@ def test_the_manifest_asks_for_full_uploads_only_from_gpu_workers(setup, device,
     client, _ = setup
     bundle = {"sha256": "ab" * 32, "size": 1, "withheld": []}
     man = build_manifest("tiny", client.plan, bundle, PrivateSettings(device=device), 2)
-    assert man.get("upload") == upload
+    assert "upload" not in man                                    # SEAL's seeded form (docs/protocol.md)
     assert isinstance(client.plan, Plan)

@@ -30,6 +30,7 @@ from fhe.backends.gpu.keys import GpuKeys, keys_from_server, load_keys
 from fhe.backends.gpu.modarith import addmod, mulmod
 from fhe.backends.gpu.ntt import ntt
 from fhe.backends.gpu.rns import RNSContext, drop_last_rounded, intt
+from fhe.backends.gpu.uniform import sample_poly_uniform
 from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal.keys import ServerKeys
 from fhe.errors import LevelError, ShapeError, WireError
@@ -545,48 +546,70 @@ class GpuEvaluator(ParamsQueries):
 
     def deserialize_fresh(self, payload: bytes) -> GpuCiphertext | None:
         """A client's fresh upload (the SEAL payload of a wire blob whose envelope was checked) read straight
-        into a device ciphertext, without SEAL's load and save: None where it is not a full (unseeded)
-        ciphertext this parser takes, and the caller then goes through SEAL (:meth:`deserialize`), which
-        refuses with a typed error what SEAL refuses.
+        into a device ciphertext, without SEAL's load and save: None where it is not a ciphertext this parser
+        takes, and the caller then goes through SEAL (:meth:`deserialize`), which refuses with a typed error what
+        SEAL refuses.
+
+        Full (unseeded) uploads and seeded ones (SEAL's save of an encryption made with its seed: c0 and the seed
+        of c1, about half the bytes): c1 is then expanded on the device from the seed
+        (:func:`fhe.backends.gpu.uniform.sample_poly_uniform`, SEAL's ``sample_poly_uniform`` with its Blake2xb
+        PRNG, residue for residue). A seed of another PRNG (Shake256: SEAL's own build option, not what TenSEAL
+        writes) is left to SEAL's load.
 
         What it accepts is what SEAL's load with ``is_valid_for`` and the worker's freshness check accept, no
         more: one SEAL object of exactly its declared size (uncompressed or one zstd frame) with no byte after
-        the ciphertext, NTT form, size 2, ring degree N, the top level's parms_id, every residue below its
-        prime, correction factor 1, the default scale; its residues are SEAL's, bit for bit."""
+        the ciphertext (and, seeded, its seed in SEAL's uncompressed 81-byte frame), NTT form, size 2, ring
+        degree N, the top level's parms_id, every residue of c0 and c1 below its prime, correction factor 1, the
+        default scale; its residues are SEAL's, bit for bit."""
         return self.deserialize_fresh_many([payload])[0]
 
     def deserialize_fresh_many(self, payloads: Sequence[bytes]) -> list[GpuCiphertext | None]:
         """:meth:`deserialize_fresh` of a step's uploads at once: each one decompressed and checked on a thread
-        pool (zstd, the step's host cost, and numpy release the GIL), the accepted ones copied to the device
-        in one transfer."""
+        pool (zstd, the step's host cost, and numpy release the GIL), the accepted full ones copied to the device
+        in one transfer, each seeded one's c0 copied and its c1 expanded there."""
         parsed = (list(_parse_pool().map(self._fresh_residues, payloads)) if len(payloads) > 1
                   else [self._fresh_residues(p) for p in payloads])
         out: list[GpuCiphertext | None] = [None] * len(parsed)
-        ok = [i for i, r in enumerate(parsed) if r is not None]
+        ok = [i for i, r in enumerate(parsed) if r is not None and r[2] is None]
         if ok:
             # residues < primes < 2^62: the uint64 words read as int64 unchanged; np.stack is the one host copy
             data = torch.from_numpy(np.stack([parsed[i][0] for i in ok]).view(np.int64)).to(self.device)
             for row, i in zip(data, ok, strict=True):
                 out[i] = GpuCiphertext(row, parsed[i][1])
+        for i, r in enumerate(parsed):
+            if r is not None and r[2] is not None:
+                out[i] = self._expand_seeded(*r)
         return out
 
-    def _fresh_residues(self, payload: bytes) -> tuple[np.ndarray, float] | None:
-        """(uint64 residues [2, top, N], a view of the upload's bytes; scale) of a fresh full upload, or None
-        (see :meth:`deserialize_fresh`)."""
+    def _expand_seeded(self, c0: np.ndarray, scale: float, seed: bytes) -> GpuCiphertext:
+        """The device ciphertext of a checked seeded upload: c0 [L, N] copied, c1 expanded from ``seed`` in place."""
+        lev, n = c0.shape
+        data = torch.empty((2, lev, n), dtype=torch.int64, device=self.device)
+        data[0].copy_(torch.from_numpy(c0.view(np.int64).copy()))      # (a copy: the upload's bytes are read-only)
+        sample_poly_uniform(seed, list(self.ctx.primes[:lev]), n, data[1])
+        return GpuCiphertext(data, scale)
+
+    def _fresh_residues(self, payload: bytes) -> tuple[np.ndarray, float, bytes | None] | None:
+        """(uint64 residues [2, top, N] of a full upload, a view of its bytes; scale; None) or (c0 [top, N]; scale;
+        the Blake2xb seed) of a seeded one, or None (see :meth:`deserialize_fresh`)."""
+        n = self.params.poly_modulus_degree
         try:
-            r = sealio.open_object(payload, 2 * self.top * self.params.poly_modulus_degree * 8 + 4096)
-            raw = sealio.read_ct_members(r, self.params.poly_modulus_degree)
+            r = sealio.open_object(payload, 2 * self.top * n * 8 + 4096)
+            raw = sealio.read_fresh_ct_members(r, n)
         except (WireError, ShapeError):
             return None
-        size, lev, _ = raw.data.shape
+        seeded = isinstance(raw, sealio.SeededCiphertext)
+        arr = raw.c0[None] if seeded else raw.data
+        size, lev, _ = (2, *raw.c0.shape) if seeded else raw.data.shape
         if (r.pos != len(r.buf) or raw.correction_factor != 1 or lev != self.top or size != 2
                 or self.ctx.parms_ids.get(lev) != raw.parms_id
+                or (seeded and raw.prng_type != sealio.PRNG_BLAKE2XB)
                 or not abs(raw.scale / self.scale - 1) <= 1e-9):   # (a NaN scale fails this test too)
             return None
         primes = np.asarray(self.ctx.primes[:lev], dtype=np.uint64).reshape(1, -1, 1)
-        if np.any(raw.data >= primes):
+        if np.any(arr >= primes):
             return None
-        return raw.data, float(raw.scale)
+        return (raw.c0, float(raw.scale), raw.seed) if seeded else (raw.data, float(raw.scale), None)
 
     def from_raw(self, raw: sealio.RawCiphertext) -> GpuCiphertext:
         size, lev, _ = raw.data.shape

@@ -10,8 +10,12 @@ Layout (SEAL 4, little-endian), every object framed by a 16-byte ``SEALHeader``
 * KSwitchKeys (RelinKeys, GaloisKeys): parms_id, dim1 (u64), for each entry dim2 (u64) and dim2
   PublicKeys, each a header followed by a Ciphertext's members (no header of its own).
 
-Compressed objects (the default of SEAL built with zstd) are one zstd frame after the header. Seeded
-objects (fresh uploads) are not parsed here: SEAL loads them once and saves them expanded
+Compressed objects (the default of SEAL built with zstd) are one zstd frame after the header. A seeded
+ciphertext (SEAL's symmetric encryption saved with its seed: a client's fresh upload) holds a DynArray of c0
+only (``[L][N]``) followed by a ``UniformRandomGeneratorInfo``, itself framed by a header (uncompressed, 16 + 65
+bytes) then prng type (u8: 1 Blake2xb, 2 Shake256) and the 64-byte seed: :func:`read_fresh_ct_members` reads
+it, and :func:`fhe.backends.gpu.uniform.sample_poly_uniform` expands c1 from the seed as SEAL's load does. Seeded
+key-switching keys are not parsed here: SEAL loads them once and saves them expanded
 (:func:`fhe.backends.gpu.keys.expand`). Nothing here trusts the bytes: every length is checked
 against the parameters and the residues against their primes before anything is used.
 """
@@ -35,11 +39,28 @@ COMPR_NONE, COMPR_ZSTD = 0, 2
 VERSION = (4, 3)
 
 
+#: ``prng_type`` of SEAL's ``UniformRandomGeneratorInfo``
+PRNG_BLAKE2XB, PRNG_SHAKE256 = 1, 2
+SEED_BYTES = 64
+_SEED_INFO_BYTES = 16 + 1 + SEED_BYTES
+
+
 @dataclass
 class RawCiphertext:
     parms_id: bytes
     scale: float
     data: np.ndarray            # [size, L, N] uint64
+    correction_factor: int = 1
+
+
+@dataclass
+class SeededCiphertext:
+    """A size-2 ciphertext as SEAL saves it with its seed: c0 and what derives c1."""
+    parms_id: bytes
+    scale: float
+    c0: np.ndarray              # [L, N] uint64
+    prng_type: int
+    seed: bytes                 # 8 little-endian u64 words
     correction_factor: int = 1
 
 
@@ -105,6 +126,26 @@ def read_ct_members(r: _Reader, n: int) -> RawCiphertext:
     return RawCiphertext(pid, scale, arr, corr)
 
 
+def read_fresh_ct_members(r: _Reader, n: int) -> RawCiphertext | SeededCiphertext:
+    """A ciphertext's members, full or seeded (:class:`SeededCiphertext`; its seed's frame must be SEAL's
+    uncompressed one of 81 bytes, and the prng type is returned unchecked)."""
+    pid, is_ntt, size, degree, lev, scale, corr = r.unpack(_CT_MEMBERS)
+    if not is_ntt or degree != n or not 1 <= size <= 3 or lev < 1 or lev > 64:
+        raise WireError(f"unexpected ciphertext shape (ntt={is_ntt}, size={size}, N={degree}, L={lev})")
+    _header(r)
+    have = r.u64()
+    if have == size * lev * n:
+        return RawCiphertext(pid, scale, np.frombuffer(r.take(8 * have), dtype="<u8").reshape(size, lev, n), corr)
+    if size != 2 or have != lev * n:
+        raise WireError(f"SEAL array of {have} values for a ciphertext of size {size}")
+    c0 = np.frombuffer(r.take(8 * have), dtype="<u8").reshape(lev, n)
+    magic, hsize, _major, _minor, compr, _res, info_size = r.unpack(_HEADER)
+    if magic != MAGIC or hsize != _HEADER.size or compr != COMPR_NONE or info_size != _SEED_INFO_BYTES:
+        raise WireError("seed of a seeded ciphertext not in SEAL's uncompressed form")
+    prng_type = r.take(1)[0]
+    return SeededCiphertext(pid, scale, c0, prng_type, bytes(r.take(SEED_BYTES)), corr)
+
+
 def read_ciphertext(data: bytes, n: int, max_level: int) -> RawCiphertext:
     """A serialized (unseeded) ciphertext of ring degree ``n``."""
     r = open_object(data, 3 * max_level * n * 8 + 4096)
@@ -159,4 +200,25 @@ def write_ciphertext(ct: RawCiphertext, compress: bool = True) -> bytes:
     return _frame(members + dyn + struct.pack("<Q", size * lev * n) + arr, compress)
 
 
-__all__ = ["RawCiphertext", "read_ciphertext", "read_kswitch_keys", "read_plaintext", "write_ciphertext"]
+
+def write_seeded_ciphertext(ct: SeededCiphertext, compress: bool = True) -> bytes:
+    """SEAL's serialized form of a seeded ciphertext (what SEAL's save of an encryption made with its seed writes:
+    c0, then the seed in its own uncompressed frame; zstd over the whole like SEAL's default, or uncompressed).
+    On the SDK's critical path (an upload on a zero made ahead): c0 is fed to zstd in place, one copy in all."""
+    lev, n = ct.c0.shape
+    arr = np.ascontiguousarray(ct.c0, dtype="<u8")
+    parts = [_CT_MEMBERS.pack(ct.parms_id, 1, 2, n, lev, ct.scale, ct.correction_factor),
+             _HEADER.pack(MAGIC, _HEADER.size, *VERSION, COMPR_NONE, 0, _HEADER.size + 8 + arr.nbytes),
+             struct.pack("<Q", lev * n), memoryview(arr).cast("B"),
+             _HEADER.pack(MAGIC, _HEADER.size, *VERSION, COMPR_NONE, 0, _SEED_INFO_BYTES),
+             bytes([ct.prng_type]) + ct.seed]
+    if compress:
+        z = zstandard.ZstdCompressor(level=1).compressobj(size=sum(len(p) for p in parts))
+        parts = [z.compress(p) for p in parts] + [z.flush()]
+    mode = COMPR_ZSTD if compress else COMPR_NONE
+    size = _HEADER.size + sum(len(p) for p in parts)
+    return b"".join([_HEADER.pack(MAGIC, _HEADER.size, *VERSION, mode, 0, size), *parts])
+
+
+__all__ = ["PRNG_BLAKE2XB", "RawCiphertext", "SeededCiphertext", "read_ciphertext", "read_fresh_ct_members",
+           "read_kswitch_keys", "read_plaintext", "write_ciphertext", "write_seeded_ciphertext"]

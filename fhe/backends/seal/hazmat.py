@@ -332,6 +332,46 @@ def add_message(kit: Kit, zero: sa.Ciphertext, values: np.ndarray) -> sa.Ciphert
     return zero
 
 
+def encrypt_zero_symmetric_seeded(kit: Kit, sk: sa.SecretKey):
+    """:func:`encrypt_zero_symmetric` in SEAL's seeded form, parsed: a ``fhe.backends.gpu.sealio.SeededCiphertext``
+    (c0 and the seed of c1; scale 1) for :func:`add_message_seeded`."""
+    from fhe.backends.gpu import sealio
+
+    n = kit.params.poly_modulus_degree
+    data = to_bytes(sa.Encryptor(kit.context, sk).encrypt_zero_symmetric(kit.parms_ids[kit.top]))
+    zero = sealio.read_fresh_ct_members(sealio.open_object(data, 2 * kit.top * n * 8 + 4096), n)
+    if not isinstance(zero, sealio.SeededCiphertext):
+        raise WireError("SEAL saved an encryption of zero without its seed")
+    return zero
+
+
+def add_message_seeded(kit: Kit, zero, values: np.ndarray) -> bytes:
+    """The seeded serialization of the encryption of ``values`` made on ``zero`` (from
+    :func:`encrypt_zero_symmetric_seeded`, never used before; consumed): SEAL's seeded symmetric encryption is its
+    seeded zero with the encoded message added to c0 and the plaintext's scale, and SEAL's save then writes c0 and
+    the seed, which is what is written here (the bytes :func:`encrypt_symmetric_seeded` would give for that zero).
+
+    Raises:
+        ValueError: ``zero`` carries a message already or is not a fresh top-level seeded ciphertext.
+    """
+    from fhe.backends.gpu import sealio
+
+    n = kit.params.poly_modulus_degree
+    if (zero.scale != 1.0 or zero.c0 is None or zero.c0.shape != (kit.top, n)
+            or zero.parms_id != struct.pack("<4Q", *kit.parms_ids[kit.top])):
+        raise ValueError("not an unused seeded encryption of zero at the top level")
+    pt = kit.encode(values, kit.top, kit.scale)
+    # SEAL has no bulk accessor for a plaintext's residues: its own save, read back (numpy)
+    _, _, m = sealio.read_plaintext(to_bytes(pt), n)
+    c0 = zero.c0 + m                                          # residues < q < 2^61: no overflow
+    # mod q: c0 - q wraps around (to the larger value) where c0 < q
+    np.minimum(c0, c0 - np.asarray(kit.primes, dtype=np.uint64).reshape(-1, 1), out=c0)
+    out = sealio.write_seeded_ciphertext(sealio.SeededCiphertext(zero.parms_id, pt.scale, c0, zero.prng_type,
+                                                                 zero.seed))
+    zero.scale, zero.c0 = pt.scale, None                      # an encryption's randomness serves one message
+    return out
+
+
 def encrypt_symmetric_seeded(kit: Kit, sk: sa.SecretKey, values: np.ndarray) -> bytes:
     """Serialized secret-key encryption with the random half replaced by its seed (about half the bytes)."""
     ser = sa.Encryptor(kit.context, sk).encrypt_symmetric(kit.encode(values, kit.top, kit.scale))

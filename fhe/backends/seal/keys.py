@@ -183,6 +183,17 @@ class CKKSClient:
         to c0, so the ciphertext is distributed exactly as :meth:`encrypt`'s. ValueError for a used ``zero``."""
         return seal.add_message(self.kit, zero, self._check(values))
 
+    def encrypt_zero_seeded(self):
+        """:meth:`encrypt_zero` in SEAL's seeded form (c0 and the seed of c1, parsed), for
+        :meth:`encrypt_onto_seeded`. Each serves one message."""
+        return seal.encrypt_zero_symmetric_seeded(self.kit, self.keys.secret)
+
+    def encrypt_onto_seeded(self, values: np.ndarray, zero) -> bytes:
+        """:meth:`encrypt_bytes` with the randomness of ``zero`` (an unused :meth:`encrypt_zero_seeded` of this key
+        set; consumed): the same seeded bytes SEAL's seeded encryption writes for that zero. ValueError for a used
+        ``zero``."""
+        return seal.add_message_seeded(self.kit, zero, self._check(values))
+
     def encrypt_bytes(self, values: np.ndarray) -> bytes:
         """Like :meth:`encrypt`, serialized in SEAL's seeded form (half the upload)."""
         return seal.encrypt_symmetric_seeded(self.kit, self.keys.secret, self._check(values))

@@ -113,16 +113,17 @@ def encrypt_to_wire(client: CKKSClient, values, *, seeded: bool = True, zero=Non
     """Client: encrypt and serialize in SEAL's seeded form (about half the bytes of a full ciphertext).
 
     ``seeded=False``: the full ciphertext (c1 expanded, SEAL's zstd serialization, ~2x the bytes), for a
-    server whose GPU worker reads uploads straight into device tensors (manifest ``offload.mlp.upload =
-    "full"``: SEAL's seeded form derives c1 with SEAL's PRNG, which only SEAL itself expands). Cheaper on the
-    client too: no seed replacement, and SEAL's save of a full ciphertext is one zstd pass.
+    server that asks for it (manifest ``offload.mlp.upload = "full"``, the offload plan's linear steps on gpu
+    workers; attention steps go seeded to every backend: docs/protocol.md "upload").
 
-    ``zero`` (full form only): an unused :meth:`CKKSClient.encrypt_zero` of this key set, made ahead, whose
-    randomness the ciphertext takes (:meth:`CKKSClient.encrypt_onto`; the object is consumed).
+    ``zero``: an unused encryption of zero of this key set made ahead, whose randomness the ciphertext takes
+    (the object is consumed): :meth:`CKKSClient.encrypt_zero_seeded` for the seeded form
+    (:meth:`CKKSClient.encrypt_onto_seeded`), :meth:`CKKSClient.encrypt_zero` for the full one
+    (:meth:`CKKSClient.encrypt_onto`).
     """
     if zero is not None:
         if seeded:
-            raise ValueError("an encryption made ahead is sent full, not seeded")
+            return _pack("ciphertext", client.params, client.fingerprint, client.encrypt_onto_seeded(values, zero))
         return _pack("ciphertext", client.params, client.fingerprint,
                      seal.to_bytes(client.encrypt_onto(values, zero)))
     if seeded:

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.gpu
 
 
 class PackedCase(NamedTuple):
-    """A packed prefill (5 tokens unless asked; 3 on the CPU reference) of the tiny GQA model (biases, 2Quad, N = 16384) on the SEAL backend: what the
-    gpu backend's runs are compared with (here on CUDA, in test_gpu_backend_packed_cpu.py on the CPU reference)."""
+    """A packed prefill (5 tokens unless asked; 3 on the CPU reference) of the tiny GQA model (biases, 2Quad,
+    N = 16384) on the SEAL backend: what the gpu backend's runs are compared with (here on CUDA, in
+    test_gpu_backend_packed_cpu.py on the CPU reference)."""
 
     model: object
     plan: object

@@ -1,9 +1,10 @@
 """Attention steps on a gpu-backend worker read full (unseeded, session 21) and seeded (session 22: c1 expanded
 on the device from the seed) uploads directly (issue 16): the device ciphertexts are those SEAL's load gave, bit
 for bit; every malformed full or seeded upload is still ``bad_ciphertext`` (the direct parse refuses it, then SEAL
-or the freshness check does), with nothing cached. The manifest asks every backend for seeded uploads. The tiny
-model and 2Quad plan of :mod:`tests.server.private_app`, the worker on the gpu backend's torch-CPU reference (the
-step's evaluation itself: ``test_private_device.py``)."""
+or the freshness check does), with nothing cached. The manifest asks for seeded uploads wherever the worker
+expands them (a CUDA server: once a card has checked the expansion). The tiny model and 2Quad plan of
+:mod:`tests.server.private_app`, the worker on the gpu backend's torch-CPU reference (the step's evaluation
+itself: ``test_private_device.py``)."""
 
 from __future__ import annotations
 
@@ -74,13 +75,19 @@ def test_malformed_full_and_seeded_uploads_to_an_attention_step_are_bad_cipherte
 
 
 @pytest.mark.parametrize("device", ["cpu", "cpu-reference", "cuda"])
-def test_the_manifest_asks_every_backend_for_seeded_uploads(setup, device):
+def test_the_manifest_asks_for_seeded_uploads_where_the_worker_expands_them(setup, device, monkeypatch):
+    from fhe.backends.gpu import uniform
     from fhe.plan import Plan
     from server.private.config import PrivateSettings
     from server.private.feature import build_manifest
 
     client, _ = setup
     bundle = {"sha256": "ab" * 32, "size": 1, "withheld": []}
-    man = build_manifest("tiny", client.plan, bundle, PrivateSettings(device=device), 2)
-    assert "upload" not in man                                    # SEAL's seeded form (docs/protocol.md)
+    for checked in (False, True):
+        monkeypatch.setattr(uniform, "CUDA_CHECKED", checked)
+        man = build_manifest("tiny", client.plan, bundle, PrivateSettings(device=device), 2)
+        if device == "cuda" and not checked:       # until a card checks the expansion: full, as measured
+            assert man["upload"] == "full"
+        else:
+            assert "upload" not in man                                # SEAL's seeded form (docs/protocol.md)
     assert isinstance(client.plan, Plan)

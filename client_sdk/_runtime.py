@@ -35,6 +35,7 @@ from torch import nn
 from client_sdk import _protocol as proto
 from client_sdk._crypto_pool import default_processes
 from client_sdk._exceptions import PrivateModeError
+from client_sdk._threads import ThreadScope
 
 _REQUEST_IDS = itertools.count()
 
@@ -172,6 +173,11 @@ class PrivateRuntime:
         #: the previous step is on the server (``client_sdk._zeros``; False: encrypt in the step, as before).
         self.zeros_ahead = True
         self._zeros_ahead: Any = None
+        #: torch's intra-op threads for this runtime's clear layers, head and sampler, set around that work only
+        #: (``client_sdk._threads``). None: chosen per generation by ``engine.threads``' policy (``$CIPHERLM_THREADS``,
+        #: ``$OMP_NUM_THREADS``, else the physical cores other work leaves free).
+        self.threads: int | None = None
+        self.thread_scope = ThreadScope()
 
     # -- setup -------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -419,6 +425,7 @@ class PrivateRuntime:
         if total > self.max_len():
             raise PrivateModeError(f"prompt + max_tokens = {total} exceeds the server's session limit "
                                    f"{self.max_len()}")
+        self.thread_scope.choose(self.threads)
         run = _Generation(self, list(prompt_ids), params)
         try:  # a stream left early, or an error, still closes the server's session
             yield from run.tokens()
@@ -428,6 +435,10 @@ class PrivateRuntime:
     @torch.inference_mode()
     def forward(self, backend: EncryptedBackend, ids: list[int], start: int) -> torch.Tensor:
         """Run positions start.. through the model in steps the server accepts; last position's logits [vocab]."""
+        with self.thread_scope.applied():
+            return self._forward(backend, ids, start)
+
+    def _forward(self, backend: EncryptedBackend, ids: list[int], start: int) -> torch.Tensor:
         logits = None
         for s, n in self._steps(start, len(ids)):
             chunk = torch.tensor(ids[s:s + n])
@@ -482,7 +493,8 @@ class _Generation:
 
         seq = self.seq
         row = SamplingRow(self.params, self.request.prompt_token_ids, seq.output_token_ids, seq.generator)
-        result = self.sampler(logits[None], [row])
+        with self.rt.thread_scope.applied():
+            result = self.sampler(logits[None], [row])
         return self.emit(result.token_ids[0], result.logprobs[0], stats)
 
     def emit(self, tok: int, lp: dict[int, float] | None, stats: StepStats) -> PrivateToken:

@@ -173,9 +173,9 @@ class PrivateRuntime:
         #: the previous step is on the server (``client_sdk._zeros``; False: encrypt in the step, as before).
         self.zeros_ahead = True
         self._zeros_ahead: Any = None
-        #: torch's intra-op threads for this runtime's clear layers, head and sampler, set around that work only
-        #: (``client_sdk._threads``). None: chosen per generation by ``engine.threads``' policy (``$CIPHERLM_THREADS``,
-        #: ``$OMP_NUM_THREADS``, else the physical cores other work leaves free).
+        #: torch's intra-op threads for this runtime's decode steps (clear layers, head) and sampler, set around
+        #: that work only (``client_sdk._threads``). None: chosen per generation by ``engine.threads``' policy
+        #: (``$CIPHERLM_THREADS``, ``$OMP_NUM_THREADS``, else the physical cores other work leaves free).
         self.threads: int | None = None
         self.thread_scope = ThreadScope()
 
@@ -435,7 +435,7 @@ class PrivateRuntime:
     @torch.inference_mode()
     def forward(self, backend: EncryptedBackend, ids: list[int], start: int) -> torch.Tensor:
         """Run positions start.. through the model in steps the server accepts; last position's logits [vocab]."""
-        with self.thread_scope.applied():
+        with self.thread_scope.applied(len(ids)):   # decode steps (one row) only: client_sdk._threads
             return self._forward(backend, ids, start)
 
     def _forward(self, backend: EncryptedBackend, ids: list[int], start: int) -> torch.Tensor:

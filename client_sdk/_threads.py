@@ -6,13 +6,15 @@ machine where other processes keep cores busy (the server on the same host, othe
 a preempted thread's time slice. On this project's 2-core box with one core busy, a token's clear forward of
 SmolLM2-135M took 1.0-1.6 s with torch's 2 threads and 56 ms with 1 (``bench/client_token_cpu.py``,
 docs/benchmarks.md). The cipherlm commands apply :mod:`engine.threads`' policy to their process at start; the SDK
-is a library inside someone else's process, so it applies the same policy only **around its own torch work**
-(each forward and each sampling step, in the thread that runs it) and restores the caller's setting after.
+is a library inside someone else's process, so it applies the same policy only **around its own torch work of one
+row** (each decode step's forward and head, each sampling step, in the thread that runs it) and restores the
+caller's setting after. Prefills and speculative verify steps (several rows) keep the caller's setting: see
+:meth:`ThreadScope.applied`.
 
 The count is chosen once per generation (:meth:`ThreadScope.choose`): an explicit ``PrivateRuntime.threads``,
 else ``$CIPHERLM_THREADS`` / ``$OMP_NUM_THREADS``, else the physical cores minus the ones other work keeps busy
-(:func:`engine.threads.choose_threads`). The thread count does not change the results of these ops (each output
-element is reduced by one thread; ``tests/client_sdk/test_threads.py`` checks the logits bit for bit).
+(:func:`engine.threads.choose_threads`). The thread count does not change the results of one-row work (each output
+element is reduced by one thread; ``tests/client_sdk/test_threads.py`` checks a decode step's logits bit for bit).
 """
 
 from __future__ import annotations
@@ -42,10 +44,14 @@ class ThreadScope:
         return choice.threads
 
     @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
-        """torch's intra-op threads set to :attr:`count` in this thread for the block, then restored."""
+    def applied(self, rows: int = 1) -> Iterator[None]:
+        """torch's intra-op threads set to :attr:`count` in this thread for a block of work on ``rows`` rows (token
+        positions), then restored. Only single-row work is moved: a product of one row gives the same bits for
+        every thread count, one of several rows may not (MKL's sgemm of 6 rows by 576 x 576 differed by 2e-6
+        between 1 and 2 threads), so a prefill or a verify step keeps the caller's setting and the outputs do
+        not depend on the count chosen."""
         before = torch.get_num_threads()
-        if self.count is None or self.count == before:
+        if self.count is None or self.count == before or rows != 1:
             yield
             return
         torch.set_num_threads(self.count)

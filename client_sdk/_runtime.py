@@ -35,7 +35,7 @@ from torch import nn
 from client_sdk import _protocol as proto
 from client_sdk._crypto_pool import default_processes
 from client_sdk._exceptions import PrivateModeError
-from client_sdk._threads import ThreadScope
+from client_sdk._threads import ThreadScope, threads_of
 
 _REQUEST_IDS = itertools.count()
 
@@ -435,19 +435,16 @@ class PrivateRuntime:
     @torch.inference_mode()
     def forward(self, backend: EncryptedBackend, ids: list[int], start: int) -> torch.Tensor:
         """Run positions start.. through the model in steps the server accepts; last position's logits [vocab]."""
-        with self.thread_scope.applied(len(ids)):   # decode steps (one row) only: client_sdk._threads
-            return self._forward(backend, ids, start)
-
-    def _forward(self, backend: EncryptedBackend, ids: list[int], start: int) -> torch.Tensor:
         logits = None
-        for s, n in self._steps(start, len(ids)):
-            chunk = torch.tensor(ids[s:s + n])
-            pos = torch.arange(start + s, start + s + len(chunk))
-            if getattr(self, "offload", None) is not None:   # its MLP steps: this chunk's position, stats
-                self.offload.start, self.current_stats = start + s, backend.stats
-            h = self.model(chunk, pos, backend)  # engine.model forward; encrypted layers call the server
-            backend.cache.advance()
-            logits = self.model.logits(h[-1:])[0]
+        with threads_of(self, len(ids)):   # decode steps (one row) only: client_sdk._threads
+            for s, n in self._steps(start, len(ids)):
+                chunk = torch.tensor(ids[s:s + n])
+                pos = torch.arange(start + s, start + s + len(chunk))
+                if getattr(self, "offload", None) is not None:   # its MLP steps: this chunk's position, stats
+                    self.offload.start, self.current_stats = start + s, backend.stats
+                h = self.model(chunk, pos, backend)  # engine.model forward; encrypted layers call the server
+                backend.cache.advance()
+                logits = self.model.logits(h[-1:])[0]
         return logits
 
 
@@ -493,7 +490,7 @@ class _Generation:
 
         seq = self.seq
         row = SamplingRow(self.params, self.request.prompt_token_ids, seq.output_token_ids, seq.generator)
-        with self.rt.thread_scope.applied():
+        with threads_of(self.rt, 1):
             result = self.sampler(logits[None], [row])
         return self.emit(result.token_ids[0], result.logprobs[0], stats)
 

@@ -59,3 +59,9 @@ class ThreadScope:
             yield
         finally:
             torch.set_num_threads(before)
+
+
+def threads_of(runtime: object, rows: int) -> contextlib.AbstractContextManager:
+    """``runtime.thread_scope.applied(rows)``, or nothing for an object without a scope (a bare stand-in)."""
+    scope = getattr(runtime, "thread_scope", None)
+    return scope.applied(rows) if scope is not None else contextlib.nullcontext()

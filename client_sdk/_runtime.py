@@ -173,8 +173,8 @@ class PrivateRuntime:
         #: the previous step is on the server (``client_sdk._zeros``; False: encrypt in the step, as before).
         self.zeros_ahead = True
         self._zeros_ahead: Any = None
-        #: torch's intra-op threads for this runtime's decode steps (clear layers, head) and sampler, set around
-        #: that work only (``client_sdk._threads``). None: chosen per generation by ``engine.threads``' policy
+        #: torch's intra-op threads for this runtime's decode steps (clear layers, head), set around that work
+        #: only (``client_sdk._threads``). None: chosen per generation by ``engine.threads``' policy
         #: (``$CIPHERLM_THREADS``, ``$OMP_NUM_THREADS``, else the physical cores other work leaves free).
         self.threads: int | None = None
         self.thread_scope = ThreadScope()
@@ -490,8 +490,7 @@ class _Generation:
 
         seq = self.seq
         row = SamplingRow(self.params, self.request.prompt_token_ids, seq.output_token_ids, seq.generator)
-        with threads_of(self.rt, 1):
-            result = self.sampler(logits[None], [row])
+        result = self.sampler(logits[None], [row])
         return self.emit(result.token_ids[0], result.logprobs[0], stats)
 
     def emit(self, tok: int, lp: dict[int, float] | None, stats: StepStats) -> PrivateToken:

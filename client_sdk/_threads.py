@@ -1,4 +1,4 @@
-"""torch's intra-op threads while the SDK runs its clear layers, head and sampler.
+"""torch's intra-op threads while the SDK runs a decode step's clear layers and head.
 
 A decode token's clear work is ~600 small torch ops (26 clear attention layers, 30 MLPs, one row each). torch
 starts with one OpenMP thread per logical CPU, and every op is a parallel region that waits for all of them: on a
@@ -7,9 +7,10 @@ a preempted thread's time slice. On this project's 2-core box with one core busy
 SmolLM2-135M took 1.0-1.6 s with torch's 2 threads and 56 ms with 1 (``bench/client_token_cpu.py``,
 docs/benchmarks.md). The cipherlm commands apply :mod:`engine.threads`' policy to their process at start; the SDK
 is a library inside someone else's process, so it applies the same policy only **around its own torch work of one
-row** (each decode step's forward and head, each sampling step, in the thread that runs it) and restores the
-caller's setting after. Prefills and speculative verify steps (several rows) keep the caller's setting: see
-:meth:`ThreadScope.applied`.
+row** (each decode step's forward and head, in the thread that runs it) and restores the caller's setting after.
+Prefills and speculative verify steps (several rows) keep the caller's setting: see :meth:`ThreadScope.applied`.
+So does the sampler: a reduction over one 49152-wide row of logits may be split over threads (torch's grain is
+32768 elements), and it costs little.
 
 The count is chosen once per generation (:meth:`ThreadScope.choose`): an explicit ``PrivateRuntime.threads``,
 else ``$CIPHERLM_THREADS`` / ``$OMP_NUM_THREADS``, else the physical cores minus the ones other work keeps busy

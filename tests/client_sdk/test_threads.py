@@ -1,7 +1,7 @@
 """The SDK's torch thread count: applied around its own one-row torch work only, chosen per generation, results
 unchanged.
 
-``client_sdk._threads`` sets torch's intra-op threads for the runtime's decode steps and sampler and restores the
+``client_sdk._threads`` sets torch's intra-op threads for the runtime's decode steps and restores the
 caller's setting after; prefills keep the caller's; the thread count must not change a logit (the same tokens and the
 same values encrypted whatever the machine picks).
 """

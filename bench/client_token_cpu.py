@@ -89,10 +89,9 @@ def _answer_blob(ckks, block) -> bytes:
     return wire.dump_ciphertext(ct, ckks.params, ckks.fingerprint)
 
 
-def measure(context: int, repeat: int, counts: dict[str, int], rounds: int = 3) -> dict:
-    """Median ms of each piece (see the module docstring); the clear rows under each of ``counts`` (torch
-    intra-op threads by row name), in turn for ``rounds`` rounds (median of the rounds' medians)."""
-    from client_sdk._threads import ThreadScope
+def measure(context: int, repeat: int, scopes: dict, rounds: int = 3) -> dict:
+    """Median ms of each piece (see the module docstring); the clear rows under each of ``scopes`` (thread
+    settings by row name), in turn for ``rounds`` rounds (median of the rounds' medians)."""
     from engine.model import DenseKVCache
     from fhe.backends.seal import wire
     from fhe.plan import load_default_plan
@@ -121,13 +120,19 @@ def measure(context: int, repeat: int, counts: dict[str, int], rounds: int = 3) 
 
         zeros = [ckks.encrypt_zero() for _ in range(repeat + 1)]
         out = {}
-        for _ in range(rounds):   # rows of the clear work under each thread count, in turn
-            for name, count in counts.items():
-                scope = ThreadScope()
-                scope.count = count
-                with scope.applied():   # the cache is not advanced: every call at the same context
-                    out.setdefault(f"clear@{name}", []).append(_ms(lambda: model(tok, pos, backend), repeat))
-                    out.setdefault(f"head@{name}", []).append(_ms(lambda: model.logits(h[-1:]), repeat))
+        used: dict[str, list] = {}
+        for _ in range(rounds):   # rows of the clear work under each thread setting, in turn
+            for name, scope in scopes.items():
+                def step(scope=scope, name=name):   # as PrivateRuntime.forward: the scope's count taken at each step
+                    with scope.applied():   # the cache is not advanced: every call at the same context
+                        model(tok, pos, backend)
+                    used.setdefault(name, []).append(scope.count)
+
+                def head(scope=scope):
+                    with scope.applied():
+                        model.logits(h[-1:])
+                out.setdefault(f"clear@{name}", []).append(_ms(step, repeat))
+                out.setdefault(f"head@{name}", []).append(_ms(head, repeat))
         out = {k: statistics.median(v) for k, v in out.items()}
         out |= {
             "layout": _ms(lambda: block.layout_input(x[0]), repeat),
@@ -138,27 +143,28 @@ def measure(context: int, repeat: int, counts: dict[str, int], rounds: int = 3) 
             "parse": _ms(lambda: wire.load_ciphertext(blob, ckks.kit, ckks.fingerprint), repeat),
         }
     n = len(plan.layers)
-    for name in counts:
+    for name in scopes:
         clear = out[f"clear@{name}"] + out[f"head@{name}"]
         out[f"token_full@{name}"] = clear + n * (out["upload_full"] + out["answer"])
         out[f"token_seeded@{name}"] = clear + n * (out["upload_seeded"] + out["answer"])
+    counts = {name: sorted(set(c)) for name, c in used.items()}
     return {"encrypted_layers": n, "context": context, "threads": counts, "ms": out}
 
 
-def thread_counts(spec: str) -> dict[str, int]:
-    """``--threads`` -> {row name: count}: ``torch`` (torch's count at start, the SDK's before session 22),
-    ``auto`` (``client_sdk._threads``' choice now, what the SDK applies since), or a number."""
+def thread_scopes(spec: str) -> dict[str, object]:
+    """``--threads`` -> {row name: ThreadScope}: ``torch`` (torch's count at start, the SDK before session 22),
+    ``auto`` (``client_sdk._threads``' policy, what the SDK applies since: per step, the physical cores minus the
+    tasks running elsewhere), or a number."""
     from client_sdk._threads import ThreadScope
 
     out = {}
     for word in spec.split(","):
         word = word.strip()
-        if word == "torch":
-            out[word] = torch.get_num_threads()
-        elif word == "auto":
-            out[word] = ThreadScope().choose()
+        scope = out[word] = ThreadScope()
+        if word == "auto":
+            scope.choose()
         else:
-            out[word] = int(word)
+            scope.fixed = torch.get_num_threads() if word == "torch" else int(word)
     return out
 
 
@@ -171,11 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of the clear rows, thread counts in turn")
     p.add_argument("--json", help="also write the numbers here")
     args = p.parse_args(argv)
-    res = measure(args.context, args.repeat, thread_counts(args.threads), args.rounds)
+    res = measure(args.context, args.repeat, thread_scopes(args.threads), args.rounds)
     res.update(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", machine=platform.machine(),
                cpus=os.cpu_count(), load=os.getloadavg()[0])
     print(f"client work of one decode token ({res['encrypted_layers']} encrypted layers, context {args.context}; "
-          f"median of {args.repeat}; thread counts {res['threads']}; load {res['load']:.2f}):")
+          f"median of {args.repeat}; thread counts used {res['threads']}; load {res['load']:.2f}):")
     for k, v in res["ms"].items():
         print(f"  {k:14s} {v:8.2f} ms")
     if args.json:

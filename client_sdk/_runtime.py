@@ -174,8 +174,8 @@ class PrivateRuntime:
         self.zeros_ahead = True
         self._zeros_ahead: Any = None
         #: torch's intra-op threads for this runtime's decode steps (clear layers, head), set around that work
-        #: only (``client_sdk._threads``). None: chosen per generation by ``engine.threads``' policy
-        #: (``$CIPHERLM_THREADS``, ``$OMP_NUM_THREADS``, else the physical cores other work leaves free).
+        #: only (``client_sdk._threads``). None: ``$CIPHERLM_THREADS``, ``$OMP_NUM_THREADS``, else at each step
+        #: the physical cores minus the tasks running elsewhere then.
         self.threads: int | None = None
         self.thread_scope = ThreadScope()
 

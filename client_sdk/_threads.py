@@ -4,58 +4,98 @@ A decode token's clear work is ~600 small torch ops (26 clear attention layers, 
 starts with one OpenMP thread per logical CPU, and every op is a parallel region that waits for all of them: on a
 machine where other processes keep cores busy (the server on the same host, other work), each region waits for
 a preempted thread's time slice. On this project's 2-core box with one core busy, a token's clear forward of
-SmolLM2-135M took 1.0-1.6 s with torch's 2 threads and 56 ms with 1 (``bench/client_token_cpu.py``,
-docs/benchmarks.md). The cipherlm commands apply :mod:`engine.threads`' policy to their process at start; the SDK
-is a library inside someone else's process, so it applies the same policy only **around its own torch work of one
-row** (each decode step's forward and head, in the thread that runs it) and restores the caller's setting after.
-Prefills and speculative verify steps (several rows) keep the caller's setting: see :meth:`ThreadScope.applied`.
-So does the sampler: a reduction over one 49152-wide row of logits may be split over threads (torch's grain is
-32768 elements), and it costs little.
+SmolLM2-135M took 1.0-1.6 s with torch's 2 threads and 56-60 ms with 1, while on the idle box 2 threads took
+38 ms (``bench/client_token_cpu.py``, docs/benchmarks.md). The cipherlm commands apply :mod:`engine.threads`'
+policy to their process at start; the SDK is a library inside someone else's process, so it applies a count only
+**around its own torch work of one row** (each decode step's forward and head, in the thread that runs it) and
+restores the caller's setting after. Prefills and speculative verify steps (several rows) keep the caller's
+setting: see :meth:`ThreadScope.applied`. So does the sampler: a reduction over one 49152-wide row of logits may
+be split over threads (torch's grain is 32768 elements), and it costs little.
 
-The count is chosen once per generation (:meth:`ThreadScope.choose`): an explicit ``PrivateRuntime.threads``,
-else ``$CIPHERLM_THREADS`` / ``$OMP_NUM_THREADS``, else the physical cores minus the ones other work keeps busy
-(:func:`engine.threads.choose_threads`). The thread count does not change the results of one-row work (each output
-element is reduced by one thread; ``tests/client_sdk/test_threads.py`` checks a decode step's logits bit for bit).
+The count (:meth:`ThreadScope.choose`): an explicit ``PrivateRuntime.threads``, else ``$CIPHERLM_THREADS`` /
+``$OMP_NUM_THREADS``, else, at each decode step, the physical cores minus the tasks running elsewhere at that
+moment (:func:`engine.threads.pick_threads` of one ``/proc/loadavg`` read, not the 1-minute average, which lags).
+The thread count does not change the results of one-row work (each output element is reduced by one thread;
+``tests/client_sdk/test_threads.py`` checks a decode step's logits bit for bit).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
 
 
+def running_others() -> int:
+    """Runnable tasks on this machine now, this thread excluded (``/proc/loadavg``'s running count; 0 where there
+    is none): one read, a few microseconds, so it can be asked at every decode step."""
+    try:
+        with open("/proc/loadavg") as fh:
+            return max(0, int(fh.read().split()[3].split("/")[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class ThreadScope:
-    """The intra-op thread count of one generation's torch work, applied in :meth:`applied` blocks."""
+    """The intra-op thread count of a generation's one-row torch work, applied in :meth:`applied` blocks."""
 
     def __init__(self) -> None:
-        #: the count chosen for the current generation (None: leave torch's setting alone)
+        #: an explicit count for every step (``PrivateRuntime.threads``, ``$CIPHERLM_THREADS``, ``$OMP_NUM_THREADS``)
+        self.fixed: int | None = None
+        #: the physical cores a step may use when no count is fixed; None: nothing chosen (torch left alone)
+        self.cores: int | None = None
+        #: the count of the last step that ran under the scope (the benchmarks read it)
         self.count: int | None = None
         self.reason = ""
 
-    def choose(self, requested: int | None = None) -> int:
-        """Pick the count for the next generation (``requested``: an explicit count; None: the policy)."""
-        from engine.threads import choose_threads
+    def choose(self, requested: int | None = None) -> None:
+        """Set the policy of the next generation: ``requested`` (an explicit count), else the environment's
+        count, else per step the physical cores minus the tasks running elsewhere at that moment.
+
+        Per step rather than once: the 1-minute load average lags (a server that was busy until its answer, a
+        benchmark that just ended) and the SDK's steps come between the server's, when the machine may be free:
+        on the 2-core box, idle, a decode token's clear layers took 38 ms on 2 threads and 60 ms on 1."""
+        from engine.threads import ENV_THREADS, parse_threads, physical_cores
 
         if requested is not None and requested < 1:
             raise ValueError(f"threads must be a positive integer or None, got {requested!r}")
-        choice = choose_threads(requested)
-        self.count, self.reason = choice.threads, choice.reason
-        return choice.threads
+        self.fixed, self.reason = requested, "PrivateRuntime.threads"
+        for var in (ENV_THREADS, "OMP_NUM_THREADS"):
+            if self.fixed is not None:
+                break
+            try:
+                self.fixed, self.reason = parse_threads(os.environ.get(var, "auto")), f"${var}"
+            except ValueError:
+                continue
+        if self.fixed is None:
+            self.cores, self.reason = physical_cores(), "per step: physical cores minus running tasks"
+
+    def step_count(self) -> int | None:
+        """The count for a step starting now (None: leave torch's setting)."""
+        if self.fixed is not None:
+            return self.fixed
+        if self.cores is None:
+            return None
+        from engine.threads import pick_threads
+
+        return pick_threads(self.cores, running_others())
 
     @contextlib.contextmanager
     def applied(self, rows: int = 1) -> Iterator[None]:
-        """torch's intra-op threads set to :attr:`count` in this thread for a block of work on ``rows`` rows (token
-        positions), then restored. Only single-row work is moved: a product of one row gives the same bits for
-        every thread count, one of several rows may not (MKL's sgemm of 6 rows by 576 x 576 differed by 2e-6
+        """torch's intra-op threads set to :meth:`step_count` in this thread for a block of work on ``rows`` rows
+        (token positions), then restored. Only single-row work is moved: a product of one row gives the same bits
+        for every thread count, one of several rows may not (MKL's sgemm of 6 rows by 576 x 576 differed by 2e-6
         between 1 and 2 threads), so a prefill or a verify step keeps the caller's setting and the outputs do
         not depend on the count chosen."""
         before = torch.get_num_threads()
-        if self.count is None or self.count == before or rows != 1:
+        count = self.step_count() if rows == 1 else None
+        self.count = count if count is not None else before
+        if count is None or count == before:
             yield
             return
-        torch.set_num_threads(self.count)
+        torch.set_num_threads(count)
         try:
             yield
         finally:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from client_sdk._runtime import EncryptedBackend, PrivateRuntime, StepStats
-from client_sdk._threads import ThreadScope
+from client_sdk._threads import ThreadScope, running_others
 from engine.config import ModelConfig
 from engine.model import DenseKVCache, LlamaForCausalLM
 from tests.client_sdk.test_runtime_seam import PlaintextServer, client_from_bundle
@@ -65,7 +65,7 @@ def _runtime(model) -> PrivateRuntime:
 
 def _decode_logits(full, rt, threads: int) -> tuple[torch.Tensor, list[int]]:
     """Logits of a 6-token prefill and one decode token through the runtime's forward under ``threads``."""
-    rt.thread_scope.count = threads
+    rt.thread_scope.fixed = threads
     server = _CountingServer(full, 16)
     backend = EncryptedBackend(server, DenseKVCache(full.config, 16), StepStats())
     first = rt.forward(backend, [5, 17, 3, 44, 9, 61], 0)
@@ -89,35 +89,43 @@ def test_no_choice_or_several_rows_leave_torch_alone(torch_threads):
     torch.set_num_threads(2)
     with scope.applied():
         assert torch.get_num_threads() == 2
-    scope.count = 1
+    scope.fixed = 1
     with scope.applied(rows=6):
         assert torch.get_num_threads() == 2
     with scope.applied():
-        assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 1 and scope.count == 1
     assert torch.get_num_threads() == 2
 
 
 def test_restored_when_the_block_raises(torch_threads):
     scope = ThreadScope()
-    scope.count = 1
+    scope.fixed = 1
     torch.set_num_threads(2)
     with pytest.raises(RuntimeError), scope.applied():
         raise RuntimeError("a lost session")
     assert torch.get_num_threads() == 2
 
 
-def test_choice_explicit_environment_then_policy(monkeypatch):
+def test_choice_explicit_environment_then_per_step(monkeypatch, torch_threads):
     scope = ThreadScope()
-    assert scope.choose(3) == 3 and scope.count == 3
+    scope.choose(3)
+    assert scope.step_count() == 3
     with pytest.raises(ValueError):
         scope.choose(0)
     monkeypatch.setenv("CIPHERLM_THREADS", "2")
-    assert scope.choose() == 2 and scope.reason == "$CIPHERLM_THREADS"
+    scope.choose()
+    assert scope.step_count() == 2 and scope.reason == "$CIPHERLM_THREADS"
     monkeypatch.delenv("CIPHERLM_THREADS")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("engine.threads.physical_cores", lambda: 4)
-    monkeypatch.setattr("engine.threads.other_load", lambda: 1.2)   # one core busy elsewhere: 3 left
-    assert scope.choose() == 3 and scope.reason.startswith("auto")
+    scope.choose()
+    running = iter([0, 1, 5])   # the machine free, one task elsewhere, more than the cores
+    monkeypatch.setattr("client_sdk._threads.running_others", lambda: next(running))
+    assert [scope.step_count() for _ in range(3)] == [4, 3, 1]
+
+
+def test_running_others_reads_the_machine():
+    assert running_others() >= 0
 
 
 def test_generate_chooses_per_generation(monkeypatch):

@@ -29,13 +29,32 @@ import torch
 
 
 def running_others() -> int:
-    """Runnable tasks on this machine now, this thread excluded (``/proc/loadavg``'s running count; 0 where there
-    is none): one read, a few microseconds, so it can be asked at every decode step."""
+    """Runnable tasks of other processes on this machine now (``/proc/loadavg``'s running count less this
+    process's running threads: its own OpenMP threads still spin for a moment after a parallel region; 0 where
+    ``/proc`` is absent). A few reads, well under a millisecond, so it can be asked at every decode step."""
     try:
         with open("/proc/loadavg") as fh:
-            return max(0, int(fh.read().split()[3].split("/")[0]) - 1)
+            running = int(fh.read().split()[3].split("/")[0])
     except (OSError, ValueError, IndexError):
         return 0
+    return max(0, running - _own_running())
+
+
+def _own_running() -> int:
+    """This process's threads in state R (the caller's included)."""
+    count = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue   # the thread ended meanwhile
+        count += stat[stat.rindex(")") + 2:].startswith("R")
+    return max(1, count)
 
 
 class ThreadScope:

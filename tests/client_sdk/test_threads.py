@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from client_sdk._runtime import EncryptedBackend, PrivateRuntime, StepStats
-from client_sdk._threads import ThreadScope, running_others
+from client_sdk._threads import ThreadScope, _own_running, running_others
 from engine.config import ModelConfig
 from engine.model import DenseKVCache, LlamaForCausalLM
 from tests.client_sdk.test_runtime_seam import PlaintextServer, client_from_bundle
@@ -124,8 +124,13 @@ def test_choice_explicit_environment_then_per_step(monkeypatch, torch_threads):
     assert [scope.step_count() for _ in range(3)] == [4, 3, 1]
 
 
-def test_running_others_reads_the_machine():
+def test_running_others_leaves_this_process_out(torch_threads):
+    torch.set_num_threads(2)
+    x = torch.randn(256, 256)
+    for _ in range(50):   # parallel regions whose OpenMP threads may still spin when the count is read
+        x = torch.tanh(x @ x)
     assert running_others() >= 0
+    assert _own_running() >= 1   # the reading thread itself
 
 
 def test_generate_chooses_per_generation(monkeypatch):

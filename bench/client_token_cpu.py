@@ -18,7 +18,11 @@ client's pieces in seconds, so a change to them is quick to compare before/after
 
 Per token: clear + head + layers x (upload + answer) (``token_full``: the GPU server's full uploads). Example::
 
-    flock /tmp/cipherlm-bench.lock nice env PYTHONPATH=. python bench/client_token_cpu.py --repeat 20
+    flock /tmp/cipherlm-bench.lock nice env PYTHONPATH=. python bench/client_token_cpu.py --repeat 10
+    flock /tmp/cipherlm-bench.lock nice env PYTHONPATH=. python bench/client_token_cpu.py --busy 1 --repeat 5
+
+``--busy 1``: one other process keeps a core busy during the run (a spinning loop), as a server or other work
+beside the SDK does.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -175,12 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="torch,auto",
                    help="thread counts of the clear rows: torch (its default), auto (the SDK's policy), numbers")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the clear rows, thread counts in turn")
+    p.add_argument("--busy", type=int, default=0,
+                   help="processes that each keep one core busy (a spinning loop) during the run: the SDK sharing "
+                        "its machine with other work, as beside a server on the same host")
     p.add_argument("--json", help="also write the numbers here")
     args = p.parse_args(argv)
-    res = measure(args.context, args.repeat, thread_scopes(args.threads), args.rounds)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        res = measure(args.context, args.repeat, thread_scopes(args.threads), args.rounds)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    res["busy_processes"] = args.busy
     res.update(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", machine=platform.machine(),
                cpus=os.cpu_count(), load=os.getloadavg()[0])
     print(f"client work of one decode token ({res['encrypted_layers']} encrypted layers, context {args.context}; "
+          f"{args.busy} core(s) kept busy by other processes; "
           f"median of {args.repeat}; thread counts used {res['threads']}; load {res['load']:.2f}):")
     for k, v in res["ms"].items():
         print(f"  {k:14s} {v:8.2f} ms")

@@ -14,7 +14,8 @@ client's pieces in seconds, so a change to them is quick to compare before/after
   ahead and serialized full (``ZerosAhead``'s path: the zero itself is made off the critical path and timed
   apart as ``zero``), and seeded (SEAL's own encryption, the seeded manifests' path);
 * ``answer``: one level-1 answer blob parsed (``wire.load_ciphertext``), decrypted, split into y/z
-  (``BlockClient.decrypt_output``) and normalized (``BlockClient.finish``).
+  (``BlockClient.decrypt_output``) and normalized (``BlockClient.finish``); ``answer_fresh_decryptor``: the same
+  with a SEAL decryptor made for the call, as before session 22.
 
 Per token: clear + head + layers x (upload + answer) (``token_full``: the GPU server's full uploads). Example::
 
@@ -99,7 +100,7 @@ def measure(context: int, repeat: int, scopes: dict, rounds: int = 3) -> dict:
     """Median ms of each piece (see the module docstring); the clear rows under each of ``scopes`` (thread
     settings by row name), in turn for ``rounds`` rounds (median of the rounds' medians)."""
     from engine.model import DenseKVCache
-    from fhe.backends.seal import wire
+    from fhe.backends.seal import hazmat, wire
     from fhe.plan import load_default_plan
 
     plan = load_default_plan()
@@ -124,6 +125,12 @@ def measure(context: int, repeat: int, scopes: dict, rounds: int = 3) -> dict:
             ct = wire.load_ciphertext(blob, ckks.kit, ckks.fingerprint)
             return block.finish(*block.decrypt_output([ct]))
 
+        def answer_fresh_decryptor():   # the path before session 22: a SEAL decryptor made per decryption
+            ct = wire.load_ciphertext(blob, ckks.kit, ckks.fingerprint)
+            vec = hazmat.decrypt(ckks.kit, ckks.keys.secret, ct)
+            y, z = block.layout.split_output(vec)
+            return block.finish(torch.from_numpy(y[None]), torch.from_numpy(z[None]))
+
         zeros = [ckks.encrypt_zero() for _ in range(repeat + 1)]
         out = {}
         used: dict[str, list] = {}
@@ -146,6 +153,7 @@ def measure(context: int, repeat: int, scopes: dict, rounds: int = 3) -> dict:
             "upload_full": _ms(upload_full, repeat),
             "upload_seeded": _ms(lambda: wire.encrypt_to_wire(ckks, block.layout_input(x[0])), repeat),
             "answer": _ms(answer, repeat),
+            "answer_fresh_decryptor": _ms(answer_fresh_decryptor, repeat),
             "parse": _ms(lambda: wire.load_ciphertext(blob, ckks.kit, ckks.fingerprint), repeat),
         }
     n = len(plan.layers)

@@ -36,6 +36,7 @@ from client_sdk import _protocol as proto
 from client_sdk._crypto_pool import default_processes
 from client_sdk._exceptions import PrivateModeError
 from client_sdk._threads import ThreadScope, threads_of
+from client_sdk._threads import refresh as refresh_threads
 
 _REQUEST_IDS = itertools.count()
 
@@ -115,7 +116,9 @@ class EncryptedBackend:
 
     def attend_encrypted(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x̂ [T, hidden] at ``positions`` -> the layer's attention output [T, hidden], via one server step."""
-        return self.runtime.encrypted_attention(layer, int(positions[0]), x, self.stats).to(x.dtype)
+        out = self.runtime.encrypted_attention(layer, int(positions[0]), x, self.stats).to(x.dtype)
+        refresh_threads(self.runtime)   # a decode step's count picked again after the server's seconds
+        return out
 
 
 class PrivateRuntime:

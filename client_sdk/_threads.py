@@ -111,17 +111,40 @@ class ThreadScope:
         before = torch.get_num_threads()
         count = self.step_count() if rows == 1 else None
         self.count = count if count is not None else before
-        if count is None or count == before:
+        if count is None:
             yield
             return
-        torch.set_num_threads(count)
+        self._active = True
+        _set(count)
         try:
             yield
         finally:
-            torch.set_num_threads(before)
+            self._active = False
+            _set(before)
+
+    def refresh(self) -> None:
+        """Inside an :meth:`applied` block of one row, pick the count again: after a server step, whose seconds
+        may have changed what else runs on this machine (other work starting or ending)."""
+        if getattr(self, "_active", False):
+            count = self.step_count()
+            if count is not None:
+                self.count = count
+                _set(count)
+
+
+def _set(count: int) -> None:
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
 
 
 def threads_of(runtime: object, rows: int) -> contextlib.AbstractContextManager:
     """``runtime.thread_scope.applied(rows)``, or nothing for an object without a scope (a bare stand-in)."""
     scope = getattr(runtime, "thread_scope", None)
     return scope.applied(rows) if scope is not None else contextlib.nullcontext()
+
+
+def refresh(runtime: object) -> None:
+    """``runtime.thread_scope.refresh()``, or nothing for an object without a scope."""
+    scope = getattr(runtime, "thread_scope", None)
+    if scope is not None:
+        scope.refresh()

@@ -143,3 +143,21 @@ def test_generate_chooses_per_generation(monkeypatch):
     with pytest.raises(AttributeError):   # stops right after the choice: the stub has no model
         next(rt.generate([1, 2], types.SimpleNamespace(max_tokens=1)))
     assert picked == [2]
+
+
+def test_refresh_repicks_inside_a_decode_step_only(monkeypatch, torch_threads):
+    scope = ThreadScope()
+    monkeypatch.delenv("CIPHERLM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("engine.threads.physical_cores", lambda: 2)
+    scope.choose()
+    running = iter([0, 1])   # free at the step's start, one task elsewhere after the server's answer
+    monkeypatch.setattr("client_sdk._threads.running_others", lambda: next(running))
+    torch.set_num_threads(2)
+    with scope.applied():
+        assert torch.get_num_threads() == 2
+        scope.refresh()
+        assert torch.get_num_threads() == 1 and scope.count == 1
+    assert torch.get_num_threads() == 2
+    scope.refresh()   # outside a block: nothing read, nothing set
+    assert torch.get_num_threads() == 2

@@ -14,7 +14,8 @@ be split over threads (torch's grain is 32768 elements), and it costs little.
 
 The count (:meth:`ThreadScope.choose`): an explicit ``PrivateRuntime.threads``, else ``$CIPHERLM_THREADS`` /
 ``$OMP_NUM_THREADS``, else, at the start of each decode step and after each of its server steps
-(:meth:`ThreadScope.refresh`), the physical cores minus the tasks running elsewhere at that moment (:func:`engine.threads.pick_threads` of one ``/proc/loadavg`` read, not the 1-minute average, which lags).
+(:meth:`ThreadScope.refresh`), the physical cores minus the tasks running elsewhere at that moment
+(:func:`engine.threads.pick_threads` of one ``/proc/loadavg`` read, not the 1-minute average, which lags).
 The thread count does not change the results of one-row work (each output element is reduced by one thread;
 ``tests/client_sdk/test_threads.py`` checks a decode step's logits bit for bit).
 """

@@ -119,10 +119,11 @@ def bench_plaintext(server, prompt: str, max_tokens: int) -> Row:
                0.0 if len(sizes) > 1 else None, _mean(sizes[1:]), "".join(pieces))
 
 
-def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packed: bool = True):
+def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packed: bool = True,
+                    threads: int | None = None):
     """One-time setup, then one private generation driven through ``PrivateRuntime.generate``
     (``packed``: the prompt goes up in packed chunks where the server takes them; else one ciphertext per
-    token, the path before issue 15)."""
+    token, the path before issue 15; ``threads``: ``PrivateRuntime.threads``, None its policy)."""
     from client_sdk import Client
     from engine.sampling_params import SamplingParams
     from server.cli_demo import client_timeout, prepare_private
@@ -131,6 +132,7 @@ def bench_encrypted(server, prompt: str, max_tokens: int, cache_dir: Path, packe
                 timeout=client_timeout()) as client:
         runtime, setup = prepare_private(client, cache_dir)
         runtime.packed_prefill = packed
+        runtime.threads = threads
         if not packed:  # a 32-position step of the per-token path can pass the worker's 600 s task limit on
             # a loaded 2-core box (~20-30 s per position): steps of at most 8 positions (same work)
             runtime.manifest = dataclasses.replace(runtime.manifest,
@@ -490,6 +492,17 @@ def _split_words(split: list[dict]) -> str:
     return out
 
 
+def _client_threads(spec: str) -> int | None:
+    """``--client-threads`` -> ``PrivateRuntime.threads``."""
+    if spec == "auto":
+        return None
+    if spec == "torch":
+        import torch
+
+        return torch.get_num_threads()
+    return int(spec)
+
+
 def _plan_words(args) -> str:
     if getattr(args, "offload_plan", None):
         return f"the whole offload plan {args.offload_plan!r} (attention as linear steps, client-aided MLP)"
@@ -537,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--crypto-processes", type=int, default=None,
                    help="the SDK's forked processes for a step's CKKS work (PrivateRuntime.crypto_processes; "
                         "default: the cores, at most 8; 1: one at a time, the path before session 13)")
+    p.add_argument("--client-threads", default="auto",
+                   help="torch threads of the SDK's decode steps (PrivateRuntime.threads): auto (its policy), "
+                        "torch (torch's count at start: the SDK before session 22) or a number")
     p.add_argument("--server-log", type=Path, help="copy the server's log (workers included) here at the end")
     args = p.parse_args(argv)
     if args.engine_gpu_share is None:
@@ -576,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
             _elapsed("server ready")
             plain = bench_plaintext(server, prompt, args.max_tokens)
             _elapsed("plaintext tenant done")
-            enc, setup, server_s, n_prompt = bench_encrypted(server, prompt, args.max_tokens, root / "client")
+            enc, setup, server_s, n_prompt = bench_encrypted(server, prompt, args.max_tokens, root / "client",
+                                                             threads=_client_threads(args.client_threads))
             _elapsed("encrypted tenant done")
             extra = []
             if args.token_prefill:

@@ -35,6 +35,8 @@ from torch import nn
 from client_sdk import _protocol as proto
 from client_sdk._crypto_pool import default_processes
 from client_sdk._exceptions import PrivateModeError
+from client_sdk._threads import ThreadScope, threads_of
+from client_sdk._threads import refresh as refresh_threads
 
 _REQUEST_IDS = itertools.count()
 
@@ -114,7 +116,9 @@ class EncryptedBackend:
 
     def attend_encrypted(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x̂ [T, hidden] at ``positions`` -> the layer's attention output [T, hidden], via one server step."""
-        return self.runtime.encrypted_attention(layer, int(positions[0]), x, self.stats).to(x.dtype)
+        out = self.runtime.encrypted_attention(layer, int(positions[0]), x, self.stats).to(x.dtype)
+        refresh_threads(self.runtime)   # a decode step's count picked again after the server's seconds
+        return out
 
 
 class PrivateRuntime:
@@ -172,6 +176,11 @@ class PrivateRuntime:
         #: the previous step is on the server (``client_sdk._zeros``; False: encrypt in the step, as before).
         self.zeros_ahead = True
         self._zeros_ahead: Any = None
+        #: torch's intra-op threads for this runtime's decode steps (clear layers, head), set around that work
+        #: only (``client_sdk._threads``). None: ``$CIPHERLM_THREADS``, ``$OMP_NUM_THREADS``, else at each step
+        #: the physical cores minus the tasks running elsewhere then.
+        self.threads: int | None = None
+        self.thread_scope = ThreadScope()
 
     # -- setup -------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -421,6 +430,7 @@ class PrivateRuntime:
         if total > self.max_len():
             raise PrivateModeError(f"prompt + max_tokens = {total} exceeds the server's session limit "
                                    f"{self.max_len()}")
+        self.thread_scope.choose(self.threads)
         run = _Generation(self, list(prompt_ids), params)
         try:  # a stream left early, or an error, still closes the server's session
             yield from run.tokens()
@@ -431,14 +441,15 @@ class PrivateRuntime:
     def forward(self, backend: EncryptedBackend, ids: list[int], start: int) -> torch.Tensor:
         """Run positions start.. through the model in steps the server accepts; last position's logits [vocab]."""
         logits = None
-        for s, n in self._steps(start, len(ids)):
-            chunk = torch.tensor(ids[s:s + n])
-            pos = torch.arange(start + s, start + s + len(chunk))
-            if getattr(self, "offload", None) is not None:   # its MLP steps: this chunk's position, stats
-                self.offload.start, self.current_stats = start + s, backend.stats
-            h = self.model(chunk, pos, backend)  # engine.model forward; encrypted layers call the server
-            backend.cache.advance()
-            logits = self.model.logits(h[-1:])[0]
+        with threads_of(self, len(ids)):   # decode steps (one row) only: client_sdk._threads
+            for s, n in self._steps(start, len(ids)):
+                chunk = torch.tensor(ids[s:s + n])
+                pos = torch.arange(start + s, start + s + len(chunk))
+                if getattr(self, "offload", None) is not None:   # its MLP steps: this chunk's position, stats
+                    self.offload.start, self.current_stats = start + s, backend.stats
+                h = self.model(chunk, pos, backend)  # engine.model forward; encrypted layers call the server
+                backend.cache.advance()
+                logits = self.model.logits(h[-1:])[0]
         return logits
 
 

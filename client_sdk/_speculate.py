@@ -132,11 +132,13 @@ class Speculation:
             rt.offload.start, rt.current_stats = start, backend.stats
         rt.verifying = True
         try:
-            h = rt.model(chunk, pos, backend)
+            with rt.thread_scope.applied():
+                h = rt.model(chunk, pos, backend)
         finally:
             rt.verifying = False
         backend.cache.advance()
-        return rt.model.logits(h)
+        with rt.thread_scope.applied():
+            return rt.model.logits(h)
 
     def rollback(self, backend: EncryptedBackend, keep: int, dropped: int) -> None:
         """The local cache and every encrypted layer's cache back to ``keep`` positions."""

@@ -199,8 +199,11 @@ class CKKSClient:
         return seal.encrypt_symmetric_seeded(self.kit, self.keys.secret, self._check(values))
 
     def decrypt(self, ct: seal.Ciphertext) -> np.ndarray:
-        """Decrypt to the [slots] real vector."""
-        return seal.decrypt(self.kit, self.keys.secret, ct)
+        """Decrypt to the [slots] real vector (one SEAL decryptor per key set, made on first use)."""
+        decryptor = self.__dict__.get("_decryptor")
+        if decryptor is None:
+            decryptor = self.__dict__["_decryptor"] = seal.sa.Decryptor(self.kit.context, self.keys.secret)
+        return seal.decrypt(self.kit, self.keys.secret, ct, decryptor)
 
     def decrypt_many(self, cts: Iterable[seal.Ciphertext]) -> list[np.ndarray]:
         return [self.decrypt(c) for c in cts]

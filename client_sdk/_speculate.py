@@ -27,6 +27,7 @@ import torch
 
 from client_sdk import _protocol as proto
 from client_sdk._runtime import EncryptedBackend, PrivateRuntime, PrivateToken, StepStats
+from client_sdk._threads import threads_of
 
 __all__ = ["Speculation"]
 
@@ -132,12 +133,12 @@ class Speculation:
             rt.offload.start, rt.current_stats = start, backend.stats
         rt.verifying = True
         try:
-            with rt.thread_scope.applied():
+            with threads_of(rt, len(ids)):   # several rows: the caller's thread count (client_sdk._threads)
                 h = rt.model(chunk, pos, backend)
         finally:
             rt.verifying = False
         backend.cache.advance()
-        with rt.thread_scope.applied():
+        with threads_of(rt, len(ids)):
             return rt.model.logits(h)
 
     def rollback(self, backend: EncryptedBackend, keep: int, dropped: int) -> None:

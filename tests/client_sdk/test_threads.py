@@ -161,3 +161,21 @@ def test_refresh_repicks_inside_a_decode_step_only(monkeypatch, torch_threads):
     assert torch.get_num_threads() == 2
     scope.refresh()   # outside a block: nothing read, nothing set
     assert torch.get_num_threads() == 2
+
+
+def test_a_verify_step_keeps_the_callers_count(tmp_path, torch_threads):
+    """A speculative verify step is several rows: the caller's count, like a prefill (its bits must not depend on
+    the count the machine picks)."""
+    from client_sdk._speculate import Speculation
+
+    full = smol_shaped()
+    rt = _runtime(client_from_bundle(full, tmp_path))
+    torch.set_num_threads(2)
+    rt.thread_scope.fixed = 1
+    rt.manifest.max_session_tokens, rt._tenant_limits = 16, {}   # no tenant limits to ask a server for
+    server = _CountingServer(full, 16)
+    backend = EncryptedBackend(server, DenseKVCache(full.config, 16), StepStats())
+    rt.forward(backend, [5, 17, 3], 0)
+    rows = Speculation(rt, 3).verify_forward(backend, [7, 9, 11], 3)
+    assert rows.shape[0] == 3 and torch.get_num_threads() == 2
+    assert server.threads_seen == [2, 2, 2, 2]       # prefill, then the verify step: two encrypted layers each

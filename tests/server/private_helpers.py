@@ -7,7 +7,10 @@ No part is faked: the server loads the plan, checks it against the model, builds
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from server.private.config import PrivateSettings
 
@@ -34,6 +37,31 @@ def private_settings(plan: Path, state_dir: Path, **overrides) -> PrivateSetting
     fields = dict(enabled=True, plan=str(plan), state_dir=str(state_dir), workers=1, max_session_tokens=16,
                   max_step_tokens=4, max_step_bytes=64 << 10, max_key_bytes=512 << 20, max_keys_per_worker=1)
     return PrivateSettings(**{**fields, **overrides})
+
+
+@contextlib.contextmanager
+def encrypted_client(model_dir: Path, tmp_path_factory, key: str, **private) -> Iterator[tuple[Any, Any]]:
+    """(an encrypted-mode SDK ``Client`` of tenant "enc", the app's ``TestClient``) over the tiny plan, the app's
+    lifespan and worker running inside the block; ``private`` overrides :func:`private_settings`."""
+    from fastapi.testclient import TestClient
+
+    from client_sdk import Client
+    from client_sdk._private import runtime_of
+    from server.app import create_app
+    from server.settings import Settings, TenantSettings
+    from server.tenants import hash_api_key
+
+    plan = tiny_plan(model_dir, tmp_path_factory.mktemp("plan") / "tiny.plan.json")
+    tenants = [TenantSettings(id="enc", api_key_hashes=[hash_api_key(key)], privacy_mode="encrypted")]
+    settings = Settings(model=str(model_dir), served_model_name="tiny", server_secret="s", tenants=tenants,
+                        private=private_settings(plan, tmp_path_factory.mktemp("state"), **private),
+                        engine={"device": "cpu", "num_kv_blocks": 16})
+    with TestClient(create_app(settings), base_url="http://testserver") as http:
+        client = Client(api_key=key, base_url="http://testserver", http_client=http, privacy="encrypted",
+                        max_retries=0)
+        runtime_of(client).cache_dir = tmp_path_factory.mktemp("client-cache")
+        yield client, http
+        client._private.close_session()
 
 
 def tiny_key_upload(model_dir: Path) -> bytes:

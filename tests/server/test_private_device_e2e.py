@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from client_sdk import Client
 from client_sdk._private import runtime_of
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 (fixture)
-from tests.server.private_helpers import private_settings, tiny_plan
+from tests.server.private_helpers import encrypted_client, tiny_plan
 
 pytestmark = pytest.mark.slow   # keys and ~4 encrypted positions on the torch-CPU reference (~4 min, 2 cores)
 
@@ -24,24 +23,9 @@ MAX_TOKENS = 2
 @pytest.fixture(scope="module")
 def enc(tiny_model_dir, tmp_path_factory):  # noqa: F811
     """An encrypted-mode Client on the app with a gpu-backend worker (its lifespan and worker run for the module)."""
-    from fastapi.testclient import TestClient
-
-    from server.app import create_app
-    from server.settings import Settings, TenantSettings
-    from server.tenants import hash_api_key
-
-    plan = tiny_plan(tiny_model_dir, tmp_path_factory.mktemp("plan") / "tiny.plan.json")
-    tenants = [TenantSettings(id="enc", api_key_hashes=[hash_api_key(KEY)], privacy_mode="encrypted")]
-    private = private_settings(plan, tmp_path_factory.mktemp("state"), max_session_tokens=32, max_step_tokens=4,
-                               max_step_bytes=32 << 20, device="cpu-reference")
-    settings = Settings(model=str(tiny_model_dir), served_model_name="tiny", server_secret="s", tenants=tenants,
-                        private=private, engine={"device": "cpu", "num_kv_blocks": 16})
-    with TestClient(create_app(settings), base_url="http://testserver") as http:
-        client = Client(api_key=KEY, base_url="http://testserver", http_client=http, privacy="encrypted",
-                        max_retries=0)
-        runtime_of(client).cache_dir = tmp_path_factory.mktemp("client-cache")
-        yield client, http
-        client._private.close_session()
+    with encrypted_client(tiny_model_dir, tmp_path_factory, KEY, max_session_tokens=32, max_step_tokens=4,
+                          max_step_bytes=32 << 20, device="cpu-reference") as pair:
+        yield pair
 
 
 def test_seeded_attention_uploads_to_a_gpu_worker_give_the_plans_greedy_tokens(enc, tiny_model_dir, tmp_path,  # noqa: F811

@@ -17,7 +17,7 @@ from client_sdk._private import runtime_of
 from client_sdk._runtime import StepStats
 from client_sdk._speculate import Speculation
 from tests.server.app_helpers import tiny_model_dir  # noqa: F401 (fixture)
-from tests.server.private_helpers import private_settings, tiny_plan
+from tests.server.private_helpers import encrypted_client, tiny_plan
 
 pytestmark = pytest.mark.slow   # ~1 min of CKKS on 2 busy cores (key generation, ~24 encrypted positions)
 
@@ -32,24 +32,9 @@ PROMPT = "one two three one"
 @pytest.fixture(scope="module")
 def enc(tiny_model_dir, tmp_path_factory):  # noqa: F811
     """An encrypted-mode Client on the app (its lifespan and worker run for the module)."""
-    from fastapi.testclient import TestClient
-
-    from server.app import create_app
-    from server.settings import Settings, TenantSettings
-    from server.tenants import hash_api_key
-
-    plan = tiny_plan(tiny_model_dir, tmp_path_factory.mktemp("plan") / "tiny.plan.json")
-    tenants = [TenantSettings(id="enc", api_key_hashes=[hash_api_key(KEY)], privacy_mode="encrypted")]
-    private = private_settings(plan, tmp_path_factory.mktemp("state"), max_session_tokens=64, max_step_tokens=4,
-                               max_step_bytes=32 << 20)   # real ciphertexts (the helper's cap is for probes)
-    settings = Settings(model=str(tiny_model_dir), served_model_name="tiny", server_secret="s", tenants=tenants,
-                        private=private, engine={"device": "cpu", "num_kv_blocks": 16})
-    with TestClient(create_app(settings), base_url="http://testserver") as http:
-        client = Client(api_key=KEY, base_url="http://testserver", http_client=http, privacy="encrypted",
-                        max_retries=0)
-        runtime_of(client).cache_dir = tmp_path_factory.mktemp("client-cache")
+    with encrypted_client(tiny_model_dir, tmp_path_factory, KEY, max_session_tokens=64, max_step_tokens=4,
+                          max_step_bytes=32 << 20) as (client, _):   # real ciphertexts (the helper's cap is for probes)
         yield client
-        client._private.close_session()
 
 
 def _greedy(client: Client, k: int) -> str:

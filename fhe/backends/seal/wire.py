@@ -114,7 +114,8 @@ def encrypt_to_wire(client: CKKSClient, values, *, seeded: bool = True, zero=Non
 
     ``seeded=False``: the full ciphertext (c1 expanded, SEAL's zstd serialization, ~2x the bytes), for a
     server that asks for it (manifest ``offload.mlp.upload = "full"``, the offload plan's linear steps on gpu
-    workers; attention steps go seeded to every backend: docs/protocol.md "upload").
+    workers; ``upload = "full"``, attention steps on CUDA workers until their seeded expansion is checked on a
+    card: docs/protocol.md "upload").
 
     ``zero``: an unused encryption of zero of this key set made ahead, whose randomness the ciphertext takes
     (the object is consumed): :meth:`CKKSClient.encrypt_zero_seeded` for the seeded form

@@ -28,6 +28,12 @@ def enc(tiny_model_dir, tmp_path_factory):  # noqa: F811
         yield pair
 
 
+# ~130 s on 2 cores (the torch-CPU reference's Blake2xb and block): heavy, since the default run checks its parts:
+# the seeded upload read into the ciphertext SEAL's load gives (test_private_device_uploads.py), the SDK's seeded
+# encryption on a zero made ahead (tests/client_sdk/test_attention_uploads.py), the expansion = SEAL's
+# (tests/fhe/test_gpu_backend_seeded.py) and the gpu backend's packed and token steps = SEAL's
+# (tests/fhe/test_gpu_backend_packed_cpu.py)
+@pytest.mark.heavy
 def test_seeded_attention_uploads_to_a_gpu_worker_give_the_plans_greedy_tokens(enc, tiny_model_dir, tmp_path,  # noqa: F811
                                                                                monkeypatch):
     import numpy as np

@@ -18,16 +18,20 @@ from engine.model import DenseKVCache, LlamaForCausalLM
 ENCRYPTED = (1, 2)
 
 
-def tiny() -> LlamaForCausalLM:
-    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
-                      tie_word_embeddings=True, max_position_embeddings=64)
+def random_llama(cfg: ModelConfig, std: float) -> LlamaForCausalLM:
+    """A Llama of ``cfg`` with N(0, std) weights and norm gains in [0.5, 1.5] (gains != 1: folding must matter)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)  # gains != 1: folding must matter
+            p.normal_(0, std) if p.dim() > 1 else p.uniform_(0.5, 1.5)
     return model.eval()
+
+
+def tiny() -> LlamaForCausalLM:
+    return random_llama(ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+                                    tie_word_embeddings=True, max_position_embeddings=64), 0.3)
 
 
 class PlaintextServer:

@@ -17,7 +17,7 @@ from client_sdk._runtime import EncryptedBackend, PrivateRuntime, StepStats
 from client_sdk._threads import ThreadScope, _own_running, running_others
 from engine.config import ModelConfig
 from engine.model import DenseKVCache, LlamaForCausalLM
-from tests.client_sdk.test_runtime_seam import PlaintextServer, client_from_bundle
+from tests.client_sdk.test_runtime_seam import PlaintextServer, client_from_bundle, random_llama
 
 
 @pytest.fixture
@@ -31,15 +31,10 @@ def torch_threads():
 def smol_shaped() -> LlamaForCausalLM:
     """SmolLM2-135M's layer shapes (hidden 576, MLP 1536, 9/3 heads of 64), 4 layers, a small vocabulary:
     products as wide as the client's, so torch's ops really split over threads."""
-    cfg = ModelConfig(vocab_size=1024, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
-                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
-                      tie_word_embeddings=True, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    return model.eval()
+    return random_llama(ModelConfig(vocab_size=1024, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+                                    num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                    rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=64),
+                        0.05)
 
 
 class _CountingServer(PlaintextServer):

@@ -22,7 +22,8 @@ import numpy as np
 import tenseal.sealapi as sa
 import torch
 
-from fhe.backends.gpu import GpuEvaluator, sealio
+from fhe import sealio
+from fhe.backends.gpu import GpuEvaluator
 from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal.keys import CKKSClient
 from fhe.params import ckks_params_for

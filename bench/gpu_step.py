@@ -57,7 +57,8 @@ def _kernels(fn) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from bench.gpu_mlp import _layer
-    from fhe.backends.gpu import GpuEvaluator, sealio, triton_ops
+    from fhe import sealio
+    from fhe.backends.gpu import GpuEvaluator, triton_ops
     from fhe.backends.gpu.batched import BatchKeys
     from fhe.backends.gpu.step import StepGraphs
     from fhe.backends.seal import hazmat as seal

@@ -28,7 +28,8 @@ import torch
 
 
 def run(plan: Path, repeat: int, device: str) -> dict:
-    from fhe.backends.gpu import GpuEvaluator, blake2xb, sealio
+    from fhe import sealio
+    from fhe.backends.gpu import GpuEvaluator, blake2xb
     from fhe.backends.gpu.uniform import sample_poly_uniform
     from fhe.backends.seal import hazmat as seal
     from fhe.backends.seal.keys import CKKSClient

@@ -144,7 +144,7 @@ def _synced(device: torch.device):
 
 
 def _seeded_members(blob: bytes, params, fingerprint: str):
-    from fhe.backends.gpu import sealio
+    from fhe import sealio
     from fhe.backends.seal import wire
 
     payload = wire.ciphertext_payload(blob, params, fingerprint)

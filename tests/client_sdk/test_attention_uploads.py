@@ -128,7 +128,7 @@ def test_a_seeded_zero_made_ahead_gives_the_bytes_seals_seeded_encryption_writes
     seeded zero), ours and SEAL's serializations agree once decompressed (here: SEAL's c0 + m, rebuilt)."""
     import numpy as np
 
-    from fhe.backends.gpu import sealio
+    from fhe import sealio
     from fhe.backends.seal import hazmat as seal
 
     ckks = _small_client()

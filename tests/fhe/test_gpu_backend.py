@@ -15,8 +15,9 @@ import pytest
 import tenseal.sealapi as sa
 import torch
 
+from fhe import sealio
 from fhe.backends import evaluator_for
-from fhe.backends.gpu import GpuEvaluator, sealio
+from fhe.backends.gpu import GpuEvaluator
 from fhe.backends.gpu.keys import key_set_nbytes
 from fhe.backends.gpu.modarith import mulmod
 from fhe.backends.gpu.ntt import NTTTables, intt, ntt

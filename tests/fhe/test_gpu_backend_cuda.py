@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from fhe.backends.gpu import GpuEvaluator, sealio
+from fhe import sealio
+from fhe.backends.gpu import GpuEvaluator
 from fhe.backends.gpu.ntt import intt, ntt
 from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal.keys import CKKSClient

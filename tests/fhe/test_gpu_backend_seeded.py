@@ -19,7 +19,8 @@ import pytest
 import tenseal.sealapi as sa
 import torch
 
-from fhe.backends.gpu import GpuEvaluator, blake2xb, sealio, uniform
+from fhe import sealio
+from fhe.backends.gpu import GpuEvaluator, blake2xb, uniform
 from fhe.backends.seal import hazmat as seal
 from fhe.backends.seal.keys import CKKSClient
 from fhe.params import CKKSParams, ckks_params_for

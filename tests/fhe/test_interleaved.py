@@ -61,7 +61,8 @@ def test_chunk_shape_is_chosen_from_shapes_and_shares_rotations():
 
 def test_chunk_product_on_the_gpu_reference_is_seals_bytes(rng):
     """Only evaluator-protocol calls: the gpu backend's torch-CPU code answers SEAL's residues."""
-    from fhe.backends.gpu import GpuEvaluator, sealio
+    from fhe import sealio
+    from fhe.backends.gpu import GpuEvaluator
     from fhe.backends.seal import hazmat as seal
 
     sh = ChunkShape(P.slots, 40, 1100, 4, 16, 4)

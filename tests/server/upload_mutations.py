@@ -11,7 +11,7 @@ def full_upload_mutations(gpu, fingerprint: str, blob: bytes) -> dict[str, bytes
     wrong in one way SEAL's load or the freshness check refuses."""
     import struct
 
-    from fhe.backends.gpu import sealio
+    from fhe import sealio
     from fhe.backends.seal import wire
 
     params, n, top = gpu.params, gpu.params.poly_modulus_degree, gpu.top
@@ -56,7 +56,7 @@ def seeded_upload_mutations(gpu, fingerprint: str, blob: bytes) -> dict[str, byt
     import dataclasses
     import struct
 
-    from fhe.backends.gpu import sealio
+    from fhe import sealio
     from fhe.backends.seal import wire
 
     params, n, top = gpu.params, gpu.params.poly_modulus_degree, gpu.top

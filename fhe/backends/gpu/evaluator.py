@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fhe import sealio
 from fhe.backends.gpu import keyswitch as ks
-from fhe.backends.gpu import sealio, uniform
+from fhe.backends.gpu import uniform
 from fhe.backends.gpu.galois import ntt_permutation
 from fhe.backends.gpu.keys import GpuKeys, keys_from_server, load_keys
 from fhe.backends.gpu.modarith import addmod, mulmod

@@ -20,7 +20,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from fhe.backends.gpu import sealio
+from fhe import sealio
 from fhe.backends.gpu.galois import galois_elt
 from fhe.backends.gpu.rns import RNSContext
 from fhe.backends.seal import hazmat as seal

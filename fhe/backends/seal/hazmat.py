@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tenseal.sealapi as sa
 
+from fhe import sealio
 from fhe.errors import LevelError, ParameterError, WireError
 from fhe.evaluator import ParamsQueries
 from fhe.params import CKKSParams
@@ -333,10 +334,8 @@ def add_message(kit: Kit, zero: sa.Ciphertext, values: np.ndarray) -> sa.Ciphert
 
 
 def encrypt_zero_symmetric_seeded(kit: Kit, sk: sa.SecretKey):
-    """:func:`encrypt_zero_symmetric` in SEAL's seeded form, parsed: a ``fhe.backends.gpu.sealio.SeededCiphertext``
+    """:func:`encrypt_zero_symmetric` in SEAL's seeded form, parsed: a ``fhe.sealio.SeededCiphertext``
     (c0 and the seed of c1; scale 1) for :func:`add_message_seeded`."""
-    from fhe.backends.gpu import sealio
-
     n = kit.params.poly_modulus_degree
     data = to_bytes(sa.Encryptor(kit.context, sk).encrypt_zero_symmetric(kit.parms_ids[kit.top]))
     zero = sealio.read_fresh_ct_members(sealio.open_object(data, 2 * kit.top * n * 8 + 4096), n)
@@ -354,8 +353,6 @@ def add_message_seeded(kit: Kit, zero, values: np.ndarray) -> bytes:
     Raises:
         ValueError: ``zero`` carries a message already or is not a fresh top-level seeded ciphertext.
     """
-    from fhe.backends.gpu import sealio
-
     n = kit.params.poly_modulus_degree
     if (zero.scale != 1.0 or zero.c0 is None or zero.c0.shape != (kit.top, n)
             or zero.parms_id != struct.pack("<4Q", *kit.parms_ids[kit.top])):

@@ -1,0 +1,67 @@
+"""Compile every kernels.decode_layer variant the engine launches to sm_90 (PTX + cubin) without a GPU, and
+print each one's registers, spills and whether the PDL wait comes after the first weight loads.
+
+    python bench/results/q23_s23/compile_sm90.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.decode_layer import _decode_layer_kernel
+
+PTRS = ["x_ptr", "g_ptr", "w_ptr", "so_ptr", "b_ptr", "out_ptr", "cos_ptr", "sin_ptr", "kc_ptr", "vc_ptr",
+        "slot_ptr"]
+INTS = ["N", "K", "s_xm", "s_wn", "s_sn", "s_om", "s_cos", "s_kcb", "s_kcs", "s_kch", "s_vcb", "s_vcs",
+        "s_vch"]
+
+
+def signature(int4: bool) -> dict:
+    sig = {p: "*bf16" for p in PTRS}
+    sig.update(w_ptr="*i32" if int4 else "*bf16", so_ptr="*fp16" if int4 else "*bf16", cos_ptr="*fp32",
+               sin_ptr="*fp32", slot_ptr="*i64")
+    sig.update({i: "i32" for i in INTS})
+    sig.update(eps="fp32", num_slots="i32", HQ="i32", HKV="i32")
+    return sig
+
+
+def main() -> None:
+    target = GPUTarget("cuda", 90, 32)
+    for int4, epi, pdl in itertools.product((False, True), (0, 1, 2), (False, True)):
+        bn, bk = (4, 64) if int4 else (2, 1024)
+        consts = dict(EPI=epi, NORM=epi != 0, INT4=int4, GROUP=32, HAS_BIAS=epi == 2, BLOCK_N=bn, BLOCK_K=bk,
+                      D=64, BS=16, PDL=pdl)
+        sig = signature(int4)
+        sig.update({k: "constexpr" for k in consts})
+        src = ASTSource(_decode_layer_kernel, sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()})
+        k = triton.compile(src, target=target, options={"num_warps": 4})
+        ptx = k.asm["ptx"]
+        wait = ptx.find("griddepcontrol.wait")
+        first_ld = ptx.find("ld.global")
+        print(f"int4={int4} epi={epi} pdl={pdl}: {cubin_usage(k.asm['cubin'])} shared {k.metadata.shared} "
+              f"wait_after_first_load={pdl and 0 <= first_ld < wait}", flush=True)
+
+
+def cubin_usage(cubin: bytes) -> str:
+    """Registers and local (spill) bytes of a cubin, from Triton's bundled cuobjdump."""
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([exe, "--dump-resource-usage", path], capture_output=True, text=True,
+                             check=True).stdout
+    regs = re.search(r"REG:(\d+)", out)
+    local = re.search(r"LOCAL:(\d+)", out)
+    return f"regs {regs.group(1) if regs else '?'} local {local.group(1) if local else '?'}B"
+
+if __name__ == "__main__":
+    main()

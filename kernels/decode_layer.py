@@ -84,14 +84,20 @@ class DecodeLayerTuning:
     block_n: int = 2
     block_k: int = 1024
     num_warps: int = 4
+    # issue the next K step's weight loads before this step's x loads and FMAs (register double-buffering,
+    # more registers); False: after them
+    prefetch: bool = True
 
 
 def _default_tuning(int4: bool, k: int, group: int) -> DecodeLayerTuning:
-    """16-bit weights: the plain GEMV's tile (2 rows x 1024 columns, docs/kernels.md) per half, so a program
-    reads 4 rows; int4: 4 rows per half and a K step of up to 2048 columns (``tuning_int4_w32``'s rule)."""
+    """2 rows per half for 16-bit weights (as the plain GEMV's program: 4 rows a program here), 4 for int4; K
+    steps of 512 columns (16-bit) or up to 1024 (int4), the next step prefetched. Chosen from the sm_90
+    compile (bench/results/q23_s23/compile_sm90.py), not yet measured: at 1024 16-bit columns the prefetching
+    norm kernels hold 153 registers (3 programs an SM, ~24 KB of weights in flight), at 512 they hold 64
+    (8 programs, ~64 KB in flight, the current and the next step)."""
     if not int4:
-        return DecodeLayerTuning(2, min(1024, triton_next_pow2(k)), 4)
-    return DecodeLayerTuning(4, min(triton_next_pow2(k // group), max(1, 2048 // group)), 4)
+        return DecodeLayerTuning(2, min(512, triton_next_pow2(k)), 4)
+    return DecodeLayerTuning(4, min(triton_next_pow2(k // group), max(1, 1024 // group)), 4)
 
 
 if HAS_TRITON:
@@ -117,7 +123,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _dense_dot(w_ptr, x_row, g_ptr, rows_lo, rows_hi, ok_lo, ok_hi, s_wn, K,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+                   PREFETCH: tl.constexpr):
         """(W[rows_lo] x', W[rows_hi] x', sum of x^2) over K, x' = x * gain (NORM) or x; fp32."""
         acc_lo = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_hi = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -126,18 +133,21 @@ if HAS_TRITON:
         pdl_wait(PDL)  # the first step's weights were loaded before: no kernel writes them
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            # the next step's weights in flight while this one's x loads and multiplies (masked off past K)
-            n_lo, n_hi = _dense_tiles(w_ptr, rows_lo, rows_hi, ok_lo, ok_hi, s_wn, k0 + BLOCK_K, K, BLOCK_K)
+            if PREFETCH:  # the next step's weights in flight while this one's x loads and multiplies
+                n_lo, n_hi = _dense_tiles(w_ptr, rows_lo, rows_hi, ok_lo, ok_hi, s_wn, k0 + BLOCK_K, K, BLOCK_K)
             x, ss = _x_cols(x_row, g_ptr, cols, cols < K, ss, NORM)
             acc_lo += w_lo.to(tl.float32) * x[None, :]
             acc_hi += w_hi.to(tl.float32) * x[None, :]
-            w_lo, w_hi = n_lo, n_hi
+            if PREFETCH:
+                w_lo, w_hi = n_lo, n_hi
+            else:  # masked off past K
+                w_lo, w_hi = _dense_tiles(w_ptr, rows_lo, rows_hi, ok_lo, ok_hi, s_wn, k0 + BLOCK_K, K, BLOCK_K)
         return tl.sum(acc_lo, axis=1), tl.sum(acc_hi, axis=1), tl.sum(ss, axis=0)
 
     @triton.jit
     def _int4_dot(q_ptr, so_ptr, x_row, g_ptr, rows_lo, rows_hi, ok_lo, ok_hi, s_qn, s_sn, K,
                   GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, NORM: tl.constexpr,
-                  PDL: tl.constexpr):
+                  PDL: tl.constexpr, PREFETCH: tl.constexpr):
         """:func:`_dense_dot` for w32 int4 weights (kernels.gemv_int4_w32's arithmetic: per weight one shift,
         one LOP3, one FMA; ``sum w x = 16 s sum f x + (o - 16 s) sum x`` per group), x loaded once for both
         tiles."""
@@ -150,10 +160,11 @@ if HAS_TRITON:
         wh, sh, oh = _w32_tile(q_ptr, so_ptr, rows_hi, ok_hi, s_qn, s_sn, 0, n_groups, GROUP, GROUPS, False)
         pdl_wait(PDL)
         for g0 in range(0, n_groups, GROUPS):
-            nwl, nsl, nol = _w32_tile(q_ptr, so_ptr, rows_lo, ok_lo, s_qn, s_sn, g0 + GROUPS, n_groups, GROUP,
-                                      GROUPS, False)
-            nwh, nsh, noh = _w32_tile(q_ptr, so_ptr, rows_hi, ok_hi, s_qn, s_sn, g0 + GROUPS, n_groups, GROUP,
-                                      GROUPS, False)
+            if PREFETCH:
+                nwl, nsl, nol = _w32_tile(q_ptr, so_ptr, rows_lo, ok_lo, s_qn, s_sn, g0 + GROUPS, n_groups, GROUP,
+                                          GROUPS, False)
+                nwh, nsh, noh = _w32_tile(q_ptr, so_ptr, rows_hi, ok_hi, s_qn, s_sn, g0 + GROUPS, n_groups, GROUP,
+                                          GROUPS, False)
             gi = g0 + tl.arange(0, GROUPS)
             g_ok = (gi < n_groups)[:, None]
             col0 = gi[:, None] * GROUP + tl.arange(0, W)[None, :]      # [G, W] column of nibble 0
@@ -170,7 +181,13 @@ if HAS_TRITON:
             acc_lo += s16 * tl.sum(d_lo, axis=2) + (ol - s16) * xsum
             s16 = 16.0 * sh
             acc_hi += s16 * tl.sum(d_hi, axis=2) + (oh - s16) * xsum
-            wl, sl, ol, wh, sh, oh = nwl, nsl, nol, nwh, nsh, noh
+            if PREFETCH:
+                wl, sl, ol, wh, sh, oh = nwl, nsl, nol, nwh, nsh, noh
+            else:
+                wl, sl, ol = _w32_tile(q_ptr, so_ptr, rows_lo, ok_lo, s_qn, s_sn, g0 + GROUPS, n_groups, GROUP,
+                                       GROUPS, False)
+                wh, sh, oh = _w32_tile(q_ptr, so_ptr, rows_hi, ok_hi, s_qn, s_sn, g0 + GROUPS, n_groups, GROUP,
+                                       GROUPS, False)
         return tl.sum(acc_lo, axis=1), tl.sum(acc_hi, axis=1), tl.sum(tl.sum(ss, axis=1), axis=0)
 
     @triton.jit
@@ -179,6 +196,7 @@ if HAS_TRITON:
         N, K, s_xm, s_wn, s_sn, s_om, s_cos, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, eps, num_slots, HQ, HKV,
         EPI: tl.constexpr, NORM: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
         # EPI RESIDUAL: rows [2p BN, 2p BN + 2 BN) of N, out (the residual stream) += y in place.
         # EPI SILU: gate rows [p BN, p BN + BN) and the up rows N/2 below them -> out [M, N/2].
@@ -206,10 +224,10 @@ if HAS_TRITON:
         x_row = x_ptr + m * s_xm
         if INT4:
             y_lo, y_hi, ss = _int4_dot(w_ptr, so_ptr, x_row, g_ptr, rows_lo, rows_hi, ok_lo, ok_hi, s_wn, s_sn,
-                                       K, GROUP, BLOCK_N, BLOCK_K, NORM, PDL)
+                                       K, GROUP, BLOCK_N, BLOCK_K, NORM, PDL, PREFETCH)
         else:
             y_lo, y_hi, ss = _dense_dot(w_ptr, x_row, g_ptr, rows_lo, rows_hi, ok_lo, ok_hi, s_wn, K,
-                                        BLOCK_N, BLOCK_K, NORM, PDL)
+                                        BLOCK_N, BLOCK_K, NORM, PDL, PREFETCH)
         if NORM:  # rms_norm(h) W^T = inv * ((h * g) W^T)
             inv = tl.rsqrt(ss / K + eps)
             y_lo *= inv
@@ -330,7 +348,7 @@ def _launch(grid_n: int, x, gain, weight, scale_offset, bias, out, tune: DecodeL
         vc.stride(2), float(eps), num_slots, hq, hkv,
         EPI=epi, NORM=gain is not None, INT4=scale_offset is not None, GROUP=max(group, 16),
         HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, BLOCK_K=tune.block_k, D=d, BS=bs, PDL=pdl,
-        num_warps=tune.num_warps, **_pdl.launch_options(pdl),
+        PREFETCH=tune.prefetch, num_warps=tune.num_warps, **_pdl.launch_options(pdl),
     )
 
 

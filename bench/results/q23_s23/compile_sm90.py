@@ -35,10 +35,10 @@ def signature(int4: bool) -> dict:
 
 def main() -> None:
     target = GPUTarget("cuda", 90, 32)
-    for int4, epi, pdl in itertools.product((False, True), (0, 1, 2), (False, True)):
-        bn, bk = (4, 64) if int4 else (2, 1024)
+    for int4, epi, pf, bk in itertools.product((False, True), (0, 1, 2), (True, False), (1024, 512)):
+        bn, bk, pdl = (4, bk // 16, True) if int4 else (2, bk, True)  # int4: groups of 32 per K step
         consts = dict(EPI=epi, NORM=epi != 0, INT4=int4, GROUP=32, HAS_BIAS=epi == 2, BLOCK_N=bn, BLOCK_K=bk,
-                      D=64, BS=16, PDL=pdl)
+                      D=64, BS=16, PDL=pdl, PREFETCH=pf)
         sig = signature(int4)
         sig.update({k: "constexpr" for k in consts})
         src = ASTSource(_decode_layer_kernel, sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()})
@@ -46,7 +46,7 @@ def main() -> None:
         ptx = k.asm["ptx"]
         wait = ptx.find("griddepcontrol.wait")
         first_ld = ptx.find("ld.global")
-        print(f"int4={int4} epi={epi} pdl={pdl}: {cubin_usage(k.asm['cubin'])} shared {k.metadata.shared} "
+        print(f"int4={int4} epi={epi} prefetch={pf} block_n={bn} block_k={bk}: {cubin_usage(k.asm['cubin'])} shared {k.metadata.shared} "
               f"wait_after_first_load={pdl and 0 <= first_ld < wait}", flush=True)
 
 

@@ -15,6 +15,7 @@ captured 32 times in one CUDA graph (µs per sequence, median of 20 replays):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -22,6 +23,7 @@ import torch
 import kernels
 from bench.engine_gpu import SHAPES, copy_bandwidth
 from engine.fused import quantize_int4_rtn
+from kernels.decode_layer import RESIDUAL, ROPE, SILU, _default_tuning
 
 REPS = 32
 
@@ -129,22 +131,31 @@ def _int4(t: torch.Tensor):
     return q.qweight, q.scale_offset
 
 
-def tunings(fmt: str) -> dict:
-    if fmt == "bf16":
-        return {"default": None, "k1024": kernels.DecodeLayerTuning(2, 1024, 4),
-                "no-prefetch": kernels.DecodeLayerTuning(2, 512, 4, prefetch=False)}
-    return {"default": None, "k2048": kernels.DecodeLayerTuning(4, 64, 4),
-            "no-prefetch": kernels.DecodeLayerTuning(4, 32, 4, prefetch=False)}
+# launches timed per fused kernel: the default (kernels.decode_layer._default_tuning) and changes of it
+VARIANTS = {"default": {}, "k x2": {"block_k": 2}, "rows x2": {"block_n": 2}, "no prefetch": {"prefetch": False}}
+
+
+def tuning(variant: str, fmt: str, k: int, epi: int) -> kernels.DecodeLayerTuning | None:
+    """The variant's launch for a weight of K columns under epilogue ``epi`` (None: the default)."""
+    if not VARIANTS[variant]:
+        return None
+    base = _default_tuning(fmt == "int4", k, 32, epi)
+    change = {f: (getattr(base, f) * v if f != "prefetch" else v) for f, v in VARIANTS[variant].items()}
+    return dataclasses.replace(base, **change)
 
 
 def run(shape_name: str, fmt: str, bw: float) -> dict:
     lay = Layer(SHAPES[shape_name], fmt)
     row = {"shape": shape_name, "format": fmt, "floor_us": lay.nbytes() / bw * 1e6, "fused": {}, "unfused": {}}
-    for name, tune in tunings(fmt).items():
-        ops = {"qkv": lay.f_qkv, "o": lay.f_o, "gate_up": lay.f_gate_up, "down": lay.f_down}
-        row["fused"][name] = {op: graph_us(lambda f=f, t=tune: f(t)) for op, f in ops.items()}
-        row["fused"][name]["layer"] = graph_us(lambda t=tune: (lay.f_qkv(t), lay.f_o(t), lay.f_gate_up(t),
-                                                               lay.f_down(t)))
+    shape = SHAPES[shape_name]
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    ops = {"qkv": (lay.f_qkv, hidden, ROPE), "o": (lay.f_o, lay.hq * lay.d, RESIDUAL),
+           "gate_up": (lay.f_gate_up, hidden, SILU), "down": (lay.f_down, inter, RESIDUAL)}
+    for name in VARIANTS:
+        tunes = {op: tuning(name, fmt, k, epi) for op, (_, k, epi) in ops.items()}
+        row["fused"][name] = {op: graph_us(lambda f=f, t=tunes[op]: f(t)) for op, (f, _, _) in ops.items()}
+        row["fused"][name]["layer"] = graph_us(lambda t=tunes: (
+            lay.f_qkv(t["qkv"]), lay.f_o(t["o"]), lay.f_gate_up(t["gate_up"]), lay.f_down(t["down"])))
     qkv, gu = lay.u_qkv(), lay.u_gate_up()
     row["unfused"] = {"add_rms_norm": graph_us(lay.u_norm), "qkv": graph_us(lay.u_qkv),
                       "rope_store": graph_us(lambda: lay.u_rope_store(qkv)), "o": graph_us(lay.u_o),

@@ -79,7 +79,7 @@ RESIDUAL, SILU, ROPE = 0, 1, 2  # the epilogues
 @dataclasses.dataclass(frozen=True)
 class DecodeLayerTuning:
     """Launch parameters: rows per tile (a program owns two tiles), K per step (16-bit weights: columns;
-    int4: groups), warps. None: chosen from the weight (:func:`_default_tuning`)."""
+    int4: groups), warps. None: chosen from the weight and the epilogue (:func:`_default_tuning`)."""
 
     block_n: int = 2
     block_k: int = 1024
@@ -89,15 +89,17 @@ class DecodeLayerTuning:
     prefetch: bool = True
 
 
-def _default_tuning(int4: bool, k: int, group: int) -> DecodeLayerTuning:
-    """2 rows per half for 16-bit weights (as the plain GEMV's program: 4 rows a program here), 4 for int4; K
-    steps of 512 columns (16-bit) or up to 1024 (int4), the next step prefetched. Chosen from the sm_90
-    compile (bench/results/q23_s23/compile_sm90.py), not yet measured: at 1024 16-bit columns the prefetching
-    norm kernels hold 153 registers (3 programs an SM, ~24 KB of weights in flight), at 512 they hold 64
-    (8 programs, ~64 KB in flight, the current and the next step)."""
+def _default_tuning(int4: bool, k: int, group: int, epi: int) -> DecodeLayerTuning:
+    """As many programs as the plain GEMV the kernel replaces runs, or more: 16-bit weights 2 rows a program
+    (1 per half) for the residual and RoPE epilogues, 4 for gate/up (2 per half: 4864-8192 channels,
+    programs to spare); int4 4 rows a program (2 per half; ``tuning_int4_w32``'s 4), 8 for gate/up. K steps of
+    512 16-bit columns or up to 1024 int4 ones, the next step prefetched. Chosen from the sm_90 compile
+    (bench/results/q23_s23/compile_sm90.py), not yet measured: 40-71 registers (95 for int4 gate/up), where
+    1024 16-bit columns hold 153 (3 programs an SM instead of 8) and 16 int4 gate/up rows 167."""
+    wide = epi == SILU
     if not int4:
-        return DecodeLayerTuning(2, min(512, triton_next_pow2(k)), 4)
-    return DecodeLayerTuning(4, min(triton_next_pow2(k // group), max(1, 1024 // group)), 4)
+        return DecodeLayerTuning(2 if wide else 1, min(512, triton_next_pow2(k)), 4)
+    return DecodeLayerTuning(4 if wide else 2, min(triton_next_pow2(k // group), max(1, 1024 // group)), 4)
 
 
 if HAS_TRITON:
@@ -323,8 +325,8 @@ def _check_16bit(x: torch.Tensor, weight: torch.Tensor, scale_offset: torch.Tens
                       **more)
 
 
-def _tune(tuning: DecodeLayerTuning | None, int4: bool, k: int, group: int) -> DecodeLayerTuning:
-    tune = tuning or _default_tuning(int4, k, group)
+def _tune(tuning: DecodeLayerTuning | None, int4: bool, k: int, group: int, epi: int) -> DecodeLayerTuning:
+    tune = tuning or _default_tuning(int4, k, group, epi)
     if tune.block_n & (tune.block_n - 1) or tune.block_k & (tune.block_k - 1):
         raise KernelInputError(f"tuning block_n and block_k must be powers of two, got {tune}")
     return tune
@@ -391,7 +393,7 @@ def gemv_add_residual(
     tensors = [x, weight, residual] + ([scale_offset] if scale_offset is not None else [])
     if not (m and use_triton(backend, *tensors)):
         return gemv_add_residual_reference(x, weight, residual, scale_offset)
-    tune = _tune(tuning, scale_offset is not None, k, group)
+    tune = _tune(tuning, scale_offset is not None, k, group, RESIDUAL)
     _launch(cdiv(n, 2 * tune.block_n), x, None, weight, scale_offset, None, residual, tune, RESIDUAL, n, k, group)
     return residual
 
@@ -435,7 +437,7 @@ def norm_gate_up_silu(
     tensors = [h, weight, norm_weight] + ([scale_offset] if scale_offset is not None else [])
     if not (m and use_triton(backend, *tensors)):
         return norm_gate_up_silu_reference(h, norm_weight, eps, weight, scale_offset)
-    tune = _tune(tuning, scale_offset is not None, k, group)
+    tune = _tune(tuning, scale_offset is not None, k, group, SILU)
     out = h.new_empty((m, n // 2))
     _launch(cdiv(n // 2, tune.block_n), h, norm_weight, weight, scale_offset, None, out, tune, SILU, n, k, group,
             eps)
@@ -514,7 +516,7 @@ def norm_qkv_rope_store(
     if not (m and use_triton(backend, *tensors)):
         return norm_qkv_rope_store_reference(h, norm_weight, eps, weight, bias, num_heads, hkv, cos, sin, k_cache,
                                              v_cache, slot_mapping, scale_offset)
-    tune = _tune(tuning, scale_offset is not None, k, group)
+    tune = _tune(tuning, scale_offset is not None, k, group, ROPE)
     if (d // 2) % tune.block_n:
         raise KernelInputError(f"block_n={tune.block_n} must divide head_dim / 2 = {d // 2}")
     q = h.new_empty((m, num_heads, d))

@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.decode_layer import _decode_layer_kernel
+from kernels.decode_layer import _decode_layer_kernel, _default_tuning
 
 PTRS = ["x_ptr", "g_ptr", "w_ptr", "so_ptr", "b_ptr", "out_ptr", "cos_ptr", "sin_ptr", "kc_ptr", "vc_ptr",
         "slot_ptr"]
@@ -35,8 +35,9 @@ def signature(int4: bool) -> dict:
 
 def main() -> None:
     target = GPUTarget("cuda", 90, 32)
-    for int4, epi, pf, bk in itertools.product((False, True), (0, 1, 2), (True, False), (1024, 512)):
-        bn, bk, pdl = (4, bk // 16, True) if int4 else (2, bk, True)  # int4: groups of 32 per K step
+    for int4, epi, pf, big in itertools.product((False, True), (0, 1, 2), (True, False), (False, True)):
+        tune = _default_tuning(int4, 4864, 32, epi)  # the launch of a K = 4864 (Qwen down) weight
+        bn, bk, pdl = tune.block_n, tune.block_k * (2 if big else 1), True
         consts = dict(EPI=epi, NORM=epi != 0, INT4=int4, GROUP=32, HAS_BIAS=epi == 2, BLOCK_N=bn, BLOCK_K=bk,
                       D=64, BS=16, PDL=pdl, PREFETCH=pf)
         sig = signature(int4)

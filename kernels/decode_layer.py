@@ -94,8 +94,8 @@ def _default_tuning(int4: bool, k: int, group: int, epi: int) -> DecodeLayerTuni
     (1 per half) for the residual and RoPE epilogues, 4 for gate/up (2 per half: 4864-8192 channels,
     programs to spare); int4 4 rows a program (2 per half; ``tuning_int4_w32``'s 4), 8 for gate/up. K steps of
     512 16-bit columns or up to 1024 int4 ones, the next step prefetched. Chosen from the sm_90 compile
-    (bench/results/q23_s23/compile_sm90.py), not yet measured: 40-71 registers (95 for int4 gate/up), where
-    1024 16-bit columns hold 153 (3 programs an SM instead of 8) and 16 int4 gate/up rows 167."""
+    (bench/results/q23_s23/compile_sm90.txt), not yet measured: 32-64 registers (int4: 55-96), against 40 for
+    the plain GEMV and 64 / 125 for the session-16 norm / SiLU·mul prologue GEMVs."""
     wide = epi == SILU
     if not int4:
         return DecodeLayerTuning(2 if wide else 1, min(512, triton_next_pow2(k)), 4)

@@ -35,6 +35,7 @@ def signature(int4: bool) -> dict:
 
 def main() -> None:
     target = GPUTarget("cuda", 90, 32)
+    old_prologues(target)
     for int4, epi, pf, big in itertools.product((False, True), (0, 1, 2), (True, False), (False, True)):
         tune = _default_tuning(int4, 4864, 32, epi)  # the launch of a K = 4864 (Qwen down) weight
         bn, bk, pdl = tune.block_n, tune.block_k * (2 if big else 1), True
@@ -42,13 +43,36 @@ def main() -> None:
                       D=64, BS=16, PDL=pdl, PREFETCH=pf)
         sig = signature(int4)
         sig.update({k: "constexpr" for k in consts})
-        src = ASTSource(_decode_layer_kernel, sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()})
+        # the launches' specialization: pointers, K and the strides divisible by 16 (real shapes' are)
+        div = PTRS + ["K"] + [i for i in INTS if i.startswith("s_")]
+        src = ASTSource(_decode_layer_kernel, sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()},
+                        attrs={(list(sig).index(a),): [["tt.divisibility", 16]] for a in div})
         k = triton.compile(src, target=target, options={"num_warps": 4})
         ptx = k.asm["ptx"]
         wait = ptx.find("griddepcontrol.wait")
         first_ld = ptx.find("ld.global")
-        print(f"int4={int4} epi={epi} prefetch={pf} block_n={bn} block_k={bk}: {cubin_usage(k.asm['cubin'])} shared {k.metadata.shared} "
+        vec = len(re.findall(r"ld\.global\.L1::evict_first[^\s]*\.v[24]", ptx))
+        print(f"int4={int4} epi={epi} prefetch={pf} block_n={bn} block_k={bk}: {cubin_usage(k.asm['cubin'])} "
+              f"shared {k.metadata.shared} vector weight loads {vec} "
               f"wait_after_first_load={pdl and 0 <= first_ld < wait}", flush=True)
+
+
+def old_prologues(target) -> None:
+    """The session-16 GEMV prologues (kernels.gemv at its default 2 rows x 1024 columns; SiLU: 8 rows)."""
+    from kernels.gemv import _gemv_kernel
+
+    names = "x_ptr w_ptr b_ptr y_ptr r_ptr g_ptr h_ptr N K s_xm s_wn s_ym s_rm s_hm eps".split()
+    for prologue, label in ((0, "plain"), (2, "add+rms_norm"), (3, "silu_mul")):
+        sig = {n: ("*bf16" if n.endswith("ptr") else "i32") for n in names}
+        sig["eps"] = "fp32"
+        consts = dict(HAS_BIAS=False, BLOCK_N=8 if prologue == 3 else 2, BLOCK_K=1024, PROLOGUE=prologue,
+                      NORM=prologue == 2, PDL=True)
+        sig.update({k: "constexpr" for k in consts})
+        div = [n for n in names if n.endswith("ptr") or n.startswith("s_") or n == "K"]
+        src = ASTSource(_gemv_kernel, sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()},
+                        attrs={(list(sig).index(a),): [["tt.divisibility", 16]] for a in div})
+        k = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3})
+        print(f"kernels.gemv {label} (session 16): {cubin_usage(k.asm['cubin'])}", flush=True)
 
 
 def cubin_usage(cubin: bytes) -> str:

@@ -159,6 +159,9 @@ def test_fused_decode_layers_keep_the_function_and_the_greedy_tokens(int4):
     assert calls == ([1, 1, 3] if int4 else [1, 1])  # the GEMV rows (int4: up to 4), not the 13-token prefill
     prompt = ids[:9].tolist()
     assert _paged_greedy(on, prompt, 12) == _paged_greedy(off, prompt, 12)
+    calls.clear()  # a backend without a paged pool (the dense cache) keeps the unfused path
+    torch.testing.assert_close(our_logits(on, ids, [13, 1]), our_logits(off, ids, [13, 1]), rtol=0, atol=0)
+    assert calls == []
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the Triton kernels on CPU need TRITON_INTERPRET=1")

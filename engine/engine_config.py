@@ -180,6 +180,11 @@ class EngineConfig:
         cuda_gemv_prologues: on CUDA, fold the RMSNorms and SiLU·mul into the prologue of the GEMV kernels
             that run decode rows (``engine.fused``, issue 19.2). Off by default: on an H100 the prologue
             GEMVs at the default tunings cost more than the launches they save (docs/benchmarks.md).
+        cuda_fused_decode_layers: on CUDA, GEMV-row decode steps (batch 1 in bf16, up to 4 rows in int4) run each
+            layer as 4 fused GEMV launches + the attention (``kernels.decode_layer``, issue 19 item 2): RMSNorm
+            + QKV + RoPE + K/V store, attention, O + residual add, RMSNorm + gate/up + SiLU·mul, down + residual
+            add, instead of ~10 launches. Takes precedence over ``cuda_gemv_prologues`` on those steps; fp8
+            weights and fp8 KV pools keep the unfused path. Off by default until measured on a GPU.
         cuda_one_pass_decode_tokens: on CUDA, decode batches of up to 8 sequences whose contexts all fit
             this many tokens replay a graph whose attention is one pass per (sequence, KV head), without
             the split-K reduce kernel (``engine.model_runner.ONE_PASS_MAX_BATCH``); 0 (default): off (split-K
@@ -247,6 +252,7 @@ class EngineConfig:
     cuda_weight_format: str = "bf16"
     cuda_fused_rope_store: bool = True
     cuda_gemv_prologues: bool = False
+    cuda_fused_decode_layers: bool = False
     cuda_one_pass_decode_tokens: int = 0
     cuda_pdl: bool = True
     seed: int = 0

@@ -18,7 +18,10 @@ Decode fusions (issue 19.2): on the paged backend RoPE and the K/V store are one
 every batch; with ``gemv_prologues`` (``EngineConfig.cuda_gemv_prologues``, off by default: slower on an H100 at
 the tunings measured, docs/benchmarks.md), where a product runs as a GEMV kernel (one bf16 row, or up to
 ``INT4_GEMV_MAX_ROWS`` int4 rows), the RMSNorm before qkv and gate/up and the SiLU·mul before down run in that
-kernel's prologue (``kernels._prologue``).
+kernel's prologue (``kernels._prologue``). With ``fused_layers`` (``EngineConfig.cuda_fused_decode_layers``, off by
+default until measured) a step whose rows are all GEMV rows runs each layer as four launches plus the attention
+(``kernels.decode_layer``): RMSNorm + QKV + RoPE + K/V store, attention, O + residual add, RMSNorm + gate/up +
+SiLU·mul, down + residual add; the residual stream is updated in place by the O and down epilogues.
 
 :func:`fuse_for_cuda` concatenates each layer's q/k/v and gate/up weights once, at load, and re-points the
 original parameters at row slices of the fused tensors, so no weight is stored twice and the wrapped model
@@ -129,12 +132,17 @@ class FusedLlama(nn.Module):
     """Same interface as :class:`LlamaForCausalLM` for the runner: ``forward`` and ``logits``."""
 
     def __init__(self, model: LlamaForCausalLM, use_gemv: bool = True, int4_group: int | None = None,
-                 gemv_prologues: bool = False, fused_rope_store: bool = True, fp8: bool = False) -> None:
+                 gemv_prologues: bool = False, fused_rope_store: bool = True, fp8: bool = False,
+                 fused_layers: bool = False, kernel_backend: str = "auto") -> None:
         super().__init__()
         self.base = model
         self.use_gemv = use_gemv  # single-row GEMMs through kernels.gemv (batch-1 decode) instead of cuBLAS
         self.gemv_prologues = gemv_prologues  # RMSNorm / SiLU·mul in the prologue of the GEMV rows' kernels
         self.fused_rope_store = fused_rope_store  # RoPE + K/V store in one launch (paged backend)
+        self.fused_layers = fused_layers  # GEMV-row steps: 4 launches + attention a layer (kernels.decode_layer)
+        # the decode-layer launchers' backend: "auto" (Triton on CUDA, torch references elsewhere); tests force
+        # "triton" on CPU tensors under Triton's interpreter
+        self.kernel_backend = kernel_backend
         self.config = model.config
         self.fused = fuse_layer_weights(model)
         # int4 / fp8 weights: the layer GEMMs and the head (the embedding keeps its copy)
@@ -167,6 +175,8 @@ class FusedLlama(nn.Module):
         """input_ids/positions [T] -> last hidden state [T, hidden], as the reference forward."""
         h = self.base.embed(input_ids)                      # [T, hidden]
         cos, sin = self.base.rotary.cos_sin(positions)      # [T, D] fp32, shared by every layer
+        if self._fused_layers_apply(h, backend):
+            return self._forward_fused_layers(h, cos, sin, backend)
         residual = None
         for layer, w in zip(self.base.layers, self.fused, strict=True):
             h, residual = self._layer(layer, w, h, residual, cos, sin, backend)
@@ -180,6 +190,46 @@ class FusedLlama(nn.Module):
         h = _reduce(attn.o_proj, self._linear(o.reshape(o.shape[0], -1), w.o))
         gate_up, residual = self._norm_linear(layer.post_attention_layernorm, h, residual, w.gate_up)
         return _reduce(layer.mlp.down_proj, self._silu_linear(gate_up, w.down)), residual
+
+    def _fused_layers_apply(self, h: torch.Tensor, backend) -> bool:
+        """Whether this step runs the fused decode layers: switched on, every product a GEMV row (bf16: one
+        row; int4: up to INT4_GEMV_MAX_ROWS), the kernels' paged backend with pools of the activations' dtype
+        (not the CPU attention path, not fp8 pools), no fp8 weights and no tensor-parallel slices (their
+        partial products are summed over ranks before the residual add)."""
+        if not self.fused_layers:
+            return False
+        w0 = self.fused[0]
+        rows = h.shape[0]
+        if isinstance(w0.qkv, Int4Weight):
+            if rows > INT4_GEMV_MAX_ROWS:
+                return False
+        elif not (self.use_gemv and rows == 1 and isinstance(w0.qkv, torch.Tensor)):
+            return False
+        cache, meta = getattr(backend, "cache", None), getattr(backend, "meta", None)
+        if (cache is None or meta is None or getattr(backend, "cpu_decode", True) or cache.quantized
+                or cache.k[0].dtype != h.dtype or meta.slot_mapping.shape[0] != rows):
+            return False
+        layer = self.base.layers[0]
+        return getattr(layer.self_attn.o_proj, "reduce", None) is None and getattr(
+            layer.mlp.down_proj, "reduce", None) is None
+
+    def _forward_fused_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend) -> torch.Tensor:
+        """Every layer in four ``kernels.decode_layer`` launches + the attention; h [T, hidden] is the residual
+        stream from here on (the embedding's fresh output), updated in place by the O and down epilogues."""
+        kb, cache, slots = self.kernel_backend, backend.cache, backend.meta.slot_mapping
+        t = h.shape[0]
+        for layer, w in zip(self.base.layers, self.fused, strict=True):
+            attn, n1, n2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+            i = attn.layer_idx
+            (wqkv, sqkv), (wo, so), (wgu, sgu), (wd, sd) = (_wso(x) for x in (w.qkv, w.o, w.gate_up, w.down))
+            q = kernels.norm_qkv_rope_store(h, n1.weight, n1.eps, wqkv, w.qkv_bias, attn.num_heads,
+                                            attn.num_kv_heads, cos, sin, cache.k[i], cache.v[i], slots, sqkv,
+                                            backend=kb)                       # q [T, Hq, D]; k, v stored
+            o = backend.attend_stored(i, q)                                   # [T, Hq, D]
+            kernels.gemv_add_residual(o.reshape(t, -1), wo, h, so, backend=kb)
+            act = kernels.norm_gate_up_silu(h, n2.weight, n2.eps, wgu, sgu, backend=kb)  # [T, I]
+            kernels.gemv_add_residual(act, wd, h, sd, backend=kb)
+        return h
 
     def _norm_linear(self, norm, h, residual, weight, bias=None):
         """(add +) RMSNorm then x @ weight^T (+ bias) -> (product [T, N], residual stream [T, hidden]); one
@@ -261,6 +311,11 @@ class FusedLlama(nn.Module):
         return sum(storages.values())
 
 
+def _wso(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer weight as ``kernels.decode_layer`` takes it: (16-bit weight, None) or (qweight, scale_offset)."""
+    return (w.qweight, w.scale_offset) if isinstance(w, Int4Weight) else (w, None)
+
+
 def _reduce(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
     """A tensor-parallel row slice (``engine.tp_linear.RowParallelLinear``) sums its partial product over
     the ranks; a plain linear's output is already whole."""
@@ -269,9 +324,11 @@ def _reduce(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
 
 
 def fuse_for_cuda(model: LlamaForCausalLM, int4_group: int | None = None,
-                  gemv_prologues: bool = False, fused_rope_store: bool = True, fp8: bool = False) -> FusedLlama:
+                  gemv_prologues: bool = False, fused_rope_store: bool = True, fp8: bool = False,
+                  fused_layers: bool = False) -> FusedLlama:
     """The model with the fused forward (the runner's choice on CUDA); ``int4_group``: int4 weights; ``fp8``:
     e4m3 weights (engine.fp8); ``gemv_prologues``: norms / SiLU·mul in the GEMV rows' prologues;
-    ``fused_rope_store``: RoPE + K/V store in one launch."""
+    ``fused_rope_store``: RoPE + K/V store in one launch; ``fused_layers``: GEMV-row steps as four launches +
+    attention a layer (``kernels.decode_layer``)."""
     return FusedLlama(model, int4_group=int4_group, gemv_prologues=gemv_prologues,
-                      fused_rope_store=fused_rope_store, fp8=fp8)
+                      fused_rope_store=fused_rope_store, fp8=fp8, fused_layers=fused_layers)

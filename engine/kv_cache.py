@@ -199,7 +199,7 @@ class PagedAttention:
         self._store(layer, k, v, kc, vc)
         if self.cpu_decode:
             return self._attend_cpu(q, k, v, kc, vc)
-        return self._attend_stored(layer, q)
+        return self.attend_stored(layer, q)
 
     def attend_qkv(self, layer: int, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
                    sin: torch.Tensor) -> torch.Tensor:
@@ -216,9 +216,9 @@ class PagedAttention:
             return self.attend(layer, q, k, v.view(t, num_kv_heads, d))
         q = kernels.rope_store_kv(qkv, num_heads, num_kv_heads, cos, sin, kc, vc, m.slot_mapping, k_scale=ks,
                                   v_scale=vs)
-        return self._attend_stored(layer, q)
+        return self.attend_stored(layer, q)
 
-    def _attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The kernels' attention of q [T, Hq, D] over the cache (this step's K/V already stored)."""
         m, kc, vc = self.meta, self.cache.k[layer], self.cache.v[layer]
         scales = dict(k_scale=self.cache.k_scale[layer], v_scale=self.cache.v_scale[layer])  # None unless fp8

@@ -7,6 +7,15 @@ take fp8 (e4m3) pools with per-KV-head scales (:mod:`kernels.kv_quant`).
 """
 
 from ._pdl import pdl_enabled, set_pdl
+from .decode_layer import (
+    DecodeLayerTuning,
+    gemv_add_residual,
+    gemv_add_residual_reference,
+    norm_gate_up_silu,
+    norm_gate_up_silu_reference,
+    norm_qkv_rope_store,
+    norm_qkv_rope_store_reference,
+)
 from .errors import BackendUnavailableError, KernelError, KernelInputError
 from .gemv import (
     GemvTuning,
@@ -56,6 +65,13 @@ __all__ = [
     "pdl_enabled",
     "set_pdl",
     "BackendUnavailableError",
+    "DecodeLayerTuning",
+    "gemv_add_residual",
+    "gemv_add_residual_reference",
+    "norm_gate_up_silu",
+    "norm_gate_up_silu_reference",
+    "norm_qkv_rope_store",
+    "norm_qkv_rope_store_reference",
     "GemvTuning",
     "gemv",
     "gemv_reference",

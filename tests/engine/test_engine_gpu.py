@@ -269,3 +269,44 @@ def test_fp8_engine_graphs_equal_eager(batch):
         common = set(a) & set(b)
         assert len(common) >= 4
         assert all(abs(a[t] - b[t]) < 2e-2 * scale for t in common)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_fused_decode_layers_keep_the_greedy_tokens(fmt):
+    """EngineConfig.cuda_fused_decode_layers (kernels.decode_layer, four launches + attention a layer on the
+    GEMV rows: batch-1 steps, and int4 batches of up to 4), captured in the CUDA graphs, with the default PDL:
+    fp32 greedy tokens equal the unfused engine's, prompts alone and together."""
+    import kernels
+
+    prompts = random_prompts([5, 17, 33, 40], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = []
+    try:
+        for fused in (False, True):
+            llm = _engine({}, dtype="float32", cuda_weight_format=fmt, cuda_fused_decode_layers=fused)
+            assert llm.engine.runner.model.fused_layers == fused and llm.engine.runner._graphs
+            tokens.append(_alone_and_together(llm, prompts, params))
+            del llm
+            _free_gpu_memory()
+    finally:
+        kernels.set_pdl(False)
+    assert tokens[0] == tokens[1]
+
+
+def test_fused_decode_layers_bf16_logprobs_close():
+    """bf16: the first decode steps' top-5 log-probs with the fused decode layers are those without, to bf16
+    precision (the normed row is not rounded to bf16 before the product: near-ties may part later)."""
+    prompt = random_prompts([40], seed=4)[0]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=5)
+    got = []
+    for fused in (False, True):
+        llm = _engine({}, cuda_fused_decode_layers=fused)
+        got.append(llm.generate([prompt], params)[0].outputs[0])
+        del llm
+        _free_gpu_memory()
+    assert got[0].token_ids[0] == got[1].token_ids[0]  # the prefill's token: the unfused path on both
+    off, on = got[0].logprobs[1], got[1].logprobs[1]  # the first decode step (batch-1 graph)
+    scale = max(abs(v) for v in off.values())
+    for tok in set(off) & set(on):
+        assert abs(on[tok] - off[tok]) < 2e-2 * scale
+    assert len(set(off) & set(on)) >= 4

@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from engine.fused import FusedLlama
+from kernels._common import HAS_TRITON, _interpreting
 from tests.engine.engine_helpers import random_prompts, tiny_model
 from tests.engine.hf_tiny import VARIANTS
 from tests.engine.test_model import our_logits
+
+INTERPRET = HAS_TRITON and _interpreting()
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -113,3 +116,66 @@ def test_decode_fusions_compute_the_unfused_function(int4):
     if not int4:  # and the reference model's function
         torch.testing.assert_close(_paged_logits(on, ids, chunks), our_logits(model, ids, chunks),
                                    rtol=1e-5, atol=1e-5)
+
+
+def _paged_greedy(model, prompt: list[int], steps: int, block_size: int = 4) -> list[int]:
+    """Greedy tokens through the paged cache's kernels path: the prompt as one prefill chunk, then one-token
+    decode rows (the rows the fused decode layers take)."""
+    from engine.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
+
+    cfg = model.config
+    total = len(prompt) + steps
+    blocks = -(-total // block_size)
+    cache = PagedKVCache(cfg, blocks, block_size, torch.float32, "cpu")
+    table = torch.arange(blocks, dtype=torch.int32)[None, :]
+    n = len(prompt)
+    meta = AttentionMetadata(torch.arange(n), 0, prefill_block_tables=table,
+                             prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                             prefill_context_lens=torch.tensor([n], dtype=torch.int32), prefill_max_q=n)
+    h = model(torch.tensor(prompt), torch.arange(n), PagedAttention(cache, meta, cfg.head_dim))
+    out = [int(model.logits(h)[-1].argmax())]
+    for pos in range(n, total - 1):
+        meta = AttentionMetadata(torch.tensor([pos]), 1, table, torch.tensor([pos + 1], dtype=torch.int32))
+        h = model(torch.tensor(out[-1:]), torch.tensor([pos]), PagedAttention(cache, meta, cfg.head_dim))
+        out.append(int(model.logits(h)[-1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("int4", [False, True])
+@torch.inference_mode()
+def test_fused_decode_layers_keep_the_function_and_the_greedy_tokens(int4):
+    """EngineConfig.cuda_fused_decode_layers (kernels.decode_layer): on CPU its launchers run their torch
+    references (the unfused ops), so the decode rows' logits and the greedy tokens equal the old path's."""
+    model = tiny_model("qwen2-bias-tied", seed=3)
+    ids = torch.tensor(random_prompts([21], seed=4)[0])
+    group = 16 if int4 else None
+    on = FusedLlama(copy.deepcopy(model), int4_group=group, fused_layers=True)
+    off = FusedLlama(copy.deepcopy(model), int4_group=group, fused_layers=False)
+    calls = []
+    orig = on._forward_fused_layers
+    on._forward_fused_layers = lambda *a: calls.append(a[0].shape[0]) or orig(*a)
+    torch.testing.assert_close(_paged_logits(on, ids, [13, 1, 1, 3]), _paged_logits(off, ids, [13, 1, 1, 3]),
+                               rtol=0, atol=0)
+    assert calls == ([1, 1, 3] if int4 else [1, 1])  # the GEMV rows (int4: up to 4), not the 13-token prefill
+    prompt = ids[:9].tolist()
+    assert _paged_greedy(on, prompt, 12) == _paged_greedy(off, prompt, 12)
+    calls.clear()  # a backend without a paged pool (the dense cache) keeps the unfused path
+    torch.testing.assert_close(our_logits(on, ids, [13, 1]), our_logits(off, ids, [13, 1]), rtol=0, atol=0)
+    assert calls == []
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("int4", [False, True])
+@torch.inference_mode()
+def test_fused_decode_layers_triton_kernels_keep_the_greedy_tokens(int4):
+    """The decode-layer Triton kernels themselves (Triton's interpreter, fp32): logits within 1e-4 of the
+    old path's and the same greedy tokens."""
+    model = tiny_model("qwen2-bias-tied", seed=3)
+    ids = torch.tensor(random_prompts([21], seed=4)[0])
+    group = 16 if int4 else None
+    on = FusedLlama(copy.deepcopy(model), int4_group=group, fused_layers=True, kernel_backend="triton")
+    off = FusedLlama(copy.deepcopy(model), int4_group=group, fused_layers=False)
+    torch.testing.assert_close(_paged_logits(on, ids, [13, 1, 1]), _paged_logits(off, ids, [13, 1, 1]),
+                               rtol=1e-4, atol=1e-4)
+    prompt = ids[:9].tolist()
+    assert _paged_greedy(on, prompt, 6) == _paged_greedy(off, prompt, 6)

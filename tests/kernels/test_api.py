@@ -32,6 +32,8 @@ def test_exported_members():
         "GemvFp8Tuning", "dequantize_fp8_rows", "gemv_fp8", "gemv_fp8_reference", "set_tuning_fp8", "tuning_fp8",
         "quantize_fp8_rows", "quantize_fp8_rows_reference", "scaled_mm_fp8", "scaled_mm_fp8_reference",
         "set_pdl", "pdl_enabled",
+        "DecodeLayerTuning", "gemv_add_residual", "gemv_add_residual_reference", "norm_gate_up_silu",
+        "norm_gate_up_silu_reference", "norm_qkv_rope_store", "norm_qkv_rope_store_reference",
     ])
     for name in kernels.__all__:
         assert getattr(kernels, name).__module__.startswith("kernels.")

@@ -82,3 +82,30 @@ def test_encode_many_on_cuda_is_encode():
     values = [rng.uniform(-2, 2, params.slots) for _ in range(17)]
     for g, v in zip(ev.encode_many(values, ev.top, ev.scale), values, strict=True):
         assert torch.equal(g.data, ev.encode(v, ev.top, ev.scale).data)
+
+
+def test_kept_diagonals_on_cuda_are_the_encoded_ones(monkeypatch):
+    """``fhe.packed.PLAIN_CACHE_BYTES`` on CUDA with the on-device encoder (the GPU worker's): a second chunk of
+    the same shape takes the first one's kept diagonals and gives the ciphertexts of a run without the cache,
+    residue for residue; a chunk of other rows does not take them (tests/fhe/test_gpu_backend_packed_cache.py
+    checks the same against SEAL on the CPU reference)."""
+    from fhe import packed
+
+    model, plan, params, x, client, bc, chunks, _ = packed_case()
+    ev = GpuEvaluator(params, device="cuda", encoder="fft")
+    keys = ev.keys_from_server(client.server_keys())
+    gpu = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, model.config, params, max_tokens=64,
+                                  evaluator=ev)
+    shorter = bc.encrypt_packed(x[:3])
+
+    def run(cts, count):
+        return gpu.prefill_packed(gpu.new_cache(), [ev.deserialize(seal.to_bytes(c)) for c in cts], 0, count, keys)
+
+    monkeypatch.setattr(packed, "PLAIN_CACHE_BYTES", 0)
+    plain, plain_short = run(chunks, len(x)), run(shorter, 3)
+    monkeypatch.setattr(packed, "PLAIN_CACHE_BYTES", 1 << 34)
+    for _ in range(2):                                          # fills, then takes
+        for got, want in ((run(chunks, len(x)), plain), (run(shorter, 3), plain_short)):
+            assert all(torch.equal(a.data, b.data) for a, b in zip(got, want, strict=True))
+    store = gpu.packed_plaintexts
+    assert (len(store), store.hits, store.misses) == (6, 6, 6)

@@ -147,9 +147,10 @@ def ab_cache(args, gpu, packed_chunk, as_the_sdk, res: dict) -> None:
         packed.PLAIN_CACHE_BYTES = before
         rows[name] = {v: {"median_s": statistics.median(t[1:]), "all_s": t} for v, t in times.items()}
         rows[name]["same"] = all(torch.equal(a.data, b.data) for a, b in zip(outs["main"], outs["new"], strict=True))
-    store = gpu.packed_plaintexts
-    rows["cache"] = {"entries": len(store), "bytes": store.nbytes, "hits": store.hits, "misses": store.misses,
-                     "device_max_allocated": torch.cuda.max_memory_allocated() if args.device == "cuda" else None}
+    store = gpu.packed_plaintexts                                     # None: no map was ever kept
+    rows["cache"] = {"entries": len(store), "bytes": store.nbytes, "hits": store.hits,
+                     "misses": store.misses} if store is not None else None
+    rows["device_max_allocated"] = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
     res["ab_cache"] = {"budget_bytes": on} | rows
     print(f"ab cache: {json.dumps(res['ab_cache'])}", flush=True)
 

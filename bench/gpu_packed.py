@@ -16,9 +16,9 @@ What it measures, in one run, from the same client ciphertexts and keys (level-a
 * fidelity: the GPU chunk's decrypted outputs against the plaintext simulator and the GPU token path.
 * ``--ab-group G [--ab-rows]``: ``fhe.packed.SHIFT_GROUP`` 0 (one band shift at a time) against G (and
   ``BATCH_ROWS`` off against on), in turn.
-* ``--ab-cache GB`` (session 23): ``fhe.packed.PLAIN_CACHE_BYTES`` 0 (every chunk encodes its projections'
-  diagonals) against GB GiB (a layer keeps them: every repeat after the first finds the chunk's), in turn; the
-  cache's hits, misses and bytes.
+* ``--ab-cache GB`` (session 23): main's path (``fhe.packed.PLAIN_CACHE_BYTES`` 0: every chunk encodes its
+  projections' diagonals; ``STACK_BABIES`` off) against the babies stacked once per map, and against that with GB
+  GiB of kept diagonals (every repeat after the first finds the chunk's), in turn; the cache's hits, misses, bytes.
 * ``--ab-main`` (session 20): main's switches as merged before session 20 (:data:`MAIN_SWITCHES`: the NTT's lazy
   butterflies, the key switch's fusions, SHIFT_GROUP, BATCH_ROWS all off) on a second evaluator, block and key set
   object against the defaults, in turn. ``--quick``: stop after the timings and A/Bs.
@@ -130,23 +130,32 @@ def ab_group(args, packed_chunk, as_the_sdk, res: dict) -> None:
 
 
 def ab_cache(args, gpu, packed_chunk, as_the_sdk, res: dict) -> None:
-    """``--ab-cache``: ``fhe.packed.PLAIN_CACHE_BYTES`` 0 against ``args.ab_cache`` GiB, one run of each in turn
-    (``--repeat`` rounds after a warm-up round, whose "new" run fills the layer's cache), the chunk and the 32
-    tokens as the SDK sends them; whether their outputs are equal residue for residue; the cache's counters."""
+    """``--ab-cache``: three variants, one run of each in turn (``--repeat`` rounds after a warm-up round, whose
+    "new" run fills the layer's cache): "main" (``fhe.packed.PLAIN_CACHE_BYTES`` 0, ``STACK_BABIES`` off: main's
+    path), "stack" (the babies stacked once per map) and "new" (that and ``args.ab_cache`` GiB of kept diagonals),
+    the chunk and the 32 tokens as the SDK sends them; whether every variant's outputs equal main's residue for
+    residue; the cache's counters."""
     from fhe import packed
 
-    before, on, rows = packed.PLAIN_CACHE_BYTES, int(args.ab_cache * (1 << 30)), {}
+    before = packed.PLAIN_CACHE_BYTES, packed.STACK_BABIES
+    on = int(args.ab_cache * (1 << 30))
+    variants = {"main": (0, False), "stack": (0, True), "new": (on, True)}
+    rows: dict = {}
     for name, fn in (("chunk", packed_chunk), ("as_sdk", as_the_sdk)):
-        times: dict[str, list] = {"main": [], "new": []}
+        times: dict[str, list] = {v: [] for v in variants}
         outs = {}
         for _ in range(args.repeat + 1):                              # the first round: warm-up
-            for var, budget in (("main", 0), ("new", on)):
-                packed.PLAIN_CACHE_BYTES = budget
-                sec, outs[var] = _median_s(fn, 1)
+            for var, (budget, stack) in variants.items():
+                packed.PLAIN_CACHE_BYTES, packed.STACK_BABIES = budget, stack
+                try:
+                    sec, outs[var] = _median_s(fn, 1)
+                finally:
+                    packed.PLAIN_CACHE_BYTES, packed.STACK_BABIES = before
                 times[var].append(round(sec, 4))
-        packed.PLAIN_CACHE_BYTES = before
         rows[name] = {v: {"median_s": statistics.median(t[1:]), "all_s": t} for v, t in times.items()}
-        rows[name]["same"] = all(torch.equal(a.data, b.data) for a, b in zip(outs["main"], outs["new"], strict=True))
+        rows[name]["same"] = {v: all(torch.equal(a.data, b.data) for a, b in zip(outs["main"], outs[v], strict=True))
+                              for v in variants if v != "main"}
+        print(f"ab cache {name}: {json.dumps(rows[name])}", flush=True)
     store = gpu.packed_plaintexts                                     # None: no map was ever kept
     rows["cache"] = {"entries": len(store), "bytes": store.nbytes, "hits": store.hits,
                      "misses": store.misses} if store is not None else None

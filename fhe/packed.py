@@ -206,6 +206,10 @@ BATCH_ROWS = True
 #: B = 28) one chunk's are 7.3 GB a layer (1,088 plaintexts each for q at 12 primes, k at 11, v at 4; 256 kB a
 #: prime); kept, a chunk skips their ~3,300 FFTs, roundings and ~29,000 NTT rows.
 PLAIN_CACHE_BYTES = 0
+#: a map's babies stacked once for its 64 band shifts' dot products (the backend's ``dot_with``) instead of once per
+#: shift inside ``dot_plain``, and the shift's plaintexts read in place (session 23: a 28-token chunk stacked ~22 GB
+#: at N = 32768, babies ~15 GB of it). The same kernel on the same operands.
+STACK_BABIES = True
 
 
 class PlainCache:
@@ -266,6 +270,7 @@ def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[Packed
     outs: list[Ciphertext | None] = [None] * len(maps)
     ready: list[dict] = [{} for _ in maps]                 # device maps: shift -> (babies, plaintexts), a group ahead
     kept = [_kept(store, m, ev, rows, level, scale) for m in maps]   # (cache key, shift -> (babies, pts)) or None
+    dots: dict[tuple, object] = {}                                  # babies in use -> their dot (stacked once)
     for a in range(geo.layout.head_dim - 1, -1, -1):
         for i, m in enumerate(maps):
             if outs[i] is not None:
@@ -284,16 +289,28 @@ def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[Packed
                 ks, pts = [k for k, _ in diags], encode_many(ev, [p for _, p in diags], level, scale)
             if kept[i] is not None and not kept[i][2]:
                 kept[i][1][a] = (ks, pts)
-            terms = list(zip([babies[k] for k in ks], pts, strict=True))
-            if not terms:       # SEAL refuses all-zero plaintexts: nothing to add at this shift
+            if not ks:          # SEAL refuses all-zero plaintexts: nothing to add at this shift
                 continue
-            inner = ev.dot_plain(terms)
+            inner = _dot(ev, babies, ks, dots)(pts)
             ev.rescale_inplace(inner)
             outs[i] = inner if outs[i] is None else ev.add(outs[i], inner)
     for got in kept:
         if got is not None and not got[2]:
             store.put(got[0], got[1])
     return outs
+
+
+def _dot(ev: Evaluator, babies: dict[int, Ciphertext], ks: list[int], dots: dict):
+    """``pts -> Σ_j babies[ks[j]] * pts[j]``: through the backend's ``dot_with`` where it has one and
+    :data:`STACK_BABIES` is on (the gpu backend: the babies stacked once for every band shift that uses them),
+    else ``dot_plain``. The same sums."""
+    with_ = getattr(ev, "dot_with", None) if STACK_BABIES else None
+    if with_ is None:
+        return lambda pts: ev.dot_plain(list(zip([babies[k] for k in ks], pts, strict=True)))
+    key = tuple(ks)
+    if key not in dots:
+        dots[key] = with_([babies[k] for k in ks])
+    return dots[key]
 
 
 def _kept(store: PlainCache | None, m: PackedMap, ev: Evaluator, rows: int, level: int,

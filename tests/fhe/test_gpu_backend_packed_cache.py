@@ -82,3 +82,19 @@ def test_plain_cache_keeps_the_budget_least_recently_used_first_out(monkeypatch)
     assert store.put("a", _entry(2000)) and store.nbytes == 2000 and len(store) == 1   # replaced; "d" dropped
     assert store.get("a")[0][1][0].data.numel() == 250
     assert (store.hits, store.misses) == (3, 2)
+
+
+def test_plain_block_is_a_view_of_consecutive_rows_only():
+    """``plain_block``: ``encode_many``'s plaintexts (consecutive rows of one tensor) as one ``[K, L, N]`` view, read
+    in place by ``dot_with``; anything else None (then stacked: a copy)."""
+    from fhe.backends.gpu.evaluator import plain_block
+
+    residues = torch.arange(5 * 3 * 8, dtype=torch.int64).view(5, 3, 8)
+    pts = [GpuPlaintext(residues[i], 1.0) for i in range(5)]
+    block = plain_block(pts[1:4])
+    assert block is not None and torch.equal(block, residues[1:4])
+    assert block.data_ptr() == residues[1].data_ptr()                       # no copy
+    assert plain_block([pts[0], pts[2]]) is None                            # a gap
+    assert plain_block([pts[1], pts[0]]) is None                            # out of order
+    assert plain_block([pts[0], GpuPlaintext(residues[1].clone(), 1.0)]) is None   # another tensor
+    assert plain_block([GpuPlaintext(residues[0, :2], 1.0), GpuPlaintext(residues[0, 2:], 1.0)]) is None  # shapes

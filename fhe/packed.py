@@ -203,7 +203,7 @@ BATCH_ROWS = True
 #: 0: none, every chunk encodes its own, as before session 23). A chunk's q, k and v diagonals depend only on public
 #: facts — the layer's weights, the rows' positions (RoPE, step gains) and their count — so the first chunk of every
 #: prompt of >= B tokens (positions 0..B-1), in any session, has the same ones. At the shipped plan (N = 32768,
-#: B = 28) one chunk's are 7.3 GB a layer (1,088 plaintexts each for q at 12 primes, k at 11, v at 4; 256 kB a
+#: B = 28) one chunk's are 7.7 GB a layer (1,088 plaintexts each for q at 12 primes, k at 11, v at 4; 256 KiB a
 #: prime); kept, a chunk skips their ~3,300 FFTs, roundings and ~29,000 NTT rows.
 PLAIN_CACHE_BYTES = 0
 #: a map's babies stacked once for its 64 band shifts' dot products (the backend's ``dot_with``) instead of once per

@@ -16,6 +16,9 @@ What it measures, in one run, from the same client ciphertexts and keys (level-a
 * fidelity: the GPU chunk's decrypted outputs against the plaintext simulator and the GPU token path.
 * ``--ab-group G [--ab-rows]``: ``fhe.packed.SHIFT_GROUP`` 0 (one band shift at a time) against G (and
   ``BATCH_ROWS`` off against on), in turn.
+* ``--ab-cache GB`` (session 23): main's path (``fhe.packed.PLAIN_CACHE_BYTES`` 0: every chunk encodes its
+  projections' diagonals; ``STACK_BABIES`` off) against the babies stacked once per map, and against that with GB
+  GiB of kept diagonals (every repeat after the first finds the chunk's), in turn; the cache's hits, misses, bytes.
 * ``--ab-main`` (session 20): main's switches as merged before session 20 (:data:`MAIN_SWITCHES`: the NTT's lazy
   butterflies, the key switch's fusions, SHIFT_GROUP, BATCH_ROWS all off) on a second evaluator, block and key set
   object against the defaults, in turn. ``--quick``: stop after the timings and A/Bs.
@@ -126,6 +129,41 @@ def ab_group(args, packed_chunk, as_the_sdk, res: dict) -> None:
     print(f"ab shift group: {json.dumps(res['ab_shift_group'])}", flush=True)
 
 
+def ab_cache(args, gpu, packed_chunk, as_the_sdk, res: dict) -> None:
+    """``--ab-cache``: three variants, one run of each in turn (``--repeat`` rounds after a warm-up round, whose
+    "new" run fills the layer's cache): "main" (``fhe.packed.PLAIN_CACHE_BYTES`` 0, ``STACK_BABIES`` off: main's
+    path), "stack" (the babies stacked once per map) and "new" (that and ``args.ab_cache`` GiB of kept diagonals),
+    the chunk and the 32 tokens as the SDK sends them; whether every variant's outputs equal main's residue for
+    residue; the cache's counters."""
+    from fhe import packed
+
+    before = packed.PLAIN_CACHE_BYTES, packed.STACK_BABIES
+    on = int(args.ab_cache * (1 << 30))
+    variants = {"main": (0, False), "stack": (0, True), "new": (on, True)}
+    rows: dict = {}
+    for name, fn in (("chunk", packed_chunk), ("as_sdk", as_the_sdk)):
+        times: dict[str, list] = {v: [] for v in variants}
+        outs = {}
+        for _ in range(args.repeat + 1):                              # the first round: warm-up
+            for var, (budget, stack) in variants.items():
+                packed.PLAIN_CACHE_BYTES, packed.STACK_BABIES = budget, stack
+                try:
+                    sec, outs[var] = _median_s(fn, 1)
+                finally:
+                    packed.PLAIN_CACHE_BYTES, packed.STACK_BABIES = before
+                times[var].append(round(sec, 4))
+        rows[name] = {v: {"median_s": statistics.median(t[1:]), "all_s": t} for v, t in times.items()}
+        rows[name]["same"] = {v: all(torch.equal(a.data, b.data) for a, b in zip(outs["main"], outs[v], strict=True))
+                              for v in variants if v != "main"}
+        print(f"ab cache {name}: {json.dumps(rows[name])}", flush=True)
+    store = gpu.packed_plaintexts                                     # None: no map was ever kept
+    rows["cache"] = {"entries": len(store), "bytes": store.nbytes, "hits": store.hits,
+                     "misses": store.misses} if store is not None else None
+    rows["device_max_allocated"] = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
+    res["ab_cache"] = {"budget_bytes": on} | rows
+    print(f"ab cache: {json.dumps(res['ab_cache'])}", flush=True)
+
+
 #: --ab-main: main's switches (as merged before session 20), set before each of main's runs on its own evaluator
 MAIN_SWITCHES = {("fhe.backends.gpu.triton_ops", "LAZY"): False, ("fhe.backends.gpu.triton_ops", "SKIP_DIAG"): False,
                  ("fhe.backends.gpu.triton_ops", "FUSED_FINISH"): False,
@@ -228,6 +266,8 @@ def gpu_part(args, s: dict, res: dict) -> None:
         ab_main(args, s, chunk, rest, res)
     if args.ab_group:
         ab_group(args, packed_chunk, as_the_sdk, res)
+    if args.ab_cache:
+        ab_cache(args, gpu, packed_chunk, as_the_sdk, res)
     if args.quick:
         print(json.dumps(res), flush=True)
         return
@@ -281,6 +321,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="the chunk's parts timed, its kernels profiled")
     ap.add_argument("--ab-group", type=int, default=0, help="fhe.packed.SHIFT_GROUP 0 against this, in turn")
     ap.add_argument("--ab-rows", action="store_true", help="with --ab-group: fhe.packed.BATCH_ROWS on in 'new'")
+    ap.add_argument("--ab-cache", type=float, default=0.0,
+                    help="fhe.packed.PLAIN_CACHE_BYTES 0 against this many GiB, in turn")
     ap.add_argument("--ab-main", action="store_true", help="main's switches, own evaluator, against the defaults")
     ap.add_argument("--quick", action="store_true", help="stop after the timings and A/Bs (no token path, fidelity)")
     ap.add_argument("--marker", type=Path, help="touched when the GPU part is done")

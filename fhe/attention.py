@@ -96,6 +96,8 @@ class EncryptedAttentionLayer:
         self._v_bias = None if bw.bv is None else bw.bv.numpy()
         # the packed prefill (fhe.packed) builds its per-chunk diagonals from the same folded weights
         self.packed_weights = (wq, bq, wk, bk, bw.wv.numpy(), self._v_bias)
+        #: and keeps their encodings between chunks of the same public shape (fhe.packed.PlainCache, made there)
+        self.packed_plaintexts = None
         self._bias = self._bias_vector(bq, bk)
         self._encode_static()
         #: processes one step runs on: 2 forks a copy of this process per step for part of it (fhe.fork)

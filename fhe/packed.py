@@ -30,6 +30,7 @@ Everything is checked against the token-by-token path and ``fhe.simulator`` (tes
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 
 import numpy as np
@@ -93,9 +94,12 @@ class PackedMap:
     ``w`` is [n or 1, Hq*D, hidden] (one matrix for every row when its first dim is 1).
     """
 
-    def __init__(self, geo: Geometry, w: np.ndarray) -> None:
+    def __init__(self, geo: Geometry, w: np.ndarray, key: tuple | None = None) -> None:
         lay = geo.layout
         self.geo, self.w = geo, w
+        #: what ``w`` depends on besides the layer's weights (which map, the rows' positions or count): where the
+        #: encoded diagonals are kept between chunks (:class:`PlainCache`); None: never kept
+        self.key = key
         self.kin = lay.hidden // lay.head_dim
         self.shift = lay.num_heads - 1
         self.n_baby = lay.num_heads + self.kin - 1
@@ -195,22 +199,85 @@ SHIFT_GROUP = 8
 #: outputs took 0.21 s of a 0.74 s chunk on an H100). On since session 20 (measured with :data:`SHIFT_GROUP`, above;
 #: not apart from it). Each row's ciphertext is the same either way.
 BATCH_ROWS = True
+#: device bytes of encoded projection diagonals one attention layer keeps between packed chunks (:class:`PlainCache`;
+#: 0: none, every chunk encodes its own, as before session 23). A chunk's q, k and v diagonals depend only on public
+#: facts — the layer's weights, the rows' positions (RoPE, step gains) and their count — so the first chunk of every
+#: prompt of >= B tokens (positions 0..B-1), in any session, has the same ones. At the shipped plan (N = 32768,
+#: B = 28) one chunk's are 7.7 GB a layer (1,088 plaintexts each for q at 12 primes, k at 11, v at 4; 256 KiB a
+#: prime); kept, a chunk skips their ~3,300 FFTs, roundings and ~29,000 NTT rows.
+PLAIN_CACHE_BYTES = 0
+#: a map's babies stacked once for its 64 band shifts' dot products (the backend's ``dot_with``) instead of once per
+#: shift inside ``dot_plain``, and the shift's plaintexts read in place (session 23: a 28-token chunk stacked ~22 GB
+#: at N = 32768, babies ~15 GB of it). The same kernel on the same operands.
+STACK_BABIES = True
+
+
+class PlainCache:
+    """One layer's encoded packed-map diagonals, ``{(map key, rows, level, scale): {shift: (babies, plaintexts)}}``,
+    the least recently used dropped first past :data:`PLAIN_CACHE_BYTES` (read at each store). Only public values
+    are in it (encoded weights); it serves every session of the layer."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[tuple, dict] = OrderedDict()
+        self._sizes: dict[tuple, int] = {}
+        #: lookups that found an entry / found none
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the plaintexts held."""
+        return sum(self._sizes.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple) -> dict | None:
+        got = self._entries.get(key)
+        if got is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return got
+
+    def put(self, key: tuple, shifts: dict) -> bool:
+        """Keep ``shifts`` under ``key``, dropping the least recently used entries it needs room from; False
+        (nothing kept) when it alone is over the budget."""
+        size = sum(p.data.element_size() * p.data.numel() for _, pts in shifts.values() for p in pts)
+        if size > PLAIN_CACHE_BYTES:
+            return False
+        self._drop(key)
+        while self._entries and self.nbytes + size > PLAIN_CACHE_BYTES:
+            self._drop(next(iter(self._entries)))
+        self._entries[key], self._sizes[key] = shifts, size
+        return True
+
+    def _drop(self, key: tuple) -> None:
+        self._entries.pop(key, None)
+        self._sizes.pop(key, None)
 
 
 def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[PackedMap], rows: int,
-                 keys: EvalKeys) -> list[Ciphertext]:
+                 keys: EvalKeys, store: PlainCache | None = None) -> list[Ciphertext]:
     """The maps on one input whose in-row shifts ``babies[b] = rot(x, b)`` are given (x at one level);
-    each output rescaled once per band shift, then summed Horner-style by W one level lower."""
+    each output rescaled once per band shift, then summed Horner-style by W one level lower. With ``store``,
+    a device map with a ``key`` takes its encoded diagonals from there, or leaves them there (the same
+    plaintexts either way: the same sums)."""
     geo = maps[0].geo
     level = ev.level(babies[0])
     scale = ev.prime(level)
     outs: list[Ciphertext | None] = [None] * len(maps)
     ready: list[dict] = [{} for _ in maps]                 # device maps: shift -> (babies, plaintexts), a group ahead
+    kept = [_kept(store, m, ev, rows, level, scale) for m in maps]   # (cache key, shift -> (babies, pts)) or None
+    dots: dict[tuple, object] = {}                                  # babies in use -> their dot (stacked once)
     for a in range(geo.layout.head_dim - 1, -1, -1):
         for i, m in enumerate(maps):
             if outs[i] is not None:
                 outs[i] = ev.rotate(outs[i], geo.layout.band, keys)
-            if isinstance(m.w, torch.Tensor) and SHIFT_GROUP:
+            if kept[i] is not None and kept[i][2]:            # every shift's plaintexts from the store
+                ks, pts = kept[i][1][a]
+            elif isinstance(m.w, torch.Tensor) and SHIFT_GROUP:
                 if a not in ready[i]:
                     ready[i] = m.encoded(ev, list(range(a, max(a - SHIFT_GROUP, -1), -1)), rows, level, scale)
                 ks, pts = ready[i].pop(a)
@@ -220,13 +287,46 @@ def apply_packed(ev: Evaluator, babies: dict[int, Ciphertext], maps: list[Packed
             else:
                 diags = list(m.plaintexts(a, rows))
                 ks, pts = [k for k, _ in diags], encode_many(ev, [p for _, p in diags], level, scale)
-            terms = list(zip([babies[k] for k in ks], pts, strict=True))
-            if not terms:       # SEAL refuses all-zero plaintexts: nothing to add at this shift
+            if kept[i] is not None and not kept[i][2]:
+                kept[i][1][a] = (ks, pts)
+            if not ks:          # SEAL refuses all-zero plaintexts: nothing to add at this shift
                 continue
-            inner = ev.dot_plain(terms)
+            inner = _dot(ev, babies, ks, dots)(pts)
             ev.rescale_inplace(inner)
             outs[i] = inner if outs[i] is None else ev.add(outs[i], inner)
+    for got in kept:
+        if got is not None and not got[2]:
+            store.put(got[0], got[1])
     return outs
+
+
+def _dot(ev: Evaluator, babies: dict[int, Ciphertext], ks: list[int], dots: dict):
+    """``pts -> Σ_j babies[ks[j]] * pts[j]``: through the backend's ``dot_with`` where it has one and
+    :data:`STACK_BABIES` is on (the gpu backend: the babies stacked once for every band shift that uses them),
+    else ``dot_plain``. The same sums."""
+    with_ = getattr(ev, "dot_with", None) if STACK_BABIES else None
+    if with_ is None:
+        return lambda pts: ev.dot_plain(list(zip([babies[k] for k in ks], pts, strict=True)))
+    key = tuple(ks)
+    if key not in dots:
+        dots[key] = with_([babies[k] for k in ks])
+    return dots[key]
+
+
+def _kept(store: PlainCache | None, m: PackedMap, ev: Evaluator, rows: int, level: int,
+          scale: float) -> tuple[tuple, dict, bool] | None:
+    """(cache key, shift -> (babies, plaintexts), found) of a map whose diagonals the store serves or will
+    keep, or None: no store, no key, a host map (SEAL's plaintexts stay per chunk), or more bytes than the
+    budget holds (then nothing is held past its group, as without a store)."""
+    if store is None or m.key is None or not isinstance(m.w, torch.Tensor) or not SHIFT_GROUP:
+        return None
+    key = (m.key, rows, level, float(scale))
+    got = store.get(key)
+    if got is not None:
+        return key, got, True
+    lay = m.geo.layout
+    need = lay.head_dim * len(m._babies_in_use()) * level * ev.params.poly_modulus_degree * 8
+    return (key, {}, False) if need <= PLAIN_CACHE_BYTES else None
 
 
 def _babies(ev: Evaluator, x: Ciphertext, count: int, keys: EvalKeys) -> dict[int, Ciphertext]:
@@ -268,8 +368,8 @@ class PackedPrefill:
         cos, sin = rope
         gain = np.array([layer._step_gain(int(t) + 1) for t in self._rows(start, n)])
         D, Hq = lay.head_dim, lay.num_heads
-        (q,) = apply_packed(ev, self._babies(ct, keys), [self._rope_map(wq.reshape(Hq, D, -1), cos, sin, gain)],
-                            n, keys)
+        qmap = self._rope_map(wq.reshape(Hq, D, -1), cos, sin, gain, key=("q", start))
+        (q,) = apply_packed(ev, self._babies(ct, keys), [qmap], n, keys, self._store())
         ev.set_scale(q, ev.scale)
         if bq is not None:
             q = add_plain_values(ev, q, self._bias_vec(_rope_rows(bq.reshape(Hq, D), cos, sin) * gain[:, None, None]))
@@ -284,25 +384,26 @@ class PackedPrefill:
         cos, sin = rope
         D, Hq = lay.head_dim, lay.num_heads
         heads = np.arange(Hq) // lay.group                       # KV head of each query head
-        kmap = self._rope_map(wk.reshape(-1, D, wk.shape[1])[heads], cos, sin)
+        kmap = self._rope_map(wk.reshape(-1, D, wk.shape[1])[heads], cos, sin, key=("k", start))
         xk = ev.mod_switch(ct, geo.level_qk + 1)
-        (k,) = apply_packed(ev, self._babies(xk, keys), [kmap], n, keys)
+        (k,) = apply_packed(ev, self._babies(xk, keys), [kmap], n, keys, self._store())
         ev.set_scale(k, ev.scale)
         if bk is not None:
             k = add_plain_values(ev, k, self._bias_vec(_rope_rows(bk.reshape(-1, D)[heads], cos, sin)))
         xv = ev.mod_switch(ct, geo.level_v + 1)
         wv_rows = wv.reshape(-1, D, wv.shape[1])[heads].reshape(1, Hq * D, -1)
         dev = _values_device(ev)
-        vmap = PackedMap(geo, wv_rows if dev is None else _on(wv_rows, dev))
-        (v,) = apply_packed(ev, _babies(ev, xv, vmap.n_baby, keys), [vmap], n, keys)
+        vmap = PackedMap(geo, wv_rows if dev is None else _on(wv_rows, dev), key=("v",))    # one matrix: any start
+        (v,) = apply_packed(ev, _babies(ev, xv, vmap.n_baby, keys), [vmap], n, keys, self._store())
         ev.set_scale(v, ev.scale)
         if bv is not None:
             v = add_plain_values(ev, v, self._bias_vec(np.broadcast_to(bv.reshape(-1, D)[heads], (n, Hq, D))))
         return k, v
 
-    def _rope_map(self, w, cos, sin, gain=None) -> PackedMap:
+    def _rope_map(self, w, cos, sin, gain=None, key: tuple | None = None) -> PackedMap:
         """A chunk's map of ``w`` [heads, D, hidden] with each row's RoPE (and step gain) folded in; built
-        in torch on the evaluator's device where it takes values there (same values), else numpy."""
+        in torch on the evaluator's device where it takes values there (same values), else numpy. ``key``:
+        the map's :class:`PlainCache` key (which map and the chunk's first position; the rows are added)."""
         dev = _values_device(self.ev)
         if dev is None:
             rows = _rope_rows(w, cos, sin)
@@ -311,7 +412,15 @@ class PackedPrefill:
             rows = _rope_rows_torch(_on(w, dev), _on(cos, dev), _on(sin, dev))
             scale = None if gain is None else _on(gain, dev)[:, None, None, None]
         rows = rows if scale is None else rows * scale
-        return PackedMap(self.geo, rows.reshape(len(cos), -1, w.shape[-1]))
+        return PackedMap(self.geo, rows.reshape(len(cos), -1, w.shape[-1]), key)
+
+    def _store(self) -> PlainCache | None:
+        """The layer's :class:`PlainCache` (made on first use), or None while :data:`PLAIN_CACHE_BYTES` is 0."""
+        if not PLAIN_CACHE_BYTES:
+            return None
+        if getattr(self.layer, "packed_plaintexts", None) is None:
+            self.layer.packed_plaintexts = PlainCache()
+        return self.layer.packed_plaintexts
 
     def _bias_vec(self, b: np.ndarray) -> np.ndarray:
         """[n, Hq, D] per-row values -> slot vector (rows >= n stay 0, as their inputs are)."""

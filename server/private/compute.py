@@ -66,7 +66,7 @@ class PrivateCompute:
 
     def __init__(self, model_dir: str, plan_path: str | None, max_tokens: int, device: str = "cpu",
                  step_processes: int = 1, offload_path: str | None = None, offload_chunks: bool = True,
-                 offload_warm: bool = True) -> None:
+                 offload_warm: bool = True, packed_kept_bytes: int = 0) -> None:
         from engine.loader import load_model
 
         torch.set_num_threads(1)  # one core per worker: parallelism comes from the pool
@@ -75,6 +75,7 @@ class PrivateCompute:
         self.params = self.gpu = self.key_levels = None   # plan_path None: linear steps only, no attention
         if plan_path is not None:
             self._attention_blocks(model, Plan.load(plan_path), max_tokens, device, step_processes)
+            keep_packed_plaintexts(self.gpu, packed_kept_bytes)
         self.steps = list(self.key_levels.steps) if self.key_levels is not None else []
         self.max_key_bytes = 1 << 30
         self.keys: dict[str, ServerKeys] = {}
@@ -693,6 +694,15 @@ def _plan_encoder(device: str) -> str:
     return "fft" if device.startswith("cuda") else "seal"
 
 
+def keep_packed_plaintexts(gpu, nbytes: int) -> None:
+    """``[private] packed_plain_cache_gb`` (in bytes) as this worker process's ``fhe.packed.PLAIN_CACHE_BYTES``
+    (each attention layer's budget), on the gpu backend only (``gpu`` None: SEAL, whose maps are never kept)."""
+    if gpu is not None and nbytes:
+        from fhe import packed
+
+        packed.PLAIN_CACHE_BYTES = int(nbytes)
+
+
 def _gpu_evaluator(params: CKKSParams, device: str, encoder: str = "fft"):
     """The gpu backend for ``[private] device`` (None for 'cpu': the blocks default to SEAL).
 
@@ -709,12 +719,13 @@ def _gpu_evaluator(params: CKKSParams, device: str, encoder: str = "fft"):
 
 def make_state(model_dir: str, plan_path: str | None, max_tokens: int, device: str = "cpu",
                step_processes: int = 1, offload_path: str | None = None, offload_chunks: bool = True,
-               offload_warm: bool = True) -> PrivateCompute:
+               offload_warm: bool = True, packed_kept_bytes: int = 0) -> PrivateCompute:
     """Worker factory (``server.private.workers`` imports it by name); ``plan_path`` None: an offload plan of
     linear steps only (``offload_path``), no attention block; ``offload_chunks``: ``[private]
-    offload_chunk_layout``; ``offload_warm``: ``[private] offload_warm_graphs``."""
+    offload_chunk_layout``; ``offload_warm``: ``[private] offload_warm_graphs``; ``packed_kept_bytes``: ``[private]
+    packed_plain_cache_gb`` in bytes."""
     return PrivateCompute(model_dir, plan_path, max_tokens, device, step_processes, offload_path, offload_chunks,
-                          offload_warm)
+                          offload_warm, packed_kept_bytes)
 
 
 __all__ = ["PrivateCompute", "make_state"]

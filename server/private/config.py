@@ -68,6 +68,11 @@ class PrivateSettings(BaseModel):
                              "of any sessions, queued on a worker when it takes its next task, that run as one "
                              "batched call (fhe.backends.gpu.batched); 1: one step at a time. Nothing waits for "
                              "a batch to fill. Ignored on SEAL (device = 'cpu') and with backend = 'ray'")
+    packed_plain_cache_gb: float = Field(0.0, ge=0, description="gpu backend: device GB of encoded projection "
+                                         "diagonals each attention layer keeps between packed prefill chunks of one "
+                                         "public shape (fhe.packed.PLAIN_CACHE_BYTES: every prompt's first chunk "
+                                         "then skips ~3,300 encodes; the shipped plan's first chunk takes 7.7 GB a "
+                                         "layer); 0: none. Ignored on SEAL (device = 'cpu')")
     device_key_bytes: int | None = Field(None, ge=1, description="device bytes of evaluation keys one GPU worker "
                                          "may hold (N=32768 plan: 1.32 GB a key set); caps max_keys_per_worker; "
                                          "None: no byte cap")

@@ -141,13 +141,16 @@ class AuditFallbackRecorder:
 
 def _worker_args(cfg: PrivateSettings, model_dir: Path, plan_path: Path | None) -> tuple:
     """The worker factory's arguments. The optional trailing ones (step_processes, offload_plan,
-    offload_chunk_layout, offload_warm_graphs when off) go only
+    offload_chunk_layout, offload_warm_graphs when off, packed_plain_cache_gb as bytes on a gpu backend) go only
     when set, so factories written for the first four keep working; step_processes only for local workers:
     a Ray actor's process runs Ray's own threads, which a fork per step would copy mid-flight. ``plan_path``
     None: an offload plan of linear steps only (the workers build no attention block)."""
     args: tuple = (str(model_dir), None if plan_path is None else str(plan_path), cfg.max_session_tokens,
                    cfg.device)
     split = cfg.step_processes if cfg.backend == "local" else 1
+    kept = int(cfg.packed_plain_cache_gb * (1 << 30)) if cfg.gpu_backend and plan_path is not None else 0
+    if kept:
+        return args + (split, cfg.offload_plan, cfg.offload_chunk_layout, cfg.offload_warm_graphs, kept)
     if cfg.offload_plan:
         tail = (cfg.offload_chunk_layout, False) if not cfg.offload_warm_graphs else (
             () if cfg.offload_chunk_layout else (False,))

@@ -104,3 +104,25 @@ def test_a_cpu_reference_worker_answers_like_the_seal_worker(tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_worker_answers_like_the_seal_worker(tiny):
     _worker_against_seal(tiny, "cuda")
+
+
+def test_kept_packed_plaintexts_reach_gpu_workers_only(tmp_path, monkeypatch):
+    """``[private] packed_plain_cache_gb``: the worker factory's trailing argument (in bytes) on a gpu backend with
+    attention blocks, absent otherwise (so four-argument factories keep working), and a worker process's
+    ``fhe.packed.PLAIN_CACHE_BYTES`` from it on the gpu backend only."""
+    from fhe import packed
+    from server.private.compute import keep_packed_plaintexts, make_state
+    from server.private.feature import _worker_args
+
+    plan = tmp_path / "plan.json"
+    gb = 1.5
+    args = _worker_args(PrivateSettings(device="cuda", packed_plain_cache_gb=gb), tmp_path, plan)
+    assert args[-1] == int(gb * (1 << 30)) and len(args) == 9
+    assert make_state.__code__.co_varnames[8] == "packed_kept_bytes"      # where that argument lands
+    assert len(_worker_args(PrivateSettings(device="cuda"), tmp_path, plan)) == 4
+    assert len(_worker_args(PrivateSettings(device="cpu", packed_plain_cache_gb=gb), tmp_path, plan)) == 4
+    monkeypatch.setattr(packed, "PLAIN_CACHE_BYTES", 0)
+    keep_packed_plaintexts(None, 5)                                       # SEAL: never kept
+    assert packed.PLAIN_CACHE_BYTES == 0
+    keep_packed_plaintexts(object(), 5)
+    assert packed.PLAIN_CACHE_BYTES == 5

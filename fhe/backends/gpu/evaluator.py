@@ -88,6 +88,20 @@ def _upload(values: np.ndarray | torch.Tensor, device: torch.device) -> torch.Te
     return t.to(device, torch.complex128)
 
 
+def plain_block(pts: Sequence[GpuPlaintext]) -> torch.Tensor | None:
+    """``pts``' residues as one ``[K, L, N]`` view where they are consecutive rows of one contiguous tensor (what
+    ``encode_many`` returns for a batch), else None (then they are stacked: a copy)."""
+    first = pts[0].data
+    if not first.is_contiguous() or any(p.data.shape != first.shape or not p.data.is_contiguous() for p in pts):
+        return None
+    row = first.numel()
+    start = first.storage_offset()
+    if any(p.data.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+           or p.data.storage_offset() != start + j * row for j, p in enumerate(pts)):
+        return None
+    return first.as_strided((len(pts), *first.shape), (row, *first.stride()), start)
+
+
 def _are_close(a: float, b: float) -> bool:
     """SEAL's ``util::are_close`` (what its add checks scales with)."""
     return abs(a - b) < _EPS * max(abs(a), abs(b), 1.0)
@@ -329,6 +343,35 @@ class GpuEvaluator(ParamsQueries):
             if not _are_close(scales[0], scales[-1]):
                 raise LevelError(f"scales {scales[0]} and {scales[-1]} differ")
         return GpuCiphertext(self._dot([c for c, _ in pairs], [p for _, p in pairs]), scales[0])
+
+    def dot_with(self, cts: Sequence[GpuCiphertext]):
+        """``dot(pts) = dot_plain(zip(cts, pts))`` for several plaintext sets on the same ciphertexts (optional
+        protocol capability, found by ``getattr``): a packed map's babies serve its 64 band shifts, so on CUDA they
+        are stacked once (``[K, size, L, N]``, not per shift: ~100 MB a shift at 12 primes) and plaintexts that are
+        one block already (as ``encode_many`` makes them) are read where they are. The same kernel on the same
+        operands: :meth:`dot_plain`'s residues."""
+        cts = list(cts)
+        if self.device.type != "cuda" or len(cts) < 2 or len({c.data.shape for c in cts}) > 1 or \
+                any(not _are_close(c.scale, cts[0].scale) for c in cts):
+            return lambda pts: self.dot_plain(list(zip(cts, pts, strict=True)))
+        from fhe.backends.gpu import triton_ops
+
+        stacked = torch.stack([c.data for c in cts])                            # [K, size, L, N]
+
+        def dot(pts: Sequence[GpuPlaintext]) -> GpuCiphertext:
+            if len(pts) != len(cts):
+                raise ShapeError(f"{len(cts)} ciphertexts but {len(pts)} plaintexts")
+            scales = []
+            for p in pts:                                            # dot_plain's checks, in order
+                self._same_level(cts[0], p)
+                scales.append(self._check_scale(cts[0].scale * p.scale, cts[0].level))
+                if not _are_close(scales[0], scales[-1]):
+                    raise LevelError(f"scales {scales[0]} and {scales[-1]} differ")
+            block = plain_block(pts)
+            block = torch.stack([p.data for p in pts]) if block is None else block   # [K, L, N]
+            return GpuCiphertext(triton_ops.dot_rows(stacked, block, self.ctx.q.view(-1)), scales[0])
+
+        return dot
 
     def _dot(self, cts: Sequence[GpuCiphertext], pts: Sequence[GpuPlaintext] | None) -> torch.Tensor:
         """One kernel for sum_j c_j (* p_j): the same canonical residues as the loop of ops it replaces."""

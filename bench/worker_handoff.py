@@ -69,13 +69,11 @@ def _setup(plan: Path, device: str = "cpu"):
 
 
 def run(plan: Path, repeat: int, result_level: int, device: str = "cpu") -> dict:
-    from fhe.backends.gpu import uniform
     from fhe.backends.gpu.uniform import sample_poly_uniform
     from fhe.backends.seal import hazmat as seal
     from fhe.backends.seal import wire
     from server.private.compute import PrivateCompute, device_inputs, device_results
 
-    uniform.CUDA_CHECKED = True   # the seeded rows time the device expansion, also where CUDA workers do not use it yet
     torch.set_num_threads(1)
     params, client, keys, gpu, values = _setup(plan, device)
     top, n = keys.kit.top, params.poly_modulus_degree

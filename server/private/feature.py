@@ -105,14 +105,11 @@ def build_bundle(model_dir: Path, plan: Any, root: Path) -> tuple[Path, dict]:
 def build_manifest(model_name: str, plan: Any, bundle: dict, cfg: PrivateSettings, num_layers: int) -> dict:
     """What a client needs to know before it generates keys and opens sessions."""
     from fhe.backends import describe
-    from fhe.backends.gpu.uniform import CUDA_CHECKED
     from fhe.params import CKKSParams
 
     enc = list(plan.layer_indices)
     # attention steps go in SEAL's seeded form (half the bytes; docs/protocol.md "upload"): SEAL workers load them,
-    # gpu workers expand c1 on the device (fhe.backends.gpu.uniform); a CUDA server asks for full uploads until a
-    # card has checked that expansion (uniform.CUDA_CHECKED), since SEAL's load of a seeded one costs ~30 ms a step
-    full = cfg.device.startswith("cuda") and not CUDA_CHECKED
+    # gpu workers (CUDA and the torch-CPU reference) expand c1 on the device (fhe.backends.gpu.uniform)
     return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "model": model_name,
             "model_sha256": plan.weights_sha256, "plan_hash": plan.content_hash,
             "plan": plan.metadata(), "ckks": dict(plan.ckks), "backend": describe(CKKSParams.from_dict(plan.ckks)),
@@ -123,8 +120,7 @@ def build_manifest(model_name: str, plan: Any, bundle: dict, cfg: PrivateSetting
             "limits": {"max_session_tokens": cfg.max_session_tokens, "max_step_tokens": cfg.max_step_tokens,
                        "max_blob_bytes": cfg.max_blob_bytes, "max_step_bytes": cfg.max_step_bytes,
                        "max_key_bytes": cfg.max_key_bytes, "session_ttl_s": cfg.session_ttl_s,
-                       "verify_steps": True},
-            **({"upload": "full"} if full else {})}
+                       "verify_steps": True}}
 
 
 class AuditFallbackRecorder:

@@ -25,7 +25,6 @@ import torch
 
 from fhe import sealio
 from fhe.backends.gpu import keyswitch as ks
-from fhe.backends.gpu import uniform
 from fhe.backends.gpu.galois import ntt_permutation
 from fhe.backends.gpu.keys import GpuKeys, keys_from_server, load_keys
 from fhe.backends.gpu.modarith import addmod, mulmod
@@ -625,13 +624,6 @@ class GpuEvaluator(ParamsQueries):
                 out[i] = self._expand_seeded(*r)
         return out
 
-    @property
-    def expands_seeded(self) -> bool:
-        """Whether :meth:`deserialize_fresh_many` expands seeded uploads itself (else it returns None for them and
-        the caller goes through SEAL's load): on the torch-CPU reference always, on CUDA once
-        :data:`fhe.backends.gpu.uniform.CUDA_CHECKED` says a card has checked the kernel."""
-        return self.device.type != "cuda" or uniform.CUDA_CHECKED
-
     def _expand_seeded(self, c0: np.ndarray, scale: float, seed: bytes) -> GpuCiphertext:
         """The device ciphertext of a checked seeded upload: c0 [L, N] copied, c1 expanded from ``seed`` in place."""
         lev, n = c0.shape
@@ -654,7 +646,7 @@ class GpuEvaluator(ParamsQueries):
         size, lev, _ = (2, *raw.c0.shape) if seeded else raw.data.shape
         if (r.pos != len(r.buf) or raw.correction_factor != 1 or lev != self.top or size != 2
                 or self.ctx.parms_ids.get(lev) != raw.parms_id
-                or (seeded and (raw.prng_type != sealio.PRNG_BLAKE2XB or not self.expands_seeded))
+                or (seeded and raw.prng_type != sealio.PRNG_BLAKE2XB)
                 or not abs(raw.scale / self.scale - 1) <= 1e-9):   # (a NaN scale fails this test too)
             return None
         primes = np.asarray(self.ctx.primes[:lev], dtype=np.uint64).reshape(1, -1, 1)

@@ -26,13 +26,6 @@ import torch
 
 from fhe.backends.gpu.blake2xb import WORDS_PER_REFILL, stream_words
 
-#: Whether a CUDA evaluator expands seeded uploads itself. False until a card has run the CUDA checks of
-#: ``tests/fhe/test_gpu_backend_seeded.py`` and ``bench/seeded_expand.py --device cuda`` (written in session 22
-#: with no device time left): until then a CUDA worker leaves a seeded upload to SEAL's load, as before, and a
-#: CUDA server's manifest asks for full uploads (``server.private.feature.build_manifest``), the path measured on
-#: an H200 (docs/benchmarks.md). The torch-CPU reference (``device = "cpu-reference"``, CI) always expands.
-CUDA_CHECKED = False
-
 _MIN = -(1 << 63)
 _LOW63 = (1 << 63) - 1
 _M64 = (1 << 64) - 1

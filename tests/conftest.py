@@ -30,3 +30,20 @@ def default_model_dir():
     from engine.default_model import default_model_dir
 
     return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_key_store(tmp_path_factory):
+    """One SDK key store for the encrypted tests on SmolLM2 at the CI ring (N = 16384, 12 data primes: the
+    one-layer plans of tests/e2e/test_private_e2e.py and tests/client_sdk/test_private_parity.py, the offload
+    plan's layer 2 of tests/client_sdk/test_private_offload_e2e.py; one sqexp key-level set for all three).
+
+    The first client that needs the key generates it (~8 s on 2 cores) and stores it; the others restore it
+    from the store, the SDK's own path for a returning user (``PrivateRuntime._key_set``). Each server still
+    receives, screens and loads the key itself. A test that needs a key no other test holds makes its own
+    (tests/e2e/test_private_e2e.py's tenant B)."""
+    from client_sdk import KeyStore
+    from client_sdk.keystore import KdfParams, KeyStoreConfig
+
+    return KeyStore.create(tmp_path_factory.mktemp("ks") / "store", "cipherlm tests",
+                           config=KeyStoreConfig(kdf=KdfParams(name="scrypt", n=2**10)))

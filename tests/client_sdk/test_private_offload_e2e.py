@@ -68,20 +68,21 @@ def app_client(tmp_path_factory, plans, default_model_dir):
                               max_session_tokens=32, max_step_tokens=16, max_keys_per_worker=2,
                               state_dir=str(tmp_path_factory.mktemp("state")))
     settings = Settings(model=str(default_model_dir), server_secret="offload-secret", tenants=tenants,
-                        private=private, engine={"device": "cpu", "num_kv_blocks": 64})
+                        private=private, engine={"device": "cpu", "num_kv_blocks": 64},
+                        engine_process=False)   # the engine in a thread, as tests/client_sdk/test_private_parity.py
     with TestClient(create_app(settings), base_url="http://testserver") as http:
         yield http
 
 
 def test_offload_plan_tokens_equal_the_simulator_and_the_plaintext_model(app_client, plans, tmp_path,
-                                                                          default_model_dir):
+                                                                          default_model_dir, smollm2_key_store):
     from client_sdk._private import runtime_of
     from engine.loader import load_model
     from fhe.offload_sim import OffloadSimulator
 
     plain = Client(api_key=KEYS["plain"], base_url="http://testserver", http_client=app_client, max_retries=0)
     enc = Client(api_key=KEYS["enc"], base_url="http://testserver", http_client=app_client, privacy="encrypted",
-                 max_retries=0)
+                 max_retries=0, key_store=smollm2_key_store)   # layer 2's attention key: the run's SmolLM2 key
     runtime_of(enc).cache_dir = tmp_path / "client"
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
     want = plain.completions.create(**body).choices[0].text

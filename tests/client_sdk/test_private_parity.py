@@ -64,20 +64,19 @@ def app_client(tmp_path_factory, one_layer_plan, default_model_dir):
                               max_step_tokens=16, max_keys_per_worker=1,
                               state_dir=str(tmp_path_factory.mktemp("state")))
     settings = Settings(model=str(default_model_dir), server_secret="parity-secret", tenants=tenants,
-                        private=private, engine={"device": "cpu", "num_kv_blocks": 64})
+                        private=private, engine={"device": "cpu", "num_kv_blocks": 64},
+                        engine_process=False)   # the engine in a thread (no core process to start): the
+    # plaintext tenant's answers are the engine's either way (the core process: tests/engine/test_core_client.py)
     app = create_app(settings)
     with TestClient(app, base_url="http://testserver") as http:
         yield http, app
 
 
 @pytest.fixture(scope="module")
-def key_store(tmp_path_factory):
-    """One key store for the sync and async clients: the same key, uploaded once."""
-    from client_sdk import KeyStore
-    from client_sdk.keystore import KdfParams, KeyStoreConfig
-
-    return KeyStore.create(tmp_path_factory.mktemp("ks") / "store", "parity pass",
-                           config=KeyStoreConfig(kdf=KdfParams(name="scrypt", n=2**10)))
+def key_store(smollm2_key_store):
+    """One key store for the sync and async clients: the same key, uploaded once (the run's SmolLM2 key
+    store, tests/conftest.py: made by whichever module needs it first)."""
+    return smollm2_key_store
 
 
 @pytest.fixture(scope="module")

@@ -105,14 +105,14 @@ def _windows(secret: bytes, size: int = 32, count: int = 64):
     return [secret[i:i + size] for i in range(0, max(1, len(secret) - size), step)]
 
 
-def test_encrypted_stream_equals_simulator_and_nothing_leaks(server, default_model_dir):
+def test_encrypted_stream_equals_simulator_and_nothing_leaks(server, default_model_dir, smollm2_key_store):
     from engine import Tokenizer, load_model
     from fhe.hazmat import seal
     from fhe.plan import Plan
     from fhe.simulator import simulated_greedy, simulated_model
 
     recorder = Recorder()
-    with _client(server, "enc-a", recorder) as client:
+    with _client(server, "enc-a", recorder, key_store=smollm2_key_store) as client:   # the run's SmolLM2 key
         chunks = list(client.completions.create(prompt=PROMPT, max_tokens=3, temperature=0, stream=True))
         runtime = client._private
         secret = seal.to_bytes(runtime.ckks.keys.secret)

@@ -43,27 +43,26 @@ def private_settings(model_dir: Path, plan: Path, state_dir: Path, **private) ->
                for t, k in KEYS.items()]
     cfg = dict(enabled=True, workers=1, plan=str(plan), state_dir=str(state_dir), max_session_tokens=16,
                max_step_tokens=4, max_keys_per_worker=2)
+    # engine_process=False: the plaintext engine in a thread, as tests/server/app_helpers.make_settings keeps it
+    # (a core process per app is ~6 s of imports and tokenizer set-up on 2 cores that these tests never use)
     return Settings(model=str(model_dir), served_model_name="tiny", server_secret="privsvc-secret",
                     tenants=tenants, private=PrivateSettings(**{**cfg, **private}),
-                    engine={"device": "cpu", "num_kv_blocks": 32})
+                    engine={"device": "cpu", "num_kv_blocks": 32}, engine_process=False)
 
 
 class TinyClient:
     """The client half for the tiny plan: keys, the upload, step envelopes, decryption."""
 
     def __init__(self, model, plan_path: Path) -> None:
-        from fhe.attention import BlockClient, required_key_levels
-        from fhe.backends.seal import wire
-        from fhe.backends.seal.keys import CKKSClient
-        from fhe.envelope import pack_key_upload
+        from fhe.attention import BlockClient
         from fhe.params import CKKSParams
+        from tests.server.private_helpers import tiny_key_set
 
         self.model, self.plan = model, Plan.load(plan_path)
-        params = CKKSParams.from_dict(self.plan.ckks)
-        levels = required_key_levels(model.config, params, "2quad", 6)   # level-aware keys, as the SDK makes
-        self.ckks = CKKSClient(params, levels.steps, levels=levels)
+        # the process's tiny key set (level-aware, as the SDK makes; shared with the other private modules)
+        self.ckks, self.upload = tiny_key_set(model.config)
+        assert self.ckks.params == CKKSParams.from_dict(self.plan.ckks)
         self.block = BlockClient.for_model(self.ckks, model.config, "2quad", 6)
-        self.upload = pack_key_upload(wire.dump_public_keys(self.ckks))
         self.fingerprint = hashlib.sha256(self.upload).hexdigest()
 
     def layer_input(self, ids: list[int]) -> torch.Tensor:

@@ -8,6 +8,7 @@ No part is faked: the server loads the plan, checks it against the model, builds
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,8 @@ def encrypted_client(model_dir: Path, tmp_path_factory, key: str, **private) -> 
     tenants = [TenantSettings(id="enc", api_key_hashes=[hash_api_key(key)], privacy_mode="encrypted")]
     settings = Settings(model=str(model_dir), served_model_name="tiny", server_secret="s", tenants=tenants,
                         private=private_settings(plan, tmp_path_factory.mktemp("state"), **private),
-                        engine={"device": "cpu", "num_kv_blocks": 16})
+                        engine={"device": "cpu", "num_kv_blocks": 16},
+                        engine_process=False)   # the engine in a thread: tests/server/app_helpers.make_settings
     with TestClient(create_app(settings), base_url="http://testserver") as http:
         client = Client(api_key=key, base_url="http://testserver", http_client=http, privacy="encrypted",
                         max_retries=0)
@@ -64,9 +66,30 @@ def encrypted_client(model_dir: Path, tmp_path_factory, key: str, **private) -> 
         client._private.close_session()
 
 
-def tiny_key_upload(model_dir: Path) -> bytes:
-    """The public-key upload a client of the tiny plan sends (real SEAL keys, secret kept here)."""
+def tiny_key_upload(model_dir: Path, fresh: bool = False) -> bytes:
+    """The public-key upload a client of the tiny plan sends (real SEAL keys, secret kept here): the process's
+    :func:`tiny_key_set`, or with ``fresh`` a key set of its own (a key no other test holds)."""
     from engine.config import ModelConfig
+
+    config = ModelConfig.from_file(model_dir / "config.json")
+    return (make_tiny_key_set(config) if fresh else tiny_key_set(config))[1]
+
+
+@functools.cache
+def tiny_key_set(config) -> tuple[Any, bytes]:
+    """(CKKSClient, its public-key upload) for the tiny plans' parameters on a model of ``config``, made once per
+    test process.
+
+    Both tiny plans (this module's and :mod:`tests.server.private_app`'s) have the same CKKS parameters, so the
+    private-service modules of a run share one key set instead of each generating its own (~3 s of SEAL key
+    generation and serialization on 2 cores; ~0.35 GB kept for the run). Each module still runs its own app,
+    state directory and worker, so each uploads, screens and loads the key itself."""
+    return make_tiny_key_set(config)
+
+
+def make_tiny_key_set(config) -> tuple[Any, bytes]:
+    """A new (CKKSClient, upload) at the tiny plans' parameters (2Quad depth 6: N = 16384) with the level-aware
+    keys the SDK makes."""
     from fhe.attention import required_key_levels
     from fhe.backends.seal import wire
     from fhe.backends.seal.keys import CKKSClient
@@ -74,8 +97,7 @@ def tiny_key_upload(model_dir: Path) -> bytes:
     from fhe.params import ckks_params_for
 
     kind, squarings = APPROX
-    cfg = ModelConfig.from_file(model_dir / "config.json")
     params = ckks_params_for(kind, squarings)
-    levels = required_key_levels(cfg, params, kind, squarings)   # level-aware keys, as the SDK makes
+    levels = required_key_levels(config, params, kind, squarings)
     client = CKKSClient(params, levels.steps, levels=levels)
-    return pack_key_upload(wire.dump_public_keys(client))
+    return client, pack_key_upload(wire.dump_public_keys(client))

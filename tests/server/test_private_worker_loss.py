@@ -108,7 +108,7 @@ async def test_idle_worker_stops_and_the_next_session_starts_it_with_the_key(htt
 
 @pytest.mark.parametrize("http", [{"workers": 2, "max_keys_per_worker": 1, "worker_idle_s": 60.0}], indirect=True)
 async def test_a_key_beyond_every_workers_bound_waits_until_one_is_idle(http, upload, tiny_model_dir):  # noqa: F811
-    second, third = tiny_key_upload(tiny_model_dir), tiny_key_upload(tiny_model_dir)   # three distinct keys
+    second, third = (tiny_key_upload(tiny_model_dir, fresh=True) for _ in range(2))   # three distinct keys
     for key_id, body in (("k1", upload), ("k2", second), ("k3", third)):
         assert (await http.post(f"/v1/private/keys/{key_id}", content=body)).status_code == 201
     first, other = await open_session(http, "k1"), await open_session(http, "k2")

@@ -1,4 +1,4 @@
-# Sourced first by every device call: `. .carry/setup.sh NAME`.
+# Sourced first by every device call: `. bench/device/setup.sh NAME` (or the carried copy `. .carry/setup.sh NAME`).
 # Installs the carried wheels (.carry/lead/*.whl) into /tmp/site, sets C=.carry/NAME, T0 and `el MSG`
 # (seconds since start + MSG). If $C/tree.tar.xz exists (a helper branch packed by pack.sh), runs from it.
 T0=$(date +%s); C=$PWD/.carry/$1

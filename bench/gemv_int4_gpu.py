@@ -11,9 +11,10 @@ the engine rows of ``bench/int4_gpu.py`` (batch-1 decode step, bf16 and int4, on
     python -m bench.gemv_int4_gpu --split-sweep --shapes llama3.2-1b,qwen2.5-0.5b --json $OUT/split.json
 
 ``--split-sweep`` (session 23): per GEMM the w32 default and the ``SPLIT_TUNINGS`` (split K, with and without the
-register prefetch), PDL on, each checked against the fp64 reference first; µs, TB/s and the share of the copy
-bandwidth measured in the same process, the best per GEMM, a table and a ``BEST_W32`` literal of them; then the
-engine's batch-1 rows: bf16, int4 default, int4 with the best launches, int4 default again
+register prefetch; the nibbles read in place, ``mantissa_unpack``), PDL on, each checked against the fp64
+reference first; µs, TB/s and the share of the copy bandwidth measured in the same process, the best per GEMM, a
+table and a ``BEST_W32`` literal of them; then the engine's batch-1 rows: bf16, int4 default, int4 with the best
+launches, int4 default again
 (``bench/int4_gpu.py --w32-tunings split.json`` applies the same best launches to its rows).
 
 ``--pdl-ab``: per GEMM the bf16 ``gemv`` and the int4 w32 default launch, each in its graph of ``LAUNCHES``
@@ -63,6 +64,10 @@ SPLIT_TUNINGS = [kernels.GemvInt4W32Tuning(bn, g, 4, 2, prefetch=pf, split_k=sk)
     (4, 16, 1, False), (4, 16, 2, False), (4, 16, 4, False), (4, 8, 8, False), (8, 16, 1, False), (8, 16, 2, False),
     (8, 16, 4, False), (8, 32, 2, False), (16, 16, 1, False), (16, 16, 2, False), (16, 16, 4, False),
     (16, 32, 2, False), (4, 16, 4, True), (8, 16, 2, True), (8, 8, 4, True), (16, 16, 4, True))]
+# and the nibbles read in place in the mantissa (fewer int instructions a weight: 1167 vs 1729 in the sm_90 SASS
+# of 16 rows x 64 groups, compiled here), at the default launch and at split launches
+SPLIT_TUNINGS += [kernels.GemvInt4W32Tuning(bn, g, 4, 2, split_k=sk, mantissa_unpack=True) for bn, g, sk in (
+    (16, 64, 1), (4, 64, 1), (16, 16, 1), (16, 16, 2), (8, 16, 4), (4, 16, 4))]
 
 
 def gemm_shapes(name: str) -> dict[str, tuple[int, int]]:

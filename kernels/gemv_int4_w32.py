@@ -81,6 +81,12 @@ class GemvInt4W32Tuning:
     # bytes in flight per SM for the GEMVs whose N / block_n programs do not fill the card (o, qkv, down of a 1B
     # model). Not with the RMSNorm prologues (their norm needs every column); 1 = no split (the default)
     split_k: int = 1
+    # read each nibble where it lies in the word, inside an fp32 mantissa (bits 0-19; the top three nibbles from
+    # one shifted copy of the word): f = 1 + u * 2^(p - 23), and f - 1 is exact, so per weight one AND/OR, one
+    # exact subtract and one FMA against x scaled by 2^(23 - p) (exact), instead of a shift per nibble; the SASS of
+    # the default spends ~5 instructions a weight (session 23, compiled here), and the int pipe is half the fp32's.
+    # x's magnitude must stay below ~2^104 (the scaled copy's range)
+    mantissa_unpack: bool = False
 
 
 # (N, K, group) -> a launch measured best on this machine (bench/gemv_int4_gpu.py records its sweep here)
@@ -182,6 +188,24 @@ if HAS_TRITON:
         return (bits | 0x3F800000).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _nibble_in_place(words, hi, i: tl.constexpr):
+        """Nibble i as u * 2^(p - 23), p its bit position in words (i < 5) or in hi = words >> 12: one AND/OR
+        and an exact subtract (f = 1 + u * 2^(p - 23) has the same exponent as 1.0)."""
+        if i < 5:
+            bits = (words & (15 << (4 * i))) | 0x3F800000
+        else:
+            bits = (hi & (15 << (4 * i - 12))) | 0x3F800000
+        return bits.to(tl.float32, bitcast=True) - 1.0
+
+    @triton.jit
+    def _nibble_x_scale(i: tl.constexpr):
+        """2^(23 - p) for nibble i's position p (see _nibble_in_place): x times it, times u * 2^(p - 23), is u x."""
+        if i < 5:
+            return (1 << (23 - 4 * i)) * 1.0
+        else:
+            return (1 << (35 - 4 * i)) * 1.0
+
+    @triton.jit
     def _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, g0, n_groups, GROUP: tl.constexpr,
                   GROUPS: tl.constexpr, EVEN: tl.constexpr):
         """The weight data of one K step: words [BN, G, W] and the groups' scales and offsets [BN, G] (fp32)."""
@@ -207,7 +231,7 @@ if HAS_TRITON:
     @triton.jit
     def _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g0, n_groups, K, first,
                   GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, EVEN: tl.constexpr,
-                  X_PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr):
+                  X_PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr, MANT: tl.constexpr):
         """One K step: x's columns (through the prologue) against the step's words, scaled per group."""
         W: tl.constexpr = GROUP // 8
         gi = g0 + tl.arange(0, GROUPS)
@@ -215,6 +239,7 @@ if HAS_TRITON:
         w_off = tl.arange(0, W)
         dot = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
         col0 = gi[:, None] * GROUP + w_off[None, :]                       # [G, W] column of nibble 0
+        hi = words >> 12  # MANT: nibbles 5-7 at bits 8-19 (the sign bits the shift brings in are masked off)
         if X_PER_ROW:  # x in the words' [BN, G, W] layout: no layout conversion, no barrier
             xs3 = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
             for i in tl.static_range(8):
@@ -223,7 +248,10 @@ if HAS_TRITON:
                                          PROLOGUE, not EVEN)
                 if NORM:
                     ss += tl.sum(sq3 * sq3, axis=0)
-                dot += _nibble_as_float(words, i) * xi3
+                if MANT:
+                    dot += _nibble_in_place(words, hi, i) * (xi3 * _nibble_x_scale(i))
+                else:
+                    dot += _nibble_as_float(words, i) * xi3
                 xs3 += xi3
             xsum = tl.sum(xs3, axis=2)                                    # [BN, G]
         else:
@@ -233,11 +261,17 @@ if HAS_TRITON:
                                        PROLOGUE, not EVEN)
                 if NORM:
                     ss += sq * sq
-                dot += _nibble_as_float(words, i) * xi[None, :, :]
+                if MANT:
+                    dot += _nibble_in_place(words, hi, i) * (xi * _nibble_x_scale(i))[None, :, :]
+                else:
+                    dot += _nibble_as_float(words, i) * xi[None, :, :]
                 xs += xi
             xsum = tl.sum(xs, axis=1)[None, :]                            # [1, G]
-        sc16 = 16.0 * sc
-        acc += sc16 * tl.sum(dot, axis=2) + (of - sc16) * xsum
+        if MANT:  # dot = sum u x exactly scaled: w x = s u x + o x
+            acc += sc * tl.sum(dot, axis=2) + of * xsum
+        else:
+            sc16 = 16.0 * sc
+            acc += sc16 * tl.sum(dot, axis=2) + (of - sc16) * xsum
         return acc, ss
 
     @triton.jit
@@ -246,7 +280,7 @@ if HAS_TRITON:
         ss_scale,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
         EVEN: tl.constexpr, X_PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr,
-        PDL: tl.constexpr, PREFETCH: tl.constexpr, ws_ptr, cnt_ptr, per, SPLIT: tl.constexpr,
+        PDL: tl.constexpr, PREFETCH: tl.constexpr, ws_ptr, cnt_ptr, per, SPLIT: tl.constexpr, MANT: tl.constexpr,
     ):
         # PROLOGUE (kernels._prologue): 0 none; 1/2 RMSNorm (NORM; 2: of x + residual, h written); 3 SiLU·mul.
         # ss_scale: 1 / (K * the times each column's square is summed: BLOCK_N with x_per_row, else 1)
@@ -274,7 +308,7 @@ if HAS_TRITON:
                 nw, nsc, nof = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, gn, n_groups, GROUP, GROUPS,
                                          EVEN)
                 acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g0, n_groups, K,
-                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
+                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM, MANT)
                 words, sc, of = nw, nsc, nof
         else:
             g_first = g_lo
@@ -283,13 +317,13 @@ if HAS_TRITON:
                                           EVEN)
                 pdl_wait(PDL)
                 acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g_lo, n_groups, K,
-                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
+                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM, MANT)
                 g_first = g_lo + GROUPS
             for g0 in range(g_first, g_hi, GROUPS):
                 words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, g0, n_groups, GROUP, GROUPS,
                                           EVEN)
                 acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g0, n_groups, K,
-                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
+                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM, MANT)
         y = tl.sum(acc, axis=1)
         if NORM:  # y = inv * W (h * g): the norm's scale applied once, after the weights
             y *= tl.rsqrt(tl.sum(tl.sum(ss, 1), 0) * ss_scale + eps)
@@ -400,7 +434,8 @@ def _launch(x, qweight, scale_offset, bias, out, tune: GemvInt4W32Tuning, prolog
         GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, GROUPS=tune.groups,
         EVEN=n % tune.block_n == 0 and (k // group) % tune.groups == 0, X_PER_ROW=tune.x_per_row,
         PROLOGUE=prologue, NORM=prologue in (_prologue.NORM, _prologue.ADD_NORM), PDL=pdl,
-        PREFETCH=tune.prefetch, ws_ptr=ws, cnt_ptr=cnt, per=per, SPLIT=split, num_warps=tune.num_warps,
+        PREFETCH=tune.prefetch, ws_ptr=ws, cnt_ptr=cnt, per=per, SPLIT=split,
+        MANT=tune.mantissa_unpack, num_warps=tune.num_warps,
         num_stages=tune.num_stages, **_pdl.launch_options(pdl),
     )
 

@@ -113,7 +113,10 @@ def test_triton_matches_reference(n, k, group, m, dtype):
                  GemvInt4W32Tuning(8, 2, 4, prefetch=True), GemvInt4W32Tuning(16, 4, 4, x_per_row=True, prefetch=True),
                  GemvInt4W32Tuning(4, 64, 4, prefetch=True), GemvInt4W32Tuning(8, 2, 4, split_k=4),
                  GemvInt4W32Tuning(16, 4, 4, prefetch=True, split_k=3), GemvInt4W32Tuning(4, 2, 4, split_k=64),
-                 GemvInt4W32Tuning(8, 4, 4, x_per_row=True, split_k=2)):
+                 GemvInt4W32Tuning(8, 4, 4, x_per_row=True, split_k=2),
+                 GemvInt4W32Tuning(8, 2, 4, mantissa_unpack=True),
+                 GemvInt4W32Tuning(4, 64, 4, x_per_row=True, mantissa_unpack=True),
+                 GemvInt4W32Tuning(16, 4, 4, prefetch=True, split_k=3, mantissa_unpack=True)):
         out = torch.full((m, n), float("nan"), device=DEVICE, dtype=dtype)   # poisoned: all must be written
         got = gemv_int4_w32(x, q32, so, bias, out=out, tuning=tune, backend="triton").double()
         assert torch.isfinite(got).all()
@@ -150,3 +153,19 @@ def test_split_k_relaunches_and_silu_prologue_match_reference(split):
     with pytest.raises(KernelInputError, match="split_k"):
         gemv_int4_w32_rms_norm(torch.randn(1, k, device=DEVICE), torch.ones(k, device=DEVICE), 1e-6, q32, so,
                                tuning=tune, backend="triton")
+
+
+@pytest.mark.skipif(not CAN_TRITON, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.gpu
+def test_mantissa_unpack_reads_every_nibble_position():
+    """One weight at a time in each of a word's 8 nibbles, u = 15 (the top bit of nibble 7 is the word's sign
+    bit): the in-place read must give exactly that weight's x, scaled, for every position."""
+    n, k = 8, 256
+    u = torch.zeros(n, k, dtype=torch.long)
+    for r in range(n):  # row r: nibble r of word 1 of group 0 (column r * W + 1), W = 4 words at group 32
+        u[r, r * 4 + 1] = 15
+    q32, so = repack_int4_w32(pack_int4_rows(u), torch.ones(n, k // 32).half(), torch.zeros(n, k // 32).half())
+    x = torch.randn(1, k, device=DEVICE)
+    got = gemv_int4_w32(x, q32.to(DEVICE), so.to(DEVICE), tuning=GemvInt4W32Tuning(8, 8, 4, mantissa_unpack=True),
+                        backend="triton")
+    torch.testing.assert_close(got[0], 15 * x[0, torch.arange(n, device=DEVICE) * 4 + 1], rtol=1e-6, atol=1e-6)

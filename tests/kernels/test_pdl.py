@@ -155,7 +155,8 @@ def test_gemv_int4_w32_split_k_with_pdl(pdl_on, groups, split, prefetch):
     n, k = 40, 576
     q32, so = _int4(n, k, 32, seed=split)
     x, gu = torch.randn(1, k, device=DEVICE), torch.randn(1, 2 * k, device=DEVICE)
-    tune = kernels.GemvInt4W32Tuning(block_n=8, groups=groups, prefetch=prefetch, split_k=split)
+    tune = kernels.GemvInt4W32Tuning(block_n=8, groups=groups, prefetch=prefetch, split_k=split,
+                                     mantissa_unpack=prefetch)  # the in-place nibbles with the prefetch
     off, on = _both(pdl_on, lambda: (kernels.gemv_int4_w32(x, q32, so, tuning=tune, **B),
                                      kernels.gemv_int4_w32_silu_mul(gu, q32, so, tuning=tune, **B)))
     _same(off, on)

@@ -33,7 +33,7 @@ def compile_one(tune, n: int, k: int) -> str:
     sig.update(eps="fp32", ss_scale="fp32")
     consts = dict(GROUP=32, HAS_BIAS=False, BLOCK_N=tune.block_n, GROUPS=tune.groups,
                   EVEN=n % tune.block_n == 0 and (k // 32) % tune.groups == 0, X_PER_ROW=tune.x_per_row,
-                  PROLOGUE=0, NORM=False, PDL=True, PREFETCH=tune.prefetch, SPLIT=split)
+                  PROLOGUE=0, NORM=False, PDL=True, PREFETCH=tune.prefetch, SPLIT=split, MANT=tune.mantissa_unpack)
     names = list(_gemv_int4_w32_kernel.arg_names)
     sig = {a: ("constexpr" if a in consts else sig[a]) for a in names}
     div = PTRS + ["K"] + [i for i in INTS if i.startswith("s_")]

@@ -185,8 +185,11 @@ def split_sweep_row(shape: str, part: str, n: int, k: int, copies: int, bw: floa
             continue
         if not errs[str(t)] < 1e-2:  # a wrong launch is recorded, never timed or chosen
             continue
-        times[str(t)] = graph_us([lambda q=q, t=t: kernels.gemv_int4_w32(x, q.qweight, q.scale_offset, tuning=t)
-                                  for q in qs])
+        try:
+            times[str(t)] = graph_us([lambda q=q, t=t: kernels.gemv_int4_w32(x, q.qweight, q.scale_offset,
+                                                                             tuning=t) for q in qs])
+        except Exception as exc:  # noqa: BLE001 - e.g. a capture that fails: recorded, not chosen
+            errs[str(t)] = repr(exc)
     kernels.set_pdl(False)
     best = min(times, key=times.get)
     best_tune = next((t for t in SPLIT_TUNINGS if str(t) == best), None)

@@ -8,6 +8,14 @@ the engine rows of ``bench/int4_gpu.py`` (batch-1 decode step, bf16 and int4, on
 
     python -m bench.gemv_int4_gpu --shapes llama3.2-1b --json $OUT/gemv_int4.json
     python -m bench.gemv_int4_gpu --pdl-ab --shapes llama3.2-1b,qwen2.5-0.5b   # default launches, PDL off/on
+    python -m bench.gemv_int4_gpu --split-sweep --shapes llama3.2-1b,qwen2.5-0.5b --json $OUT/split.json
+
+``--split-sweep`` (session 23): per GEMM the w32 default and the ``SPLIT_TUNINGS`` (split K, with and without the
+register prefetch; the nibbles read in place, ``mantissa_unpack``), PDL on, each checked against the fp64
+reference first; µs, TB/s and the share of the copy bandwidth measured in the same process, the best per GEMM, a
+table and a ``BEST_W32`` literal of them; then the engine's batch-1 rows: bf16, int4 default, int4 with the best
+launches, int4 default again
+(``bench/int4_gpu.py --w32-tunings split.json`` applies the same best launches to its rows).
 
 ``--pdl-ab``: per GEMM the bf16 ``gemv`` and the int4 w32 default launch, each in its graph of ``LAUNCHES``
 launches with plain launches and with programmatic dependent launch (``kernels.set_pdl``: the next launch
@@ -19,6 +27,7 @@ for the engine rows that follow in the same process (bf16 and int4, PDL on; ``--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -46,6 +55,19 @@ TUNINGS += [kernels.GemvInt4W32Tuning(bn, g, w, st, x_per_row=True) for bn, g, w
 # steps per program (groups < 64 at K = 2048) so that there is a next step to load
 PREFETCH_TUNINGS = [kernels.GemvInt4W32Tuning(bn, g, w, 2, prefetch=True) for bn, g, w in (
     (16, 16, 4), (8, 32, 4), (16, 32, 4), (8, 16, 4), (4, 16, 4), (32, 16, 8))]
+
+
+# session 23: split K (GemvInt4W32Tuning.split_k: several programs per row block, the last sums the partials in
+# the same launch) for more weight bytes in flight per SM, alone and with the register prefetch; split 1 rows at
+# the same block_n / groups so each split's effect reads against its own unsplit launch
+SPLIT_TUNINGS = [kernels.GemvInt4W32Tuning(bn, g, 4, 2, prefetch=pf, split_k=sk) for bn, g, sk, pf in (
+    (4, 16, 1, False), (4, 16, 2, False), (4, 16, 4, False), (4, 8, 8, False), (8, 16, 1, False), (8, 16, 2, False),
+    (8, 16, 4, False), (8, 32, 2, False), (16, 16, 1, False), (16, 16, 2, False), (16, 16, 4, False),
+    (16, 32, 2, False), (4, 16, 4, True), (8, 16, 2, True), (8, 8, 4, True), (16, 16, 4, True))]
+# and the nibbles read in place in the mantissa (fewer int instructions a weight: 1167 vs 1729 in the sm_90 SASS
+# of 16 rows x 64 groups, compiled here), at the default launch and at split launches
+SPLIT_TUNINGS += [kernels.GemvInt4W32Tuning(bn, g, 4, 2, split_k=sk, mantissa_unpack=True) for bn, g, sk in (
+    (16, 64, 1), (4, 64, 1), (16, 16, 1), (16, 16, 2), (8, 16, 4), (4, 16, 4))]
 
 
 def gemm_shapes(name: str) -> dict[str, tuple[int, int]]:
@@ -141,6 +163,70 @@ def pdl_ab_row(shape: str, part: str, n: int, k: int, copies: int) -> dict:
     return row
 
 
+def split_sweep_row(shape: str, part: str, n: int, k: int, copies: int, bw: float) -> dict:
+    """The w32 default and every SPLIT_TUNINGS launch (each checked against the fp64 reference first) in graphs of
+    LAUNCHES launches, PDL on (the engine's default): µs, TB/s and share of the copy bandwidth; the best launch
+    (the default unless a variant beats it) is recorded for this process's engine rows."""
+    kernels.set_pdl(True)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    qs = [quantize_int4_rtn(w, 32) for w in ws]
+    del ws
+    nbytes = qs[0].nbytes()
+    kernels.set_tuning_int4_w32(n, k, 32, None)
+    times = {"default": graph_us([lambda q=q: kernels.gemv_int4_w32(x, q.qweight, q.scale_offset) for q in qs])}
+    errs = {}
+    for t in SPLIT_TUNINGS:
+        try:
+            errs[str(t)] = check(torch.randn(1, k, device="cuda", dtype=torch.bfloat16), qs[0].qweight,
+                                 qs[0].scale_offset, t)
+        except Exception as exc:  # noqa: BLE001 - recorded; the other launches still run
+            errs[str(t)] = repr(exc)
+            continue
+        if not errs[str(t)] < 1e-2:  # a wrong launch is recorded, never timed or chosen
+            continue
+        try:
+            times[str(t)] = graph_us([lambda q=q, t=t: kernels.gemv_int4_w32(x, q.qweight, q.scale_offset,
+                                                                             tuning=t) for q in qs])
+        except Exception as exc:  # noqa: BLE001 - e.g. a capture that fails: recorded, not chosen
+            errs[str(t)] = repr(exc)
+    kernels.set_pdl(False)
+    best = min(times, key=times.get)
+    best_tune = next((t for t in SPLIT_TUNINGS if str(t) == best), None)
+    kernels.set_tuning_int4_w32(n, k, 32, best_tune)
+    tb = {key: nbytes / us / 1e6 for key, us in times.items()}
+    return {"shape": shape, "gemm": part, "n": n, "k": k, "int4_bytes": nbytes, "us": times, "tb_s": tb,
+            "share_of_copy_bw": {key: v * 1e12 / bw for key, v in tb.items()}, "err": errs, "best": best,
+            "best_tuning": None if best_tune is None else dataclasses.asdict(best_tune),
+            "best_us": times[best], "best_tb_s": tb[best], "default_us": times["default"]}
+
+
+def print_split_row(row: dict) -> None:
+    """One line per launch of a sweep row, then its best."""
+    print(f"{row['shape']} {row['gemm']} {row['n']}x{row['k']} ({row['int4_bytes'] / 1e6:.1f} MB):", flush=True)
+    for key, us in sorted(row["us"].items(), key=lambda kv: kv[1]):
+        print(f"    {us:7.2f} us {row['tb_s'][key]:5.2f} TB/s {100 * row['share_of_copy_bw'][key]:5.1f} % of copy bw  "
+              f"{key}", flush=True)
+    bad = {key: e for key, e in row["err"].items() if not (isinstance(e, float) and e < 1e-2)}
+    if bad:
+        print(f"    not timed (wrong or failed): {bad}", flush=True)
+    print(f"  BEST {row['shape']} {row['gemm']}: {row['best_us']:.2f} us ({row['best_tb_s']:.2f} TB/s, "
+          f"{row['default_us'] / row['best_us']:.2f}x the default) {row['best']}", flush=True)
+
+
+def split_summary(rows: list[dict]) -> str:
+    """The best launch per GEMM as a table, and as the literal a default change would start from."""
+    out = ["| shape | GEMM (N x K) | default | best | speed-up | best TB/s (share of copy bw) | best launch |",
+           "|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        out.append(f"| {r['shape']} | {r['gemm']} {r['n']} x {r['k']} | {r['default_us']:.2f} µs "
+                   f"| {r['best_us']:.2f} µs | {r['default_us'] / r['best_us']:.2f}x | {r['best_tb_s']:.2f} "
+                   f"({100 * r['share_of_copy_bw'][r['best']]:.0f} %) | {r['best']} |")
+    best = {(r["n"], r["k"], 32): r["best_tuning"] for r in rows if r["best_tuning"] is not None}
+    out.append(f"BEST_W32 = {best!r}")
+    return "\n".join(out)
+
+
 def byte_layout_us(n: int, k: int, copies: int) -> float:
     """The previous kernel (kernels.gemv_int4, byte layout, its default tuning) on the same shape."""
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -166,7 +252,13 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="default launches with PDL off / on, prefetch launches with PDL on (no full sweep)")
+    ap.add_argument("--split-sweep", action="store_true",
+                    help="the w32 default vs the split-K / prefetch launches (PDL on), best per GEMM; then engine "
+                         "rows bf16, int4 default, int4 best, int4 default")
     args = ap.parse_args()
+    if args.split_sweep:
+        split_main(args)
+        return
     bw = copy_bandwidth()
     res = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "gemm": [], "engine": []}
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -217,6 +309,47 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=2)
+
+
+def split_main(args) -> None:
+    """--split-sweep: per shape, every GEMM's sweep, then the engine rows A/B/A (int4 default, best, default)."""
+    bw = copy_bandwidth()
+    res = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "gemm": [], "engine": []}
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    for name in args.shapes.split(","):
+        rows = []
+        for part, (n, k) in gemm_shapes(name).items():
+            copies = max(2, min(LAUNCHES, int(160e6 // (n * k * 0.625)) + 1))  # int4 copies > 60 MB L2
+            rows.append(split_sweep_row(name, part, n, k, copies, bw))
+            print_split_row(rows[-1])
+            res["gemm"].append(rows[-1])
+            save(args.json, res)
+            torch.cuda.empty_cache()
+        print(split_summary(rows), flush=True)
+        if not args.no_engine:
+            engine_ab(name, bw, rows, res, args.json)
+    save(args.json, res)
+
+
+def engine_ab(name: str, bw: float, rows: list[dict], res: dict, path: str | None) -> None:
+    """bf16, then int4 with the default launches, the sweep's best, the default again (PDL: the engine's)."""
+    from bench.int4_gpu import engine_row
+
+    best = {(r["n"], r["k"]): r["best_tuning"] for r in rows}
+    for fmt, tunings in (("bf16", "-"), ("int4", "default"), ("int4", "best"), ("int4", "default")):
+        for (n, k), t in best.items():
+            use = t is not None and tunings == "best"
+            kernels.set_tuning_int4_w32(n, k, 32, kernels.GemvInt4W32Tuning(**t) if use else None)
+        try:
+            row = engine_row(name, fmt, bw)
+        except Exception as exc:  # noqa: BLE001 - recorded; the other rows still run
+            row = {"shape": name, "format": fmt, "error": repr(exc)}
+        row["tunings"] = tunings
+        res["engine"].append(row)
+        save(path, res)
+        print(json.dumps(row), flush=True)
+    for n, k in best:
+        kernels.set_tuning_int4_w32(n, k, 32, None)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Each layer GEMM alone, in CUDA graphs: ``bench/gemv_int4_gpu.py`` (which also ru
     python bench/int4_gpu.py --variants off,rope,prologues,all   # without / with the issue-19.2 fusions
     python bench/int4_gpu.py --formats bf16,fp8,int4               # EngineConfig.cuda_weight_format values
     python bench/int4_gpu.py --pdl off,on,on,off   # EngineConfig.cuda_pdl per row, A/B/B/A on one card
+    python bench/int4_gpu.py --w32-tunings split.json   # the best int4 launches of bench.gemv_int4_gpu --split-sweep
     python bench/int4_gpu.py --fused-layers off,on,on,off --count-kernels   # cuda_fused_decode_layers A/B/B/A,
         # kernels per batch-1 step from torch.profiler, and a summary of the A/B (share of the floor, int4/bf16)
 
@@ -123,7 +124,11 @@ def main() -> None:
     ap.add_argument("--fused-layers", default="default",
                     help="EngineConfig.cuda_fused_decode_layers per row, comma-separated: default, off or on")
     ap.add_argument("--count-kernels", action="store_true", help="kernels per batch-1 step (5 profiled replays)")
+    ap.add_argument("--w32-tunings", help="a bench.gemv_int4_gpu --split-sweep JSON: its best launch per GEMM is "
+                                          "recorded (kernels.set_tuning_int4_w32) for every row of this run")
     args = ap.parse_args()
+    if args.w32_tunings:
+        apply_w32_tunings(args.w32_tunings)
     switch = {"default": None, "off": False, "on": True}
     pdls = [switch[p] for p in args.pdl.split(",")]
     fuseds = [switch[f] for f in args.fused_layers.split(",")]
@@ -147,6 +152,16 @@ def main() -> None:
                         with open(args.json, "w") as f:
                             json.dump(res, f, indent=2)
     print(summary(res["engine"]), flush=True)
+
+
+def apply_w32_tunings(path: str) -> None:
+    """Record the best launch of each GEMM of a ``--split-sweep`` JSON (the default where none beat it)."""
+    with open(path) as fh:
+        rows = json.load(fh)["gemm"]
+    for r in rows:
+        t = r.get("best_tuning")
+        kernels.set_tuning_int4_w32(r["n"], r["k"], 32, None if t is None else kernels.GemvInt4W32Tuning(**t))
+        print(f"w32 {r['n']}x{r['k']}: {r.get('best', 'default')}", flush=True)
 
 
 def summary(rows: list[dict]) -> str:

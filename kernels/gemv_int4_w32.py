@@ -75,6 +75,18 @@ class GemvInt4W32Tuning:
     # for sm_90), so without it a program's loads and its unpack/FMA never overlap and every tuning waits the
     # same way (docs/benchmarks.md, "PDL and prefetch"); needs groups < K / group to have a next step
     prefetch: bool = False
+    # split K over this many programs per row block (a third grid axis; session 23): each writes its fp32 partial
+    # rows to a workspace, takes a ticket from a per-row-block counter, and the last to arrive sums the partials,
+    # adds the bias, writes y and resets the counter, all in the one launch. More, shorter programs: more weight
+    # bytes in flight per SM for the GEMVs whose N / block_n programs do not fill the card (o, qkv, down of a 1B
+    # model). Not with the RMSNorm prologues (their norm needs every column); 1 = no split (the default)
+    split_k: int = 1
+    # read each nibble where it lies in the word, inside an fp32 mantissa (bits 0-19; the top three nibbles from
+    # one shifted copy of the word): f = 1 + u * 2^(p - 23), and f - 1 is exact, so per weight one AND/OR, one
+    # exact subtract and one FMA against x scaled by 2^(23 - p) (exact), instead of a shift per nibble; the SASS of
+    # the default spends ~5 instructions a weight (session 23, compiled here), and the int pipe is half the fp32's.
+    # x's magnitude must stay below ~2^104 (the scaled copy's range)
+    mantissa_unpack: bool = False
 
 
 # (N, K, group) -> a launch measured best on this machine (bench/gemv_int4_gpu.py records its sweep here)
@@ -176,6 +188,24 @@ if HAS_TRITON:
         return (bits | 0x3F800000).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _nibble_in_place(words, hi, i: tl.constexpr):
+        """Nibble i as u * 2^(p - 23), p its bit position in words (i < 5) or in hi = words >> 12: one AND/OR
+        and an exact subtract (f = 1 + u * 2^(p - 23) has the same exponent as 1.0)."""
+        if i < 5:
+            bits = (words & (15 << (4 * i))) | 0x3F800000
+        else:
+            bits = (hi & (15 << (4 * i - 12))) | 0x3F800000
+        return bits.to(tl.float32, bitcast=True) - 1.0
+
+    @triton.jit
+    def _nibble_x_scale(i: tl.constexpr):
+        """2^(23 - p) for nibble i's position p (see _nibble_in_place): x times it, times u * 2^(p - 23), is u x."""
+        if i < 5:
+            return (1 << (23 - 4 * i)) * 1.0
+        else:
+            return (1 << (35 - 4 * i)) * 1.0
+
+    @triton.jit
     def _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, g0, n_groups, GROUP: tl.constexpr,
                   GROUPS: tl.constexpr, EVEN: tl.constexpr):
         """The weight data of one K step: words [BN, G, W] and the groups' scales and offsets [BN, G] (fp32)."""
@@ -201,7 +231,7 @@ if HAS_TRITON:
     @triton.jit
     def _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g0, n_groups, K, first,
                   GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, EVEN: tl.constexpr,
-                  X_PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr):
+                  X_PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr, MANT: tl.constexpr):
         """One K step: x's columns (through the prologue) against the step's words, scaled per group."""
         W: tl.constexpr = GROUP // 8
         gi = g0 + tl.arange(0, GROUPS)
@@ -209,6 +239,7 @@ if HAS_TRITON:
         w_off = tl.arange(0, W)
         dot = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
         col0 = gi[:, None] * GROUP + w_off[None, :]                       # [G, W] column of nibble 0
+        hi = words >> 12  # MANT: nibbles 5-7 at bits 8-19 (the sign bits the shift brings in are masked off)
         if X_PER_ROW:  # x in the words' [BN, G, W] layout: no layout conversion, no barrier
             xs3 = tl.zeros([BLOCK_N, GROUPS, W], dtype=tl.float32)
             for i in tl.static_range(8):
@@ -217,7 +248,10 @@ if HAS_TRITON:
                                          PROLOGUE, not EVEN)
                 if NORM:
                     ss += tl.sum(sq3 * sq3, axis=0)
-                dot += _nibble_as_float(words, i) * xi3
+                if MANT:
+                    dot += _nibble_in_place(words, hi, i) * (xi3 * _nibble_x_scale(i))
+                else:
+                    dot += _nibble_as_float(words, i) * xi3
                 xs3 += xi3
             xsum = tl.sum(xs3, axis=2)                                    # [BN, G]
         else:
@@ -227,11 +261,17 @@ if HAS_TRITON:
                                        PROLOGUE, not EVEN)
                 if NORM:
                     ss += sq * sq
-                dot += _nibble_as_float(words, i) * xi[None, :, :]
+                if MANT:
+                    dot += _nibble_in_place(words, hi, i) * (xi * _nibble_x_scale(i))[None, :, :]
+                else:
+                    dot += _nibble_as_float(words, i) * xi[None, :, :]
                 xs += xi
             xsum = tl.sum(xs, axis=1)[None, :]                            # [1, G]
-        sc16 = 16.0 * sc
-        acc += sc16 * tl.sum(dot, axis=2) + (of - sc16) * xsum
+        if MANT:  # dot = sum u x exactly scaled: w x = s u x + o x
+            acc += sc * tl.sum(dot, axis=2) + of * xsum
+        else:
+            sc16 = 16.0 * sc
+            acc += sc16 * tl.sum(dot, axis=2) + (of - sc16) * xsum
         return acc, ss
 
     @triton.jit
@@ -240,7 +280,7 @@ if HAS_TRITON:
         ss_scale,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
         EVEN: tl.constexpr, X_PER_ROW: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr,
-        PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        PDL: tl.constexpr, PREFETCH: tl.constexpr, ws_ptr, cnt_ptr, per, SPLIT: tl.constexpr, MANT: tl.constexpr,
     ):
         # PROLOGUE (kernels._prologue): 0 none; 1/2 RMSNorm (NORM; 2: of x + residual, h written); 3 SiLU·mul.
         # ss_scale: 1 / (K * the times each column's square is summed: BLOCK_N with x_per_row, else 1)
@@ -253,38 +293,66 @@ if HAS_TRITON:
         first = tl.where(tl.program_id(0) == 0, K, 0)  # columns of h this program writes (ADD_NORM)
         acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
         ss = tl.zeros([GROUPS, W], dtype=tl.float32)  # the norm's sum of squares (x_per_row: BLOCK_N times)
+        # this program's groups [g_lo, g_hi): all of K, or split SPLIT's share (``per`` groups, a whole number of
+        # steps; the launcher never makes an empty split)
+        g_lo = tl.program_id(2) * per if SPLIT > 1 else 0
+        g_hi = tl.minimum(g_lo + per, n_groups) if SPLIT > 1 else n_groups
         if PREFETCH:  # step g0's data is in registers while step g0 + 1's loads are in flight
-            words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, 0, n_groups, GROUP, GROUPS, EVEN)
+            words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, g_lo, n_groups, GROUP, GROUPS,
+                                      EVEN)
             pdl_wait(PDL)  # (PDL) the first step's weights load before the wait: no kernel writes them
-            last = (n_groups - 1) // GROUPS * GROUPS  # the last step's first group
-            for g0 in range(0, n_groups, GROUPS):
+            last = g_lo + (g_hi - g_lo - 1) // GROUPS * GROUPS  # the last step's first group
+            for g0 in range(g_lo, g_hi, GROUPS):
                 # the next step; past the end the last one again (an L2 hit), so the loads need no extra mask
                 gn = tl.minimum(g0 + GROUPS, last)
                 nw, nsc, nof = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, gn, n_groups, GROUP, GROUPS,
                                          EVEN)
                 acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g0, n_groups, K,
-                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
+                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM, MANT)
                 words, sc, of = nw, nsc, nof
         else:
-            g_first = 0
+            g_first = g_lo
             if PDL:  # the first step's words and scales load before the wait (no kernel writes them)
-                words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, 0, n_groups, GROUP, GROUPS,
+                words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, g_lo, n_groups, GROUP, GROUPS,
                                           EVEN)
                 pdl_wait(PDL)
-                acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, 0, n_groups, K,
-                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
-                g_first = GROUPS
-            for g0 in range(g_first, n_groups, GROUPS):
+                acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g_lo, n_groups, K,
+                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM, MANT)
+                g_first = g_lo + GROUPS
+            for g0 in range(g_first, g_hi, GROUPS):
                 words, sc, of = _w32_tile(q_ptr, so_ptr, rows, row_ok, s_qn, s_sn, g0, n_groups, GROUP, GROUPS,
                                           EVEN)
                 acc, ss = _w32_step(acc, ss, words, sc, of, x_row, r_row, g_ptr, h_row, rows, g0, n_groups, K,
-                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM)
+                                    first, GROUP, BLOCK_N, GROUPS, EVEN, X_PER_ROW, PROLOGUE, NORM, MANT)
         y = tl.sum(acc, axis=1)
         if NORM:  # y = inv * W (h * g): the norm's scale applied once, after the weights
             y *= tl.rsqrt(tl.sum(tl.sum(ss, 1), 0) * ss_scale + eps)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * s_ym + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+        if SPLIT > 1:
+            _split_k_finish(y, b_ptr, y_ptr, ws_ptr, cnt_ptr, rows, row_ok, m, N, s_ym, HAS_BIAS, BLOCK_N, SPLIT)
+        else:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + m * s_ym + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+    @triton.jit
+    def _split_k_finish(y, b_ptr, y_ptr, ws_ptr, cnt_ptr, rows, row_ok, m, N, s_ym, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+        """Split K: this program's partial rows to the workspace; the last of the row block's SPLIT programs
+        to arrive (a ticket from its counter) sums them in split order, adds the bias and writes y."""
+        n_m = tl.num_programs(1)
+        # workspace [SPLIT, M, N] fp32; counters [M, N / BLOCK_N] int32, zero between launches
+        tl.store(ws_ptr + (tl.program_id(2) * n_m + m) * N + rows, y, mask=row_ok)
+        tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release, gpu scope)
+        counter = cnt_ptr + m * tl.num_programs(0) + tl.program_id(0)
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:  # the last one: every other partial is in L2 (read past L1: .cg)
+            total = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(SPLIT):
+                total += tl.load(ws_ptr + (j * n_m + m) * N + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + m * s_ym + rows, total.to(y_ptr.dtype.element_ty), mask=row_ok)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def _check(x, qweight, scale_offset, bias) -> tuple[int, int, int, int]:
@@ -354,7 +422,11 @@ def _launch(x, qweight, scale_offset, bias, out, tune: GemvInt4W32Tuning, prolog
     r = residual if residual is not None else x
     h = h_out if h_out is not None else out
     pdl = _pdl.pdl_launch(x)
-    _gemv_int4_w32_kernel[(cdiv(n, tune.block_n), x.shape[0])](
+    split, per = split_k_plan(k // group, tune)
+    if split > 1 and prologue in (_prologue.NORM, _prologue.ADD_NORM):
+        raise KernelInputError("split_k needs every column in one program for the RMSNorm prologue")
+    ws, cnt = _split_k_buffers(x.device, x.shape[0], n, split) if split > 1 else (out, out)
+    _gemv_int4_w32_kernel[(cdiv(n, tune.block_n), x.shape[0], split)](
         x, qweight, scale_offset, bias if bias is not None else scale_offset, out,
         r, gain if gain is not None else scale_offset, h, n, k,
         x.stride(0), qweight.stride(0), scale_offset.stride(0), out.stride(0), r.stride(0), h.stride(0),
@@ -362,8 +434,32 @@ def _launch(x, qweight, scale_offset, bias, out, tune: GemvInt4W32Tuning, prolog
         GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=tune.block_n, GROUPS=tune.groups,
         EVEN=n % tune.block_n == 0 and (k // group) % tune.groups == 0, X_PER_ROW=tune.x_per_row,
         PROLOGUE=prologue, NORM=prologue in (_prologue.NORM, _prologue.ADD_NORM), PDL=pdl,
-        PREFETCH=tune.prefetch, num_warps=tune.num_warps, num_stages=tune.num_stages, **_pdl.launch_options(pdl),
+        PREFETCH=tune.prefetch, ws_ptr=ws, cnt_ptr=cnt, per=per, SPLIT=split,
+        MANT=tune.mantissa_unpack, num_warps=tune.num_warps,
+        num_stages=tune.num_stages, **_pdl.launch_options(pdl),
     )
+
+
+def split_k_plan(n_groups: int, tune: GemvInt4W32Tuning) -> tuple[int, int]:
+    """(programs per row block, groups per program) for ``tune.split_k``: whole K steps per split and no empty
+    split (at most one split per K step), so split 2 of a one-step K is no split."""
+    steps = cdiv(n_groups, tune.groups)
+    per_steps = cdiv(steps, max(1, tune.split_k))
+    return cdiv(steps, per_steps), per_steps * tune.groups
+
+
+# (device, M, N, split) -> (fp32 partials [split, M, N], int32 counters [M * N]); the counters are zero between
+# launches (the last program of a row block resets its own), so a CUDA graph may capture and replay launches.
+# Launches that share a key must not run concurrently (one stream, or PDL: a kernel touches them after its wait)
+_SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_k_buffers(device: torch.device, m: int, n: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (str(device), m, n, split)
+    if key not in _SPLIT_BUFFERS:
+        _SPLIT_BUFFERS[key] = (torch.empty((split, m, n), device=device, dtype=torch.float32),
+                               torch.zeros(m * n, device=device, dtype=torch.int32))
+    return _SPLIT_BUFFERS[key]
 
 
 # ---- with a fused prologue (kernels._prologue): RMSNorm before qkv / gate_up, SiLU·mul before down ----------
@@ -372,6 +468,8 @@ def _tune(tuning: GemvInt4W32Tuning | None, n: int, k: int, group: int) -> GemvI
     tune = tuning or tuning_int4_w32(n, k, group)
     if tune.groups & (tune.groups - 1) or tune.block_n & (tune.block_n - 1):
         raise KernelInputError(f"tuning block_n and groups must be powers of two, got {tune}")
+    if tune.split_k < 1:
+        raise KernelInputError(f"tuning split_k must be >= 1, got {tune}")
     return tune
 
 
@@ -400,6 +498,8 @@ def gemv_int4_w32_rms_norm(
     m, n, k, group = _check(x, qweight, scale_offset, bias)
     kind = _prologue.ADD_NORM if residual is not None else _prologue.NORM
     tune = _tune(tuning or _prologue.tuned("w32", kind, n, k), n, k, group)
+    if tuning is None and tune.split_k > 1:  # a split recorded for the plain GEMV: the norm needs all of K here
+        tune = dataclasses.replace(tune, split_k=1)
     tensors = [x, qweight, scale_offset, norm_weight] + [t for t in (bias, residual) if t is not None]
     if not (m and use_triton(backend, *tensors)):
         h = x if residual is None else x + residual

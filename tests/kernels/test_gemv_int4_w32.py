@@ -13,14 +13,19 @@ from kernels import KernelInputError
 from kernels._common import HAS_TRITON
 from kernels.gemv_int4 import dequantize_int4_rows, gemv_int4_reference, pack_int4_rows
 from kernels.gemv_int4_w32 import (
+    _SPLIT_BUFFERS,
     GemvInt4W32Tuning,
     dequantize_int4_w32,
     gemv_int4_w32,
     gemv_int4_w32_reference,
+    gemv_int4_w32_rms_norm,
+    gemv_int4_w32_silu_mul,
     repack_int4_w32,
     set_tuning_int4_w32,
+    split_k_plan,
     tuning_int4_w32,
 )
+from kernels.silu_mul import silu_mul_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CAN_TRITON = HAS_TRITON and (torch.cuda.is_available() or INTERPRET)
@@ -106,8 +111,61 @@ def test_triton_matches_reference(n, k, group, m, dtype):
     for tune in (None, GemvInt4W32Tuning(block_n=16, groups=2, num_warps=4), GemvInt4W32Tuning(1, 64, 2),
                  GemvInt4W32Tuning(8, 2, 4, x_per_row=True), GemvInt4W32Tuning(4, 64, 4, x_per_row=True),
                  GemvInt4W32Tuning(8, 2, 4, prefetch=True), GemvInt4W32Tuning(16, 4, 4, x_per_row=True, prefetch=True),
-                 GemvInt4W32Tuning(4, 64, 4, prefetch=True)):
+                 GemvInt4W32Tuning(4, 64, 4, prefetch=True), GemvInt4W32Tuning(8, 2, 4, split_k=4),
+                 GemvInt4W32Tuning(16, 4, 4, prefetch=True, split_k=3), GemvInt4W32Tuning(4, 2, 4, split_k=64),
+                 GemvInt4W32Tuning(8, 4, 4, x_per_row=True, split_k=2),
+                 GemvInt4W32Tuning(8, 2, 4, mantissa_unpack=True),
+                 GemvInt4W32Tuning(4, 64, 4, x_per_row=True, mantissa_unpack=True),
+                 GemvInt4W32Tuning(16, 4, 4, prefetch=True, split_k=3, mantissa_unpack=True)):
         out = torch.full((m, n), float("nan"), device=DEVICE, dtype=dtype)   # poisoned: all must be written
         got = gemv_int4_w32(x, q32, so, bias, out=out, tuning=tune, backend="triton").double()
         assert torch.isfinite(got).all()
         assert ((got - ref).norm() / ref.norm()).item() < tol
+
+
+def test_split_k_plan_has_whole_steps_and_no_empty_split():
+    assert split_k_plan(64, GemvInt4W32Tuning(groups=16, split_k=4)) == (4, 16)   # 4 steps, one each
+    assert split_k_plan(64, GemvInt4W32Tuning(groups=16, split_k=3)) == (2, 32)   # 4 steps in 2 + 2
+    assert split_k_plan(64, GemvInt4W32Tuning(groups=64, split_k=8)) == (1, 64)   # one step: no split
+    assert split_k_plan(18, GemvInt4W32Tuning(groups=4, split_k=8)) == (5, 4)     # 5 steps, the last masked
+    with pytest.raises(KernelInputError, match="split_k"):
+        gemv_int4_w32(torch.randn(1, 128), *repack_int4_w32(*byte_layout(8, 128, 32, seed=6)),
+                      tuning=GemvInt4W32Tuning(split_k=0), backend="torch")
+
+
+@pytest.mark.skipif(not CAN_TRITON, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [2, 5])
+def test_split_k_relaunches_and_silu_prologue_match_reference(split):
+    """The counters are back at zero after each launch, so a second launch (a graph replay) is right too; the
+    SiLU prologue splits like the plain kernel; the RMSNorm prologue refuses a split."""
+    n, k, group = 72, 640, 32
+    q32, so = (t.to(DEVICE) for t in repack_int4_w32(*byte_layout(n, k, group, seed=split)))
+    tune = GemvInt4W32Tuning(8, 4, 4, split_k=split)
+    for _ in range(2):
+        x = torch.randn(2, k, device=DEVICE)
+        got = gemv_int4_w32(x, q32, so, tuning=tune, backend="triton")
+        torch.testing.assert_close(got, gemv_int4_w32_reference(x, q32, so), rtol=1e-5, atol=1e-5)
+        assert all(int(cnt.abs().sum()) == 0 for _, cnt in _SPLIT_BUFFERS.values())
+    gate_up = torch.randn(1, 2 * k, device=DEVICE)
+    torch.testing.assert_close(gemv_int4_w32_silu_mul(gate_up, q32, so, tuning=tune, backend="triton"),
+                               gemv_int4_w32_reference(silu_mul_reference(gate_up), q32, so), rtol=1e-5, atol=1e-5)
+    with pytest.raises(KernelInputError, match="split_k"):
+        gemv_int4_w32_rms_norm(torch.randn(1, k, device=DEVICE), torch.ones(k, device=DEVICE), 1e-6, q32, so,
+                               tuning=tune, backend="triton")
+
+
+@pytest.mark.skipif(not CAN_TRITON, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.gpu
+def test_mantissa_unpack_reads_every_nibble_position():
+    """One weight at a time in each of a word's 8 nibbles, u = 15 (the top bit of nibble 7 is the word's sign
+    bit): the in-place read must give exactly that weight's x, scaled, for every position."""
+    n, k = 8, 256
+    u = torch.zeros(n, k, dtype=torch.long)
+    for r in range(n):  # row r: nibble r of word 1 of group 0 (column r * W + 1), W = 4 words at group 32
+        u[r, r * 4 + 1] = 15
+    q32, so = repack_int4_w32(pack_int4_rows(u), torch.ones(n, k // 32).half(), torch.zeros(n, k // 32).half())
+    x = torch.randn(1, k, device=DEVICE)
+    got = gemv_int4_w32(x, q32.to(DEVICE), so.to(DEVICE), tuning=GemvInt4W32Tuning(8, 8, 4, mantissa_unpack=True),
+                        backend="triton")
+    torch.testing.assert_close(got[0], 15 * x[0, torch.arange(n, device=DEVICE) * 4 + 1], rtol=1e-6, atol=1e-6)

@@ -147,6 +147,25 @@ def test_gemv_int4_w32_with_pdl(pdl_on, x_per_row, groups, prefetch, k):
 
 
 @needs_triton
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize(("groups", "split"), [(4, 2), (2, 3)])  # K = 576, 18 groups: 5 / 9 steps, masked last
+def test_gemv_int4_w32_split_k_with_pdl(pdl_on, groups, split, prefetch):
+    """Split K with PDL: each split loads its own first step before the wait; plain and SiLU·mul launches."""
+    torch.manual_seed(split)
+    n, k = 40, 576
+    q32, so = _int4(n, k, 32, seed=split)
+    x, gu = torch.randn(1, k, device=DEVICE), torch.randn(1, 2 * k, device=DEVICE)
+    tune = kernels.GemvInt4W32Tuning(block_n=8, groups=groups, prefetch=prefetch, split_k=split,
+                                     mantissa_unpack=prefetch)  # the in-place nibbles with the prefetch
+    off, on = _both(pdl_on, lambda: (kernels.gemv_int4_w32(x, q32, so, tuning=tune, **B),
+                                     kernels.gemv_int4_w32_silu_mul(gu, q32, so, tuning=tune, **B)))
+    _same(off, on)
+    torch.testing.assert_close(on[0], kernels.gemv_int4_w32_reference(x, q32, so), rtol=1e-4, atol=1e-4)
+    ref = kernels.gemv_int4_w32_reference(kernels.silu_mul_reference(gu), q32, so)
+    torch.testing.assert_close(on[1], ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
 def test_norm_silu_rope_store_attention_with_pdl(pdl_on):
     torch.manual_seed(0)
     hq, hkv, d, t = 4, 2, 16, 3

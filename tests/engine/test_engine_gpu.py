@@ -174,22 +174,28 @@ def test_pdl_keeps_the_greedy_tokens_and_the_graphs(fmt):
     assert tokens[0] == tokens[1]
 
 
-def test_decode_fusions_bf16_logprobs_close():
-    """bf16: the first decode step's top-5 log-probs with every fusion on are those without, to bf16 precision."""
+def _assert_first_decode_logprobs_close(off_switches: dict, on_switches: dict) -> None:
+    """bf16: the first decode step's top-5 log-probs of an engine with ``on_switches`` are those of one with
+    ``off_switches``, to bf16 precision, after the same prefill token (the prefill runs the unfused path on both)."""
     prompt = random_prompts([40], seed=4)[0]
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=5)
     got = []
-    for switches in (NO_FUSIONS, ALL_FUSIONS):
+    for switches in (off_switches, on_switches):
         llm = _engine(switches)
         got.append(llm.generate([prompt], params)[0].outputs[0])
         del llm
         _free_gpu_memory()
-    assert got[0].token_ids[0] == got[1].token_ids[0]  # the prefill's token: no prologue on that path
+    assert got[0].token_ids[0] == got[1].token_ids[0]
     off, on = got[0].logprobs[1], got[1].logprobs[1]  # the first decode step (batch-1 graph)
     scale = max(abs(v) for v in off.values())
     for tok in set(off) & set(on):
         assert abs(on[tok] - off[tok]) < 2e-2 * scale
     assert len(set(off) & set(on)) >= 4
+
+
+def test_decode_fusions_bf16_logprobs_close():
+    """bf16: the first decode step's top-5 log-probs with every fusion on are those without, to bf16 precision."""
+    _assert_first_decode_logprobs_close(NO_FUSIONS, ALL_FUSIONS)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -296,17 +302,4 @@ def test_fused_decode_layers_keep_the_greedy_tokens(fmt):
 def test_fused_decode_layers_bf16_logprobs_close():
     """bf16: the first decode steps' top-5 log-probs with the fused decode layers are those without, to bf16
     precision (the normed row is not rounded to bf16 before the product: near-ties may part later)."""
-    prompt = random_prompts([40], seed=4)[0]
-    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=5)
-    got = []
-    for fused in (False, True):
-        llm = _engine({}, cuda_fused_decode_layers=fused)
-        got.append(llm.generate([prompt], params)[0].outputs[0])
-        del llm
-        _free_gpu_memory()
-    assert got[0].token_ids[0] == got[1].token_ids[0]  # the prefill's token: the unfused path on both
-    off, on = got[0].logprobs[1], got[1].logprobs[1]  # the first decode step (batch-1 graph)
-    scale = max(abs(v) for v in off.values())
-    for tok in set(off) & set(on):
-        assert abs(on[tok] - off[tok]) < 2e-2 * scale
-    assert len(set(off) & set(on)) >= 4
+    _assert_first_decode_logprobs_close({"cuda_fused_decode_layers": False}, {"cuda_fused_decode_layers": True})

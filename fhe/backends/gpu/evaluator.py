@@ -335,13 +335,18 @@ class GpuEvaluator(ParamsQueries):
             raise ShapeError("dot_plain of nothing")
         if self.device.type != "cuda" or len(pairs) < 2 or len({c.data.shape for c, _ in pairs}) > 1:
             return self.add_many([self.mul_plain(c, p) for c, p in pairs])
+        scale = self._dot_scale(pairs)                               # the checks before the kernel
+        return GpuCiphertext(self._dot([c for c, _ in pairs], [p for _, p in pairs]), scale)
+
+    def _dot_scale(self, pairs: Sequence[tuple[GpuCiphertext, GpuPlaintext]]) -> float:
+        """The scale of ``sum_j c_j * p_j`` after mul_plain's and add's checks, in their order."""
         scales = []
-        for c, p in pairs:                                           # mul_plain's and add's checks, in order
+        for c, p in pairs:
             self._same_level(c, p)
             scales.append(self._check_scale(c.scale * p.scale, c.level))
             if not _are_close(scales[0], scales[-1]):
                 raise LevelError(f"scales {scales[0]} and {scales[-1]} differ")
-        return GpuCiphertext(self._dot([c for c, _ in pairs], [p for _, p in pairs]), scales[0])
+        return scales[0]
 
     def dot_with(self, cts: Sequence[GpuCiphertext]):
         """``dot(pts) = dot_plain(zip(cts, pts))`` for several plaintext sets on the same ciphertexts (optional
@@ -360,15 +365,10 @@ class GpuEvaluator(ParamsQueries):
         def dot(pts: Sequence[GpuPlaintext]) -> GpuCiphertext:
             if len(pts) != len(cts):
                 raise ShapeError(f"{len(cts)} ciphertexts but {len(pts)} plaintexts")
-            scales = []
-            for p in pts:                                            # dot_plain's checks, in order
-                self._same_level(cts[0], p)
-                scales.append(self._check_scale(cts[0].scale * p.scale, cts[0].level))
-                if not _are_close(scales[0], scales[-1]):
-                    raise LevelError(f"scales {scales[0]} and {scales[-1]} differ")
+            scale = self._dot_scale(list(zip(cts, pts, strict=True)))         # dot_plain's checks
             block = plain_block(pts)
             block = torch.stack([p.data for p in pts]) if block is None else block   # [K, L, N]
-            return GpuCiphertext(triton_ops.dot_rows(stacked, block, self.ctx.q.view(-1)), scales[0])
+            return GpuCiphertext(triton_ops.dot_rows(stacked, block, self.ctx.q.view(-1)), scale)
 
         return dot
 

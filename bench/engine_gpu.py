@@ -273,6 +273,45 @@ def kernel_profile(llm: LLM, batch: int = 1, replays: int = 20, top: int = 25) -
             "top": [{"us": round(us, 2), "count": c, "name": n[:90]} for us, c, n in rows[:top]]}
 
 
+def step_timeline(llm: LLM, vocab: int, steps: int = 48) -> dict:
+    """Where a batch-1 greedy decode's wall time goes on the device, in the engine's own loop (torch.profiler
+    over ``steps`` decode steps): device busy (the union of kernel and copy intervals) and idle per step, the
+    idle gaps' sizes, and the device activities per step outside the decode graph's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = prompts(1, vocab, 13)[0]
+    run = lambda k: llm.generate([ids], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True))  # noqa: E731
+    run(8)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run(steps + 1)
+        torch.cuda.synchronize()
+    dev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    busy, gaps, end = 0.0, [], None
+    for e in dev:  # union of the device intervals, and the gaps between them
+        a, b = e.time_range.start, e.time_range.end
+        if end is None or a > end:
+            if end is not None:
+                gaps.append(a - end)
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    span = end - dev[0].time_range.start
+    names: dict[str, int] = {}
+    for e in dev:
+        names[e.name[:60]] = names.get(e.name[:60], 0) + 1
+    per_step = steps + 1
+    big = sorted(gaps, reverse=True)
+    return {"steps": per_step, "span_us_per_step": span / per_step, "busy_us_per_step": busy / per_step,
+            "idle_us_per_step": (span - busy) / per_step, "gaps_over_5us_per_step": sum(g > 5 for g in gaps) / per_step,
+            "idle_in_gaps_over_5us_per_step": sum(g for g in gaps if g > 5) / per_step,
+            "largest_gaps_us": [round(g, 1) for g in big[:8]],
+            "rare_device_ops": {k: v / per_step for k, v in sorted(names.items(), key=lambda kv: kv[1])
+                                if v < 5 * per_step}}
+
+
 def eager_forward_ms(llm: LLM, iters: int = 50) -> float:
     """Host+GPU time of one eager batch-1 decode forward (what the graph replaces)."""
     runner = llm.engine.runner

@@ -37,6 +37,7 @@ from bench.engine_gpu import (
     kernel_profile,
     kv_bytes,
     random_model,
+    step_timeline,
 )
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
@@ -99,6 +100,7 @@ def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: s
     if profile:  # where the batch-1 graph's time goes, kernel by kernel (torch.profiler over 20 replays)
         with torch.inference_mode():
             row["kernels"] = kernel_profile(llm, 1)
+        row["timeline"] = step_timeline(llm, cfg.vocab_size)  # the graph's replays inside the engine's loop
         row["kernels_per_step"] = row["kernels"]["kernels_per_replay"]
     elif count_kernels:  # the kernel count only: 5 profiled replays
         with torch.inference_mode():

@@ -302,16 +302,44 @@ async def bench(args: argparse.Namespace, url: str, key: str, server_pid: int | 
     rows = []
     meter = CpuMeter(server_pid)
     for users in args.users:
-        before = meter.sample()
+        before, steps = meter.sample(), await engine_steps(url)
         spies = spy(args, meter, users)
         row = await run_level(url, key, users, args.request_rate, args.duration, args.input_len,
                               args.output_len, args.timeout, args.seed, args.clients)
-        row |= meter.per_token(row, before, meter.sample())
+        row |= meter.per_token(row, before, meter.sample()) | step_mix(steps, await engine_steps(url))
         for proc in spies:
             proc.wait(30)
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
     return rows
+
+
+STEP_COUNTERS = ("steps_total", "prefill_steps_total", "step_tokens_total", "step_seconds_total")
+
+
+async def engine_steps(url: str) -> dict[str, float]:
+    """The engine's step counters from the server's /metrics (``cipherlm:engine_*``); {} if unreadable."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(url + "/metrics", timeout=10)).text
+    except httpx.HTTPError:
+        return {}
+    names = {f"cipherlm:engine_{c}": c for c in STEP_COUNTERS}
+    return {names[s.name]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name in names}
+
+
+def step_mix(before: dict, after: dict) -> dict:
+    """Between two readings of the step counters: steps, the share that carried prompt tokens (eager), the
+    mean host time per step (ms) and tokens per step."""
+    d = {c: after.get(c, 0.0) - before.get(c, 0.0) for c in STEP_COUNTERS}
+    if not d["steps_total"]:
+        return {}
+    n = d["steps_total"]
+    return {"steps": int(n), "prefill_step_share": d["prefill_steps_total"] / n,
+            "ms_per_step": 1e3 * d["step_seconds_total"] / n, "tokens_per_step": d["step_tokens_total"] / n}
 
 
 def spy(args: argparse.Namespace, meter: CpuMeter, users: int) -> list[subprocess.Popen]:
@@ -346,28 +374,36 @@ def offline_level(args: argparse.Namespace, users: int) -> dict:
     llm.generate([make_prompt(rng, args.input_len) for _ in range(min(users, 4))], params)  # warm-up
     n = max(2 * users, 8) if args.offline_requests is None else args.offline_requests
     prompts = [make_prompt(rng, args.input_len) for _ in range(n)]
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), dataclasses.asdict(llm.engine.stats())
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
+    mix = step_mix(before, dataclasses.asdict(llm.engine.stats()))
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1) * 1e3
             for o in outs if o.metrics and o.metrics.first_token_time and len(o.outputs[0].token_ids) > 1]
     return {"users": users, "requests": n, "wall_s": wall, "out_tok_per_s": tokens / wall,
-            "tpot_p50_ms": _pct(tpot, 50)}
+            "tpot_p50_ms": _pct(tpot, 50)} | mix
+
+
+def _share(row: dict, key: str) -> str:
+    return f"{100 * row[key]:.0f} %" if key in row else "-"
 
 
 def compare(rows: list[dict], offline: list[dict]) -> str:
     """Every served row against the offline engine at the same users."""
     by_users = {o["users"]: o for o in offline}
     lines = ["| engine | users | served out tok/s | offline out tok/s | share | served TPOT p50 | engine TPOT p50 "
-             "| ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| ratio | steps with prompt tokens, served / offline | ms per step, served / offline |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         o = by_users.get(r["users"])
         if o is None:
             continue
         lines.append(f"| {r.get('engine', '?')} | {r['users']} | {r['out_tok_per_s']:.1f} | {o['out_tok_per_s']:.1f} "
                      f"| {100 * r['out_tok_per_s'] / o['out_tok_per_s']:.0f} % | {r['tpot_p50_ms']:.2f} "
-                     f"| {o['tpot_p50_ms']:.2f} | {r['tpot_p50_ms'] / o['tpot_p50_ms']:.2f}x |")
+                     f"| {o['tpot_p50_ms']:.2f} | {r['tpot_p50_ms'] / o['tpot_p50_ms']:.2f}x "
+                     f"| {_share(r, 'prefill_step_share')} / {_share(o, 'prefill_step_share')} "
+                     f"| {r.get('ms_per_step', float('nan')):.2f} / {o.get('ms_per_step', float('nan')):.2f} |")
     return "\n".join(lines)
 
 

@@ -88,6 +88,10 @@ class LLMEngine:
         self._token_times: dict[str, list[float]] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # steps by kind (decode-only steps can replay a CUDA graph; a step with prompt tokens runs eagerly)
+        # and their host wall time: what an operator reads to see why served tokens/s trail the offline engine
+        self.steps_total = self.prefill_steps_total = self.step_tokens_total = 0
+        self.step_seconds_total = 0.0
         # the overlapped loop: needs an executor that can launch a step without reading its tokens back
         self.overlap = config.resolved_async_scheduling() and hasattr(self.executor, "launch")
         self._in_flight = None  # the launched step whose tokens are not yet read back (LaunchedStep)
@@ -214,7 +218,18 @@ class LLMEngine:
         it is resolved: the outputs returned are that earlier step's (see the module docstring). With
         :attr:`emit_deltas` on, unfinished requests' outputs are wire delta tuples (the core process's).
         """
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        try:
+            return self._step(sched)
+        finally:
+            if sched.scheduled:
+                self.steps_total += 1
+                self.step_tokens_total += sched.num_tokens
+                self.prefill_steps_total += any(s.num_query_tokens != 1 for s in sched.scheduled)
+            self.step_seconds_total += time.perf_counter() - t0
+
+    def _step(self, sched: SchedulerOutput) -> list[RequestOutput]:
         if not self.overlap:
             return self._run_sync(sched, [])
         prev, self._in_flight = self._in_flight, None
@@ -282,6 +297,8 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            steps_total=self.steps_total, prefill_steps_total=self.prefill_steps_total,
+            step_tokens_total=self.step_tokens_total, step_seconds_total=self.step_seconds_total,
             spec_num_drafts=self.spec.num_drafts, spec_num_draft_tokens=self.spec.num_draft_tokens,
             spec_num_accepted_tokens=self.spec.num_accepted_tokens)
 

@@ -70,6 +70,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    steps_total: int = 0               # engine steps that ran work
+    prefill_steps_total: int = 0       # of which carried prompt tokens (eager; decode-only ones may replay a graph)
+    step_tokens_total: int = 0         # tokens scheduled over those steps
+    step_seconds_total: float = 0.0    # host wall time inside LLMEngine.step (idle polls included)
     spec_num_drafts: int = 0           # speculative verify steps (one per sequence that carried drafts)
     spec_num_draft_tokens: int = 0     # draft tokens scored
     spec_num_accepted_tokens: int = 0  # of which accepted

@@ -128,4 +128,7 @@ async def test_metrics_listener_and_stats():
     assert b.cached_tokens == 16 and len(b.itl) == 9
     assert a.ttft is not None and a.tpot is not None and a.queue_time is not None and a.e2e_latency >= a.ttft
     assert stats.prefix_cache_hits == 16 and stats.prefix_cache_queries == 40
+    # per request one prefill step (a: 20 prompt tokens; b: the 4 past its cached blocks), then 9 decode steps
+    assert (stats.steps_total, stats.prefill_steps_total, stats.step_tokens_total) == (20, 2, 20 + 9 + 4 + 9)
+    assert stats.step_seconds_total > 0
     assert rec.steps and 0.0 <= rec.steps[-1].kv_cache_usage <= 1.0

@@ -107,6 +107,10 @@ def test_disconnect_cancels_engine_request(live_server):  # noqa: F811
     time.sleep(0.5)
     assert _metric(live_server.url, "cipherlm:engine_generation_tokens_total") == generated
     assert generated < 2500, "the request ran to max_tokens instead of being aborted"
+    steps = _metric(live_server.url, "cipherlm:engine_steps_total")  # the engine's step counters, exported
+    assert 1 <= _metric(live_server.url, "cipherlm:engine_prefill_steps_total") < steps
+    assert _metric(live_server.url, "cipherlm:engine_step_tokens_total") >= steps
+    assert _metric(live_server.url, "cipherlm:engine_step_seconds_total") > 0
 
 
 def test_skip_special_tokens_reaches_the_detokenizer():

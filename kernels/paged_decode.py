@@ -133,13 +133,17 @@ def paged_decode_attention_reference(
 if HAS_TRITON:
     from ._pdl import pdl_wait
 
-    @triton.jit
+    # The arguments that follow a step's batch and block-table width (the partition, the splits, the table's
+    # width and stride) are plain runtime values, not specialised on: an eager step of any shape then reuses the
+    # variants compiled at start-up (warm-up pass, graph capture) instead of compiling new ones on a server's
+    # first traffic (docs/benchmarks.md, session 24: 13 partition and 10 reduce variants had been compiled).
+    @triton.jit(do_not_specialize=["s_btb", "max_blocks", "NUM_SPLITS", "PARTITION"])
     def _decode_partition_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr, ks_ptr, vs_ptr,
         sm_scale_log2,
         s_qb, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_btb, s_ob, s_oh,
-        max_blocks, G, D, HQ, NUM_SPLITS,
-        BS: tl.constexpr, PARTITION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+        max_blocks, G, D, HQ, NUM_SPLITS, PARTITION,
+        BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
         PDL: tl.constexpr,
     ):
@@ -201,11 +205,11 @@ if HAS_TRITON:
         tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + dd[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=(g < out_rows)[:, None] & dmask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["max_blocks", "NUM_SPLITS", "PARTITION"])
     def _decode_reduce_kernel(
         part_out_ptr, part_lse_ptr, ctx_ptr, out_ptr,
-        s_ob, s_oh, max_blocks, D, HQ, NUM_SPLITS,
-        BS: tl.constexpr, PARTITION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        s_ob, s_oh, max_blocks, D, HQ, NUM_SPLITS, PARTITION,
+        BS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
         PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -235,6 +239,9 @@ if HAS_TRITON:
         denom = tl.where(denom > 0.0, denom, 1.0)
         tl.store(out_ptr + b.to(tl.int64) * s_ob + hq * s_oh + dd, (acc / denom).to(out_ptr.dtype.element_ty),
                  mask=dd < tl.where(n_valid > 0, D, 0))
+
+
+REDUCE_BLOCK_S = 16  # partitions the merge kernel reads per loop step (one value: one compiled variant)
 
 
 def plan_partition(batch: int, num_kv_heads: int, max_context: int, sms: int, tuning: DecodeTuning) -> int:
@@ -271,16 +278,16 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        max_blocks, g, d, hq, num_splits,
-        BS=bs, PARTITION=part, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=block_d, BLOCK_N=block_n,
+        max_blocks, g, d, hq, num_splits, part,
+        BS=bs, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=block_d, BLOCK_N=block_n,
         SPLIT=split, DOT_PREC=dot_precision(q.dtype), QUANT=quant, PDL=pdl, num_warps=tuning.num_warps,
         **_pdl.launch_options(pdl),
     )
     if split:
         _decode_reduce_kernel[(b, hq)](
             part_out, part_lse, context_lens, out, out.stride(0), out.stride(1),
-            max_blocks, d, hq, num_splits,
-            BS=bs, PARTITION=part, BLOCK_S=min(32, next_pow2(num_splits)), BLOCK_D=block_d, PDL=pdl,
+            max_blocks, d, hq, num_splits, part,
+            BS=bs, BLOCK_S=REDUCE_BLOCK_S, BLOCK_D=block_d, PDL=pdl,
             num_warps=2, **_pdl.launch_options(pdl),
         )
     return out

@@ -119,7 +119,7 @@ def paged_prefill_attention_reference(
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["s_btb", "max_blocks"])  # the step's table width: see _decode_partition_kernel
     def _prefill_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr, ks_ptr, vs_ptr,
         sm_scale_log2,

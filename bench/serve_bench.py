@@ -302,11 +302,12 @@ async def bench(args: argparse.Namespace, url: str, key: str, server_pid: int | 
     rows = []
     meter = CpuMeter(server_pid)
     for users in args.users:
-        before, steps = meter.sample(), await engine_steps(url)
+        before, steps, started = meter.sample(), await engine_steps(url), time.time()
         spies = spy(args, meter, users)
         row = await run_level(url, key, users, args.request_rate, args.duration, args.input_len,
                               args.output_len, args.timeout, args.seed, args.clients)
         row |= meter.per_token(row, before, meter.sample()) | step_mix(steps, await engine_steps(url))
+        row["started_at"] = started  # the level's first arrival (unix time: e.g. to date JIT compiles against)
         for proc in spies:
             proc.wait(30)
         print(json.dumps(row), file=sys.stderr, flush=True)

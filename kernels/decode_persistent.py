@@ -462,7 +462,7 @@ if HAS_TRITON:
     def _decode_persistent_kernel(
         h_ptr, cos_ptr, sin_ptr, slot_ptr, bt_ptr, ctx_ptr, table_ptr, norms_ptr, bias_ptr, sync_ptr,
         q_ws, act_ws, po_ptr, pl_ptr,
-        L, H, I, HQ, HKV, G, D, S, max_blocks, num_slots, eps, sm_scale_log2,
+        L, H, INTER, HQ, HKV, G, D, S, max_blocks, num_slots, eps, sm_scale_log2,
         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
         BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BK: tl.constexpr,
@@ -475,7 +475,7 @@ if HAS_TRITON:
         PT: tl.constexpr = tl.pointer_type(DT)
         HALF = D // 2
         N_QKV = (HQ + 2 * HKV) * D
-        U1, U3, U4, U5 = N_QKV // 2, H // 2, I, H // 2
+        U1, U3, U4, U5 = N_QKV // 2, H // 2, INTER, H // 2
         K3 = HQ * D
         err = L * 5
         # this step's row: slot (-1 = padding: nothing stored), context (clamped to the table), partition
@@ -519,22 +519,22 @@ if HAS_TRITON:
                         1, h_ptr, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
                         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU3, BK, BLOCK_S, False)
             if PREFETCH:
-                gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, I, 1, BU4, BK)
+                gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, INTER, 1, BU4, BK)
             failed = _barrier(sync_ptr, layer * 5 + 2, err, P, failed, MAX)
             # S4: rms_norm -> gate/up -> silu(gate) * up
             if not PREFETCH:
-                gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, I, 1, BU4, BK)
+                gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, INTER, 1, BU4, BK)
             inv2 = _inv_rms(h_ptr, H, eps, BLOCK_H)
-            _gemv_stage(w_gu, pid, P, U4, H, gu_lo, gu_hi, 2, HALF, I, 0, h_ptr, g2, inv2, pl_ptr, n_part, S, D,
+            _gemv_stage(w_gu, pid, P, U4, H, gu_lo, gu_hi, 2, HALF, INTER, 0, h_ptr, g2, inv2, pl_ptr, n_part, S, D,
                         2, act_ws, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
                         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU4, BK, BLOCK_S, False)
             if PREFETCH:
-                dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, I, 1, HALF, 0, 1, BU5, BK)
+                dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, INTER, 1, HALF, 0, 1, BU5, BK)
             failed = _barrier(sync_ptr, layer * 5 + 3, err, P, failed, MAX)
             # S5: down GEMV -> h += y
             if not PREFETCH:
-                dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, I, 1, HALF, 0, 1, BU5, BK)
-            _gemv_stage(w_dn, pid, P, U5, I, dn_lo, dn_hi, 1, HALF, 0, 2, act_ws, g2, inv2, pl_ptr, n_part, S, D,
+                dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, INTER, 1, HALF, 0, 1, BU5, BK)
+            _gemv_stage(w_dn, pid, P, U5, INTER, dn_lo, dn_hi, 1, HALF, 0, 2, act_ws, g2, inv2, pl_ptr, n_part, S, D,
                         1, h_ptr, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
                         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU5, BK, BLOCK_S, False)
             nxt = layer + 1 < L

@@ -121,13 +121,17 @@ class PersistentDecodeTuning:
 
     Attributes:
         programs: P, the grid (None: the SM count). Every program must be resident at once.
-        splits: attention partitions per KV head (None: enough for ~32 work items, at most 16).
+        splits: attention partitions per KV head (None: enough for ~16 work items, at most 16).
         block_k: GEMV columns a K step (a power of two).
         max_units: most row pairs a GEMV chunk (a power of two; the chunk is the next power of two of a
             program's share, capped here).
         block_t: context tokens a K/V tile in the attention (>= 16: tl.dot).
         num_warps: warps a program.
         prefetch: issue the next stage's first weight tiles before each barrier (False: at the stage's start).
+        l2_prefetch_kb: KB of a program's share of a later GEMV stage pulled into L2 ahead of time (Hopper's
+            ``cp.async.bulk.prefetch.L2``, one instruction a weight row): the gate/up share when S1 starts, the
+            down share when S4 starts, the next layer's QKV share when S5 starts. 0: off. Only on compute
+            capability 9.0+ CUDA devices with 16-byte aligned rows (else off); never under the interpreter.
     """
 
     programs: int | None = None
@@ -137,6 +141,7 @@ class PersistentDecodeTuning:
     block_t: int = 16
     num_warps: int = 8
     prefetch: bool = True
+    l2_prefetch_kb: int = 96
 
 
 @dataclasses.dataclass
@@ -311,6 +316,31 @@ if HAS_TRITON:
         return _tiles(w, units, units < u0 + (u1 - u0) * valid, 0, K, KIND, HALF, SECOND, BK)
 
     @triton.jit
+    def _l2_prefetch(w, pid, P, U, K, KIND: tl.constexpr, HALF, SECOND, budget, valid, ON: tl.constexpr):
+        """Pull the first ``budget`` bytes' worth of this program's rows of a GEMV stage into L2 (one bulk
+        prefetch a row, ``K * 2`` bytes; a hint: nothing is written, results do not depend on it)."""
+        if ON:
+            PF_U: tl.constexpr = 64
+            u0, u1 = _units(pid, P, U)
+            ELT: tl.constexpr = w.dtype.element_ty.primitive_bitwidth // 8
+            row_bytes = K * ELT
+            lim = tl.minimum(u1, u0 + budget // (2 * row_bytes)) * valid + u0 * (1 - valid)
+            units = u0 + tl.arange(0, PF_U)
+            on = (units < lim).to(tl.int32)
+            lo, hi = _pair_rows(units, KIND, HALF, SECOND)
+            size = tl.zeros([PF_U], tl.int32) + row_bytes
+            _bulk_prefetch(w + lo.to(tl.int64) * K, size, on)
+            _bulk_prefetch(w + hi.to(tl.int64) * K, size, on)
+
+    @triton.jit
+    def _bulk_prefetch(addr, size, on):
+        """``cp.async.bulk.prefetch.L2.global [addr], size`` where ``on`` (sm_90; addr 16-byte aligned)."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; }\n"
+            "mov.b32 $0, 0;",
+            "=r,l,r,r", [addr, size, on], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _x_cols(cols, c_ok, X: tl.constexpr, src, g, inv, lse_ptr, ctx_part, S, D, DT: tl.constexpr,
                 BLOCK_S: tl.constexpr):
         """The GEMV input at ``cols`` in fp32, as the unfused op before it stores it (rounded to DT).
@@ -323,7 +353,7 @@ if HAS_TRITON:
             head = cols // D
             d = cols % D
             s = tl.arange(0, BLOCK_S)
-            m = (s < ctx_part)[:, None] & c_ok[None, :]           # partitions that saw a token
+            m = ((s < ctx_part) & (s < S))[:, None] & c_ok[None, :]   # partitions that saw a token
             row = head[None, :] * S + s[:, None]                   # [BLOCK_S, BK]
             lse = tl.load(lse_ptr + row, mask=m, other=float("-inf"), cache_modifier=".cg")
             o = tl.load(src + row * D + d[None, :], mask=m, other=0.0, cache_modifier=".cg")
@@ -462,12 +492,13 @@ if HAS_TRITON:
     def _decode_persistent_kernel(
         h_ptr, cos_ptr, sin_ptr, slot_ptr, bt_ptr, ctx_ptr, table_ptr, norms_ptr, bias_ptr, sync_ptr,
         q_ws, act_ws, po_ptr, pl_ptr,
-        L, H, INTER, HQ, HKV, G, D, S, max_blocks, num_slots, eps, sm_scale_log2,
+        L, H, INTER, HQ, HKV, G, D, S, max_blocks, num_slots, eps, sm_scale_log2, pf_budget,
         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
         BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BK: tl.constexpr,
         BU1: tl.constexpr, BU3: tl.constexpr, BU4: tl.constexpr, BU5: tl.constexpr,
         HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, DOT_PREC: tl.constexpr, MAX: tl.constexpr,
+        L2PF: tl.constexpr,
     ):
         pid = tl.program_id(0)
         P = tl.num_programs(0)
@@ -483,7 +514,7 @@ if HAS_TRITON:
         slot_ok = (slot >= 0) & (slot < num_slots)
         slot = tl.where(slot_ok, slot, 0)
         ctx = tl.minimum(tl.load(ctx_ptr), max_blocks * BS)
-        part = tl.cdiv(tl.cdiv(ctx, S), BLOCK_T) * BLOCK_T
+        part = tl.maximum(tl.cdiv(tl.cdiv(ctx, S), BLOCK_T) * BLOCK_T, BLOCK_T)  # >= 1 tile (ctx 0: padding)
         n_part = tl.cdiv(ctx, part)          # partitions that hold a token
         failed = pid * 0
         V0: tl.constexpr = 1 if PREFETCH else 0
@@ -498,7 +529,10 @@ if HAS_TRITON:
             vc = tl.load(tab + 5).to(PT)
             g1 = norms_ptr + layer * 2 * H
             g2 = g1 + H
-            # S1: rms_norm -> QKV (+ bias) -> RoPE -> q to the workspace, k/v to the pools
+            # S1: rms_norm -> QKV (+ bias) -> RoPE -> q to the workspace, k/v to the pools; the O and gate/up
+            # shares start streaming into L2 now, under S1, the barriers and the attention
+            _l2_prefetch(w_o, pid, P, U3, K3, 1, HALF, 0, pf_budget, 1, L2PF)
+            _l2_prefetch(w_gu, pid, P, U4, H, 2, HALF, INTER, pf_budget, 1, L2PF)
             if not PREFETCH:
                 pre_lo, pre_hi = _first_tiles(w_qkv, pid, P, U1, H, 0, HALF, 0, 1, BU1, BK)
             inv = _inv_rms(h_ptr, H, eps, BLOCK_H)
@@ -524,6 +558,7 @@ if HAS_TRITON:
             # S4: rms_norm -> gate/up -> silu(gate) * up
             if not PREFETCH:
                 gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, INTER, 1, BU4, BK)
+            _l2_prefetch(w_dn, pid, P, U5, INTER, 1, HALF, 0, pf_budget, 1, L2PF)
             inv2 = _inv_rms(h_ptr, H, eps, BLOCK_H)
             _gemv_stage(w_gu, pid, P, U4, H, gu_lo, gu_hi, 2, HALF, INTER, 0, h_ptr, g2, inv2, pl_ptr, n_part, S, D,
                         2, act_ws, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
@@ -534,13 +569,14 @@ if HAS_TRITON:
             # S5: down GEMV -> h += y
             if not PREFETCH:
                 dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, INTER, 1, HALF, 0, 1, BU5, BK)
+            nxt = layer + 1 < L
+            nxt_qkv = tl.load(table_ptr + tl.minimum(layer + 1, L - 1) * 6).to(PT)
+            _l2_prefetch(nxt_qkv, pid, P, U1, H, 0, HALF, 0, pf_budget, nxt.to(tl.int32), L2PF)
             _gemv_stage(w_dn, pid, P, U5, INTER, dn_lo, dn_hi, 1, HALF, 0, 2, act_ws, g2, inv2, pl_ptr, n_part, S, D,
                         1, h_ptr, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
                         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU5, BK, BLOCK_S, False)
-            nxt = layer + 1 < L
             if PREFETCH:  # the next layer's QKV tiles (none after the last layer)
-                nxt_w = tl.load(table_ptr + tl.minimum(layer + 1, L - 1) * 6).to(PT)
-                pre_lo, pre_hi = _first_tiles(nxt_w, pid, P, U1, H, 0, HALF, 0, nxt.to(tl.int32), BU1, BK)
+                pre_lo, pre_hi = _first_tiles(nxt_qkv, pid, P, U1, H, 0, HALF, 0, nxt.to(tl.int32), BU1, BK)
             if nxt:
                 failed = _barrier(sync_ptr, layer * 5 + 4, err, P, failed, MAX)
         # the last stage: arrive only; the last program to arrive zeroes every counter for the next launch
@@ -560,7 +596,7 @@ def _plan(layers: PersistentDecodeLayers, device: torch.device, tune: Persistent
     h, inter = w0.qkv.shape[1], w0.gate_up.shape[0] // 2
     hq, hkv, d = layers.num_heads, layers.num_kv_heads, layers.k_caches[0].shape[-1]
     p = tune.programs or num_sms(device)
-    s = tune.splits or max(1, min(16, cdiv(32, hkv)))
+    s = tune.splits or max(1, min(16, cdiv(16, hkv)))
     if p < 1 or s < 1 or tune.block_k & (tune.block_k - 1) or tune.max_units & (tune.max_units - 1):
         raise KernelInputError(f"need programs, splits >= 1 and power-of-two block_k / max_units, got {tune}")
     if tune.block_t < 16 or tune.block_t & (tune.block_t - 1):
@@ -573,6 +609,14 @@ def _plan(layers: PersistentDecodeLayers, device: torch.device, tune: Persistent
                 BU5=bu(h // 2), BK=tune.block_k, BLOCK_H=next_pow2(max(h, layers.sync.numel())),
                 BLOCK_G=max(16, next_pow2(hq // hkv)), BLOCK_D=next_pow2(d), BLOCK_T=tune.block_t,
                 BLOCK_S=next_pow2(s))
+
+
+def _l2_prefetch_ok(layers: PersistentDecodeLayers, h: torch.Tensor, tune: PersistentDecodeTuning) -> bool:
+    """The bulk L2 prefetch needs sm_90 PTX and 16-byte aligned rows (K * 2 bytes apart from an aligned base)."""
+    if tune.l2_prefetch_kb <= 0 or not h.is_cuda or torch.cuda.get_device_capability(h.device)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.shape[1] * t.element_size()) % 16 == 0
+               for w in layers.layers for t in (w.qkv, w.o, w.gate_up, w.down))
 
 
 def decode_persistent(
@@ -635,11 +679,12 @@ def decode_persistent(
         h, cos, sin, slot_mapping, block_tables, context_lens, layers.table, layers.norms, bias, layers.sync,
         q_ws, act_ws, part_out, part_lse,
         len(layers.layers), hid, w0.gate_up.shape[0] // 2, layers.num_heads, hkv, layers.num_heads // hkv, d, s,
-        block_tables.shape[1], nb * bs, layers.eps, 1.4426950408889634 / math.sqrt(d),
+        block_tables.shape[1], nb * bs, layers.eps, 1.4426950408889634 / math.sqrt(d), tune.l2_prefetch_kb * 1024,
         kc0.stride(0), kc0.stride(1), kc0.stride(2), vc0.stride(0), vc0.stride(1), vc0.stride(2),
         BS=bs, BLOCK_H=plan["BLOCK_H"], BLOCK_G=plan["BLOCK_G"], BLOCK_D=plan["BLOCK_D"],
         BLOCK_T=plan["BLOCK_T"], BLOCK_S=plan["BLOCK_S"], BK=plan["BK"], BU1=plan["BU1"], BU3=plan["BU3"],
         BU4=plan["BU4"], BU5=plan["BU5"], HAS_BIAS=layers.biases is not None, PREFETCH=tune.prefetch,
-        DOT_PREC=dot_precision(h.dtype), MAX=MAX_POLLS, num_warps=tune.num_warps,
+        DOT_PREC=dot_precision(h.dtype), MAX=MAX_POLLS, L2PF=_l2_prefetch_ok(layers, h, tune),
+        num_warps=tune.num_warps,
     )
     return h

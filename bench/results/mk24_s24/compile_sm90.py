@@ -29,14 +29,14 @@ PTRS = {"h_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*
 def plan(shape, tune: PersistentDecodeTuning, p: int) -> dict:
     from kernels._common import cdiv, next_pow2
     h, hq, hkv, d, inter = shape
-    s = tune.splits or max(1, min(16, cdiv(32, hkv)))
+    s = tune.splits or max(1, min(16, cdiv(16, hkv)))
 
     def bu(units):
         return min(tune.max_units, next_pow2(cdiv(units, p)))
     return dict(BS=16, BLOCK_H=next_pow2(h), BLOCK_G=max(16, next_pow2(hq // hkv)), BLOCK_D=next_pow2(d),
                 BLOCK_T=tune.block_t, BLOCK_S=next_pow2(s), BK=tune.block_k, BU1=bu((hq + 2 * hkv) * d // 2),
                 BU3=bu(h // 2), BU4=bu(inter), BU5=bu(h // 2), HAS_BIAS=True, PREFETCH=tune.prefetch,
-                DOT_PREC="tf32", MAX=1 << 20)
+                DOT_PREC="tf32", MAX=1 << 20, L2PF=tune.l2_prefetch_kb > 0)
 
 
 def compile_one(shape, tune: PersistentDecodeTuning, p: int):
@@ -72,6 +72,8 @@ def usage(cubin: bytes) -> tuple[int, int]:
 
 def main() -> None:
     variants = [("default", PersistentDecodeTuning(), 132), ("no-prefetch", PersistentDecodeTuning(prefetch=False), 132),
+                ("no-l2", PersistentDecodeTuning(l2_prefetch_kb=0), 132),
+                ("units16", PersistentDecodeTuning(max_units=16), 132),
                 ("p264", PersistentDecodeTuning(num_warps=4), 264),
                 ("bk1024-u4", PersistentDecodeTuning(block_k=1024, max_units=4), 132)]
     for name, shape in SHAPES.items():

@@ -2,7 +2,7 @@
 
 Per shape (``bench/engine_gpu.py`` SHAPES, random bf16 weights, every layer, context 256 in a block table as wide
 as the engine's at ``max_model_len`` 4096), µs per batch-1 step of the decoder layers (no embedding, no head),
-each step one CUDA graph (``h`` reset from a copy first, the same in every graph), median of 100 replays:
+each step one CUDA graph (``h`` reset from a copy first, the same in every graph), median of 60 replays:
 
 * ``persistent``: one ``decode_persistent`` launch (no PDL: it is one launch);
 * ``per_op``: the engine's path without the switch (``engine.fused.FusedLlama._layer`` with the GEMV rows):
@@ -10,11 +10,12 @@ each step one CUDA graph (``h`` reset from a copy first, the same in every graph
   add+RMSNorm, gate/up GEMV, SiLU·mul, down GEMV, the final add — PDL as the engine sets it (on by default);
 * ``decode_layer``: ``EngineConfig.cuda_fused_decode_layers`` (four launches + attention a layer), PDL likewise;
 
-interleaved A/B/C/C/B/A over 3 rounds, plus the floor (the layers' weight bytes at ``copy_bandwidth()``) and a
-sweep of the persistent launch (programs P = SMs, SMs / 2, 2 x SMs with 4 warps when two fit an SM; prefetch
-off; 1024-column K steps). Every launch is first checked against the torch reference (relative error of h
-after all layers); a launch whose programs were not all resident gives up at its first barrier (bounded polls,
-the error flag) and is reported, not timed.
+interleaved A/B/C/C/B/A over 2 rounds, plus the floor (the layers' weight bytes at ``copy_bandwidth()``) and a
+sweep of the persistent launch (the L2 prefetch off or doubled, 8192-weight tiles, the register prefetch off,
+programs P = SMs / 2, and 2 x SMs with 4 warps when two fit an SM), each timed once after the A/B rounds.
+Every launch is first checked against the torch reference (relative error of h after all layers); a launch
+whose programs were not all resident gives up at its first barrier (bounded polls, the error flag) and is
+reported, not timed.
 
     python -m bench.decode_persistent_gpu --shapes qwen2.5-0.5b,llama3.2-1b --json out.json
 """
@@ -34,6 +35,7 @@ from kernels import DecodeLayerWeights, PersistentDecodeLayers, PersistentDecode
 CONTEXT = 256
 BS = 16
 TABLE_BLOCKS = 4096 // BS  # the engine's decode-graph table width at max_model_len 4096
+REPLAYS = 60
 
 
 class Model:
@@ -148,11 +150,12 @@ def checked(m: Model, name: str, fn, want: torch.Tensor, row: dict) -> torch.cud
 
 
 def sweep(m: Model, sms: int) -> dict[str, PersistentDecodeTuning]:
-    return {f"P={sms}": PersistentDecodeTuning(),
-            f"P={sms} no-prefetch": PersistentDecodeTuning(prefetch=False),
+    return {f"P={sms} no L2 prefetch": PersistentDecodeTuning(l2_prefetch_kb=0),
+            f"P={sms} tile 8192": PersistentDecodeTuning(tile_elems=8192),
+            f"P={sms} L2 prefetch 192 KB": PersistentDecodeTuning(l2_prefetch_kb=192),
+            f"P={sms} no register prefetch": PersistentDecodeTuning(prefetch=False),
             f"P={sms // 2}": PersistentDecodeTuning(programs=sms // 2),
-            f"P={2 * sms} 4 warps": PersistentDecodeTuning(programs=2 * sms, num_warps=4),
-            f"P={sms} block_k 1024": PersistentDecodeTuning(block_k=1024, max_units=4)}
+            f"P={2 * sms} 4 warps": PersistentDecodeTuning(programs=2 * sms, num_warps=4)}
 
 
 def run(name: str, bw: float, rounds: int) -> dict:
@@ -171,7 +174,7 @@ def run(name: str, bw: float, rounds: int) -> dict:
         for _ in range(rounds):  # A/B/C/C/B/A
             for k in order + order[::-1]:
                 if graphs[k] is not None:
-                    times[k].append(cuda_median_ms(graphs[k].replay, 100) * 1e3)
+                    times[k].append(cuda_median_ms(graphs[k].replay, REPLAYS) * 1e3)
         row["us"] = {k: sorted(v)[len(v) // 2] if v else None for k, v in times.items()}
         row["us_runs"] = times
         per_layer = {k: (v / row["layers"] if v else None) for k, v in row["us"].items()}
@@ -180,7 +183,8 @@ def run(name: str, bw: float, rounds: int) -> dict:
         row["sweep_us"] = {}
         for label, tune in sweep(m, sms).items():
             g = checked(m, label, lambda t=tune: m.persistent(t), want, row)
-            row["sweep_us"][label] = None if g is None else cuda_median_ms(g.replay, 100) * 1e3
+            row["sweep_us"][label] = None if g is None else cuda_median_ms(g.replay, REPLAYS) * 1e3
+            print(f"  {name} {label}: {row['sweep_us'][label]} us, rel err {row['rel_err'][label]:.2e}", flush=True)
             del g
     return row
 
@@ -188,7 +192,7 @@ def run(name: str, bw: float, rounds: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen2.5-0.5b,llama3.2-1b")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -122,9 +122,12 @@ class PersistentDecodeTuning:
     Attributes:
         programs: P, the grid (None: the SM count). Every program must be resident at once.
         splits: attention partitions per KV head (None: enough for ~16 work items, at most 16).
-        block_k: GEMV columns a K step (a power of two).
-        max_units: most row pairs a GEMV chunk (a power of two; the chunk is the next power of two of a
-            program's share, capped here).
+        tile_elems: weights a row tile of a K step (a power of two): a GEMV stage's chunk is ``BU`` row pairs,
+            the next power of two of a program's share capped at ``max_units``, and its K step
+            ``tile_elems / BU`` columns (at most the next power of two of K): every stage streams
+            ``2 tile_elems`` weights a step (16 KB in bf16 at 4096), the next step's in flight meanwhile.
+        block_k: a fixed K step for every stage instead (a power of two), or None.
+        max_units: most row pairs a GEMV chunk (a power of two).
         block_t: context tokens a K/V tile in the attention (>= 16: tl.dot).
         num_warps: warps a program.
         prefetch: issue the next stage's first weight tiles before each barrier (False: at the stage's start).
@@ -136,7 +139,8 @@ class PersistentDecodeTuning:
 
     programs: int | None = None
     splits: int | None = None
-    block_k: int = 512
+    tile_elems: int = 4096
+    block_k: int | None = None
     max_units: int = 8
     block_t: int = 16
     num_warps: int = 8
@@ -495,8 +499,9 @@ if HAS_TRITON:
         L, H, INTER, HQ, HKV, G, D, S, max_blocks, num_slots, eps, sm_scale_log2, pf_budget,
         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
         BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BK: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
         BU1: tl.constexpr, BU3: tl.constexpr, BU4: tl.constexpr, BU5: tl.constexpr,
+        BK1: tl.constexpr, BK3: tl.constexpr, BK4: tl.constexpr, BK5: tl.constexpr,
         HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, DOT_PREC: tl.constexpr, MAX: tl.constexpr,
         L2PF: tl.constexpr,
     ):
@@ -518,7 +523,7 @@ if HAS_TRITON:
         n_part = tl.cdiv(ctx, part)          # partitions that hold a token
         failed = pid * 0
         V0: tl.constexpr = 1 if PREFETCH else 0
-        pre_lo, pre_hi = _first_tiles(tl.load(table_ptr).to(PT), pid, P, U1, H, 0, HALF, 0, V0, BU1, BK)
+        pre_lo, pre_hi = _first_tiles(tl.load(table_ptr).to(PT), pid, P, U1, H, 0, HALF, 0, V0, BU1, BK1)
         for layer in range(L):
             tab = table_ptr + layer * 6
             w_qkv = tl.load(tab).to(PT)
@@ -534,13 +539,13 @@ if HAS_TRITON:
             _l2_prefetch(w_o, pid, P, U3, K3, 1, HALF, 0, pf_budget, 1, L2PF)
             _l2_prefetch(w_gu, pid, P, U4, H, 2, HALF, INTER, pf_budget, 1, L2PF)
             if not PREFETCH:
-                pre_lo, pre_hi = _first_tiles(w_qkv, pid, P, U1, H, 0, HALF, 0, 1, BU1, BK)
+                pre_lo, pre_hi = _first_tiles(w_qkv, pid, P, U1, H, 0, HALF, 0, 1, BU1, BK1)
             inv = _inv_rms(h_ptr, H, eps, BLOCK_H)
             _gemv_stage(w_qkv, pid, P, U1, H, pre_lo, pre_hi, 0, HALF, 0, 0, h_ptr, g1, inv, pl_ptr, n_part, S,
                         D, 0, q_ws, bias_ptr + layer * N_QKV, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
-                        s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU1, BK, BLOCK_S, HAS_BIAS)
+                        s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU1, BK1, BLOCK_S, HAS_BIAS)
             if PREFETCH:
-                o_lo, o_hi = _first_tiles(w_o, pid, P, U3, K3, 1, HALF, 0, 1, BU3, BK)
+                o_lo, o_hi = _first_tiles(w_o, pid, P, U3, K3, 1, HALF, 0, 1, BU3, BK3)
             failed = _barrier(sync_ptr, layer * 5, err, P, failed, MAX)
             # S2: attention partitions
             _attention(pid, P, q_ws, kc, vc, bt_ptr, ctx, part, po_ptr, pl_ptr, sm_scale_log2,
@@ -548,35 +553,35 @@ if HAS_TRITON:
             failed = _barrier(sync_ptr, layer * 5 + 1, err, P, failed, MAX)
             # S3: merge the partitions -> O GEMV -> h += o
             if not PREFETCH:
-                o_lo, o_hi = _first_tiles(w_o, pid, P, U3, K3, 1, HALF, 0, 1, BU3, BK)
+                o_lo, o_hi = _first_tiles(w_o, pid, P, U3, K3, 1, HALF, 0, 1, BU3, BK3)
             _gemv_stage(w_o, pid, P, U3, K3, o_lo, o_hi, 1, HALF, 0, 1, po_ptr, g1, inv, pl_ptr, n_part, S, D,
                         1, h_ptr, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
-                        s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU3, BK, BLOCK_S, False)
+                        s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU3, BK3, BLOCK_S, False)
             if PREFETCH:
-                gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, INTER, 1, BU4, BK)
+                gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, INTER, 1, BU4, BK4)
             failed = _barrier(sync_ptr, layer * 5 + 2, err, P, failed, MAX)
             # S4: rms_norm -> gate/up -> silu(gate) * up
             if not PREFETCH:
-                gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, INTER, 1, BU4, BK)
+                gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, INTER, 1, BU4, BK4)
             _l2_prefetch(w_dn, pid, P, U5, INTER, 1, HALF, 0, pf_budget, 1, L2PF)
             inv2 = _inv_rms(h_ptr, H, eps, BLOCK_H)
             _gemv_stage(w_gu, pid, P, U4, H, gu_lo, gu_hi, 2, HALF, INTER, 0, h_ptr, g2, inv2, pl_ptr, n_part, S, D,
                         2, act_ws, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
-                        s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU4, BK, BLOCK_S, False)
+                        s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU4, BK4, BLOCK_S, False)
             if PREFETCH:
-                dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, INTER, 1, HALF, 0, 1, BU5, BK)
+                dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, INTER, 1, HALF, 0, 1, BU5, BK5)
             failed = _barrier(sync_ptr, layer * 5 + 3, err, P, failed, MAX)
             # S5: down GEMV -> h += y
             if not PREFETCH:
-                dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, INTER, 1, HALF, 0, 1, BU5, BK)
+                dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, INTER, 1, HALF, 0, 1, BU5, BK5)
             nxt = layer + 1 < L
             nxt_qkv = tl.load(table_ptr + tl.minimum(layer + 1, L - 1) * 6).to(PT)
             _l2_prefetch(nxt_qkv, pid, P, U1, H, 0, HALF, 0, pf_budget, nxt.to(tl.int32), L2PF)
             _gemv_stage(w_dn, pid, P, U5, INTER, dn_lo, dn_hi, 1, HALF, 0, 2, act_ws, g2, inv2, pl_ptr, n_part, S, D,
                         1, h_ptr, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
-                        s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU5, BK, BLOCK_S, False)
+                        s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU5, BK5, BLOCK_S, False)
             if PREFETCH:  # the next layer's QKV tiles (none after the last layer)
-                pre_lo, pre_hi = _first_tiles(nxt_qkv, pid, P, U1, H, 0, HALF, 0, nxt.to(tl.int32), BU1, BK)
+                pre_lo, pre_hi = _first_tiles(nxt_qkv, pid, P, U1, H, 0, HALF, 0, nxt.to(tl.int32), BU1, BK1)
             if nxt:
                 failed = _barrier(sync_ptr, layer * 5 + 4, err, P, failed, MAX)
         # the last stage: arrive only; the last program to arrive zeroes every counter for the next launch
@@ -597,16 +602,22 @@ def _plan(layers: PersistentDecodeLayers, device: torch.device, tune: Persistent
     hq, hkv, d = layers.num_heads, layers.num_kv_heads, layers.k_caches[0].shape[-1]
     p = tune.programs or num_sms(device)
     s = tune.splits or max(1, min(16, cdiv(16, hkv)))
-    if p < 1 or s < 1 or tune.block_k & (tune.block_k - 1) or tune.max_units & (tune.max_units - 1):
-        raise KernelInputError(f"need programs, splits >= 1 and power-of-two block_k / max_units, got {tune}")
+    pow2 = [tune.tile_elems, tune.max_units] + ([tune.block_k] if tune.block_k else [])
+    if p < 1 or s < 1 or any(v < 1 or v & (v - 1) for v in pow2):
+        raise KernelInputError(f"need programs, splits >= 1 and power-of-two tile_elems / block_k / max_units, "
+                               f"got {tune}")
     if tune.block_t < 16 or tune.block_t & (tune.block_t - 1):
         raise KernelInputError(f"block_t must be a power of two >= 16, got {tune.block_t}")
 
     def bu(units: int) -> int:
         return min(tune.max_units, next_pow2(cdiv(units, p)))
 
-    return dict(programs=p, splits=s, BU1=bu((hq + 2 * hkv) * d // 2), BU3=bu(h // 2), BU4=bu(inter),
-                BU5=bu(h // 2), BK=tune.block_k, BLOCK_H=next_pow2(max(h, layers.sync.numel())),
+    def bk(units: int, k: int) -> int:
+        return tune.block_k or max(16, min(next_pow2(k), tune.tile_elems // bu(units)))
+
+    stages = {"1": ((hq + 2 * hkv) * d // 2, h), "3": (h // 2, hq * d), "4": (inter, h), "5": (h // 2, inter)}
+    tiles = {f"BU{n}": bu(u) for n, (u, _) in stages.items()} | {f"BK{n}": bk(u, k) for n, (u, k) in stages.items()}
+    return dict(programs=p, splits=s, **tiles, BLOCK_H=next_pow2(max(h, layers.sync.numel())),
                 BLOCK_G=max(16, next_pow2(hq // hkv)), BLOCK_D=next_pow2(d), BLOCK_T=tune.block_t,
                 BLOCK_S=next_pow2(s))
 
@@ -682,8 +693,8 @@ def decode_persistent(
         block_tables.shape[1], nb * bs, layers.eps, 1.4426950408889634 / math.sqrt(d), tune.l2_prefetch_kb * 1024,
         kc0.stride(0), kc0.stride(1), kc0.stride(2), vc0.stride(0), vc0.stride(1), vc0.stride(2),
         BS=bs, BLOCK_H=plan["BLOCK_H"], BLOCK_G=plan["BLOCK_G"], BLOCK_D=plan["BLOCK_D"],
-        BLOCK_T=plan["BLOCK_T"], BLOCK_S=plan["BLOCK_S"], BK=plan["BK"], BU1=plan["BU1"], BU3=plan["BU3"],
-        BU4=plan["BU4"], BU5=plan["BU5"], HAS_BIAS=layers.biases is not None, PREFETCH=tune.prefetch,
+        BLOCK_T=plan["BLOCK_T"], BLOCK_S=plan["BLOCK_S"], **{k: v for k, v in plan.items() if k[:2] in ("BU", "BK")},
+        HAS_BIAS=layers.biases is not None, PREFETCH=tune.prefetch,
         DOT_PREC=dot_precision(h.dtype), MAX=MAX_POLLS, L2PF=_l2_prefetch_ok(layers, h, tune),
         num_warps=tune.num_warps,
     )

@@ -117,6 +117,14 @@ def test_one_program_under_the_interpreter(bias, prefetch, dtype):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
+def test_one_program_per_stage_k_steps():
+    """The default K steps (``tile_elems / BU`` columns, per stage): here 4 row pairs a chunk, 64 columns a step,
+    so the down GEMV (K = 96) takes a masked second step."""
+    tune = PersistentDecodeTuning(programs=1, splits=2, tile_elems=256, max_units=4, num_warps=4)
+    run_case(torch.float32, "cpu", True, tune)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
 def test_one_program_single_partition_and_padding_slot():
     """A context inside one partition (5 tokens) and GQA of 4 query heads a KV head."""
     run_case(torch.float32, "cpu", True, PersistentDecodeTuning(**ONE), layers=2, hq=8, hkv=2, ctx=5, bs=4)
@@ -180,7 +188,8 @@ def test_cuda_qwen_shape_all_sms(bias):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (ON_CUDA and HAS_TRITON), reason="needs CUDA")
-@pytest.mark.parametrize("tuning", [PersistentDecodeTuning(prefetch=False), PersistentDecodeTuning(programs=64),
+@pytest.mark.parametrize("tuning", [PersistentDecodeTuning(prefetch=False, l2_prefetch_kb=0),
+                                    PersistentDecodeTuning(programs=64, tile_elems=8192),
                                     PersistentDecodeTuning(splits=4, block_k=1024, max_units=4, num_warps=4)],
                          ids=["no-prefetch", "p64", "small"])
 def test_cuda_variants(tuning):

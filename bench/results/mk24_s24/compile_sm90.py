@@ -7,6 +7,7 @@ and Llama-3.2-1B shapes at the launcher's default plan (P = 132) and the variant
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import re
@@ -14,11 +15,14 @@ import subprocess
 import sys
 import tempfile
 
+from types import SimpleNamespace
+
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.decode_persistent import PersistentDecodeTuning, _decode_persistent_kernel
+from kernels.decode_persistent import PersistentDecodeTuning, _decode_persistent_kernel, _plan
 
 SHAPES = {"qwen2.5-0.5b": (896, 14, 2, 64, 4864), "llama3.2-1b": (2048, 32, 8, 64, 8192)}
 PTRS = {"h_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "bt_ptr": "*i32",
@@ -27,16 +31,17 @@ PTRS = {"h_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*
 
 
 def plan(shape, tune: PersistentDecodeTuning, p: int) -> dict:
-    from kernels._common import cdiv, next_pow2
+    """The launcher's constexprs (kernels.decode_persistent._plan) for a shape, from meta tensors."""
     h, hq, hkv, d, inter = shape
-    s = tune.splits or max(1, min(16, cdiv(16, hkv)))
-
-    def bu(units):
-        return min(tune.max_units, next_pow2(cdiv(units, p)))
-    return dict(BS=16, BLOCK_H=next_pow2(h), BLOCK_G=max(16, next_pow2(hq // hkv)), BLOCK_D=next_pow2(d),
-                BLOCK_T=tune.block_t, BLOCK_S=next_pow2(s), BK=tune.block_k, BU1=bu((hq + 2 * hkv) * d // 2),
-                BU3=bu(h // 2), BU4=bu(inter), BU5=bu(h // 2), HAS_BIAS=True, PREFETCH=tune.prefetch,
-                DOT_PREC="tf32", MAX=1 << 20, L2PF=tune.l2_prefetch_kb > 0)
+    meta = torch.device("meta")
+    w = SimpleNamespace(qkv=torch.empty((hq + 2 * hkv) * d, h, device=meta),
+                        gate_up=torch.empty(2 * inter, h, device=meta))
+    layers = SimpleNamespace(layers=[w], num_heads=hq, num_kv_heads=hkv,
+                             k_caches=[torch.empty(1, 16, hkv, d, device=meta)], sync=torch.empty(121))
+    pl = _plan(layers, meta, dataclasses.replace(tune, programs=p))
+    consts = {k: v for k, v in pl.items() if k not in ("programs", "splits")}
+    return dict(BS=16, **consts, HAS_BIAS=True, PREFETCH=tune.prefetch, DOT_PREC="tf32", MAX=1 << 20,
+                L2PF=tune.l2_prefetch_kb > 0)
 
 
 def compile_one(shape, tune: PersistentDecodeTuning, p: int):
@@ -73,7 +78,7 @@ def usage(cubin: bytes) -> tuple[int, int]:
 def main() -> None:
     variants = [("default", PersistentDecodeTuning(), 132), ("no-prefetch", PersistentDecodeTuning(prefetch=False), 132),
                 ("no-l2", PersistentDecodeTuning(l2_prefetch_kb=0), 132),
-                ("units16", PersistentDecodeTuning(max_units=16), 132),
+                ("tile8192", PersistentDecodeTuning(tile_elems=8192), 132),
                 ("p264", PersistentDecodeTuning(num_warps=4), 264),
                 ("bk1024-u4", PersistentDecodeTuning(block_k=1024, max_units=4), 132)]
     for name, shape in SHAPES.items():
@@ -85,7 +90,8 @@ def main() -> None:
             ptx = k.asm["ptx"]
             acq = len(re.findall(r"atom[^;]*acquire", ptx))
             cg = len(re.findall(r"ld\.global\.cg", ptx))
-            print(f"{name} {label} P={p}: regs {regs} local {local}B shared {k.metadata.shared} "
+            tiles = {k: v for k, v in plan(shape, tune, p).items() if k[:2] in ("BU", "BK")}
+            print(f"{name} {label} P={p} {tiles}: regs {regs} local {local}B shared {k.metadata.shared} "
                   f"resident/SM {per_sm} atom.acquire {acq} ld.cg {cg}", flush=True)
     sys.exit(0)
 

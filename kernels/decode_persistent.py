@@ -35,16 +35,23 @@ graph replay) starts clean. Every poll loop is bounded (``MAX_POLLS``): a progra
 flag (:meth:`PersistentDecodeLayers.failed`) and stops waiting at later barriers, so a grid whose programs are
 not all resident ends with a wrong answer and a flag instead of a hang.
 
-Weight prefetch across barriers: before a program arrives at a barrier it issues the loads of its *next* GEMV
-stage's first weight tiles (weights do not depend on the barrier; the values are carried in registers across the
-poll loop and consumed after it), and every K step loads the next step's tiles — the next chunk's first tiles at
-a chunk's last step — before it multiplies the current ones. What Triton lets us do here: only register
-prefetch. A load's result is an SSA value, so the loads are issued before the arrival's release (which orders
-earlier memory operations before it) and the wait on their scoreboard happens at the first use, after the poll
-loop; the amount in flight is bounded by registers (``2 BU BK`` weights a program, ~16-32 KB), not by the next
-stage's whole share (an L2 prefetch of it, ``prefetch.global.L2`` through inline asm, or a TMA bulk prefetch,
-would need asm that Triton's interpreter cannot run: not done). S1's tiles of the next layer are issued before
-S5's barrier, S3's before S1's barrier (held across the attention).
+Weight prefetch across barriers, two ways (weights do not depend on any barrier):
+
+* registers: between its arrival (the release) and its poll loop a program issues the loads of its *next* GEMV
+  stage's first weight tiles; a load's result is an SSA value, so the tiles are in flight while it polls and are
+  waited for at their first use, after the loop (issued after the release, so the release does not wait for
+  them; before the acquire polls, which order only what follows them). Every K step likewise loads the next
+  step's tiles — the next chunk's first ones at a chunk's last step — before it multiplies the current ones. The
+  amount in flight is bounded by registers: ``2 tile_elems`` weights a step, 16 KB in bf16, twice that with
+  the next step's. S1's tiles of the next layer are issued at S5's barrier, S3's at S1's (held across the
+  attention).
+* L2: registers cannot hold a stage's share (Qwen2.5-0.5B's gate/up is ~132 KB a program), so on sm_90 each
+  program also pulls the first ``l2_prefetch_kb`` of its share of a later stage into L2 with Hopper's
+  ``cp.async.bulk.prefetch.L2.global`` (Triton has no prefetch op: ``tl.inline_asm_elementwise``, one
+  instruction a weight row, nothing written, so results cannot depend on it): the O and gate/up shares when S1
+  starts, the down share when S4 starts, the next layer's QKV when S5 starts. HBM then streams while the
+  latency-bound stages (norms, attention, merges) and the barriers run, and the GEMV loads hit L2. Triton's
+  interpreter cannot run inline asm: there (and below sm_90) this is off.
 
 Under Triton's CPU interpreter the programs of a grid run one after another, so with P > 1 the first program
 would poll forever (bounded: it gives up and sets the flag) while the others have not started: interpreter runs
@@ -263,10 +270,15 @@ def decode_persistent_reference(h: torch.Tensor, cos: torch.Tensor, sin: torch.T
 if HAS_TRITON:
 
     @triton.jit
-    def _barrier(sync_ptr, idx, err_idx, P, failed, MAX: tl.constexpr):
-        """Arrive at counter ``idx`` and wait until P programs have (bounded); returns the updated ``failed``."""
-        tl.debug_barrier()  # every thread's stores issued before thread 0's release below
+    def _arrive(sync_ptr, idx):
+        """Arrive at barrier counter ``idx``: every thread's stores issued (bar.sync), then one release add."""
+        tl.debug_barrier()
         tl.atomic_add(sync_ptr + idx, 1, sem="release", scope="gpu")
+
+    @triton.jit
+    def _wait(sync_ptr, idx, err_idx, P, failed, MAX: tl.constexpr):
+        """Poll counter ``idx`` (acquire) until P programs have arrived, at most MAX polls; a program that gives up
+        sets the error flag and stops waiting at later barriers. Returns the updated ``failed``."""
         seen = tl.atomic_add(sync_ptr + idx, 0, sem="acquire", scope="gpu")
         polls = 0
         while (seen < P) & (polls < MAX) & (failed == 0):
@@ -544,22 +556,25 @@ if HAS_TRITON:
             _gemv_stage(w_qkv, pid, P, U1, H, pre_lo, pre_hi, 0, HALF, 0, 0, h_ptr, g1, inv, pl_ptr, n_part, S,
                         D, 0, q_ws, bias_ptr + layer * N_QKV, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
                         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU1, BK1, BLOCK_S, HAS_BIAS)
-            if PREFETCH:
+            _arrive(sync_ptr, layer * 5)
+            if PREFETCH:  # in flight while this program waits (after the release: it does not wait for them)
                 o_lo, o_hi = _first_tiles(w_o, pid, P, U3, K3, 1, HALF, 0, 1, BU3, BK3)
-            failed = _barrier(sync_ptr, layer * 5, err, P, failed, MAX)
+            failed = _wait(sync_ptr, layer * 5, err, P, failed, MAX)
             # S2: attention partitions
             _attention(pid, P, q_ws, kc, vc, bt_ptr, ctx, part, po_ptr, pl_ptr, sm_scale_log2,
                        s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, HKV, G, S, D, BS, BLOCK_G, BLOCK_D, BLOCK_T, DOT_PREC)
-            failed = _barrier(sync_ptr, layer * 5 + 1, err, P, failed, MAX)
+            _arrive(sync_ptr, layer * 5 + 1)
+            failed = _wait(sync_ptr, layer * 5 + 1, err, P, failed, MAX)
             # S3: merge the partitions -> O GEMV -> h += o
             if not PREFETCH:
                 o_lo, o_hi = _first_tiles(w_o, pid, P, U3, K3, 1, HALF, 0, 1, BU3, BK3)
             _gemv_stage(w_o, pid, P, U3, K3, o_lo, o_hi, 1, HALF, 0, 1, po_ptr, g1, inv, pl_ptr, n_part, S, D,
                         1, h_ptr, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
                         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU3, BK3, BLOCK_S, False)
+            _arrive(sync_ptr, layer * 5 + 2)
             if PREFETCH:
                 gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, INTER, 1, BU4, BK4)
-            failed = _barrier(sync_ptr, layer * 5 + 2, err, P, failed, MAX)
+            failed = _wait(sync_ptr, layer * 5 + 2, err, P, failed, MAX)
             # S4: rms_norm -> gate/up -> silu(gate) * up
             if not PREFETCH:
                 gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, INTER, 1, BU4, BK4)
@@ -568,9 +583,10 @@ if HAS_TRITON:
             _gemv_stage(w_gu, pid, P, U4, H, gu_lo, gu_hi, 2, HALF, INTER, 0, h_ptr, g2, inv2, pl_ptr, n_part, S, D,
                         2, act_ws, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
                         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU4, BK4, BLOCK_S, False)
+            _arrive(sync_ptr, layer * 5 + 3)
             if PREFETCH:
                 dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, INTER, 1, HALF, 0, 1, BU5, BK5)
-            failed = _barrier(sync_ptr, layer * 5 + 3, err, P, failed, MAX)
+            failed = _wait(sync_ptr, layer * 5 + 3, err, P, failed, MAX)
             # S5: down GEMV -> h += y
             if not PREFETCH:
                 dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, INTER, 1, HALF, 0, 1, BU5, BK5)
@@ -580,10 +596,12 @@ if HAS_TRITON:
             _gemv_stage(w_dn, pid, P, U5, INTER, dn_lo, dn_hi, 1, HALF, 0, 2, act_ws, g2, inv2, pl_ptr, n_part, S, D,
                         1, h_ptr, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
                         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU5, BK5, BLOCK_S, False)
+            if nxt:
+                _arrive(sync_ptr, layer * 5 + 4)
             if PREFETCH:  # the next layer's QKV tiles (none after the last layer)
                 pre_lo, pre_hi = _first_tiles(nxt_qkv, pid, P, U1, H, 0, HALF, 0, nxt.to(tl.int32), BU1, BK1)
             if nxt:
-                failed = _barrier(sync_ptr, layer * 5 + 4, err, P, failed, MAX)
+                failed = _wait(sync_ptr, layer * 5 + 4, err, P, failed, MAX)
         # the last stage: arrive only; the last program to arrive zeroes every counter for the next launch
         tl.debug_barrier()
         last = tl.atomic_add(sync_ptr + L * 5 - 1, 1, sem="acq_rel", scope="gpu")

@@ -636,7 +636,7 @@ def _plan(layers: PersistentDecodeLayers, device: torch.device, tune: Persistent
     stages = {"1": ((hq + 2 * hkv) * d // 2, h), "3": (h // 2, hq * d), "4": (inter, h), "5": (h // 2, inter)}
     tiles = {f"BU{n}": bu(u) for n, (u, _) in stages.items()} | {f"BK{n}": bk(u, k) for n, (u, k) in stages.items()}
     return dict(programs=p, splits=s, **tiles, BLOCK_H=next_pow2(max(h, layers.sync.numel())),
-                BLOCK_G=max(16, next_pow2(hq // hkv)), BLOCK_D=next_pow2(d), BLOCK_T=tune.block_t,
+                BLOCK_G=max(16, next_pow2(hq // hkv)), BLOCK_D=max(16, next_pow2(d)), BLOCK_T=tune.block_t,
                 BLOCK_S=next_pow2(s))
 
 

@@ -138,8 +138,12 @@ def capture(fn) -> torch.cuda.CUDAGraph:
 def checked(m: Model, name: str, fn, want: torch.Tensor, row: dict) -> torch.cuda.CUDAGraph | None:
     """Run ``fn`` eagerly, record its error against the reference (and a barrier give-up), capture it."""
     m.plan.clear_error()
-    out = fn().clone()
-    torch.cuda.synchronize()
+    try:
+        out = fn().clone()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - recorded; the other launches still run
+        row.setdefault("errors", {})[name] = repr(exc)[:2000]
+        return None
     failed = m.plan.failed()
     row["rel_err"][name] = rel(out, want)
     if failed:
@@ -181,7 +185,7 @@ def run(name: str, bw: float, rounds: int) -> dict:
         row["us_per_layer"] = per_layer
         row["floor_share"] = {k: (row["floor_us"] / v if v else None) for k, v in row["us"].items()}
         row["sweep_us"] = {}
-        for label, tune in sweep(m, sms).items():
+        for label, tune in (sweep(m, sms) if graphs["persistent"] is not None else {}).items():
             g = checked(m, label, lambda t=tune: m.persistent(t), want, row)
             row["sweep_us"][label] = None if g is None else cuda_median_ms(g.replay, REPLAYS) * 1e3
             print(f"  {name} {label}: {row['sweep_us'][label]} us, rel err {row['rel_err'][label]:.2e}", flush=True)

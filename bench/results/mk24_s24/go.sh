@@ -12,7 +12,7 @@ PT="python3 -m pytest -c /dev/null --rootdir . -p no:cacheprovider -q -W ignore:
 el "1. persistent kernel on CUDA vs the torch reference (every spin loop is bounded; the whole step under timeout)"
 timeout $(cap 75) $PT -x tests/kernels/test_decode_persistent.py -k "not subprocess" > $OUT/tests_kernel.log 2>&1
 RC=$?; el "rc=$RC"
-tail -25 $OUT/tests_kernel.log | cut -c1-300
+if [ $RC -eq 0 ]; then tail -4 $OUT/tests_kernel.log | cut -c1-300; else grep -E "Error|error|FAILED|assert" $OUT/tests_kernel.log | head -30 | cut -c1-400; tail -8 $OUT/tests_kernel.log | cut -c1-300; fi
 if [ $RC -eq 0 ]; then
   el "2. the engine with cuda_persistent_decode: greedy tokens (fp32, graphs) and bf16 log-probs vs the switch off"
   timeout $(cap 60) $PT tests/engine/test_persistent_decode.py > $OUT/tests_engine.log 2>&1; el "rc=$?"

@@ -12,7 +12,8 @@ each step one CUDA graph (``h`` reset from a copy first, the same in every graph
 
 interleaved A/B/C/C/B/A over 2 rounds, plus the floor (the layers' weight bytes at ``copy_bandwidth()``) and a
 sweep of the persistent launch (the L2 prefetch off or doubled, 8192-weight tiles, the register prefetch off,
-programs P = SMs / 2, and 2 x SMs with 4 warps when two fit an SM), each timed once after the A/B rounds.
+programs P = SMs / 2, and 2 x SMs with 4 warps when two fit an SM), each timed once after the A/B rounds, on the
+``--sweep-shapes`` (Qwen2.5-0.5B by default).
 Every launch is first checked against the torch reference (relative error of h after all layers); a launch
 whose programs were not all resident gives up at its first barrier (bounded polls, the error flag) and is
 reported, not timed.
@@ -162,7 +163,7 @@ def sweep(m: Model, sms: int) -> dict[str, PersistentDecodeTuning]:
             f"P={2 * sms} 4 warps": PersistentDecodeTuning(programs=2 * sms, num_warps=4)}
 
 
-def run(name: str, bw: float, rounds: int) -> dict:
+def run(name: str, bw: float, rounds: int, with_sweep: bool = True) -> dict:
     shape = SHAPES[name]
     m = Model(shape)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -185,7 +186,7 @@ def run(name: str, bw: float, rounds: int) -> dict:
         row["us_per_layer"] = per_layer
         row["floor_share"] = {k: (row["floor_us"] / v if v else None) for k, v in row["us"].items()}
         row["sweep_us"] = {}
-        for label, tune in (sweep(m, sms) if graphs["persistent"] is not None else {}).items():
+        for label, tune in (sweep(m, sms) if with_sweep and graphs["persistent"] is not None else {}).items():
             g = checked(m, label, lambda t=tune: m.persistent(t), want, row)
             row["sweep_us"][label] = None if g is None else cuda_median_ms(g.replay, REPLAYS) * 1e3
             print(f"  {name} {label}: {row['sweep_us'][label]} us, rel err {row['rel_err'][label]:.2e}", flush=True)
@@ -197,6 +198,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen2.5-0.5b,llama3.2-1b")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sweep-shapes", default="qwen2.5-0.5b", help="shapes that also run the launch sweep")
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -206,7 +208,7 @@ def main() -> None:
     print(f"{res['gpu']}, copy bandwidth {bw / 1e12:.2f} TB/s, PDL {res['pdl']}", flush=True)
     for name in args.shapes.split(","):
         try:
-            row = run(name, bw, args.rounds)
+            row = run(name, bw, args.rounds, name in args.sweep_shapes.split(","))
         except Exception as exc:  # noqa: BLE001 - recorded; the other shapes still run
             row = {"shape": name, "error": repr(exc)}
         print(json.dumps(row), flush=True)

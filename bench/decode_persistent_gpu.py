@@ -16,7 +16,8 @@ programs P = SMs / 2, and 2 x SMs with 4 warps when two fit an SM), each timed o
 ``--sweep-shapes`` (Qwen2.5-0.5B by default).
 Every launch is first checked against the torch reference (relative error of h after all layers); a launch
 whose programs were not all resident gives up at its first barrier (bounded polls, the error flag) and is
-reported, not timed.
+reported, not timed. Then one launch with ``%clock64`` stamps (``decode_persistent(trace=...)``): per layer, the
+mean and max over programs of each stage and each barrier wait, in cycles and µs at the SM clock nvidia-smi reads.
 
     python -m bench.decode_persistent_gpu --shapes qwen2.5-0.5b,llama3.2-1b --json out.json
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 
 import torch
 
@@ -163,6 +165,44 @@ def sweep(m: Model, sms: int) -> dict[str, PersistentDecodeTuning]:
             f"P={2 * sms} 4 warps": PersistentDecodeTuning(programs=2 * sms, num_warps=4)}
 
 
+PHASES = ["S1 norm+qkv+rope+store", "B0", "S2 attention", "B1", "S3 merge+o+residual", "B2",
+          "S4 norm+gate/up+silu", "B3", "S5 down+residual", "B4"]
+
+
+def sm_clock_mhz() -> float | None:
+    """The SM clock now (nvidia-smi), to turn %clock64 cycles into µs."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return float(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def traced(m: Model, sms: int) -> dict:
+    """One default launch with ``%clock64`` stamps: per phase (5 stages and 5 barrier waits a layer) the mean
+    and the max over programs, averaged over layers 1.. (layer 0 starts cold), in cycles and µs."""
+    nl = len(m.layers)
+    tr = torch.zeros(nl * 11 * sms, dtype=torch.int64, device="cuda")
+    for _ in range(2):  # the first compiles the traced variant
+        m.h.copy_(m.h0)
+        kernels.decode_persistent(m.h, m.cos, m.sin, m.slots, m.table, m.lens, m.plan, trace=tr)
+    torch.cuda.synchronize()
+    mhz = sm_clock_mhz()
+    t = tr.view(nl, 11, sms).double()
+    d = (t[:, 1:] - t[:, :-1])[1:]                        # [L-1, 10, P] cycles
+    layer = (t[:, 10] - t[:, 0])[1:]                      # [L-1, P]
+    out: dict = {"sm_clock_mhz": mhz, "failed": m.plan.failed(), "phases": {}}
+    for i, name in enumerate(PHASES):
+        mean, mx = float(d[:, i].mean(1).mean()), float(d[:, i].max(1).values.mean())
+        out["phases"][name] = {"mean_cycles": mean, "max_cycles": mx,
+                               "mean_us": mean / mhz if mhz else None, "max_us": mx / mhz if mhz else None}
+    lm = float(layer.mean())
+    out["layer_cycles"] = lm
+    out["layer_us"] = lm / mhz if mhz else None
+    return out
+
+
 def run(name: str, bw: float, rounds: int, with_sweep: bool = True) -> dict:
     shape = SHAPES[name]
     m = Model(shape)
@@ -185,6 +225,12 @@ def run(name: str, bw: float, rounds: int, with_sweep: bool = True) -> dict:
         per_layer = {k: (v / row["layers"] if v else None) for k, v in row["us"].items()}
         row["us_per_layer"] = per_layer
         row["floor_share"] = {k: (row["floor_us"] / v if v else None) for k, v in row["us"].items()}
+        if graphs["persistent"] is not None:
+            try:
+                row["trace"] = traced(m, sms)
+            except Exception as exc:  # noqa: BLE001 - recorded
+                row["trace"] = {"error": repr(exc)[:2000]}
+            print(f"  {name} trace: {json.dumps(row['trace'])}", flush=True)
         row["sweep_us"] = {}
         for label, tune in (sweep(m, sms) if with_sweep and graphs["persistent"] is not None else {}).items():
             g = checked(m, label, lambda t=tune: m.persistent(t), want, row)

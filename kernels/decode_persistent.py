@@ -103,6 +103,7 @@ __all__ = ["DecodeLayerWeights", "PersistentDecodeLayers", "PersistentDecodeTuni
 
 STAGES = 5          # barriers a layer
 TABLE = 6           # addresses a layer: qkv, o, gate_up, down, k pool, v pool
+TRACE_EVENTS = 11   # _stamp's events a layer: S1 start, S1 end, barrier 0 passed, ... barrier 4 passed
 MAX_POLLS = 1 << 20  # polls before a program gives up on a barrier (~0.5-1 s; a real wait is < 100 µs)
 
 
@@ -290,6 +291,16 @@ if HAS_TRITON:
         failed = tl.where(seen < P, 1, failed)
         tl.debug_barrier()
         return failed
+
+    @triton.jit
+    def _stamp(trace_ptr, layer, ev, pid, P, TRACE: tl.constexpr):
+        """With TRACE: this program's SM clock (``%clock64``) at event ``ev`` of ``layer`` into
+        ``trace[layer, ev, pid]`` (bench/decode_persistent_gpu.py turns the deltas into stage and barrier times)."""
+        if TRACE:
+            NEV: tl.constexpr = 11  # TRACE_EVENTS
+            t = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+                                          pack=1)
+            tl.store(trace_ptr + (layer * NEV + ev) * P + pid, t)
 
     @triton.jit
     def _units(pid, P, U):
@@ -507,7 +518,7 @@ if HAS_TRITON:
     @triton.jit
     def _decode_persistent_kernel(
         h_ptr, cos_ptr, sin_ptr, slot_ptr, bt_ptr, ctx_ptr, table_ptr, norms_ptr, bias_ptr, sync_ptr,
-        q_ws, act_ws, po_ptr, pl_ptr,
+        q_ws, act_ws, po_ptr, pl_ptr, trace_ptr,
         L, H, INTER, HQ, HKV, G, D, S, max_blocks, num_slots, eps, sm_scale_log2, pf_budget,
         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
         BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -515,7 +526,7 @@ if HAS_TRITON:
         BU1: tl.constexpr, BU3: tl.constexpr, BU4: tl.constexpr, BU5: tl.constexpr,
         BK1: tl.constexpr, BK3: tl.constexpr, BK4: tl.constexpr, BK5: tl.constexpr,
         HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, DOT_PREC: tl.constexpr, MAX: tl.constexpr,
-        L2PF: tl.constexpr,
+        L2PF: tl.constexpr, TRACE: tl.constexpr,
     ):
         pid = tl.program_id(0)
         P = tl.num_programs(0)
@@ -546,6 +557,7 @@ if HAS_TRITON:
             vc = tl.load(tab + 5).to(PT)
             g1 = norms_ptr + layer * 2 * H
             g2 = g1 + H
+            _stamp(trace_ptr, layer, 0, pid, P, TRACE)
             # S1: rms_norm -> QKV (+ bias) -> RoPE -> q to the workspace, k/v to the pools; the O and gate/up
             # shares start streaming into L2 now, under S1, the barriers and the attention
             _l2_prefetch(w_o, pid, P, U3, K3, 1, HALF, 0, pf_budget, 1, L2PF)
@@ -556,25 +568,31 @@ if HAS_TRITON:
             _gemv_stage(w_qkv, pid, P, U1, H, pre_lo, pre_hi, 0, HALF, 0, 0, h_ptr, g1, inv, pl_ptr, n_part, S,
                         D, 0, q_ws, bias_ptr + layer * N_QKV, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
                         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU1, BK1, BLOCK_S, HAS_BIAS)
+            _stamp(trace_ptr, layer, 1, pid, P, TRACE)
             _arrive(sync_ptr, layer * 5)
             if PREFETCH:  # in flight while this program waits (after the release: it does not wait for them)
                 o_lo, o_hi = _first_tiles(w_o, pid, P, U3, K3, 1, HALF, 0, 1, BU3, BK3)
             failed = _wait(sync_ptr, layer * 5, err, P, failed, MAX)
+            _stamp(trace_ptr, layer, 2, pid, P, TRACE)
             # S2: attention partitions
             _attention(pid, P, q_ws, kc, vc, bt_ptr, ctx, part, po_ptr, pl_ptr, sm_scale_log2,
                        s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, HKV, G, S, D, BS, BLOCK_G, BLOCK_D, BLOCK_T, DOT_PREC)
+            _stamp(trace_ptr, layer, 3, pid, P, TRACE)
             _arrive(sync_ptr, layer * 5 + 1)
             failed = _wait(sync_ptr, layer * 5 + 1, err, P, failed, MAX)
+            _stamp(trace_ptr, layer, 4, pid, P, TRACE)
             # S3: merge the partitions -> O GEMV -> h += o
             if not PREFETCH:
                 o_lo, o_hi = _first_tiles(w_o, pid, P, U3, K3, 1, HALF, 0, 1, BU3, BK3)
             _gemv_stage(w_o, pid, P, U3, K3, o_lo, o_hi, 1, HALF, 0, 1, po_ptr, g1, inv, pl_ptr, n_part, S, D,
                         1, h_ptr, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
                         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU3, BK3, BLOCK_S, False)
+            _stamp(trace_ptr, layer, 5, pid, P, TRACE)
             _arrive(sync_ptr, layer * 5 + 2)
             if PREFETCH:
                 gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, INTER, 1, BU4, BK4)
             failed = _wait(sync_ptr, layer * 5 + 2, err, P, failed, MAX)
+            _stamp(trace_ptr, layer, 6, pid, P, TRACE)
             # S4: rms_norm -> gate/up -> silu(gate) * up
             if not PREFETCH:
                 gu_lo, gu_hi = _first_tiles(w_gu, pid, P, U4, H, 2, HALF, INTER, 1, BU4, BK4)
@@ -583,10 +601,12 @@ if HAS_TRITON:
             _gemv_stage(w_gu, pid, P, U4, H, gu_lo, gu_hi, 2, HALF, INTER, 0, h_ptr, g2, inv2, pl_ptr, n_part, S, D,
                         2, act_ws, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
                         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU4, BK4, BLOCK_S, False)
+            _stamp(trace_ptr, layer, 7, pid, P, TRACE)
             _arrive(sync_ptr, layer * 5 + 3)
             if PREFETCH:
                 dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, INTER, 1, HALF, 0, 1, BU5, BK5)
             failed = _wait(sync_ptr, layer * 5 + 3, err, P, failed, MAX)
+            _stamp(trace_ptr, layer, 8, pid, P, TRACE)
             # S5: down GEMV -> h += y
             if not PREFETCH:
                 dn_lo, dn_hi = _first_tiles(w_dn, pid, P, U5, INTER, 1, HALF, 0, 1, BU5, BK5)
@@ -596,12 +616,14 @@ if HAS_TRITON:
             _gemv_stage(w_dn, pid, P, U5, INTER, dn_lo, dn_hi, 1, HALF, 0, 2, act_ws, g2, inv2, pl_ptr, n_part, S, D,
                         1, h_ptr, bias_ptr, cos_ptr, sin_ptr, kc, vc, slot, slot_ok, HQ, HKV,
                         s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, BS, DT, BU5, BK5, BLOCK_S, False)
+            _stamp(trace_ptr, layer, 9, pid, P, TRACE)
             if nxt:
                 _arrive(sync_ptr, layer * 5 + 4)
             if PREFETCH:  # the next layer's QKV tiles (none after the last layer)
                 pre_lo, pre_hi = _first_tiles(nxt_qkv, pid, P, U1, H, 0, HALF, 0, nxt.to(tl.int32), BU1, BK1)
             if nxt:
                 failed = _wait(sync_ptr, layer * 5 + 4, err, P, failed, MAX)
+            _stamp(trace_ptr, layer, 10, pid, P, TRACE)
         # the last stage: arrive only; the last program to arrive zeroes every counter for the next launch
         tl.debug_barrier()
         last = tl.atomic_add(sync_ptr + L * 5 - 1, 1, sem="acq_rel", scope="gpu")
@@ -658,6 +680,7 @@ def decode_persistent(
     layers: PersistentDecodeLayers,
     *,
     tuning: PersistentDecodeTuning | None = None,
+    trace: torch.Tensor | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Every decoder layer of one batch-1 decode step: h, the residual stream, updated in place.
@@ -670,6 +693,9 @@ def decode_persistent(
         block_tables: [1, max_blocks] int32; context_lens: [1] int32 (the new token included).
         layers: :meth:`PersistentDecodeLayers.build` (weights, pools, tables, workspaces).
         tuning: launch parameters (Triton only); backend: "auto", "triton" or "torch".
+        trace: optional int64 [L * 11 * P] (Triton on CUDA only): each program's ``%clock64`` at the 11 events of
+            every layer (S1 start, S1 end, barrier 0 passed, S2 end, barrier 1 passed, S3 end, barrier 2 passed,
+            S4 end, barrier 3 passed, S5 end, barrier 4 passed), ``[layer, event, program]``.
 
     Returns:
         h (the same tensor).
@@ -704,16 +730,21 @@ def decode_persistent(
     nb, bs, hkv, _ = kc0.shape
     vc0 = layers.v_caches[0]
     bias = layers.biases if layers.biases is not None else layers.norms
+    if trace is not None:
+        check_tensor("trace", trace, 1, (torch.int64,))
+        check_shape("trace", trace, (len(layers.layers) * TRACE_EVENTS * plan["programs"],))
+        if not trace.is_cuda:
+            raise KernelInputError("trace needs a CUDA launch (%clock64 is inline asm)")
     _decode_persistent_kernel[(plan["programs"],)](
         h, cos, sin, slot_mapping, block_tables, context_lens, layers.table, layers.norms, bias, layers.sync,
-        q_ws, act_ws, part_out, part_lse,
+        q_ws, act_ws, part_out, part_lse, trace if trace is not None else layers.sync,
         len(layers.layers), hid, w0.gate_up.shape[0] // 2, layers.num_heads, hkv, layers.num_heads // hkv, d, s,
         block_tables.shape[1], nb * bs, layers.eps, 1.4426950408889634 / math.sqrt(d), tune.l2_prefetch_kb * 1024,
         kc0.stride(0), kc0.stride(1), kc0.stride(2), vc0.stride(0), vc0.stride(1), vc0.stride(2),
         BS=bs, BLOCK_H=plan["BLOCK_H"], BLOCK_G=plan["BLOCK_G"], BLOCK_D=plan["BLOCK_D"],
         BLOCK_T=plan["BLOCK_T"], BLOCK_S=plan["BLOCK_S"], **{k: v for k, v in plan.items() if k[:2] in ("BU", "BK")},
         HAS_BIAS=layers.biases is not None, PREFETCH=tune.prefetch,
-        DOT_PREC=dot_precision(h.dtype), MAX=MAX_POLLS, L2PF=_l2_prefetch_ok(layers, h, tune),
+        DOT_PREC=dot_precision(h.dtype), MAX=MAX_POLLS, L2PF=_l2_prefetch_ok(layers, h, tune), TRACE=trace is not None,
         num_warps=tune.num_warps,
     )
     return h

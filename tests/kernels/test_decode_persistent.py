@@ -220,3 +220,20 @@ def test_cuda_graph_replays_reset_the_counters():
         assert not plan.failed()
         assert int(plan.sync[:-1].abs().sum()) == 0
         assert torch.equal(h, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (ON_CUDA and HAS_TRITON), reason="needs CUDA")
+def test_cuda_trace_stamps_every_event_in_order():
+    """``trace=``: 11 %clock64 stamps a layer a program, non-decreasing within a program, and h as untraced."""
+    ws, kcs, vcs, table, lens, slot, cos, sin, h0 = make_model(2, QWEN["hidden"], QWEN["hq"], QWEN["hkv"], QWEN["d"],
+                                                               QWEN["inter"], True, torch.bfloat16, "cuda", 64, 16)
+    plan = PersistentDecodeLayers.build(ws, kcs, vcs, QWEN["hq"], QWEN["hkv"], 1e-6)
+    p = torch.cuda.get_device_properties(0).multi_processor_count
+    tr = torch.zeros(2 * 11 * p, dtype=torch.int64, device="cuda")
+    plain = decode_persistent(h0.clone(), cos, sin, slot, table, lens, plan)
+    traced = decode_persistent(h0.clone(), cos, sin, slot, table, lens, plan, trace=tr)
+    torch.cuda.synchronize()
+    assert torch.equal(plain, traced) and not plan.failed()
+    t = tr.view(2, 11, p)
+    assert bool((t > 0).all()) and bool((t.flatten(0, 1).diff(dim=0) >= 0).all())

@@ -220,6 +220,8 @@ def _check_layers(layers, k_caches, v_caches, hq: int, hkv_arg: int) -> None:
     check_heads(hq, hkv)
     if hkv_arg != hkv or d % 2:
         raise KernelInputError(f"need Hkv = the pools' {hkv} and an even head_dim, got Hkv={hkv_arg}, D={d}")
+    if h % 2:
+        raise KernelInputError(f"the hidden size must be even (row pairs of the O and down GEMVs), got {h}")
     inter = w0.gate_up.shape[0] // 2 if w0.gate_up.dim() == 2 else -1
     n_qkv = (hq + 2 * hkv) * d
     shapes = dict(input_norm=(h,), post_norm=(h,), qkv=(n_qkv, h), o=(h, hq * d), gate_up=(2 * inter, h),

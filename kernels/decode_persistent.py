@@ -41,7 +41,8 @@ Weight prefetch across barriers, two ways (weights do not depend on any barrier)
   stage's first weight tiles; a load's result is an SSA value, so the tiles are in flight while it polls and are
   waited for at their first use, after the loop (issued after the release, so the release does not wait for
   them; before the acquire polls, which order only what follows them). Every K step likewise loads the next
-  step's tiles — the next chunk's first ones at a chunk's last step — before it multiplies the current ones. The
+  step's tiles and x (h and the gain, or the SiLU·mul vector; the next chunk's first ones at a chunk's last step)
+  before it multiplies the current ones, so a step waits only for loads issued a step earlier. The
   amount in flight is bounded by registers: ``2 tile_elems`` weights a step, 16 KB in bf16, twice that with
   the next step's. S1's tiles of the next layer are issued at S5's barrier, S3's at S1's (held across the
   attention).
@@ -397,6 +398,21 @@ if HAS_TRITON:
         return x
 
     @triton.jit
+    def _x_raw(cols, c_ok, X: tl.constexpr, src, g, BK: tl.constexpr):
+        """The loads behind :func:`_x_cols` for X 0 (h, gain) and 2 (the vector), issued a K step ahead; X 1
+        (the merge: a [S, BK] tile of partials, too many registers to hold a step ahead) loads at its use."""
+        if X == 0:
+            a = tl.load(src + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            b = tl.load(g + cols, mask=c_ok, other=0.0).to(tl.float32)
+        elif X == 2:
+            a = tl.load(src + cols, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            b = tl.zeros([BK], tl.float32)
+        else:
+            a = tl.zeros([BK], tl.float32)
+            b = tl.zeros([BK], tl.float32)
+        return a, b
+
+    @triton.jit
     def _gemv_stage(w, pid, P, U, K, w_lo, w_hi, KIND: tl.constexpr, HALF, SECOND,
                     X: tl.constexpr, src, g, inv, lse_ptr, ctx_part, S, D,
                     EPI: tl.constexpr, out, bias, cos, sin, kc, vc, slot, slot_ok, HQ, HKV,
@@ -408,23 +424,33 @@ if HAS_TRITON:
         EPI 0: RoPE, q into ``out``, k/v into the pools; 1: ``out[row] += y`` (the residual stream);
         2: ``out[u] = silu(y_lo) * y_hi``."""
         u0, u1 = _units(pid, P, U)
+        cols0 = tl.arange(0, BK)
+        xa, xb = _x_raw(cols0, cols0 < K, X, src, g, BK)          # the first step's x loads
         for c in range(u0, u1, BU):
             units = c + tl.arange(0, BU)
             ok = units < u1
             acc_lo = tl.zeros([BU, BK], dtype=tl.float32)
             acc_hi = tl.zeros([BU, BK], dtype=tl.float32)
             for k0 in range(0, K, BK):
-                # the next step's tiles (the next chunk's first ones after this chunk's last step) in flight
-                # while this step's x loads and multiplies
+                # the next step's tiles and x (the next chunk's first ones after this chunk's last step) in
+                # flight while this step multiplies: a step waits for loads issued a step earlier
                 wrap = k0 + BK >= K
+                nk = tl.where(wrap, 0, k0 + BK)
                 n_units = tl.where(wrap, units + BU, units)
-                n_lo, n_hi = _tiles(w, n_units, n_units < u1, tl.where(wrap, 0, k0 + BK), K, KIND, HALF,
-                                    SECOND, BK)
+                n_lo, n_hi = _tiles(w, n_units, n_units < u1, nk, K, KIND, HALF, SECOND, BK)
+                ncols = nk + tl.arange(0, BK)
+                nxa, nxb = _x_raw(ncols, ncols < K, X, src, g, BK)
                 cols = k0 + tl.arange(0, BK)
-                x = _x_cols(cols, cols < K, X, src, g, inv, lse_ptr, ctx_part, S, D, DT, BLOCK_S)
+                if X == 0:    # rms_norm(h), rounded as the unfused norm stores it
+                    x = (xa * inv * xb).to(DT).to(tl.float32)
+                elif X == 2:
+                    x = xa
+                else:
+                    x = _x_cols(cols, cols < K, X, src, g, inv, lse_ptr, ctx_part, S, D, DT, BLOCK_S)
                 acc_lo += w_lo.to(tl.float32) * x[None, :]
                 acc_hi += w_hi.to(tl.float32) * x[None, :]
                 w_lo, w_hi = n_lo, n_hi
+                xa, xb = nxa, nxb
             y_lo = tl.sum(acc_lo, 1)
             y_hi = tl.sum(acc_hi, 1)
             lo, hi = _pair_rows(units, KIND, HALF, SECOND)

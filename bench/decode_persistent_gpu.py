@@ -225,6 +225,8 @@ def run(name: str, bw: float, rounds: int, with_sweep: bool = True) -> dict:
         per_layer = {k: (v / row["layers"] if v else None) for k, v in row["us"].items()}
         row["us_per_layer"] = per_layer
         row["floor_share"] = {k: (row["floor_us"] / v if v else None) for k, v in row["us"].items()}
+        print(f"  {name} A/B: us {row['us']} per layer {per_layer} floor {row['floor_us']:.1f} us, "
+              f"rel err {row['rel_err']}", flush=True)  # before the sweep: a run cut short keeps the A/B
         if graphs["persistent"] is not None:
             try:
                 row["trace"] = traced(m, sms)

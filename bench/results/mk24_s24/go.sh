@@ -23,7 +23,7 @@ fi
 el "3. microbench: layers of a batch-1 step, persistent vs per-op vs decode-layer (CUDA graphs, PDL on), floor, P sweep"
 timeout $(cap 95) python3 -m bench.decode_persistent_gpu --shapes qwen2.5-0.5b,llama3.2-1b \
   --json $OUT/micro.json > $OUT/micro.log 2>&1; el "rc=$?"
-grep -v -i warn $OUT/micro.log | cut -c1-1500 | tail -4
+grep -v -i warn $OUT/micro.log | grep -v '^{' | cut -c1-700 | tail -22
 if [ $RC -eq 0 ]; then
   el "4. engine batch-1 step, persistent off/on/on/off, bf16, both shapes, kernels per step"
   timeout $(cap 200) python3 bench/int4_gpu.py --shapes qwen2.5-0.5b,llama3.2-1b --formats bf16 \

@@ -359,8 +359,9 @@ if HAS_TRITON:
             on = (units < lim).to(tl.int32)
             lo, hi = _pair_rows(units, KIND, HALF, SECOND)
             size = tl.zeros([PF_U], tl.int32) + row_bytes
-            _bulk_prefetch(w + lo.to(tl.int64) * K, size, on)
-            _bulk_prefetch(w + hi.to(tl.int64) * K, size, on)
+            # addresses as int64 ("l" operands): no pointer operand in the asm
+            _bulk_prefetch((w + lo.to(tl.int64) * K).to(tl.int64), size, on)
+            _bulk_prefetch((w + hi.to(tl.int64) * K).to(tl.int64), size, on)
 
     @triton.jit
     def _bulk_prefetch(addr, size, on):

@@ -3,8 +3,8 @@
 * Triton's CPU interpreter (``TRITON_INTERPRET=1``) runs the kernel with ONE program: the interpreter runs a
   grid's programs one after another, so with P > 1 the first program would poll its first barrier until it gave
   up (bounded, error flag) while the others had not started. :func:`test_interpreter_in_a_subprocess` runs the
-  P = 1 fp32 cases in a child interpreter process on every CPU run of the suite (~10 s); under
-  ``TRITON_INTERPRET=1`` all of them (fp32 and fp16) run in-process.
+  P = 1 fp32 cases with the register prefetch in a child interpreter process on every CPU run of the suite
+  (~10 s); under ``TRITON_INTERPRET=1`` all of them (fp32 and fp16, prefetch on and off) run in-process.
 * CUDA (marked gpu): P = the SM count on a Qwen-like shape (bf16, 4 layers), a CUDA graph of the launch replayed
   twice (the counters reset by the kernel itself) and the P sweep the bench uses.
 
@@ -107,9 +107,9 @@ ONE = dict(programs=1, splits=3, block_k=32, max_units=8, block_t=16, num_warps=
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("prefetch", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["pf", "nopf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_one_program_under_the_interpreter(bias, prefetch, dtype):
     """P = 1, a context of 40 tokens in 5 shuffled blocks of 8 and 3 partitions, chunks of 8 row pairs and
     K steps of 32 columns (every stage walks several chunks and steps, tails masked)."""
@@ -132,14 +132,14 @@ def test_one_program_single_partition_and_padding_slot():
 
 @pytest.mark.skipif(INTERPRET or not HAS_TRITON, reason="runs the interpreter in a child process")
 def test_interpreter_in_a_subprocess():
-    """The interpreter cases above, in a child process with TRITON_INTERPRET=1 (read when the kernels are
-    defined), so that every CPU run of the suite runs the kernel itself."""
+    """The interpreter's fp32 cases with the register prefetch (4), in a child process with TRITON_INTERPRET=1
+    (read when the kernels are defined), so that every CPU run of the suite runs the kernel itself."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-x",
-           "-k", "one_program and (float32 or single)", __file__]
+           "-k", "one_program and not fp16 and not nopf", __file__]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.returncode == 0 and "4 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
 
 
 # ---- argument checks (everywhere) ---------------------------------------------------------------------------

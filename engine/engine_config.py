@@ -185,6 +185,13 @@ class EngineConfig:
             + QKV + RoPE + K/V store, attention, O + residual add, RMSNorm + gate/up + SiLU·mul, down + residual
             add, instead of ~10 launches. Takes precedence over ``cuda_gemv_prologues`` on those steps; fp8
             weights and fp8 KV pools keep the unfused path. Off by default until measured on a GPU.
+        cuda_persistent_decode: on CUDA, batch-1 decode steps with 16-bit weights run every decoder layer in ONE
+            persistent Triton launch (``kernels.decode_persistent``, issue 19 item 2): one program per SM, grid
+            barriers between RMSNorm + QKV + RoPE + K/V store, attention, O + residual, RMSNorm + gate/up +
+            SiLU·mul and down + residual, each program loading its next stage's weights before it waits.
+            Captured in the decode CUDA graphs like the other paths; takes precedence over
+            ``cuda_fused_decode_layers`` on those steps. int4 and fp8 weights, fp8 KV pools, tensor-parallel
+            slices and batches of more than one row keep the other paths. Off by default until measured on a GPU.
         cuda_one_pass_decode_tokens: on CUDA, decode batches of up to 8 sequences whose contexts all fit
             this many tokens replay a graph whose attention is one pass per (sequence, KV head), without
             the split-K reduce kernel (``engine.model_runner.ONE_PASS_MAX_BATCH``); 0 (default): off (split-K
@@ -253,6 +260,7 @@ class EngineConfig:
     cuda_fused_rope_store: bool = True
     cuda_gemv_prologues: bool = False
     cuda_fused_decode_layers: bool = False
+    cuda_persistent_decode: bool = False
     cuda_one_pass_decode_tokens: int = 0
     cuda_pdl: bool = True
     seed: int = 0

@@ -16,6 +16,13 @@ from .decode_layer import (
     norm_qkv_rope_store,
     norm_qkv_rope_store_reference,
 )
+from .decode_persistent import (
+    DecodeLayerWeights,
+    PersistentDecodeLayers,
+    PersistentDecodeTuning,
+    decode_persistent,
+    decode_persistent_reference,
+)
 from .errors import BackendUnavailableError, KernelError, KernelInputError
 from .gemv import (
     GemvTuning,
@@ -72,6 +79,11 @@ __all__ = [
     "norm_gate_up_silu_reference",
     "norm_qkv_rope_store",
     "norm_qkv_rope_store_reference",
+    "DecodeLayerWeights",
+    "PersistentDecodeLayers",
+    "PersistentDecodeTuning",
+    "decode_persistent",
+    "decode_persistent_reference",
     "GemvTuning",
     "gemv",
     "gemv_reference",

@@ -1,9 +1,8 @@
-# Session 24, final call part B (<= 230 s): (1) the attention kernels with runtime partition / table width on CUDA
+# Session 24, final call part B (<= 205 s): (1) the attention kernels with runtime partition / table width on CUDA
 # (tests); (2) batch-1 Qwen bf16 A/B/B/A, base tree (before that change) vs this tree; (3) the 256-user served
-# steady state vs the offline engine with the step counters and py-spy, and the Triton compiles during arrivals;
-# (4) on an H200 only, if time is left: the packed prefill as the SDK sends it.
+# steady state vs the offline engine with the step counters and py-spy, and the Triton compiles during arrivals.
 . .carry/setup.sh d2 || exit 1
-END=$(( T0 + 225 )); left() { echo $(( END - $(date +%s) )); }
+END=$(( T0 + 200 )); left() { echo $(( END - $(date +%s) )); }
 L=.carry/lead; PT="python3 -m pytest -c /dev/null --rootdir . -p no:cacheprovider -q -W ignore::pytest.PytestUnknownMarkWarning -rfE"
 el "1. attention kernels on CUDA"
 timeout 60 $PT tests/kernels/test_triton.py tests/kernels/test_kv_fp8.py tests/kernels/test_pdl.py -k "decode or prefill" \
@@ -33,7 +32,4 @@ PY
 for f in /tmp/spy/*.txt; do [ -s $f ] || continue; echo "== $(basename $f)"
   python3 bench/profile_summary.py $f --rate 100 --top 30 2>/dev/null | head -70; done > $OUT/spy_summary.txt
 tar czf $OUT/spy_raw.tgz -C /tmp spy 2>/dev/null
-if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ $(left) -gt 60 ]; then
-  el "4. H200 packed prefill"; timeout $(( $(left) - 3 )) python3 bench/gpu_packed.py --weights $L/packed --skip-seal \
-    --quick --repeat 3 > $OUT/packed.log 2>&1; el "rc=$?"; tail -12 $OUT/packed.log; fi
 el done

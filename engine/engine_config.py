@@ -191,7 +191,8 @@ class EngineConfig:
             SiLU·mul and down + residual, each program loading its next stage's weights before it waits.
             Captured in the decode CUDA graphs like the other paths; takes precedence over
             ``cuda_fused_decode_layers`` on those steps. int4 and fp8 weights, fp8 KV pools, tensor-parallel
-            slices and batches of more than one row keep the other paths. Off by default until measured on a GPU.
+            slices and batches of more than one row keep the other paths. Off by default: an H100 gave the same tokens
+            and a 2x slower step (docs/benchmarks.md, "Session 24's last device calls").
         cuda_one_pass_decode_tokens: on CUDA, decode batches of up to 8 sequences whose contexts all fit
             this many tokens replay a graph whose attention is one pass per (sequence, KV head), without
             the split-K reduce kernel (``engine.model_runner.ONE_PASS_MAX_BATCH``); 0 (default): off (split-K

@@ -13,6 +13,59 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Two test processes (pytest-xdist, `python -m pytest -q -n 2`: README's and CI's command) share the 2 cores: much of
+# the suite is one single-threaded Python/SEAL process waiting on another. Each test process keeps what SEAL freed in
+# its memory pool (it reuses it only for allocations of the same size), so what a worker runs decides its memory:
+# the groups below keep the modules that share set-up, or must not run beside each other, in one worker, one after
+# another; every other module is a unit of its own (its module fixtures built once). pytest-xdist's own
+# ``--dist loadgroup`` marks cannot do this under pytest 9 (it renames tests through an attribute pytest 9 no longer
+# reads), so the scheduler below splits the tests by :func:`xdist_group` itself.
+#: module -> xdist group
+XDIST_GROUPS = {
+    # the encrypted SmolLM2 end-to-end modules: one SDK key store (smollm2_key_store) and ~11 GB each at their peak
+    # (the offload e2e's worker holds ~24,000 encoded diagonals; the e2e module's N = 16384 key sets in several
+    # processes), so never two at once
+    "tests/client_sdk/test_private_offload_e2e.py": "smollm2-private",
+    "tests/client_sdk/test_private_parity.py": "smollm2-private",
+    "tests/e2e/test_private_e2e.py": "smollm2-private",
+    # each starts a Ray cluster on this machine
+    "tests/server/test_ray_backend.py": "ray",
+    "tests/server/test_ray_private_e2e.py": "ray",
+    "tests/server/test_ray_settings.py": "ray",
+    "tests/server/test_replicas.py": "ray",
+}
+
+
+def xdist_group(path: str) -> str:
+    """The xdist group of a test module (its path from the repository root): tests/fhe/ is one (its SEAL pools,
+    ~7 GB by the end, held by one process), the modules of :data:`XDIST_GROUPS`, else the module itself."""
+    if path.startswith("tests/fhe/"):
+        return "fhe"
+    return XDIST_GROUPS.get(path, path)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """``-n N`` without ``--dist`` runs by group (:func:`pytest_xdist_make_scheduler`)."""
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "no":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With ``--dist loadgroup``: one work unit per :func:`xdist_group`, handed out in collection order (not the
+    largest first), so the SmolLM2 group, collected early, runs while neither worker holds much yet."""
+    if config.option.dist != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid.split("::", 1)[0])
+
+    config.option.loadscopereorder = False
+    return ByGroup(config, log)
+
 
 def pytest_collection_modifyitems(config, items):
     """Skip GPU tests without CUDA."""

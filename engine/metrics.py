@@ -71,7 +71,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     steps_total: int = 0               # engine steps that ran work
-    prefill_steps_total: int = 0       # of which carried prompt tokens (eager; decode-only ones may replay a graph)
+    prefill_steps_total: int = 0       # of which a row computed several tokens (a prompt chunk: eager)
     step_tokens_total: int = 0         # tokens scheduled over those steps
     step_seconds_total: float = 0.0    # host wall time inside LLMEngine.step (idle polls included)
     spec_num_drafts: int = 0           # speculative verify steps (one per sequence that carried drafts)

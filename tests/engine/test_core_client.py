@@ -201,9 +201,11 @@ async def test_a_busy_loop_gets_the_steps_it_missed_as_one_output():
     async with ProcessAsyncLLM.from_model(tiny_model(), None, config()) as llm:
         stream = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), "busy")
         first = await anext(stream)
+        # how many steps the first output holds depends on how soon this loop ran (on a loaded machine the
+        # core may step a few times first); what matters is what a blocked loop gets next
+        assert first.outputs[0].token_ids and len(first.outputs[0].token_ids) < 400
         time.sleep(1.0)  # the loop does not run: the core's step batches pile up in the pipe
         nxt = await anext(stream)
-        assert len(first.outputs[0].token_ids) == 1
         assert len(nxt.outputs[0].delta_token_ids) > 5  # several steps, one output
         assert nxt.outputs[0].token_ids == first.outputs[0].token_ids + nxt.outputs[0].delta_token_ids
         await stream.aclose()
@@ -220,7 +222,8 @@ async def test_under_load_a_wake_up_waits_for_more_tokens():
         runs = await asyncio.gather(*(collect(llm.generate(p, params, f"s{i}")) for i, p in enumerate(prompts)))
     for outs, tokens in zip(runs, want, strict=True):
         assert outs[-1].outputs[0].token_ids == tokens
-        assert len(outs[0].outputs[0].delta_token_ids) == 1
+        # the first output's size depends on how soon this loop ran; that the core never holds it back is
+        # test_output_processor's (deterministic) test
         middle = [len(o.outputs[0].delta_token_ids) for o in outs[1:-1]]
         assert middle and min(middle) >= 2 and len(outs) <= 10  # 20 tokens in chunks of about 3
 

@@ -1,7 +1,10 @@
 """Turns sampled tokens into text and :class:`RequestOutput` deltas: detokenization, stop conditions.
 
 Stop strings are searched in the detokenized text; the last ``len(longest stop) - 1`` characters are held
-back until they can no longer begin a stop string, so a stream never shows text past a stop.
+back until they can no longer begin a stop string, so a stream never shows text past a stop. A sequence
+without stop strings needs its text only when an output takes it, so its tokens are detokenized then, in
+one call for all the tokens since the last output (the engine core holds a streamed delta for several
+steps under load: one detokenizer call per delta instead of one per token).
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ class SeqText:
         self.full = ""     # text so far (cut at a stop string once one is found)
         self.emitted = 0   # characters already streamed
         self.emitted_tokens = 0  # output token ids already streamed (the engine's cursor)
+        self.undecoded: list[int] = []  # no stop strings: tokens added since the text was last taken
 
     def add(self, token_id: int) -> str | None:
-        """Detokenize one more token; return the stop string it completed, if any (text is cut before it)."""
+        """Detokenize one more token; return the stop string it completed, if any (text is cut before it).
+        Without stop strings the token waits for :meth:`take_delta`."""
         if self.detok is None:
+            return None
+        if not self.stops:
+            self.undecoded.append(token_id)
             return None
         old = len(self.full)
         self.full += self.detok.step([token_id])
@@ -42,6 +50,9 @@ class SeqText:
 
     def take_delta(self, finished: bool) -> str:
         """Text that is safe to stream now."""
+        if self.undecoded:
+            self.full += self.detok.step(self.undecoded)
+            self.undecoded = []
         end = len(self.full) if finished else max(self.emitted, len(self.full) - self.hold)
         delta = self.full[self.emitted:end]
         self.emitted = end

@@ -51,6 +51,34 @@ def test_earliest_stop_wins():
     assert stop == "lo" and "".join(deltas) == "Hel"
 
 
+def test_without_stop_strings_text_is_decoded_when_taken_in_one_call():
+    """No stop string: tokens wait in the sequence's text state and the detokenizer gets them all in one call
+    when an output takes its delta (a held streamed delta under load, or the finish), with the same text."""
+    calls = []
+
+    class Counting(PieceTokenizer):
+        def detokenizer(self, prompt_ids, skip_special_tokens=True):
+            inner = super().detokenizer(prompt_ids, skip_special_tokens)
+
+            class Detok:
+                def step(self, ids):
+                    calls.append(list(ids))
+                    return inner.step(ids)
+
+            return Detok()
+
+    st = SeqText(Counting(), [], [])
+    for t in [0, 1, 2]:
+        assert st.add(t) is None
+    assert calls == [] and st.full == ""
+    assert st.take_delta(finished=False) == "Hello wor" and calls == [[0, 1, 2]]
+    assert st.take_delta(finished=False) == "" and len(calls) == 1  # nothing new: no call
+    st.add(3)
+    st.add(4)
+    assert st.take_delta(finished=True) == "ld!" and calls[-1] == [3, 4]
+    assert st.full == "Hello world!"
+
+
 def test_delta_only_outputs_carry_the_same_deltas_and_no_cumulative_fields():
     """The engine core's mode (``cumulative = False``): per output the same deltas, empty token_ids / text."""
     from engine.output_processor import OutputProcessor

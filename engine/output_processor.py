@@ -4,7 +4,9 @@ Stop strings are searched in the detokenized text; the last ``len(longest stop) 
 back until they can no longer begin a stop string, so a stream never shows text past a stop. A sequence
 without stop strings needs its text only when an output takes it, so its tokens are detokenized then, in
 one call for all the tokens since the last output (the engine core holds a streamed delta for several
-steps under load: one detokenizer call per delta instead of one per token).
+steps under load: one detokenizer call per delta instead of one per token). The finishing output steps
+its tokens one at a time, so a stream cut short inside a multi-byte character loses only that character's
+bytes, as when every token is detokenized on its own.
 """
 
 from __future__ import annotations
@@ -51,8 +53,11 @@ class SeqText:
     def take_delta(self, finished: bool) -> str:
         """Text that is safe to stream now."""
         if self.undecoded:
-            self.full += self.detok.step(self.undecoded)
-            self.undecoded = []
+            ids, self.undecoded = self.undecoded, []
+            if finished:  # token by token: a last token that ends mid-character holds back only itself
+                self.full += "".join(self.detok.step([i]) for i in ids)
+            else:  # a batch ending mid-character is held whole and comes out with the next one
+                self.full += self.detok.step(ids)
         end = len(self.full) if finished else max(self.emitted, len(self.full) - self.hold)
         delta = self.full[self.emitted:end]
         self.emitted = end

@@ -75,8 +75,33 @@ def test_without_stop_strings_text_is_decoded_when_taken_in_one_call():
     assert st.take_delta(finished=False) == "" and len(calls) == 1  # nothing new: no call
     st.add(3)
     st.add(4)
-    assert st.take_delta(finished=True) == "ld!" and calls[-1] == [3, 4]
+    assert st.take_delta(finished=True) == "ld!" and calls[-2:] == [[3], [4]]  # the finish: one by one
     assert st.full == "Hello world!"
+
+
+def test_a_stream_cut_inside_a_character_keeps_the_text_before_it(default_model_dir):
+    """The finish detokenizes token by token: an output cut short inside a multi-byte character (max_tokens)
+    loses only that character, on both detokenizer paths, held streamed deltas or not."""
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(default_model_dir)
+    ids = tok.encode("caf\u00e9 \U0001F389\U0001F680 done", add_special_tokens=False)
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))  # inside an emoji
+    want = None
+    for native in (True, False):
+        for hold in (1, 2, cut):  # tokens per held delta: every step (detokenized one by one), pairs, all at the end
+            st = SeqText(tok, [], [])
+            if not native:
+                st.detok._stream = None
+            text = ""
+            for i, t in enumerate(ids[:cut]):
+                st.add(t)
+                last = i == cut - 1
+                if last or (i + 1) % hold == 0:
+                    text += st.take_delta(finished=last)
+            want = want or text
+            assert text == want, (native, hold)
+    assert want == "caf\u00e9"  # the last token (" " + an emoji's first byte) is held back whole
 
 
 def test_delta_only_outputs_carry_the_same_deltas_and_no_cumulative_fields():

@@ -208,19 +208,14 @@ class ModelRunner:
         decodes, prefills = [], []
         for s in sched.scheduled:
             (decodes if s.num_tokens == 1 and not s.draft_token_ids else prefills).append(s)
-        ids, pos, slots, rows, sampling, d_tables = [], [], [], [], [], []
-        bs = self.block_size
-        for i, s in enumerate(decodes):  # one query token each (the hot loop of large batches: no properties)
-            seq, p = s.seq, s.start
-            table, tokens = seq.block_table, seq.token_ids
-            ids.append(tokens[p])
-            slots.append(table[p // bs] * bs + p % bs)
-            d_tables.append(table)
-            if p + 1 == len(tokens):  # s.samples
-                rows.append(i)
-                sampling.append(s)
-        d_lens = [s.start + 1 for s in decodes]
-        pos = [n - 1 for n in d_lens]
+        # decodes: one query token each (the hot path of large batches: comprehensions, no properties)
+        bs, seqs, pos = self.block_size, [s.seq for s in decodes], [s.start for s in decodes]
+        ids = [q.token_ids[p] for q, p in zip(seqs, pos, strict=True)]
+        d_tables = [q.block_table for q in seqs]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(d_tables, pos, strict=True)]
+        rows = [i for i, (q, p) in enumerate(zip(seqs, pos, strict=True)) if p + 1 == len(q.token_ids)]  # samples
+        sampling = [decodes[i] for i in rows]
+        d_lens = [p + 1 for p in pos]
         for s in prefills:
             ids += s.query_token_ids()
             pos += range(s.start, s.start + s.num_query_tokens)

@@ -1,17 +1,17 @@
-# Session 25's GPU check, for the next device call (<= 300 s): `bash .carry/multi.sh s25:300` with .carry/lead and
-# .carry/s25 carried (.carry/s25/go.sh = this file; .carry/s25/base.tar.xz = `git archive 2cd3427`, the session's
+# Session 25's GPU check, part B (<= 300 s, after part A on the same machine): `bash .carry/multi.sh s25a:200 s25b:300`;
+# .carry/s25b/go.sh = this file, .carry/s25b/base.tar.xz = `git archive 2cd3427` (the session's
 # start plus bench/core_served_cpu.py). 256 streamed users on the SmolLM2 shape, base and this tree alternating
 # (base+offline, tree+offline, tree, base), 8 client processes (16-core host: the clients stay off the bound), then
 # this tree once more under py-spy. Predictions (docs/benchmarks.md, session 25): the core's CPU per token down
 # ~15-30 %, the served TPOT p50 down ~0.5-1 ms, served / offline at 256 users >= 70 %.
-. .carry/setup.sh s25 || exit 1
+. .carry/setup.sh s25b || exit 1
 R=/tmp/r; mkdir -p $R/spy /tmp/s/base
 tar -xJf $C/base.tar.xz -C /tmp/s/base || exit 1
 trap 'tar czf $OUT/all.tgz -C $R .' EXIT
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader | tee $R/smi.txt; nproc >> $R/smi.txt
 lscpu | grep -i "model name" | tee -a $R/smi.txt
 PS=/tmp/site/bin/py-spy; $PS --version > /dev/null 2>&1 || PS=
-python3 bench/random_model.py --like .carry/lead/tok --out /tmp/smol > /dev/null || exit 1
+[ -d /tmp/smol ] || python3 bench/random_model.py --like .carry/lead/tok --out /tmp/smol > /dev/null || exit 1
 B="python3 bench/serve_bench.py --model /tmp/smol --device cuda --output-len 128 --input-len 100 --request-rate inf --clients 8 --duration 5 --users 256"
 END=$(( T0 + 290 )); left() { echo $(( END - $(date +%s) )); }
 row() {  # the row and the step mix of one run's json

@@ -1,4 +1,4 @@
-# Session 25's GPU check, part B (<= 300 s, after part A on the same machine): `bash .carry/multi.sh s25a:200 s25b:300`;
+# Session 25's GPU check, part B (<= 300 s, after part A on the same machine): `bash .carry/multi.sh s25a:240 s25b:300`;
 # .carry/s25b/go.sh = this file, .carry/s25b/base.tar.xz = `git archive 2cd3427` (the session's
 # start plus bench/core_served_cpu.py). 256 streamed users on the SmolLM2 shape, base and this tree alternating
 # (base+offline, tree+offline, tree, base), 8 client processes (16-core host: the clients stay off the bound), then

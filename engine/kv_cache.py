@@ -226,14 +226,14 @@ class PagedAttention:
         if nd == q.shape[0]:
             return kernels.paged_decode_attention(q, kc, vc, m.decode_block_tables, m.decode_context_lens,
                                                   self.scale, partition_size=m.decode_partition, **scales)
-        prefill = kernels.paged_prefill_attention(q[nd:], kc, vc, m.prefill_block_tables,
-                                                  m.prefill_cu_seqlens_q, m.prefill_context_lens, self.scale,
-                                                  max_seqlen_q=m.prefill_max_q, **scales)
-        if nd == 0:
-            return prefill
-        decode = kernels.paged_decode_attention(q[:nd], kc, vc, m.decode_block_tables, m.decode_context_lens,
-                                                self.scale, partition_size=m.decode_partition, **scales)
-        return torch.cat([decode, prefill])
+        out = torch.empty_like(q)  # both parts write their rows of it: no concatenation (a copy, a launch)
+        kernels.paged_prefill_attention(q[nd:], kc, vc, m.prefill_block_tables, m.prefill_cu_seqlens_q,
+                                        m.prefill_context_lens, self.scale, max_seqlen_q=m.prefill_max_q,
+                                        out=out[nd:], **scales)
+        if nd:
+            kernels.paged_decode_attention(q[:nd], kc, vc, m.decode_block_tables, m.decode_context_lens,
+                                           self.scale, partition_size=m.decode_partition, out=out[:nd], **scales)
+        return out
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:
         if self.cpu_decode:  # no padding slots on the CPU path

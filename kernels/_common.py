@@ -49,6 +49,10 @@ def use_triton(backend: Backend, *tensors: torch.Tensor) -> bool:
 
 def check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
     """Check that `t` is a tensor of `ndim` dims with one of `dtypes` and a unit last stride."""
+    # the passing case in one expression: an eager step runs every launcher's checks once per layer
+    if (isinstance(t, torch.Tensor) and t.dim() == ndim and t.dtype in dtypes
+            and (t.stride(-1) == 1 or not t.numel())):
+        return t
     if not isinstance(t, torch.Tensor):
         raise KernelInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
@@ -63,7 +67,7 @@ def check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...
 
 def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
     """Raise KernelInputError unless t.shape == expected."""
-    if tuple(t.shape) != tuple(expected):
+    if t.shape != tuple(expected):  # torch.Size is a tuple
         raise KernelInputError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
 
 
@@ -78,16 +82,14 @@ def check_bias(bias: torch.Tensor | None, n: int, dtypes: tuple[torch.dtype, ...
 
 def check_same_device(**tensors: torch.Tensor) -> None:
     """Raise KernelInputError unless every tensor lives on one device."""
-    devices = [t.device for t in tensors.values()]
-    if any(dev != devices[0] for dev in devices[1:]):
+    if len({t.device for t in tensors.values()}) > 1:
         where = ", ".join(f"{n}={t.device}" for n, t in tensors.items())
         raise KernelInputError(f"all tensors must be on one device, got {where}")
 
 
 def check_same_dtype(**tensors: torch.Tensor) -> None:
     """Raise KernelInputError unless every tensor has one dtype."""
-    dtypes = [t.dtype for t in tensors.values()]
-    if any(dt != dtypes[0] for dt in dtypes[1:]):
+    if len({t.dtype for t in tensors.values()}) > 1:
         what = ", ".join(f"{n}={t.dtype}" for n, t in tensors.items())
         raise KernelInputError(f"tensors must share one dtype, got {what}")
 

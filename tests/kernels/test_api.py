@@ -126,3 +126,25 @@ def test_backend_choice():
             paged_decode_attention(**args, backend="triton")
     auto = paged_decode_attention(**args)
     torch.testing.assert_close(auto, paged_decode_attention(**args, backend="torch"))
+
+
+def test_the_shared_checks_pass_and_refuse_as_before():
+    """``kernels._common``'s checks (one-expression passing paths since session 25): what passes, what is refused."""
+    from kernels._common import check_same_device, check_same_dtype, check_shape, check_tensor
+
+    x = torch.zeros(4, 6)
+    assert check_tensor("x", x, 2, (torch.float32,)) is x
+    assert check_tensor("e", torch.zeros(0, 6).t(), 2, (torch.float32,)) is not None  # empty: any strides
+    for bad, msg in [(x.t(), "unit stride"), (x[None], "2 dims"), (x.half(), "dtype"), ([1.0], "torch.Tensor")]:
+        with pytest.raises(KernelInputError, match=msg):
+            check_tensor("x", bad, 2, (torch.float32,))
+    check_shape("x", x, (4, 6))
+    check_shape("x", x, [4, 6])
+    with pytest.raises(KernelInputError, match=r"shape \(4, 5\)"):
+        check_shape("x", x, (4, 5))
+    check_same_device(a=x, b=torch.ones(2))
+    with pytest.raises(KernelInputError, match="one device"):
+        check_same_device(a=x, b=torch.empty(2, device="meta"))
+    check_same_dtype(a=x, b=torch.ones(2))
+    with pytest.raises(KernelInputError, match="one dtype"):
+        check_same_dtype(a=x, b=x.double())

@@ -148,6 +148,9 @@ class FusedLlama(nn.Module):
         self.persistent_decode = persistent_decode
         self.persistent_tuning = persistent_tuning  # None: the launcher's (one program per SM)
         self._persistent: tuple[tuple, kernels.PersistentDecodeLayers] | None = None  # (pool key, tables)
+        # the persistent kernel takes one RMSNorm eps for every norm: checked once here, not every step
+        self._one_norm_eps = len({n.eps for layer in model.layers
+                                  for n in (layer.input_layernorm, layer.post_attention_layernorm)}) == 1
         # the decode-layer launchers' backend: "auto" (Triton on CUDA, torch references elsewhere); tests force
         # "triton" on CPU tensors under Triton's interpreter
         self.kernel_backend = kernel_backend
@@ -234,8 +237,7 @@ class FusedLlama(nn.Module):
         meta = getattr(backend, "meta", None)
         if meta is None or meta.num_decode != 1:
             return False
-        return self._fused_layers_apply(h, backend, force=True) and len(
-            {n.eps for layer in self.base.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}) == 1
+        return self._one_norm_eps and self._fused_layers_apply(h, backend, force=True)
 
     def _persistent_layers(self, cache) -> kernels.PersistentDecodeLayers:
         """The persistent kernel's tables for this pool, built on the first step that uses them (the graph

@@ -42,11 +42,13 @@ class StubRunner(ModelRunner):
         self.config, self.device, self.block_size = config, torch.device("cpu"), config.block_size
         self.max_model_len, self.max_blocks_per_seq = max_model_len, -(-max_model_len // config.block_size)
         self.num_blocks, self.kv = num_blocks, None
-        self._decode_in = _StaticInputs(config.max_num_seqs, config.max_num_seqs, self.max_blocks_per_seq,
-                                        self.device)
+        self._graph_max_batch, self._mixed_tokens = config.max_num_seqs, config.cuda_graph_mixed_tokens
+        self._decode_buckets = graph_buckets(config.max_num_seqs, self._mixed_tokens)
+        top = self._decode_buckets[-1]
+        self._decode_in = _StaticInputs(top, top, self.max_blocks_per_seq, self.device)
         self._decode_in.upload = self._flip  # the host->device copy is the GPU's; on the CPU it only costs noise
         logits = torch.zeros(config.max_num_seqs, VOCAB)
-        self._graphs = {(b, 0): (None, logits) for b in graph_buckets(config.max_num_seqs)}
+        self._graphs = {(b, 0): (None, logits) for b in self._decode_buckets}
         self._one_pass, self._verify_cu = {}, {}
         self._sampled = self._decode_in.dev64[_StaticInputs.SAMPLED, :config.max_num_seqs]
         self._host_tokens, self._launches = [], 0
@@ -65,9 +67,8 @@ class StubRunner(ModelRunner):
         return out
 
     def _run_graph(self, scheduled, b, k, feed: LaunchedStep | None = None):
-        rows = self._stage(scheduled, b, k, feed)
-        sampling = [s for s in scheduled if s.samples]
-        return self._logits(len(sampling)) if isinstance(rows, slice) else self._logits(len(rows)), sampling
+        _, sampling = self._stage(scheduled, b, k, feed)
+        return self._logits(len(sampling)), sampling
 
     def execute(self, sched, *, eager: bool = False):
         key = self._graph_for(sched.scheduled)

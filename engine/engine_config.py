@@ -145,6 +145,15 @@ class EngineConfig:
             has not been measured on a GPU yet, so it is opt-in.
         cuda_graphs: capture decode steps (and verify steps, below) in CUDA graphs (GPU only).
         cuda_graph_max_batch: largest decode batch captured.
+        cuda_graph_mixed_tokens: prompt tokens a decode graph may carry. A step that mixes prompt chunks into
+            its decodes (a server under a steady stream of arrivals: nearly every step) replays a decode graph
+            with every prompt token as a row of its own, attending to its sequence up to itself, when the step
+            holds at most ``cuda_graph_max_batch`` sequences, no drafts, and at most this many prompt tokens of
+            short enough contexts (``model_runner.MIXED_MEAN_CONTEXT`` context tokens per prompt token on
+            average); otherwise it runs eagerly, its prompts through the prefill kernel. The graphs then cover
+            up to ``cuda_graph_max_batch`` + this many rows (every 64 rows above the batch buckets; only the
+            first ``cuda_graph_max_batch`` rows' logits). 0: mixed steps run eagerly (docs/engine.md "CUDA
+            graphs").
         cuda_graph_spec_tokens: draft counts ``k`` whose speculative verify steps (each sequence's last
             token + up to ``k`` drafts) get CUDA graphs, for batch buckets up to the batch at which speculation
             is switched off (``speculative_disable_by_batch_size``, capped by ``cuda_graph_max_batch``); a
@@ -248,6 +257,7 @@ class EngineConfig:
     admission_delay_steps: int = 0
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
+    cuda_graph_mixed_tokens: int = 256
     cuda_graph_spec_tokens: tuple[int, ...] | None = None
     num_threads: int | None = None
     cpu_packed_weights: bool = True
@@ -288,6 +298,8 @@ class EngineConfig:
         self.scheduler_config()   # and the scheduler's
         self.spec_config()        # and speculative decoding's
         self._check_graph_spec_tokens()
+        if self.cuda_graph_mixed_tokens < 0:
+            raise ValueError(f"cuda_graph_mixed_tokens must be >= 0, got {self.cuda_graph_mixed_tokens}")
         if self.cuda_one_pass_decode_tokens < 0:
             raise ValueError(f"cuda_one_pass_decode_tokens must be >= 0, got {self.cuda_one_pass_decode_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -8,14 +8,17 @@ the last rows of its query). On GPU the weights and KV cache are bf16 (the cache
 ``engine.fused``, decode-only steps replay CUDA graphs captured for batch buckets (1, 2, 4, 8, 16, 24, 32,
 ... up to ``cuda_graph_max_batch``; buckets up to ``ONE_PASS_MAX_BATCH`` also get a twin whose attention runs
 one pass, without the split-K reduce kernel, replayed when every context fits
-``EngineConfig.cuda_one_pass_decode_tokens``) and verify steps (decodes carrying up to ``k`` drafts each, for the
-``k`` of ``EngineConfig.verify_graph_tokens``) replay graphs captured for the buckets up to the batch that
-still speculates; other steps run eagerly. On CPU everything is fp32 and eager (fp8 pools: through the
+``EngineConfig.cuda_one_pass_decode_tokens``), steps that mix short prompt chunks into their decodes replay the
+same graphs with every prompt token as a decode row of its own (buckets up to ``cuda_graph_max_batch +
+cuda_graph_mixed_tokens``: see :meth:`ModelRunner._mixed_bucket`) and verify steps (decodes carrying up to ``k``
+drafts each, for the ``k`` of ``EngineConfig.verify_graph_tokens``) replay graphs captured for the buckets up to
+the batch that still speculates; other steps run eagerly. On CPU everything is fp32 and eager (fp8 pools: through the
 kernels' torch references).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 
@@ -46,6 +49,12 @@ log = logging.getLogger(__name__)
 # decode buckets up to this batch also get a graph whose attention is one pass per (sequence, KV head) for
 # contexts up to EngineConfig.cuda_one_pass_decode_tokens; wider batches already fill the GPU unsplit
 ONE_PASS_MAX_BATCH = 8
+# decode graphs above cuda_graph_max_batch rows (steps carrying prompt tokens as rows) come this many rows apart
+MIXED_BUCKET_STEP = 64
+# a prompt row's attention reads its own context, with no query tile sharing a K/V load as the prefill kernel's
+# do: a step's prompt rows may read this many context tokens per prompt token allowed (cuda_graph_mixed_tokens)
+# before the step goes to the prefill kernel instead (a late chunk of a long prompt: ~its length per row)
+MIXED_MEAN_CONTEXT = 512
 
 
 @dataclasses.dataclass
@@ -79,10 +88,14 @@ class LaunchedStep:
         return self._tokens.tolist()
 
 
-def graph_buckets(max_batch: int) -> list[int]:
-    """Decode batch sizes that get a CUDA graph (vLLM's: 1, 2, 4, then multiples of 8)."""
+def graph_buckets(max_batch: int, mixed_tokens: int = 0) -> list[int]:
+    """Row counts that get a decode graph: vLLM's batch sizes 1, 2, 4, then multiples of 8 up to ``max_batch``;
+    with ``mixed_tokens``, steps of ``MIXED_BUCKET_STEP`` rows more above it, up to ``max_batch + mixed_tokens``
+    (decodes with prompt tokens as rows)."""
     sizes = [b for b in (1, 2, 4) if b <= max_batch] + list(range(8, max_batch + 1, 8))
-    return sizes if sizes[-1] == max_batch else sizes + [max_batch]
+    sizes = sizes if sizes[-1] == max_batch else sizes + [max_batch]
+    return sizes + list(range(max_batch + MIXED_BUCKET_STEP, max_batch + mixed_tokens + MIXED_BUCKET_STEP,
+                              MIXED_BUCKET_STEP))
 
 
 class ModelRunner:
@@ -135,6 +148,10 @@ class ModelRunner:
         self._launches = 0
         bs = self.block_size
         self._one_pass_tokens = min(config.cuda_one_pass_decode_tokens, self.max_blocks_per_seq * bs) // bs * bs
+        # decode graphs: the largest batch captured, the prompt tokens a graphed step may carry, the row buckets
+        self._graph_max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
+        self._mixed_tokens = config.cuda_graph_mixed_tokens
+        self._decode_buckets = graph_buckets(self._graph_max_batch, self._mixed_tokens)
 
     @property
     def is_cuda(self) -> bool:
@@ -161,7 +178,7 @@ class ModelRunner:
         if self.fused_decode is not None:
             self.fused_decode.bind(self.kv)
         if self.is_cuda and cfg.cuda_graphs:
-            self._capture_graphs(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
+            self._capture_graphs(self._graph_max_batch)
         self._alloc_sampled()
         return num_blocks
 
@@ -330,8 +347,11 @@ class ModelRunner:
     # and so are causally invisible to them. Padding rows and sequences have slot -1 (nothing stored).
     def _graph_for(self, scheduled: list[ScheduledSeq]) -> tuple[int, int] | None:
         """The captured (bucket, k) of fewest rows that runs this step; None: run it eagerly."""
-        if not self._graphs or any(s.num_tokens != 1 for s in scheduled):
+        if not self._graphs:
             return None
+        if any(s.num_tokens != 1 for s in scheduled):
+            b = self._mixed_bucket(scheduled)
+            return None if b is None else (b, 0)
         n, drafts = len(scheduled), max(len(s.draft_token_ids) for s in scheduled)
         fits = [(b * (k + 1), b, k) for b, k in self._graphs if b >= n and (k >= drafts > 0 or k == drafts == 0)]
         if not fits:
@@ -340,6 +360,26 @@ class ModelRunner:
             return None
         _, b, k = min(fits)
         return b, k
+
+    def _mixed_bucket(self, scheduled: list[ScheduledSeq]) -> int | None:
+        """The decode bucket that runs a step mixing prompt chunks into its decodes, every query token a decode
+        row of its own (its context: its sequence up to itself, the chunk's K/V stored before any row attends),
+        or None (the step runs eagerly): at most ``_graph_max_batch`` sequences, no drafts, at most
+        ``_mixed_tokens`` prompt tokens reading ``MIXED_MEAN_CONTEXT`` context tokens each on average."""
+        if not self._mixed_tokens or len(scheduled) > self._graph_max_batch:
+            return None
+        rows = prompt = reads = 0
+        for s in scheduled:
+            n = s.num_tokens
+            if s.draft_token_ids:
+                return None
+            rows += n
+            if n > 1:
+                prompt += n
+                reads += n * s.start + n * (n + 1) // 2  # rows at contexts start + 1 .. start + n
+        if prompt > self._mixed_tokens or reads > prompt * MIXED_MEAN_CONTEXT:
+            return None
+        return self._decode_buckets[bisect.bisect_left(self._decode_buckets, rows)]
 
     @torch.inference_mode()
     def _capture_graphs(self, max_batch: int) -> None:
@@ -350,7 +390,7 @@ class ModelRunner:
         ks = self._static_inputs(max_batch, vmax)
         pool = None
         try:
-            for b in reversed(graph_buckets(max_batch)):
+            for b in reversed(graph_buckets(max_batch, self._mixed_tokens)):
                 pool = self._capture(b, 0, pool)
             if self._one_pass_tokens:
                 for b in reversed([b for b in graph_buckets(max_batch) if b <= ONE_PASS_MAX_BATCH]):
@@ -367,9 +407,10 @@ class ModelRunner:
         """Allocate the graphs' input buffers (decode batches up to ``max_batch``, verify batches up to
         ``verify_max_batch``); return the verify graphs' draft counts."""
         dev, ks = self.device, self.config.verify_graph_tokens()
-        # rows for every running sequence: row SAMPLED also holds an eager step's tokens (overlapped loop)
-        self._decode_in = _StaticInputs(max(max_batch, self.config.max_num_seqs), max_batch,
-                                        self.max_blocks_per_seq, dev)
+        # rows for every running sequence (row SAMPLED also holds an eager step's tokens: overlapped loop) and
+        # for the largest bucket (prompt tokens as rows: a table each)
+        top = graph_buckets(max_batch, self._mixed_tokens)[-1]
+        self._decode_in = _StaticInputs(max(top, self.config.max_num_seqs), top, self.max_blocks_per_seq, dev)
         if not ks:
             return ks
         rows = verify_max_batch * (ks[-1] + 1)
@@ -408,11 +449,11 @@ class ModelRunner:
         ids, pos, backend = self._static_step(b, k, one_pass)
         backend.meta.slot_mapping.fill_(-1)
         inp.lens.fill_(k + 1)  # every sequence a padding one: k + 1 rows over k + 1 (harmless) slots of block 0
-        self.model.logits(self.model(ids, pos, backend))  # warm up (Triton JIT)
+        self._static_forward(ids, pos, backend, b, k)  # warm up (Triton JIT)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out = self.model.logits(self.model(ids, pos, backend))  # [b * (k + 1), V]
+            out = self._static_forward(ids, pos, backend, b, k)
             if k:  # verify graphs write one shared buffer: its size does not grow with buckets and ks
                 out = self._verify_logits[:out.shape[0]].copy_(out)
         if one_pass:
@@ -420,6 +461,14 @@ class ModelRunner:
         else:
             self._graphs[(b, k)] = (graph, out)
         return graph.pool()
+
+    def _static_forward(self, ids: torch.Tensor, pos: torch.Tensor, backend: PagedAttention, b: int,
+                        k: int) -> torch.Tensor:
+        """What the (b, k) graph runs: logits [b * (k + 1), V]; a bucket above ``_graph_max_batch`` (prompt
+        tokens as rows, every sampling row among the first ones: :meth:`_fill_chunks`) only the first
+        ``_graph_max_batch`` rows'."""
+        h = self.model(ids, pos, backend)
+        return self.model.logits(h if k or b <= self._graph_max_batch else h[:self._graph_max_batch])
 
     def decode_graph(self, b: int, max_context: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The captured decode graph (and its logits) for bucket ``b`` when the longest context is
@@ -430,32 +479,37 @@ class ModelRunner:
 
     def _run_graph(self, scheduled: list[ScheduledSeq], b: int, k: int,
                    feed: LaunchedStep | None = None) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """A decode or verify step through the captured (b, k) graph (``feed``: see :meth:`launch`)."""
-        rows = self._stage(scheduled, b, k, feed)
+        """A decode, mixed or verify step through the captured (b, k) graph (``feed``: see :meth:`launch`)."""
+        rows, sampling = self._stage(scheduled, b, k, feed)
         if k:
             graph, out = self._graphs[(b, k)]
         else:
-            graph, out = self.decode_graph(b, max(s.start for s in scheduled) + 1)
+            graph, out = self.decode_graph(b, max(s.start + s.num_tokens for s in scheduled))
         graph.replay()
-        whole = k == 0 and isinstance(rows, slice) and rows.stop == len(scheduled)  # every decode samples
-        sampling = list(scheduled) if whole else [s for s in scheduled if s.samples]
         if not sampling:  # no token is read back this step: sync so the pinned mirrors can be refilled
             torch.cuda.current_stream(self.device).synchronize()
         return out[rows], sampling
 
     def _stage(self, scheduled: list[ScheduledSeq], b: int, k: int,
-               feed: LaunchedStep | None = None) -> slice | torch.Tensor:
+               feed: LaunchedStep | None = None) -> tuple[slice | torch.Tensor, list[ScheduledSeq]]:
         """Fill the (b, k) step's static buffers for ``scheduled``; return the logits rows that sample (a
-        slice when they are the first ones, else a device index). With ``feed`` (decode graphs) the input ids
-        are gathered on the device: placeholders from the tokens ``feed`` sampled, the others from the host."""
+        slice when they are the first ones, else a device index) and their sequences in row order. With ``feed``
+        (decode graphs) the input ids are gathered on the device: placeholders from the tokens ``feed``
+        sampled, the others from the host."""
         q = k + 1
         inp = self._verify_in if k else self._decode_in
-        if feed is not None:
-            rows = self._fill_decode(inp, scheduled, _StaticInputs.HOST_IDS)
-            self._fill_gather(inp, scheduled, b, feed)
+        if k:
+            rows, n = self._fill_verify(inp, scheduled, q), len(scheduled)
+            sampling = [s for s in scheduled if s.samples]
         else:
-            rows = self._fill_verify(inp, scheduled, q) if k else self._fill_decode(inp, scheduled)
-        n = len(scheduled)
+            chunks = [s for s in scheduled if s.num_tokens != 1]
+            decodes = [s for s in scheduled if s.num_tokens == 1] if chunks else scheduled
+            ids_row = 0 if feed is None else _StaticInputs.HOST_IDS
+            rows = self._fill_decode(inp, decodes, ids_row)
+            sampling = list(decodes) if len(rows) == len(decodes) else [decodes[i] for i in rows]
+            n = self._fill_chunks(inp, chunks, len(decodes), ids_row, rows, sampling) if chunks else len(decodes)
+            if feed is not None:
+                self._fill_gather(inp, decodes, n, b, feed)
         inp.host64[2, n * q:b * q] = -1  # padding sequences write nothing and read q slots of block 0
         inp.host_lens[n:b] = q
         whole = not rows or rows[-1] == len(rows) - 1  # rows ascend: then they are the first len(rows)
@@ -465,17 +519,19 @@ class ModelRunner:
         if feed is not None:  # ids [b] from rows HOST_IDS.. (flat) at the gather index: host ids or tokens sampled last
             src = inp.dev64[_StaticInputs.HOST_IDS:].view(-1)
             torch.index_select(src, 0, inp.dev64[_StaticInputs.GATHER, :b], out=inp.dev64[0, :b])
-        return slice(0, len(rows)) if whole else inp.dev64[3, :len(rows)]
+        return (slice(0, len(rows)) if whole else inp.dev64[3, :len(rows)]), sampling
 
-    def _fill_gather(self, inp: _StaticInputs, scheduled: list[ScheduledSeq], b: int, feed: LaunchedStep) -> None:
+    def _fill_gather(self, inp: _StaticInputs, decodes: list[ScheduledSeq], n: int, b: int,
+                     feed: LaunchedStep) -> None:
         """Gather indices into dev64's rows HOST_IDS.. flattened (rows of width W): row i reads its host id (i),
-        or, for a placeholder, the token ``feed`` sampled for that sequence ((SAMPLED - HOST_IDS) * W + its row
-        there). (The source starts past row 0, which the gather writes: torch refuses overlapping in and out.)"""
+        or, for a placeholder (decode rows only: they come first), the token ``feed`` sampled for that sequence
+        ((SAMPLED - HOST_IDS) * W + its row there); rows ``n``.. pad. (The source starts past row 0, which the
+        gather writes: torch refuses overlapping in and out.)"""
         h64, width = inp.host64, inp.dev64.shape[1]
         h64[_StaticInputs.GATHER, :b] = inp.arange[:b]
-        h64[_StaticInputs.HOST_IDS, len(scheduled):b] = 0  # padding rows: any valid id
+        h64[_StaticInputs.HOST_IDS, n:b] = 0  # padding rows: any valid id
         sampled_base, rows = (_StaticInputs.SAMPLED - _StaticInputs.HOST_IDS) * width, feed.rows
-        for i, s in enumerate(scheduled):
+        for i, s in enumerate(decodes):
             if h64[_StaticInputs.HOST_IDS, i] < 0:
                 h64[_StaticInputs.GATHER, i] = sampled_base + rows[s.seq.seq_id]
 
@@ -494,6 +550,35 @@ class ModelRunner:
             if p + 1 == len(ids):  # s.samples, inlined (the hot loop)
                 rows.append(i)
         return rows
+
+    def _fill_chunks(self, inp: _StaticInputs, chunks: list[ScheduledSeq], r: int, ids_row: int,
+                     rows: list[int], sampling: list[ScheduledSeq]) -> int:
+        """Prompt chunks as decode rows after the ``r`` decode rows: first the last token of each chunk that
+        samples (so every sampling row lies among a mixed bucket's first ``_graph_max_batch``, whose logits the
+        graph computes), then the chunks' other tokens; each row attends to its sequence up to itself. Appends
+        the sampling rows and sequences; returns the rows filled in all."""
+        h64, lens, tables, bs = inp.host64, inp.host_lens, inp.host_tables, self.block_size
+        rest = r + sum(1 for s in chunks if s.samples)
+        for s in chunks:
+            n, p = s.num_tokens, s.start
+            if s.samples:
+                dest = np.arange(rest, rest + n)  # the others from ``rest``, the last at row r
+                dest[-1] = r
+                rows.append(r)
+                sampling.append(s)
+                r += 1
+                rest += n - 1
+            else:
+                dest = np.arange(rest, rest + n)
+                rest += n
+            pos = np.arange(p, p + n)
+            table = np.array(s.seq.block_table, np.int64)
+            h64[ids_row, dest] = s.seq.token_ids[p:p + n]
+            h64[1, dest] = pos
+            h64[2, dest] = table[pos // bs] * bs + pos % bs
+            lens[dest] = pos + 1
+            tables[dest, :len(table)] = table
+        return rest
 
     def _fill_verify(self, inp: _StaticInputs, scheduled: list[ScheduledSeq], q: int) -> list[int]:
         """Host inputs of a verify batch (sequence i: rows [i * q, (i + 1) * q), real rows first); return the

@@ -43,6 +43,38 @@ def test_fp32_gpu_engine_equals_cpu_reference(graphs, overlap):
     assert [o.outputs[0].token_ids for o in outs] == refs
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("mixed_tokens", [256, 0])
+def test_mixed_steps_replay_decode_graphs_and_keep_the_tokens(mixed_tokens, overlap):
+    """fp32, more prompts than running slots: later prompts join running decodes, and with
+    cuda_graph_mixed_tokens those mixed steps replay decode graphs (prompt tokens as rows, some in the mixed
+    buckets above the batch ones): the greedy tokens stay the CPU reference's."""
+    prompts = random_prompts([5, 17, 33, 1, 40, 64, 9, 23, 50, 2] * 2, seed=11)
+    ref_model = tiny_model("qwen2-bias-tied")
+    refs = [greedy_generate(ref_model, p, 20) for p in prompts]
+    cfg = EngineConfig(device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=96, max_model_len=256,
+                       gpu_memory_utilization=0.3, max_num_seqs=8, cuda_graph_mixed_tokens=mixed_tokens,
+                       async_scheduling=overlap)
+    llm = LLM(tiny_model("qwen2-bias-tied"), engine_config=cfg)
+    runner = llm.engine.runner
+    keys, graph_for = [], runner._graph_for
+
+    def spy(scheduled):
+        key = graph_for(scheduled)
+        if any(s.num_tokens > 1 for s in scheduled):
+            keys.append(key)
+        return key
+
+    runner._graph_for = spy
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    graphed = [k for k in keys if k is not None]
+    if mixed_tokens:
+        assert graphed and any(b > 8 for b, _ in graphed), keys
+    else:
+        assert keys and not graphed
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_overlapped_loop_gives_the_sync_tokens_on_cuda(graphs):
     """bf16, more prompts than running slots, stop tokens: the overlapped loop (device gather into the graph's

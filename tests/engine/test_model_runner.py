@@ -14,9 +14,9 @@ import torch
 
 from engine.engine_config import EngineConfig
 from engine.model_runner import LaunchedStep, ModelRunner
-from engine.scheduler import ScheduledSeq
+from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import PLACEHOLDER
-from tests.engine.engine_helpers import prefilled, rows_in_order, tiny_model, verify_step
+from tests.engine.engine_helpers import make_seq, prefilled, random_prompts, rows_in_order, tiny_model, verify_step
 
 BLOCKS_PER_SEQ = 8
 
@@ -34,10 +34,10 @@ def runner():
 @torch.inference_mode()
 def static_logits(runner: ModelRunner, step, b: int, k: int) -> torch.Tensor:
     """The step staged into the (b, k) graph's buffers and run eagerly over them."""
-    rows = runner._stage(step.scheduled, b, k)
+    rows, _ = runner._stage(step.scheduled, b, k)
     ids, pos, backend = runner._static_step(b, k)
     assert ids.shape == (b * (k + 1),)
-    return runner.model.logits(runner.model(ids, pos, backend))[rows]
+    return runner._static_forward(ids, pos, backend, b, k)[rows]
 
 
 @pytest.mark.parametrize("lengths, drafts, key", [
@@ -94,9 +94,91 @@ def test_placeholder_inputs_are_gathered_from_the_previous_launch(runner):
     runner._sampled[:2] = torch.tensor([real[2], real[0]])  # rows of the previous launch: seq 2, then seq 0
     for s in (seqs[0], seqs[2]):
         s.token_ids[-1] = PLACEHOLDER
-    rows = runner._stage(step.scheduled, 4, 0, prev)
+    rows, _ = runner._stage(step.scheduled, 4, 0, prev)
     ids, pos, backend = runner._static_step(4, 0)
     assert ids[:3].tolist() == real and ids[3].item() >= 0  # a padding row reads a valid id
     got = runner.model.logits(runner.model(ids, pos, backend))[rows]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert runner.prepare(step, prev).input_ids.tolist() == real
+
+
+def mixed_step(runner) -> tuple[SchedulerOutput, list]:
+    """Two decodes (sequences 0, 1) and two prompt chunks: sequence 2's last 30 prompt tokens after 40 computed
+    ones (it samples), sequence 3's first 32 of 100 (it does not); the chunks' slots never written before."""
+    seqs = prefilled(runner, [30, 50], 97, BLOCKS_PER_SEQ, seed=3)
+    for i, ids in zip((2, 3), random_prompts([70, 100], 97, seed=4), strict=True):
+        seq = make_seq(ids, seq_id=i)
+        seq.block_table = list(range(1 + i * BLOCKS_PER_SEQ, 1 + (i + 1) * BLOCKS_PER_SEQ))
+        seqs.append(seq)
+    runner.execute(SchedulerOutput([ScheduledSeq(seqs[2], 0, 40)], [], []))
+    step = SchedulerOutput([ScheduledSeq(seqs[0], 29, 1), ScheduledSeq(seqs[2], 40, 30),
+                            ScheduledSeq(seqs[1], 49, 1), ScheduledSeq(seqs[3], 0, 32)], [], [])
+    return step, seqs
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_mixed_steps_run_in_a_decode_graph_with_prompt_tokens_as_rows(runner, overlapped):
+    """A step mixing prompt chunks into its decodes, staged into a mixed bucket (every prompt token a decode row
+    over its sequence up to itself, the sampling rows first, logits of the first max-batch rows only), gives the
+    eager step's logits and stores the same K/V in the same slots — the chunk's slots were empty, so a row that
+    read a K/V before its step stored it would differ. Overlapped: the decodes' last tokens are placeholders
+    gathered from the previous launch."""
+    step, seqs = mixed_step(runner)
+    before = [(k.clone(), v.clone()) for k, v in zip(runner.kv.k, runner.kv.v, strict=True)]
+    want = rows_in_order(*runner.execute(step), seqs[:3])            # eager: varlen prefill path
+    eager_kv = [(k.clone(), v.clone()) for k, v in zip(runner.kv.k, runner.kv.v, strict=True)]
+    for (k, v), (k0, v0) in zip(zip(runner.kv.k, runner.kv.v, strict=True), before, strict=True):
+        k.copy_(k0)
+        v.copy_(v0)
+    assert runner._mixed_bucket(step.scheduled) == 68                # 2 + 30 + 32 rows, above the 4-row batch
+    prev = None
+    if overlapped:
+        runner._alloc_sampled()
+        real = [seqs[0].token_ids[-1], seqs[1].token_ids[-1]]
+        prev = LaunchedStep([ScheduledSeq(seqs[1], 0, 1), ScheduledSeq(seqs[0], 0, 1)], torch.zeros(2), None)
+        runner._sampled[:2] = torch.tensor(real[::-1])
+        for s in seqs[:2]:
+            s.token_ids[-1] = PLACEHOLDER
+    rows, sampling = runner._stage(step.scheduled, 68, 0, prev)
+    assert [s.seq.seq_id for s in sampling] == [0, 1, 2] and rows == slice(0, 3)
+    ids, pos, backend = runner._static_step(68, 0)
+    logits = runner._static_forward(ids, pos, backend, 68, 0)
+    assert logits.shape == (4, 97)                                   # the mixed bucket's first max-batch rows
+    if overlapped:
+        assert ids[:2].tolist() == real
+    torch.testing.assert_close(logits[rows], want, rtol=1e-4, atol=1e-4)
+    for (k, v), (ek, ev) in zip(zip(runner.kv.k, runner.kv.v, strict=True), eager_kv, strict=True):
+        torch.testing.assert_close(k, ek, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, ev, rtol=1e-5, atol=1e-5)
+
+
+def test_which_mixed_steps_a_decode_graph_takes(runner):
+    """Mixed steps beyond the limits run eagerly: drafts, more prompt tokens than cuda_graph_mixed_tokens, a
+    chunk whose rows would read long contexts (per row: its position), more sequences than the largest batch."""
+    step, seqs = mixed_step(runner)
+    take = runner._mixed_bucket
+    assert take(step.scheduled) == 68
+    assert take(step.scheduled[:2]) == 68 and take([step.scheduled[1]]) == 68  # 31 and 30 rows: above 4
+    assert take([ScheduledSeq(seqs[3], 0, 3)]) == 4                  # 3 rows: a batch bucket
+    assert take(step.scheduled + [ScheduledSeq(seqs[3], 32, 8)]) is None  # 5 sequences > max batch 4
+    assert take([ScheduledSeq(seqs[2], 40, 1, [5, 6]), step.scheduled[1]]) is None  # drafts
+    runner._mixed_tokens = 61
+    assert take(step.scheduled) is None                              # 62 prompt tokens
+    runner._mixed_tokens = 256
+    seqs[3].token_ids += [1] * 4000                                  # a late chunk of a long prompt
+    assert take([ScheduledSeq(seqs[3], 3000, 64)]) is None           # 64 rows reading ~3,000 tokens each
+    assert take([ScheduledSeq(seqs[3], 200, 64)]) == 68              # ~230 each: under MIXED_MEAN_CONTEXT
+    runner._mixed_tokens = 0
+    assert take(step.scheduled) is None
+
+
+def test_mixed_buckets():
+    from engine.model_runner import graph_buckets
+
+    assert graph_buckets(4) == [1, 2, 4]
+    assert graph_buckets(4, 256) == [1, 2, 4, 68, 132, 196, 260]
+    assert graph_buckets(256, 100)[-3:] == [256, 320, 384]  # 256 + 100 rows fit 384
+    assert EngineConfig(device="cpu").cuda_graph_mixed_tokens == 256
+    with pytest.raises(ValueError, match="cuda_graph_mixed_tokens"):
+        EngineConfig(device="cpu", cuda_graph_mixed_tokens=-1)

@@ -3,7 +3,7 @@
 At 256 streamed users on a GPU the engine core process runs near one core (docs/benchmarks.md, "Session 24's
 first device call": 27-38 µs of core CPU per token), so its host work per row bounds the served rate. This
 script runs, in one process, what that core does each iteration: the scheduler, input building
-(``ModelRunner._stage`` for decode-only steps, ``ModelRunner.prepare`` for steps that mix in a prefill: eager
+(``ModelRunner._stage`` for the steps a decode graph runs, ``ModelRunner.prepare`` for the others: eager
 on a GPU), the overlapped loop's placeholders, detokenization and stop checks with the real tokenizer, the
 streamed wire deltas with the core's coalescing (``stream_coalesce_streams``, 96), the step's
 :class:`engine.engine_core.StepBatch` pickled as the core sends it. It leaves out the pipe's system calls.
@@ -11,13 +11,14 @@ streamed wire deltas with the core's coalescing (``stream_coalesce_streams``, 96
 The model: without ``--model``, ``bench.serve_api_cpu``'s stub executor (no forward; ordinary word tokens
 sampled), so the CPU time is the core's host work alone (``--tok`` names SmolLM2's tokenizer files); with
 ``--model DIR --device cuda`` the real engine on that model folder (``bench/random_model.py``), CUDA graphs and
-all, so the wall per row-step is the served core's ceiling on that card, and steps that mix in a prompt
-(eager) and decode-only steps (graph replays) are timed apart.
+all, so the wall per row-step is the served core's ceiling on that card, and eager steps and graph replays are timed
+apart.
 
 Load: ``--users`` requests always in flight, each finished one replaced at once by a 120-token prompt
 (``serve_bench.py --request-rate inf``), output lengths uniform in [L/2, 3L/2] so finishes and arrivals
 spread over the steps as a server's do. Prints, per round, CPU and wall µs per row-step (over the rows the
-steps scheduled) and the share of steps that mixed in a prefill.
+steps scheduled) and the share of eager steps (those that mix in a prefill the decode graphs do not take:
+``--mixed-tokens``, ``EngineConfig.cuda_graph_mixed_tokens``; 0 makes every such step eager).
 
     python -m bench.core_served --tok DIR [--rounds 5] [--steps 300] [--delay 0] [--profile]
     python -m bench.core_served --model DIR --device cuda [--delay 0]
@@ -33,7 +34,8 @@ import sys
 import time
 
 
-def build(tok_dir: str | None, users: int, delay: int, model: str | None = None, device: str = "cpu"):
+def build(tok_dir: str | None, users: int, delay: int, model: str | None = None, device: str = "cpu",
+          mixed_tokens: int = 256):
     from bench import serve_api_cpu
     from engine.config import ModelConfig
     from engine.engine_config import EngineConfig
@@ -42,14 +44,16 @@ def build(tok_dir: str | None, users: int, delay: int, model: str | None = None,
     from engine.tokenizer import Tokenizer
 
     if model is not None:  # the real engine: the server's settings that shape a step
-        conf = EngineConfig(device=device, max_num_seqs=users, async_scheduling=True, admission_delay_steps=delay)
+        conf = EngineConfig(device=device, max_num_seqs=users, async_scheduling=True, admission_delay_steps=delay,
+                            cuda_graph_mixed_tokens=mixed_tokens)
         llm = LLM(model, engine_config=conf)
         return _as_core(llm.engine)
     cfg = ModelConfig(model_type="llama", vocab_size=serve_api_cpu.HIDDEN_VOCAB, hidden_size=8,
                       intermediate_size=8, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
                       head_dim=8, max_position_embeddings=4096, tie_word_embeddings=True)
     conf = EngineConfig(device="cpu", max_num_seqs=users, max_num_batched_tokens=8192, max_model_len=4096,
-                        async_scheduling=True, admission_delay_steps=delay, gc_freeze=True)  # the GPU defaults
+                        async_scheduling=True, admission_delay_steps=delay, gc_freeze=True,  # the GPU defaults
+                        cuda_graph_mixed_tokens=mixed_tokens)
     llm = LLM(LlamaForCausalLM(cfg), engine_config=conf, tokenizer=Tokenizer.from_folder(tok_dir),
               parts=serve_api_cpu.stub_parts())
     return _as_core(llm.engine)
@@ -121,6 +125,7 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--delay", type=int, default=0, help="admission_delay_steps")
+    ap.add_argument("--mixed-tokens", type=int, default=256, help="cuda_graph_mixed_tokens (0: mixed steps eager)")
     ap.add_argument("--steps", type=int, default=300, help="steps per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--label", default="")
@@ -128,7 +133,7 @@ def main() -> None:
     args = ap.parse_args()
     if (args.tok is None) == (args.model is None):
         ap.error("give --tok (the stub model) or --model")
-    eng = build(args.tok, args.users, args.delay, args.model, args.device)
+    eng = build(args.tok, args.users, args.delay, args.model, args.device, args.mixed_tokens)
     load = Load(eng, args.users, args.output_len)
     load.run(3 * args.output_len)  # past the first wave: arrivals spread over the steps
     per_row, wall_row, mixed, walls = [], [], [], {True: [], False: []}
@@ -141,13 +146,14 @@ def main() -> None:
         mixed.append(load.mixed / args.steps)
         for kind in walls:
             walls[kind] += load.walls[kind]
-    step_ms = {("mixed" if k else "graph") + "_step_ms_median": round(1e3 * statistics.median(v), 3)
+    step_ms = {("eager" if k else "graph") + "_step_ms_median": round(1e3 * statistics.median(v), 3)
                for k, v in walls.items() if v}
     print(json.dumps({"label": args.label, "device": args.device, "delay": args.delay,
+                      "mixed_tokens": args.mixed_tokens,
                       "us_per_row_step": [round(x, 2) for x in per_row],
                       "median": round(statistics.median(per_row), 2), "min": round(min(per_row), 2),
                       "wall_us_per_row_step_median": round(statistics.median(wall_row), 2),
-                      "mixed_share": round(statistics.mean(mixed), 3), **step_ms}))
+                      "eager_share": round(statistics.mean(mixed), 3), **step_ms}))
     if args.profile:
         import cProfile
         import pstats

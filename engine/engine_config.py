@@ -135,14 +135,11 @@ class EngineConfig:
             that the other waiting prompts get into the same step; budget left over goes back to the
             capped prefills. None: ``max_num_batched_tokens // 4``.
         admission_delay_steps: while sequences are decoding, a new prompt waits up to this many steps so
-            that the prompts arriving meanwhile join one step together (TGI's ``max_waiting_tokens``): a step
-            that mixes a prefill into the decodes runs eagerly, a decode-only one replays a CUDA graph, so
-            under a steady stream of arrivals (a server at hundreds of users: a few new prompts every step)
-            admitting at once made nearly every step an eager one. Admission is immediate when nothing is
-            decoding, when the step mixes in a running prefill anyway, or once ``max_num_seqs // 8``
-            prompts wait. The cost: up to that many steps of time to first token. Default 0 (admit at once):
-            8 is what a server on a GPU with CUDA graphs should want (docs/engine.md "Scheduling"), but it
-            has not been measured on a GPU yet, so it is opt-in.
+            that the prompts arriving meanwhile join one step together (TGI's ``max_waiting_tokens``): fewer
+            steps mix in a prefill, which run eagerly where the decode graphs do not take them
+            (``cuda_graph_mixed_tokens``). Admission is immediate when nothing is decoding, when the step mixes
+            in a running prefill anyway, or once ``max_num_seqs // 8`` prompts wait. The cost: up to that many
+            steps of time to first token. Default 0 (admit at once; docs/engine.md "Scheduling").
         cuda_graphs: capture decode steps (and verify steps, below) in CUDA graphs (GPU only).
         cuda_graph_max_batch: largest decode batch captured.
         cuda_graph_mixed_tokens: prompt tokens a decode graph may carry. A step that mixes prompt chunks into

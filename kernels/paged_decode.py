@@ -71,6 +71,10 @@ class DecodeTuning:
             each (sequence, KV head) to finish does it) instead of a second, reduce launch. Off until measured
             on a GPU: it saves a launch (~1.5-2.5 µs in a CUDA graph) per layer, and costs an atomic per
             program and a serial merge at the tail of the last program of each pair.
+        merge_max_registers: with ``merge_in_partition``, cap the partition kernel's registers per thread
+            (Triton's ``maxnreg``; 0: no cap). Any branch after the main loop makes ptxas take 168-184
+            registers instead of 128 (sm_90, 4 warps, compiled without a GPU), which would halve the
+            programs an SM holds; capped at 128 it compiles without spills.
     """
 
     block_n: int = 128
@@ -78,6 +82,7 @@ class DecodeTuning:
     programs_per_sm: int = 4
     min_partition: int = 128
     merge_in_partition: bool = False
+    merge_max_registers: int = 128
 
 
 _TUNING = DecodeTuning()  # what launches without a tuning of their own use (set_tuning_decode)
@@ -274,12 +279,13 @@ if HAS_TRITON:
             tl.store(part_lse_ptr + row, lse, mask=g < part_rows)
             tl.store(part_out_ptr + row[:, None] * D + dd[None, :], o,
                      mask=(g < part_rows)[:, None] & dmask[None, :])
-            if MERGE:
-                if (n_valid > 1) & (s < n_valid):
-                    _merge_if_last(part_out_ptr, part_lse_ptr, cnt_ptr, out_ptr, b, h, n_valid, s_ob, s_oh, G, D,
-                                   HQ, NUM_SPLITS, MERGE_G, MERGE_S, BLOCK_D)
         tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + dd[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=(g < out_rows)[:, None] & dmask[None, :])
+        if MERGE:  # (split launches only) last, so none of the partition's registers live across the merge
+            n_valid = tl.cdiv(ctx, PARTITION)
+            if (n_valid > 1) & (s < n_valid):
+                _merge_if_last(part_out_ptr, part_lse_ptr, cnt_ptr, out_ptr, b, h, n_valid, s_ob, s_oh, G, D, HQ,
+                               NUM_SPLITS, MERGE_G, MERGE_S, BLOCK_D)
 
     @triton.jit(do_not_specialize=["max_blocks", "NUM_SPLITS", "PARTITION"])
     def _decode_reduce_kernel(
@@ -349,6 +355,7 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         SPLIT=split, DOT_PREC=dot_precision(q.dtype), QUANT=quant, PDL=pdl, MERGE=merge, MERGE_G=merge_g,
         MERGE_S=max(1, min(REDUCE_BLOCK_S, MERGE_TILE // (merge_g * block_d))),
         num_warps=tuning.num_warps, **_pdl.launch_options(pdl),
+        **({"maxnreg": tuning.merge_max_registers} if merge and tuning.merge_max_registers else {}),
     )
     if split and not merge:
         _decode_reduce_kernel[(b, hq)](

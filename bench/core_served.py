@@ -35,7 +35,7 @@ import time
 
 
 def build(tok_dir: str | None, users: int, delay: int, model: str | None = None, device: str = "cpu",
-          mixed_tokens: int = 256):
+          mixed_tokens: int = 0):
     from bench import serve_api_cpu
     from engine.config import ModelConfig
     from engine.engine_config import EngineConfig
@@ -125,7 +125,8 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--delay", type=int, default=0, help="admission_delay_steps")
-    ap.add_argument("--mixed-tokens", type=int, default=256, help="cuda_graph_mixed_tokens (0: mixed steps eager)")
+    ap.add_argument("--mixed-tokens", type=int, default=0, help="cuda_graph_mixed_tokens (0, the default: mixed "
+                                                                "steps eager)")
     ap.add_argument("--steps", type=int, default=300, help="steps per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--label", default="")

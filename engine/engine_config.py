@@ -149,7 +149,8 @@ class EngineConfig:
             short enough contexts (``model_runner.MIXED_MEAN_CONTEXT`` context tokens per prompt token on
             average); otherwise it runs eagerly, its prompts through the prefill kernel. The graphs then cover
             up to ``cuda_graph_max_batch`` + this many rows (every 64 rows above the batch buckets; only the
-            first ``cuda_graph_max_batch`` rows' logits). 0: mixed steps run eagerly (docs/engine.md "CUDA
+            first ``cuda_graph_max_batch`` rows' logits). Default 0 (mixed steps run eagerly): on an H100 at 256
+            served users 256 made serving 13-16 % slower (docs/engine.md "Mixed steps through the decode
             graphs").
         cuda_graph_spec_tokens: draft counts ``k`` whose speculative verify steps (each sequence's last
             token + up to ``k`` drafts) get CUDA graphs, for batch buckets up to the batch at which speculation
@@ -259,7 +260,7 @@ class EngineConfig:
     admission_delay_steps: int = 0
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
-    cuda_graph_mixed_tokens: int = 256
+    cuda_graph_mixed_tokens: int = 0
     cuda_graph_spec_tokens: tuple[int, ...] | None = None
     num_threads: int | None = None
     cpu_packed_weights: bool = True

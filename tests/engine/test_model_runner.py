@@ -24,7 +24,8 @@ BLOCKS_PER_SEQ = 8
 @pytest.fixture
 def runner():
     cfg = EngineConfig(device="cpu", num_kv_blocks=4 * BLOCKS_PER_SEQ + 1, max_model_len=BLOCKS_PER_SEQ * 16,
-                       max_num_seqs=4, cuda_graph_spec_tokens=(3, 5), speculative_disable_by_batch_size=4)
+                       max_num_seqs=4, cuda_graph_spec_tokens=(3, 5), speculative_disable_by_batch_size=4,
+                       cuda_graph_mixed_tokens=256)
     r = ModelRunner(tiny_model("qwen2-bias-tied"), cfg, cfg.max_model_len)
     r.init_kv_cache()
     assert r._static_inputs(4, 4) == (3, 5)
@@ -179,6 +180,6 @@ def test_mixed_buckets():
     assert graph_buckets(4) == [1, 2, 4]
     assert graph_buckets(4, 256) == [1, 2, 4, 68, 132, 196, 260]
     assert graph_buckets(256, 100)[-3:] == [256, 320, 384]  # 256 + 100 rows fit 384
-    assert EngineConfig(device="cpu").cuda_graph_mixed_tokens == 256
+    assert EngineConfig(device="cpu").cuda_graph_mixed_tokens == 0  # opt-in: slower served on an H100
     with pytest.raises(ValueError, match="cuda_graph_mixed_tokens"):
         EngineConfig(device="cpu", cuda_graph_mixed_tokens=-1)

@@ -8,7 +8,6 @@ Bytes counted: what a kernel must move at least (each input read once, each outp
 
     python bench/gpu_kernels.py [--quick] [--out results.json]
     python bench/gpu_kernels.py --sweep     # time launch-parameter variants (how the defaults were picked)
-    python bench/gpu_kernels.py --merge     # decode attention: split-K merge in a second launch vs in the first
 
 Peers in the same run: the torch reference (what the CPU engine runs: gather + fp32 masked softmax) for
 decode, ``F.scaled_dot_product_attention`` (causal, contiguous K/V; FlashAttention backend) for prefill,
@@ -239,27 +238,6 @@ def _sweep_prefill_case(model: str, q_lens: list[int], ctx_lens: list[int], gen)
             for t in PREFILL_VARIANTS]
 
 
-# (model, batch, ctx, table width): batch 1 and 256 at the engine's table width (max_model_len 4096 / BS) and full
-MERGE_CASES = [(m, b, ctx, 256) for m in ("qwen2.5-0.5b", "llama-3.2-1b") for b in (1, 256) for ctx in (384, 4096)]
-
-
-def merge_ab(gen) -> list[dict]:
-    """Graph-replay µs per call of the decode attention, DecodeTuning.merge_in_partition off, on, on, off."""
-    order = [False, True, True, False]
-    print("| decode case | merge off, on, on, off (µs) | saved (µs) |")
-    rows = []
-    for model, batch, ctx, width in MERGE_CASES:
-        _, hkv, d = MODELS[model]
-        sets = [decode_inputs(model, batch, ctx, gen, width)
-                for _ in range(rotations(2 * batch * ctx * hkv * d * 2))]
-        us = [timed([_decode_call(s, DecodeTuning(merge_in_partition=m)) for s in sets])[1] * 1e3 for m in order]
-        saved = (us[0] + us[3] - us[1] - us[2]) / 2
-        print(f"| {model} B={batch} ctx={ctx} w={width} | " + " / ".join(f"{u:.1f}" for u in us)
-              + f" | {saved:+.1f} |", flush=True)
-        rows.append(dict(model=model, batch=batch, ctx=ctx, width=width, merge=order, graph_us=us, saved_us=saved))
-    return rows
-
-
 def sweep(gen) -> None:
     """Graph-replay µs of each decode variant and eager µs of each prefill variant, one table each."""
     print("| decode case | " + " | ".join(str(i) for i in range(len(DECODE_VARIANTS))) + " |")
@@ -342,14 +320,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write all numbers as JSON here")
     ap.add_argument("--sweep", action="store_true", help="time launch-parameter variants instead")
     ap.add_argument("--gemv", action="store_true", help="only the batch-1 GEMM table (cuBLAS vs kernels.gemv)")
-    ap.add_argument("--merge", action="store_true", help="only the decode attention, merge in partition off/on")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    if args.merge:
-        rows = merge_ab(gen)
-        if args.out:
-            Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
-        return
     if args.gemv:
         bw = copy_bandwidth()
         print(f"copy bandwidth {bw / 1e9:.0f} GB/s\n| GEMM N x K | cuBLAS µs (GB/s) | gemv µs (GB/s) | best µs | err |")

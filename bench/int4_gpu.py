@@ -16,8 +16,6 @@ Each layer GEMM alone, in CUDA graphs: ``bench/gemv_int4_gpu.py`` (which also ru
     python bench/int4_gpu.py --fused-layers off,on,on,off --count-kernels   # cuda_fused_decode_layers A/B/B/A,
         # kernels per batch-1 step from torch.profiler, and a summary of the A/B (share of the floor, int4/bf16)
     python bench/int4_gpu.py --formats bf16 --persistent off,on,on,off   # cuda_persistent_decode A/B/B/A
-    python bench/int4_gpu.py --shapes qwen2.5-0.5b,llama3.2-1b --formats bf16 --merge off,on,on,off
-        # cuda_decode_merge_in_partition A/B/B/A: the decode attention in one launch instead of two
 
 A row that fails (an exception in the engine or the bench) is recorded with its error and the run goes on.
 """
@@ -72,7 +70,7 @@ VARIANTS = {"off": (False, False, 0), "rope": (True, False, 0), "prologues": (Tr
 
 def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: str = "default",
                pdl: bool | None = None, fused: bool | None = None, count_kernels: bool = False,
-               persistent: bool | None = None, merge: bool | None = None) -> dict:
+               persistent: bool | None = None) -> dict:
     cfg = ModelConfig(**SHAPES[name])
     switches = {} if variant == "default" else dict(zip(
         ("cuda_fused_rope_store", "cuda_gemv_prologues", "cuda_one_pass_decode_tokens"), VARIANTS[variant],
@@ -83,8 +81,6 @@ def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: s
         switches["cuda_fused_decode_layers"] = fused
     if persistent is not None:
         switches["cuda_persistent_decode"] = persistent
-    if merge is not None:
-        switches["cuda_decode_merge_in_partition"] = merge
     llm = LLM(random_model(cfg), engine_config=EngineConfig(
         device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3, max_model_len=4096, cuda_weight_format=fmt,
         **switches))
@@ -97,7 +93,6 @@ def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: s
     row = {"shape": name, "format": fmt, "variant": variant, "pdl": kernels.pdl_enabled(),
            "fused_layers": llm.engine.runner.model.fused_layers,
            "persistent": llm.engine.runner.model.persistent_decode,
-           "merge": kernels.tuning_decode().merge_in_partition,
            "step_ms": step * 1e3, "tok_per_s": 1 / step,
            "replay_ms": replay, "step_bytes": nbytes,
            "resident_weight_bytes": llm.engine.runner.model.resident_weight_bytes(),
@@ -137,8 +132,6 @@ def main() -> None:
                     help="EngineConfig.cuda_fused_decode_layers per row, comma-separated: default, off or on")
     ap.add_argument("--persistent", default="default",
                     help="EngineConfig.cuda_persistent_decode per row, comma-separated: default, off or on")
-    ap.add_argument("--merge", default="default",
-                    help="EngineConfig.cuda_decode_merge_in_partition per row, comma-separated: default, off or on")
     ap.add_argument("--count-kernels", action="store_true", help="kernels per batch-1 step (5 profiled replays)")
     ap.add_argument("--w32-tunings", help="a bench.gemv_int4_gpu --split-sweep JSON: its best launch per GEMM is "
                                           "recorded (kernels.set_tuning_int4_w32) for every row of this run")
@@ -149,20 +142,19 @@ def main() -> None:
     pdls = [switch[p] for p in args.pdl.split(",")]
     fuseds = [switch[f] for f in args.fused_layers.split(",")]
     persistents = [switch[f] for f in args.persistent.split(",")]
-    merges = [switch[f] for f in args.merge.split(",")]
     bw = copy_bandwidth()
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     res = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "engine": []}
     for name in args.shapes.split(","):
         for fmt in args.formats.split(","):
             for variant in args.variants.split(","):
-                for pdl, fused, pers, merge in itertools.product(pdls, fuseds, persistents, merges):
+                for pdl, fused, pers in itertools.product(pdls, fuseds, persistents):
                     try:
                         row = engine_row(name, fmt, bw, args.profile, variant, pdl, fused, args.count_kernels,
-                                         pers, merge)
+                                         pers)
                     except Exception as exc:  # noqa: BLE001 - recorded; the other rows still run
                         row = {"shape": name, "format": fmt, "variant": variant, "pdl": pdl, "fused_layers": fused,
-                               "persistent": pers, "merge": merge, "error": repr(exc)}
+                               "persistent": pers, "error": repr(exc)}
                         gc.collect()
                         torch.cuda.empty_cache()
                     print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
@@ -184,44 +176,40 @@ def apply_w32_tunings(path: str) -> None:
 
 
 def summary(rows: list[dict]) -> str:
-    """A markdown table of the rows averaged per (shape, format, PDL, fused layers, persistent, merge): step,
-    replay, tokens/s, share of the floor at the measured copy bandwidth, kernels per step; then int4 / bf16
-    tokens/s per setting, and the on / off ratios of the persistent and merge switches."""
+    """A markdown table of the rows averaged per (shape, format, PDL, fused layers): step, replay, tokens/s, share
+    of the floor at the measured copy bandwidth, kernels per step; then int4 / bf16 tokens/s per setting."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if "error" not in r:
-            groups.setdefault((r["shape"], r["format"], r["pdl"], r.get("fused_layers"), r.get("persistent"),
-                               r.get("merge")), []).append(r)
-    out = ["| shape | format | PDL | fused layers | persistent | merge | step runs, ms | mean step | replay "
-           "| tokens/s | floor (measured bw) | step share | replay share | kernels/step |",
-           "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+            groups.setdefault((r["shape"], r["format"], r["pdl"], r.get("fused_layers"), r.get("persistent")),
+                              []).append(r)
+    out = ["| shape | format | PDL | fused layers | persistent | step runs, ms | mean step | replay | tokens/s "
+           "| floor (measured bw) | step share | replay share | kernels/step |",
+           "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     mean = {}
-    for (shape, fmt, pdl, fused, pers, merge), rs in groups.items():
+    for (shape, fmt, pdl, fused, pers), rs in groups.items():
         step = sum(r["step_ms"] for r in rs) / len(rs)
         replay = sum(r["replay_ms"] for r in rs) / len(rs)
         floor = rs[0]["floor_ms_measured"]
         kps = rs[0].get("kernels_per_step")
         kps_text = "" if kps is None else f"{kps:.0f}"
         runs = " / ".join(f"{r['step_ms']:.3f}" for r in rs)
-        mean[(shape, fmt, pdl, fused, pers, merge)] = (step, replay)
-        out.append(f"| {shape} | {fmt} | {pdl} | {fused} | {pers} | {merge} | {runs} | "
+        mean[(shape, fmt, pdl, fused, pers)] = step
+        out.append(f"| {shape} | {fmt} | {pdl} | {fused} | {pers} | {runs} | "
                    f"{step:.3f} | {replay:.3f} | {1e3 / step:,.0f} | {floor:.3f} | {100 * floor / step:.1f} % | "
                    f"{100 * floor / replay:.1f} % | {kps_text} |")
-    for (shape, fmt, pdl, fused, pers, merge), (step, replay) in mean.items():
-        if fmt == "int4" and (shape, "bf16", pdl, fused, pers, merge) in mean:
+    for (shape, fmt, pdl, fused, pers), step in mean.items():
+        if fmt == "int4" and (shape, "bf16", pdl, fused, pers) in mean:
             out.append(f"int4 / bf16 tokens/s, {shape}, PDL {pdl}, fused layers {fused}, persistent {pers}: "
-                       f"{mean[(shape, 'bf16', pdl, fused, pers, merge)][0] / step:.2f}x")
-        if fmt == "int4" and (shape, "bf16", pdl, False, pers, merge) in mean and fused:
+                       f"{mean[(shape, 'bf16', pdl, fused, pers)] / step:.2f}x")
+        if fmt == "int4" and (shape, "bf16", pdl, False, pers) in mean and fused:
             out.append(f"int4 fused / bf16 unfused tokens/s, {shape}: "
-                       f"{mean[(shape, 'bf16', pdl, False, pers, merge)][0] / step:.2f}x")
-        if fmt == "bf16" and pers and (shape, fmt, pdl, fused, False, merge) in mean:
+                       f"{mean[(shape, 'bf16', pdl, False, pers)] / step:.2f}x")
+        if fmt == "bf16" and pers and (shape, fmt, pdl, fused, False) in mean:
             out.append(f"persistent on / off tokens/s, {shape}, bf16: "
-                       f"{mean[(shape, fmt, pdl, fused, False, merge)][0] / step:.2f}x")
-        if merge and (shape, fmt, pdl, fused, pers, False) in mean:
-            off_step, off_replay = mean[(shape, fmt, pdl, fused, pers, False)]
-            out.append(f"merge in partition on / off, {shape}, {fmt}: tokens/s {off_step / step:.3f}x, "
-                       f"replay {1e3 * (off_replay - replay):+.1f} µs saved")
+                       f"{mean[(shape, fmt, pdl, fused, False)] / step:.2f}x")
     return "\n".join(out)
+
 
 if __name__ == "__main__":
     main()

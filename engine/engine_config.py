@@ -209,11 +209,6 @@ class EngineConfig:
             starts, and loads its weights, while the kernel before it finishes. Process-wide (the last
             engine built sets it). On by default: +12-28 % batch-1 tokens/s on an H200, both shapes, bf16 and
             int4 (docs/benchmarks.md, "PDL and int4 prefetch"); a no-op below compute capability 9.0.
-        cuda_decode_merge_in_partition: on CUDA, the split-K decode attention merges a sequence's partitions in
-            its partition kernel (the last program of each (sequence, KV head) to finish does it:
-            ``kernels.DecodeTuning.merge_in_partition``) instead of a second, reduce launch: one launch fewer per
-            layer on every decode step and on the decode rows of mixed steps, CUDA graphs included.
-            Process-wide (the last engine built sets it). Off by default until measured on a GPU.
         seed: seed of the generator used by requests without their own seed.
         speculative_method: "ngram" (prompt lookup, :mod:`engine.spec_decode`) or None (no request
             speculates; one that asks is refused).
@@ -277,7 +272,6 @@ class EngineConfig:
     cuda_persistent_decode: bool = False
     cuda_one_pass_decode_tokens: int = 0
     cuda_pdl: bool = True
-    cuda_decode_merge_in_partition: bool = False
     seed: int = 0
     speculative_method: str | None = "ngram"
     num_speculative_tokens: int = 0

@@ -113,8 +113,6 @@ class ModelRunner:
         self.model.rotary.inv_freq = rope_inv_freq(model.config).to(self.device)
         if self.is_cuda:  # fused QKV / gate-up weights and Triton norm/RoPE/SwiGLU kernels (engine.fused)
             kernels.set_pdl(config.cuda_pdl)  # before any launch or graph capture of this runner
-            kernels.set_tuning_decode(dataclasses.replace(  # likewise: every decode attention launch reads it
-                kernels.tuning_decode(), merge_in_partition=config.cuda_decode_merge_in_partition))
             int4 = config.weight_group_size if config.cuda_weight_format == "int4" else None
             self.model = fuse_for_cuda(self.model, int4_group=int4, gemv_prologues=config.cuda_gemv_prologues,
                                        fused_rope_store=config.cuda_fused_rope_store,

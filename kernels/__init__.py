@@ -54,13 +54,7 @@ from .gemv_int4_w32 import (
     tuning_int4_w32,
 )
 from .kv_quant import dequantize_kv, quantize_kv
-from .paged_decode import (
-    DecodeTuning,
-    paged_decode_attention,
-    paged_decode_attention_reference,
-    set_tuning_decode,
-    tuning_decode,
-)
+from .paged_decode import paged_decode_attention, paged_decode_attention_reference
 from .paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from .rope import rope, rope_reference
@@ -127,11 +121,8 @@ __all__ = [
     "KernelInputError",
     "dequantize_kv",
     "quantize_kv",
-    "DecodeTuning",
     "paged_decode_attention",
     "paged_decode_attention_reference",
-    "set_tuning_decode",
-    "tuning_decode",
     "paged_prefill_attention",
     "paged_prefill_attention_reference",
     "rms_norm",

@@ -12,11 +12,6 @@ Triton scheme:
   Each program runs an online softmax (fp32, exp2) over its partition and, when there is more than one
   split, writes its normalized partial output [B, Hq, S, D] and log2-sum-exp [B, Hq, S] (fp32); a second
   kernel, grid (B, Hq), merges the partitions of a row. With one split the first kernel writes ``out``.
-* Merge in the partition kernel (``DecodeTuning.merge_in_partition``): no second launch. Each program that
-  saw tokens stores its partials, then takes a ticket from a per-(b, h) counter (an acq_rel atomic at gpu
-  scope); the last of the sequence's n_valid = cdiv(ctx, partition) programs to arrive merges the G heads'
-  partials (the reduce kernel's math, :func:`_merge_partitions`), writes ``out`` and resets the counter, so
-  the counters (``_common.ticket_counters``) are zero again for the next launch or graph replay.
 * fp8 pools (``kernels.kv_quant``): K/V tiles are converted to q's dtype before the products; the program's
   KV head has one K scale, folded into the softmax scale, and one V scale, applied to its output.
 * The grid depends only on shapes (max_blocks * BS bounds the context), never on context_lens' values,
@@ -46,7 +41,6 @@ from ._common import (
     dot_precision,
     next_pow2,
     num_sms,
-    ticket_counters,
     tl,
     triton,
     use_triton,
@@ -54,8 +48,8 @@ from ._common import (
 from .errors import KernelInputError
 from .kv_quant import check_kv_scales, dequantize_kv
 
-__all__ = ["DecodeTuning", "gather_kv", "paged_decode_attention", "paged_decode_attention_reference",
-           "set_tuning_decode", "tuning_decode"]
+__all__ = ["DecodeTuning", "gather_kv", "paged_decode_attention", "paged_decode_attention_reference"]
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,37 +61,12 @@ class DecodeTuning:
         num_warps: warps of the partition kernel.
         programs_per_sm: split the context until B * Hkv * splits reaches this many programs per SM.
         min_partition: never split finer than this many tokens.
-        merge_in_partition: merge a split context's partitions in the partition kernel (the last program of
-            each (sequence, KV head) to finish does it) instead of a second, reduce launch. Off until measured
-            on a GPU: it saves a launch (~1.5-2.5 µs in a CUDA graph) per layer, and costs an atomic per
-            program and a serial merge at the tail of the last program of each pair.
-        merge_max_registers: with ``merge_in_partition``, cap the partition kernel's registers per thread
-            (Triton's ``maxnreg``; 0: no cap). Any branch after the main loop makes ptxas take 168-184
-            registers instead of 128 (sm_90, 4 warps, compiled without a GPU), which would halve the
-            programs an SM holds; capped at 128 it compiles without spills.
     """
 
     block_n: int = 128
     num_warps: int = 4
     programs_per_sm: int = 4
     min_partition: int = 128
-    merge_in_partition: bool = False
-    merge_max_registers: int = 128
-
-
-_TUNING = DecodeTuning()  # what launches without a tuning of their own use (set_tuning_decode)
-
-
-def set_tuning_decode(tuning: DecodeTuning | None) -> None:
-    """Use ``tuning`` for every later decode launch that passes none (None: back to the default); launches
-    captured in a CUDA graph keep the tuning they were captured with."""
-    global _TUNING
-    _TUNING = tuning or DecodeTuning()
-
-
-def tuning_decode() -> DecodeTuning:
-    """The tuning of decode launches that pass none: the one :func:`set_tuning_decode` recorded, else the default."""
-    return _TUNING
 
 
 def gather_kv(
@@ -164,64 +133,19 @@ def paged_decode_attention_reference(
 if HAS_TRITON:
     from ._pdl import pdl_wait
 
-    @triton.jit
-    def _merge_partitions(part_out_ptr, part_lse_ptr, first, rows_ok, n_valid, D, BLOCK_R: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
-        """The partials of BLOCK_R query rows merged over their n_valid partitions -> [BLOCK_R, BLOCK_D] fp32:
-        sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m), BLOCK_S partitions a step. ``first`` [BLOCK_R]: each
-        row's partition 0 in [B * Hq * NUM_SPLITS]; masked rows come out as 0 (never stored)."""
-        dd = tl.arange(0, BLOCK_D)
-        m = tl.where(rows_ok, float("-inf"), 0.0)  # a masked row's max stays 0: no -inf - -inf (NaN)
-        denom = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        for s0 in range(0, n_valid, BLOCK_S):
-            sp = s0 + tl.arange(0, BLOCK_S)
-            smask = rows_ok[:, None] & (sp < n_valid)[None, :]  # [BLOCK_R, BLOCK_S]
-            row = first[:, None] + sp[None, :]
-            lse = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"), cache_modifier=CACHE)
-            o = tl.load(part_out_ptr + row[:, :, None] * D + dd[None, None, :],
-                        mask=smask[:, :, None] & (dd < D)[None, None, :], other=0.0,
-                        cache_modifier=CACHE)  # [BLOCK_R, BLOCK_S, BLOCK_D]
-            m_new = tl.maximum(m, tl.max(lse, 1))
-            alpha = tl.exp2(m - m_new)
-            w = tl.where(smask, tl.exp2(lse - m_new[:, None]), 0.0)
-            denom = denom * alpha + tl.sum(w, 1)
-            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
-            m = m_new
-        denom = tl.where(denom > 0.0, denom, 1.0)
-        return acc / denom[:, None]
-
-    @triton.jit
-    def _merge_if_last(part_out_ptr, part_lse_ptr, cnt_ptr, out_ptr, b, h, n_valid, s_ob, s_oh, G, D, HQ,
-                       NUM_SPLITS, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        """After this program stored its partials: a ticket from the (b, h) counter; the last of the n_valid
-        programs to arrive merges the G heads' partitions into ``out`` and resets the counter."""
-        tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release, gpu scope)
-        counter = cnt_ptr + b * tl.num_programs(1) + h  # counters [B, Hkv] int32, zero between launches
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == n_valid - 1:  # the last one: the others' partials are in L2 (read past L1: .cg)
-            g = tl.arange(0, MERGE_G)
-            dd = tl.arange(0, BLOCK_D)
-            heads = h * G + g
-            o = _merge_partitions(part_out_ptr, part_lse_ptr, (b.to(tl.int64) * HQ + heads) * NUM_SPLITS, g < G,
-                                  n_valid, D, MERGE_G, MERGE_S, BLOCK_D, ".cg")
-            tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + dd[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (dd < D)[None, :])
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
     # The arguments that follow a step's batch and block-table width (the partition, the splits, the table's
     # width and stride) are plain runtime values, not specialised on: an eager step of any shape then reuses the
     # variants compiled at start-up (warm-up pass, graph capture) instead of compiling new ones on a server's
     # first traffic (docs/benchmarks.md, session 24: 13 partition and 10 reduce variants had been compiled).
     @triton.jit(do_not_specialize=["s_btb", "max_blocks", "NUM_SPLITS", "PARTITION"])
     def _decode_partition_kernel(
-        q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr, ks_ptr, vs_ptr, cnt_ptr,
+        q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr, ks_ptr, vs_ptr,
         sm_scale_log2,
         s_qb, s_qh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_btb, s_ob, s_oh,
         max_blocks, G, D, HQ, NUM_SPLITS, PARTITION,
         BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
-        PDL: tl.constexpr, MERGE: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -269,9 +193,8 @@ if HAS_TRITON:
             o = o * tl.load(vs_ptr + h)
         out_rows = G  # query heads this program writes to `out` (masks built from vectors: see store_kv)
         if SPLIT:
-            # a context within one partition is finished here; the merge (either kind) skips that sequence
-            n_valid = tl.cdiv(ctx, PARTITION)  # partitions that saw at least one token
-            single = n_valid <= 1
+            # a context within one partition is finished here; the reduce kernel skips that sequence
+            single = tl.cdiv(ctx, PARTITION) <= 1
             part_rows = tl.where(single, 0, G)
             out_rows = tl.where(single & (s == 0), G, 0)
             row = (b.to(tl.int64) * HQ + heads) * NUM_SPLITS + s  # [BLOCK_G]
@@ -281,11 +204,6 @@ if HAS_TRITON:
                      mask=(g < part_rows)[:, None] & dmask[None, :])
         tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + dd[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=(g < out_rows)[:, None] & dmask[None, :])
-        if MERGE:  # (split launches only) last, so none of the partition's registers live across the merge
-            n_valid = tl.cdiv(ctx, PARTITION)
-            if (n_valid > 1) & (s < n_valid):
-                _merge_if_last(part_out_ptr, part_lse_ptr, cnt_ptr, out_ptr, b, h, n_valid, s_ob, s_oh, G, D, HQ,
-                               NUM_SPLITS, MERGE_G, MERGE_S, BLOCK_D)
 
     @triton.jit(do_not_specialize=["max_blocks", "NUM_SPLITS", "PARTITION"])
     def _decode_reduce_kernel(
@@ -300,16 +218,30 @@ if HAS_TRITON:
         ctx = tl.minimum(tl.load(ctx_ptr + b), max_blocks * BS)
         n_valid = tl.cdiv(ctx, PARTITION)  # partitions that saw at least one token
         n_valid = tl.where(n_valid > 1, n_valid, 0)  # 0 or 1: the partition kernel wrote `out` itself
-        one = tl.arange(0, 1)  # this program's one query row, as the merge's [rows] vector
         dd = tl.arange(0, BLOCK_D)
-        o = _merge_partitions(part_out_ptr, part_lse_ptr, (b.to(tl.int64) * HQ + hq + one) * NUM_SPLITS, one == 0,
-                              n_valid, D, 1, BLOCK_S, BLOCK_D, "")  # [1, BLOCK_D]
-        tl.store(out_ptr + b.to(tl.int64) * s_ob + (hq + one)[:, None] * s_oh + dd[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=(dd < tl.where(n_valid > 0, D, 0))[None, :])
+        dmask = dd < D
+        base = (b.to(tl.int64) * HQ + hq) * NUM_SPLITS
+        m = tl.full([1], float("-inf"), tl.float32)
+        denom = tl.zeros([1], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, n_valid, BLOCK_S):
+            sp = s0 + tl.arange(0, BLOCK_S)
+            smask = sp < n_valid
+            lse = tl.load(part_lse_ptr + base + sp, mask=smask, other=float("-inf"))  # [BLOCK_S]
+            o = tl.load(part_out_ptr + (base + sp)[:, None] * D + dd[None, :],
+                        mask=smask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            alpha = tl.exp2(m - m_new)
+            w = tl.where(smask, tl.exp2(lse - m_new), 0.0)
+            denom = denom * alpha + tl.sum(w, 0)
+            acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+            m = m_new
+        denom = tl.where(denom > 0.0, denom, 1.0)
+        tl.store(out_ptr + b.to(tl.int64) * s_ob + hq * s_oh + dd, (acc / denom).to(out_ptr.dtype.element_ty),
+                 mask=dd < tl.where(n_valid > 0, D, 0))
 
 
 REDUCE_BLOCK_S = 16  # partitions the merge kernel reads per loop step (one value: one compiled variant)
-MERGE_TILE = 8192  # fp32 partial values the in-partition merge reads per loop step (64 a thread at 4 warps)
 
 
 def plan_partition(batch: int, num_kv_heads: int, max_context: int, sms: int, tuning: DecodeTuning) -> int:
@@ -320,8 +252,7 @@ def plan_partition(batch: int, num_kv_heads: int, max_context: int, sms: int, tu
 
 
 def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, partition_size, out,
-                         tuning: DecodeTuning | None = None, k_scale=None, v_scale=None):
-    tuning = tuning or _TUNING
+                         tuning: DecodeTuning = DecodeTuning(), k_scale=None, v_scale=None):
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -340,24 +271,19 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
     block_d = next_pow2(d)
     quant = k_scale is not None
     pdl = _pdl.pdl_launch(q)
-    merge = split and tuning.merge_in_partition
-    merge_g = next_pow2(g)
-    counters = ticket_counters("paged_decode", q.device, b * hkv) if merge else context_lens  # [B, Hkv]
     _decode_partition_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        k_scale if quant else context_lens, v_scale if quant else context_lens, counters,
+        k_scale if quant else context_lens, v_scale if quant else context_lens,
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         max_blocks, g, d, hq, num_splits, part,
         BS=bs, BLOCK_G=max(16, next_pow2(g)), BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=split, DOT_PREC=dot_precision(q.dtype), QUANT=quant, PDL=pdl, MERGE=merge, MERGE_G=merge_g,
-        MERGE_S=max(1, min(REDUCE_BLOCK_S, MERGE_TILE // (merge_g * block_d))),
-        num_warps=tuning.num_warps, **_pdl.launch_options(pdl),
-        **({"maxnreg": tuning.merge_max_registers} if merge and tuning.merge_max_registers else {}),
+        SPLIT=split, DOT_PREC=dot_precision(q.dtype), QUANT=quant, PDL=pdl, num_warps=tuning.num_warps,
+        **_pdl.launch_options(pdl),
     )
-    if split and not merge:
+    if split:
         _decode_reduce_kernel[(b, hq)](
             part_out, part_lse, context_lens, out, out.stride(0), out.stride(1),
             max_blocks, d, hq, num_splits, part,
@@ -379,7 +305,6 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    tuning: DecodeTuning | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
@@ -393,7 +318,6 @@ def paged_decode_attention(
         partition_size: split-K partition in tokens (Triton only); None picks one from the shapes.
         out: optional preallocated result, q's shape and dtype (static buffers for CUDA graphs).
         k_scale, v_scale: [Hkv] fp32 per-KV-head scales, with fp8 pools only (value = stored * scale).
-        tuning: launch parameters (Triton only; default :func:`tuning_decode`).
         backend: "auto" (Triton on CUDA tensors when it imports), "triton" or "torch".
 
     Returns:
@@ -422,7 +346,7 @@ def paged_decode_attention(
         return out.zero_()
     if use_triton(backend, q, k_cache, v_cache, block_tables, context_lens):
         return _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, float(scale),
-                                    partition_size, out, tuning, k_scale=k_scale, v_scale=v_scale)
+                                    partition_size, out, k_scale=k_scale, v_scale=v_scale)
     ref = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, float(scale),
                                            k_scale, v_scale)
     return out.copy_(ref)

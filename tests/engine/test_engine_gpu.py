@@ -209,29 +209,6 @@ def test_pdl_keeps_the_greedy_tokens_and_the_graphs(fmt):
     assert tokens[0] == tokens[1]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_decode_merge_in_partition_keeps_the_greedy_tokens_and_the_graphs(fmt):
-    """EngineConfig.cuda_decode_merge_in_partition: the decode attention's split-K merge done by the partition
-    kernel's last program (one launch, not two), captured in the CUDA graphs, gives the tokens of the two-launch
-    path, fp32, batch-1 graphs and a batch of several (mixed steps' decode rows too); prompts past 128 tokens
-    (the smallest partition) so the contexts split."""
-    import kernels
-
-    prompts = random_prompts([5, 130, 200], seed=6)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    tokens = []
-    try:
-        for merge in (False, True):
-            llm = _engine({}, dtype="float32", cuda_weight_format=fmt, cuda_decode_merge_in_partition=merge)
-            assert kernels.tuning_decode().merge_in_partition == merge and llm.engine.runner._graphs
-            tokens.append(_alone_and_together(llm, prompts, params))
-            del llm
-            _free_gpu_memory()
-    finally:
-        kernels.set_tuning_decode(None)   # process-wide: a failure here must not leave it on for the next tests
-    assert tokens[0] == tokens[1]
-
-
 def _assert_first_decode_logprobs_close(off_switches: dict, on_switches: dict) -> None:
     """bf16: the first decode step's top-5 log-probs of an engine with ``on_switches`` are those of one with
     ``off_switches``, to bf16 precision, after the same prefill token (the prefill runs the unfused path on both)."""

@@ -18,8 +18,7 @@ from kernels import (
 def test_exported_members():
     assert sorted(kernels.__all__) == sorted([
         "BackendUnavailableError", "KernelError", "KernelInputError",
-        "DecodeTuning", "paged_decode_attention", "paged_decode_attention_reference", "set_tuning_decode",
-        "tuning_decode",
+        "paged_decode_attention", "paged_decode_attention_reference",
         "paged_prefill_attention", "paged_prefill_attention_reference",
         "store_kv", "store_kv_reference",
         "rms_norm", "rms_norm_reference", "add_rms_norm", "add_rms_norm_reference", "rope", "rope_reference",

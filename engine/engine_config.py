@@ -148,9 +148,9 @@ class EngineConfig:
             holds at most ``cuda_graph_max_batch`` sequences, no drafts, and at most this many prompt tokens of
             short enough contexts (``model_runner.MIXED_MEAN_CONTEXT`` context tokens per prompt token on
             average); otherwise it runs eagerly, its prompts through the prefill kernel. The graphs then cover
-            up to ``cuda_graph_max_batch`` + this many rows (every 64 rows above the batch buckets; only the
-            first ``cuda_graph_max_batch`` rows' logits). Default 0 (mixed steps run eagerly): on an H100 at 256
-            served users 256 made serving 13-16 % slower (docs/engine.md "Mixed steps through the decode
+            up to ``cuda_graph_max_batch`` + this many rows (``model_runner.graph_buckets``; only the first
+            ``cuda_graph_max_batch`` rows' logits). Default 0 (mixed steps run eagerly): on an H100 at 256
+            served users, 256 made serving 13-16 % slower (docs/engine.md "Mixed steps through the decode
             graphs").
         cuda_graph_spec_tokens: draft counts ``k`` whose speculative verify steps (each sequence's last
             token + up to ``k`` drafts) get CUDA graphs, for batch buckets up to the batch at which speculation

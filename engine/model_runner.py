@@ -90,12 +90,16 @@ class LaunchedStep:
 
 def graph_buckets(max_batch: int, mixed_tokens: int = 0) -> list[int]:
     """Row counts that get a decode graph: vLLM's batch sizes 1, 2, 4, then multiples of 8 up to ``max_batch``;
-    with ``mixed_tokens``, steps of ``MIXED_BUCKET_STEP`` rows more above it, up to ``max_batch + mixed_tokens``
-    (decodes with prompt tokens as rows)."""
+    with ``mixed_tokens``, buckets above it up to ``max_batch + mixed_tokens`` (decodes with prompt tokens as
+    rows): every ``MIXED_BUCKET_STEP`` rows for the first 512, then every 4 * ``MIXED_BUCKET_STEP`` (a padding
+    of at most ~1/3 of a step's rows past 512)."""
     sizes = [b for b in (1, 2, 4) if b <= max_batch] + list(range(8, max_batch + 1, 8))
     sizes = sizes if sizes[-1] == max_batch else sizes + [max_batch]
-    return sizes + list(range(max_batch + MIXED_BUCKET_STEP, max_batch + mixed_tokens + MIXED_BUCKET_STEP,
-                              MIXED_BUCKET_STEP))
+    top, b = max_batch + mixed_tokens, max_batch
+    while b < top:
+        b += MIXED_BUCKET_STEP if b < max_batch + 512 else 4 * MIXED_BUCKET_STEP
+        sizes.append(b)
+    return sizes
 
 
 class ModelRunner:

@@ -180,6 +180,8 @@ def test_mixed_buckets():
     assert graph_buckets(4) == [1, 2, 4]
     assert graph_buckets(4, 256) == [1, 2, 4, 68, 132, 196, 260]
     assert graph_buckets(256, 100)[-3:] == [256, 320, 384]  # 256 + 100 rows fit 384
+    assert graph_buckets(256, 2048)[35:] == [320, 384, 448, 512, 576, 640, 704, 768, 1024, 1280, 1536, 1792, 2048,
+                                             2304]
     assert EngineConfig(device="cpu").cuda_graph_mixed_tokens == 0  # opt-in: slower served on an H100
     with pytest.raises(ValueError, match="cuda_graph_mixed_tokens"):
         EngineConfig(device="cpu", cuda_graph_mixed_tokens=-1)

@@ -1,0 +1,16 @@
+# Session 26's last GPU call (<= 230 s): `bash .carry/multi.sh mix3:230` with .carry/lead and .carry/mix3.
+# Why: core_served on the card (call 2) put an eager mixed step at ~33 ms on these hosts (every CUDA launch of
+# an eager step costs ~0.1 ms of host here) against ~5 ms for a graph step; in serving, a slow eager step lets
+# ~12 prompts pile up, so the next step's prompts exceed cuda_graph_mixed_tokens=256 and run eagerly again.
+# Prediction: with cuda_graph_mixed_tokens=2048 (the whole token budget) nearly every served step replays a
+# graph and served tok/s rises >= 20 % over 0 (32-34k in call 1).
+. .carry/setup.sh mix3 || exit 1
+R=/tmp/r; mkdir -p $R; trap 'tar czf $OUT/all.tgz -C $R .' EXIT
+nvidia-smi --query-gpu=name --format=csv,noheader | tee $R/smi.txt
+[ -d /tmp/smol ] || python3 bench/random_model.py --like .carry/lead/tok --out /tmp/smol > /dev/null || exit 1
+B="python3 bench/serve_bench.py --model /tmp/smol --device cuda --output-len 128 --input-len 100 --request-rate inf --clients 8 --duration 5 --users 256"
+for v in m2048:2048 m0:0 m2048b:2048; do n=${v%%:*}; m=${v#*:}; el "$n"
+  timeout 70 $B --label $n --json $R/serve_$n.json --engine-set cuda_graph_mixed_tokens=$m > $R/serve_$n.log 2>&1
+  el "rc=$?"; grep "^| $n" $R/serve_$n.log | tail -1; tar czf $OUT/all.tgz -C $R .
+done
+el done

@@ -315,7 +315,8 @@ async def bench(args: argparse.Namespace, url: str, key: str, server_pid: int | 
     return rows
 
 
-STEP_COUNTERS = ("steps_total", "prefill_steps_total", "step_tokens_total", "step_seconds_total")
+STEP_COUNTERS = ("steps_total", "prefill_steps_total", "graph_steps_total", "step_tokens_total",
+                 "step_seconds_total")
 
 
 async def engine_steps(url: str) -> dict[str, float]:
@@ -333,13 +334,14 @@ async def engine_steps(url: str) -> dict[str, float]:
 
 
 def step_mix(before: dict, after: dict) -> dict:
-    """Between two readings of the step counters: steps, the share that carried prompt tokens (eager), the
-    mean host time per step (ms) and tokens per step."""
+    """Between two readings of the step counters: steps, the shares that carried prompt tokens and that ran
+    eagerly (no graph replay), the mean host time per step (ms) and tokens per step."""
     d = {c: after.get(c, 0.0) - before.get(c, 0.0) for c in STEP_COUNTERS}
     if not d["steps_total"]:
         return {}
     n = d["steps_total"]
     return {"steps": int(n), "prefill_step_share": d["prefill_steps_total"] / n,
+            "eager_step_share": 1 - d["graph_steps_total"] / n,
             "ms_per_step": 1e3 * d["step_seconds_total"] / n, "tokens_per_step": d["step_tokens_total"] / n}
 
 
@@ -394,8 +396,9 @@ def compare(rows: list[dict], offline: list[dict]) -> str:
     """Every served row against the offline engine at the same users."""
     by_users = {o["users"]: o for o in offline}
     lines = ["| engine | users | served out tok/s | offline out tok/s | share | served TPOT p50 | engine TPOT p50 "
-             "| ratio | steps with prompt tokens, served / offline | ms per step, served / offline |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| ratio | steps with prompt tokens, served / offline | eager steps, served / offline "
+             "| ms per step, served / offline |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         o = by_users.get(r["users"])
         if o is None:
@@ -404,6 +407,7 @@ def compare(rows: list[dict], offline: list[dict]) -> str:
                      f"| {100 * r['out_tok_per_s'] / o['out_tok_per_s']:.0f} % | {r['tpot_p50_ms']:.2f} "
                      f"| {o['tpot_p50_ms']:.2f} | {r['tpot_p50_ms'] / o['tpot_p50_ms']:.2f}x "
                      f"| {_share(r, 'prefill_step_share')} / {_share(o, 'prefill_step_share')} "
+                     f"| {_share(r, 'eager_step_share')} / {_share(o, 'eager_step_share')} "
                      f"| {r.get('ms_per_step', float('nan')):.2f} / {o.get('ms_per_step', float('nan')):.2f} |")
     return "\n".join(lines)
 

@@ -73,6 +73,11 @@ class InProcessExecutor:
         ``LLMEngine.step``); an executor without this method runs every step synchronously."""
         return self.runner.launch(sched, prev)
 
+    @property
+    def graph_steps(self) -> int:
+        """Steps that replayed a CUDA graph (optional: an executor without it reports none)."""
+        return self.runner.graph_steps
+
     def shutdown(self) -> None:
         """Nothing to stop: the runner lives and dies with the engine."""
 

@@ -300,6 +300,7 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             steps_total=self.steps_total, prefill_steps_total=self.prefill_steps_total,
             step_tokens_total=self.step_tokens_total, step_seconds_total=self.step_seconds_total,
+            graph_steps_total=getattr(self.executor, "graph_steps", 0),
             spec_num_drafts=self.spec.num_drafts, spec_num_draft_tokens=self.spec.num_draft_tokens,
             spec_num_accepted_tokens=self.spec.num_accepted_tokens)
 

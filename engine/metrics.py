@@ -71,9 +71,10 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     steps_total: int = 0               # engine steps that ran work
-    prefill_steps_total: int = 0       # of which a row computed several tokens (a prompt chunk: eager)
+    prefill_steps_total: int = 0       # of which a row computed several tokens (a prompt chunk)
     step_tokens_total: int = 0         # tokens scheduled over those steps
     step_seconds_total: float = 0.0    # host wall time inside LLMEngine.step (idle polls included)
+    graph_steps_total: int = 0         # steps that replayed a CUDA graph (the others ran eagerly)
     spec_num_drafts: int = 0           # speculative verify steps (one per sequence that carried drafts)
     spec_num_draft_tokens: int = 0     # draft tokens scored
     spec_num_accepted_tokens: int = 0  # of which accepted

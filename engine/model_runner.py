@@ -156,6 +156,7 @@ class ModelRunner:
         self._graph_max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
         self._mixed_tokens = config.cuda_graph_mixed_tokens
         self._decode_buckets = graph_buckets(self._graph_max_batch, self._mixed_tokens)
+        self.graph_steps = 0  # steps that replayed a CUDA graph (EngineStats.graph_steps_total)
 
     @property
     def is_cuda(self) -> bool:
@@ -485,6 +486,7 @@ class ModelRunner:
                    feed: LaunchedStep | None = None) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """A decode, mixed or verify step through the captured (b, k) graph (``feed``: see :meth:`launch`)."""
         rows, sampling = self._stage(scheduled, b, k, feed)
+        self.graph_steps += 1
         if k:
             graph, out = self._graphs[(b, k)]
         else:

@@ -130,5 +130,5 @@ async def test_metrics_listener_and_stats():
     assert stats.prefix_cache_hits == 16 and stats.prefix_cache_queries == 40
     # per request one prefill step (a: 20 prompt tokens; b: the 4 past its cached blocks), then 9 decode steps
     assert (stats.steps_total, stats.prefill_steps_total, stats.step_tokens_total) == (20, 2, 20 + 9 + 4 + 9)
-    assert stats.step_seconds_total > 0
+    assert stats.step_seconds_total > 0 and stats.graph_steps_total == 0  # CPU: every step eager
     assert rec.steps and 0.0 <= rec.steps[-1].kv_cache_usage <= 1.0

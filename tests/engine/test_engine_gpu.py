@@ -72,6 +72,7 @@ def test_mixed_steps_replay_decode_graphs_and_keep_the_tokens(mixed_tokens, over
         del runner._graph_for
     assert [o.outputs[0].token_ids for o in outs] == refs
     graphed = [k for k in keys if k is not None]
+    assert llm.engine.stats().graph_steps_total > len(graphed)  # every decode-only step and the graphed mixed ones
     if mixed_tokens:
         assert graphed and any(b > 8 for b, _ in graphed), keys
     else:

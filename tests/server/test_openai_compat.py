@@ -111,6 +111,7 @@ def test_disconnect_cancels_engine_request(live_server):  # noqa: F811
     assert 1 <= _metric(live_server.url, "cipherlm:engine_prefill_steps_total") < steps
     assert _metric(live_server.url, "cipherlm:engine_step_tokens_total") >= steps
     assert _metric(live_server.url, "cipherlm:engine_step_seconds_total") > 0
+    assert _metric(live_server.url, "cipherlm:engine_graph_steps_total") == 0  # the CPU replays no graph
 
 
 def test_skip_special_tokens_reaches_the_detokenizer():

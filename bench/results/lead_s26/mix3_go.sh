@@ -1,4 +1,5 @@
-# Session 26's last GPU call (<= 230 s): `bash .carry/multi.sh mix3:230` with .carry/lead and .carry/mix3.
+# Carried to the next session (session 26 had no device time left for it; <= 300 s): `bash .carry/multi.sh mix3:300`
+# with .carry/lead and .carry/mix3 (go.sh = this file). serve_bench now prints the eager share of the steps.
 # Why: core_served on the card (call 2) put an eager mixed step at ~33 ms on these hosts (every CUDA launch of
 # an eager step costs ~0.1 ms of host here) against ~5 ms for a graph step; in serving, a slow eager step lets
 # ~12 prompts pile up, so the next step's prompts exceed cuda_graph_mixed_tokens=256 and run eagerly again.
@@ -9,8 +10,9 @@ R=/tmp/r; mkdir -p $R; trap 'tar czf $OUT/all.tgz -C $R .' EXIT
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $R/smi.txt
 [ -d /tmp/smol ] || python3 bench/random_model.py --like .carry/lead/tok --out /tmp/smol > /dev/null || exit 1
 B="python3 bench/serve_bench.py --model /tmp/smol --device cuda --output-len 128 --input-len 100 --request-rate inf --clients 8 --duration 5 --users 256"
-for v in m2048:2048 m0:0 m2048b:2048; do n=${v%%:*}; m=${v#*:}; el "$n"
-  timeout 70 $B --label $n --json $R/serve_$n.json --engine-set cuda_graph_mixed_tokens=$m > $R/serve_$n.log 2>&1
-  el "rc=$?"; grep "^| $n" $R/serve_$n.log | tail -1; tar czf $OUT/all.tgz -C $R .
+for v in m2048:2048:--offline m0:0 m2048b:2048 m0b:0; do IFS=: read n m x <<< "$v"; el "$n"
+  timeout $([ -n "$x" ] && echo 100 || echo 60) $B --label $n --json $R/serve_$n.json \
+    --engine-set cuda_graph_mixed_tokens=$m $x > $R/serve_$n.log 2>&1
+  el "rc=$?"; grep "^| $n" $R/serve_$n.log | tail -2; tar czf $OUT/all.tgz -C $R .
 done
 el done

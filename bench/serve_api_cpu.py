@@ -7,6 +7,9 @@ API, so ``bench/serve_bench.py`` here measures the model. This script serves the
 tokenizer and the real engine core (scheduler, detokenizer, outputs, the pipe), but the core's executor is
 ``bench/engine_host_cpu.py``'s stub: no forward, logits that pick ordinary word tokens, so the core runs
 at its host speed (~2-3 ms per 256-row step, as on a GPU) and the API process's own CPU per token shows.
+``CIPHERLM_BENCH_STEP_MS`` (server environment: ``--variant label:env.CIPHERLM_BENCH_STEP_MS=4``) puts a floor
+under each step as a GPU's step time would, ``CIPHERLM_BENCH_EAGER_STEP_MS`` a different one under the steps
+no decode graph takes.
 
 Per round and variant (a ``--server-set`` / ``--engine-set`` group), the same streamed load as
 ``serve_bench.py`` (``--request-rate inf``, ``--users`` in flight, ``--clients`` processes) against a
@@ -31,6 +34,9 @@ import time
 from pathlib import Path
 
 STEP_S = float(os.environ.get("CIPHERLM_BENCH_STEP_MS", "0")) / 1e3  # the stub core's floor per step
+# the floor of a step no decode graph takes (default: STEP_S): on the device hosts an eager step costs ~6x a
+# graph replay (~33 against ~5 ms at 256 rows, docs/benchmarks.md session 26), which a served load feels
+EAGER_S = float(os.environ.get("CIPHERLM_BENCH_EAGER_STEP_MS", "0")) / 1e3 or STEP_S
 HIDDEN_VOCAB = 49152      # SmolLM2's: prompt ids must fit the (tiny) embedding
 WORD_IDS = range(600, 4600)  # the stub's sampled tokens: ordinary BPE pieces of SmolLM2's vocabulary
 
@@ -67,11 +73,11 @@ def stub_parts():
             return torch.zeros(n, 1)  # the synchronous path's (rare here) logits: token 0
 
         def launch(self, sched, prev):
+            key = self._graph_for(sched.scheduled)
             if STEP_S:  # a GPU's step time: the core waits for the device as it would in resolve
                 now = time.perf_counter()
                 time.sleep(max(0.0, self._next - now))
-                self._next = max(now, self._next) + STEP_S
-            key = self._graph_for(sched.scheduled)
+                self._next = max(now, self._next) + (STEP_S if key is not None else EAGER_S)
             if key is not None:
                 _, sampling = self._run_graph(sched.scheduled, key[0], 0, prev)
             else:

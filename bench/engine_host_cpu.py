@@ -51,7 +51,7 @@ class StubRunner(ModelRunner):
         self._graphs = {(b, 0): (None, logits) for b in self._decode_buckets}
         self._one_pass, self._verify_cu = {}, {}
         self._sampled = self._decode_in.dev64[_StaticInputs.SAMPLED, :config.max_num_seqs]
-        self._host_tokens, self._launches = [], 0
+        self._host_tokens, self._launches, self.graph_steps = [], 0, 0
 
     def init_kv_cache(self) -> int:
         return self.num_blocks
@@ -68,6 +68,7 @@ class StubRunner(ModelRunner):
 
     def _run_graph(self, scheduled, b, k, feed: LaunchedStep | None = None):
         _, sampling = self._stage(scheduled, b, k, feed)
+        self.graph_steps += 1
         return self._logits(len(sampling)), sampling
 
     def execute(self, sched, *, eager: bool = False):
@@ -106,6 +107,10 @@ class StubExecutor:
 
     def launch(self, sched, prev):
         return self.runner.launch(sched, prev)
+
+    @property
+    def graph_steps(self) -> int:
+        return self.runner.graph_steps
 
     def shutdown(self) -> None:
         pass

@@ -150,7 +150,8 @@ class EngineConfig:
             average); otherwise it runs eagerly, its prompts through the prefill kernel. The graphs then cover
             up to ``cuda_graph_max_batch`` + this many rows (``model_runner.graph_buckets``; only the first
             ``cuda_graph_max_batch`` rows' logits). Default 0 (mixed steps run eagerly): on an H100 at 256
-            served users, 256 made serving 13-16 % slower (docs/engine.md "Mixed steps through the decode
+            served users, 256 made serving 13-16 % slower; the whole token budget (2048) is what the evidence
+            points to, not yet measured served on a GPU (docs/engine.md "Mixed steps through the decode
             graphs").
         cuda_graph_spec_tokens: draft counts ``k`` whose speculative verify steps (each sequence's last
             token + up to ``k`` drafts) get CUDA graphs, for batch buckets up to the batch at which speculation

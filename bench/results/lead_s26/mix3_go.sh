@@ -11,15 +11,21 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee $R/smi.txt
 [ -d /tmp/smol ] || python3 bench/random_model.py --like .carry/lead/tok --out /tmp/smol > /dev/null || exit 1
 el "start-up with the mixed buckets (graph captures) and the CUDA tests"
 python3 - > $R/startup.txt 2>&1 <<'PY'
+import gc
 import time
+
+import torch
 from engine.engine_config import EngineConfig
 from engine.llm import LLM
 for m in (0, 2048, 0, 2048):
     t = time.perf_counter()
-    llm = LLM("/tmp/smol", engine_config=EngineConfig(device="cuda", cuda_graph_mixed_tokens=m))
+    llm = LLM("/tmp/smol", engine_config=EngineConfig(device="cuda", cuda_graph_mixed_tokens=m,
+                                                             gpu_memory_utilization=0.3))
     print(f"cuda_graph_mixed_tokens={m}: engine ready in {time.perf_counter() - t:.1f} s, "
           f"{len(llm.engine.runner._graphs)} graphs", flush=True)
     del llm
+    gc.collect()
+    torch.cuda.empty_cache()
 PY
 cat $R/startup.txt
 timeout 60 python3 -m pytest -c /dev/null --rootdir . -p no:cacheprovider -q -W ignore::pytest.PytestUnknownMarkWarning \

@@ -95,6 +95,9 @@ class Scheduler:
         self.num_deferrals = 0   # such steps in all
         # (seq, num_running, budget) -> draft tokens of a decode (engine.spec_decode); None: no speculation
         self.proposer: Callable[[Sequence, int, int], list[int]] | None = None
+        # the proposer drafts nothing in a step that starts with more running sequences than this
+        # (SpecConfig.disable_by_batch_size): such a step skips its per-decode call (None: always call)
+        self.proposer_max_running: int | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (a new one, or a preempted one that keeps its place by arrival)."""
@@ -241,7 +244,8 @@ class _FairStep:
     def _decodes(self) -> None:
         """Every running sequence with one token to compute (a decode) goes first, with its drafts when it
         speculates (their slots are taken only if free: drafts never preempt anyone)."""
-        speculating, bm = self.s.proposer is not None, self.s.bm
+        cap, bm = self.s.proposer_max_running, self.s.bm
+        speculating = self.s.proposer is not None and (cap is None or self.num_running <= cap)
         plain: dict[Hashable, int] = {}  # decodes without drafts per tenant: charged once, after the loop
         try:
             for seq in list(self.s.running):

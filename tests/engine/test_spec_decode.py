@@ -137,10 +137,13 @@ def test_deployment_default_and_switch_off_by_load(model):
     on.generate(prompts, params)
     assert on.engine.stats().spec_num_drafts > 0
     loaded = LLM(model, None, _engine_config(num_speculative_tokens=4, speculative_disable_by_batch_size=3))
+    calls, propose = [], loaded.engine.scheduler.proposer
+    loaded.engine.scheduler.proposer = lambda seq, n, budget: calls.append(n) or propose(seq, n, budget)
     loaded.generate(prompts, params)                         # 4 running > 3: nobody speculates ...
     assert loaded.engine.stats().spec_num_drafts == 0
+    assert not calls                                         # (the scheduler does not even ask the proposer)
     loaded.generate(prompts[:1], params)                     # ... but a lone request does
-    assert loaded.engine.stats().spec_num_drafts > 0
+    assert loaded.engine.stats().spec_num_drafts > 0 and calls and set(calls) == {1}
 
 
 def test_bad_speculation_requests_are_refused(model):

@@ -272,6 +272,7 @@ def decode_persistent_reference(h: torch.Tensor, cos: torch.Tensor, sin: torch.T
 # ---- kernel ---------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from .paged_decode import online_softmax_step
 
     @triton.jit
     def _arrive(sync_ptr, idx):
@@ -530,14 +531,7 @@ if HAS_TRITON:
                             mask=kv_mask, other=0.0, cache_modifier=".cg")
                 v = tl.load(vc + blk[:, None] * s_vb + within[:, None] * s_vs + h * s_vh + dd[None, :],
                             mask=kv_mask, other=0.0, cache_modifier=".cg")
-                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2   # [BLOCK_G, BLOCK_T]
-                qk = tl.where(nmask[None, :], qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-                m_i = m_new
+                m_i, l_i, acc = online_softmax_step(q, k, v, nmask, m_i, l_i, acc, sm_scale_log2, DOT_PREC)
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)
             row = heads * S + s
             tl.store(pl_ptr + row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=gmask)

@@ -133,6 +133,20 @@ def paged_decode_attention_reference(
 if HAS_TRITON:
     from ._pdl import pdl_wait
 
+    @triton.jit
+    def online_softmax_step(q, k, v, nmask, m_i, l_i, acc, sm_scale_log2, DOT_PREC: tl.constexpr):
+        """One K/V tile of a decode query group's online softmax (fp32, exp2): q [G, D], k and v [N, D] in q's
+        dtype, ``nmask`` [N] the tile's tokens in range; the running max, sum and output -> their updates.
+        Shared by the partition kernel here and the persistent decode kernel (``kernels.decode_persistent``)."""
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2  # [G, N]
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        return m_new, l_i, acc
+
     # The arguments that follow a step's batch and block-table width (the partition, the splits, the table's
     # width and stride) are plain runtime values, not specialised on: an eager step of any shape then reuses the
     # variants compiled at start-up (warm-up pass, graph capture) instead of compiling new ones on a server's
@@ -179,14 +193,7 @@ if HAS_TRITON:
             if QUANT:  # fp8 -> q's dtype is exact
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2  # [BLOCK_G, BLOCK_N]
-            qk = tl.where(nmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(q, k, v, nmask, m_i, l_i, acc, sm_scale_log2, DOT_PREC)
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty partition contributes nothing
         o = acc / l_safe[:, None]
         if QUANT:

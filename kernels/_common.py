@@ -144,19 +144,3 @@ def num_sms(device: torch.device) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot input precision: exact fp32 products for fp32 inputs (tests), native for 16-bit ones."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-# (owner, device, size) -> int32 counters for kernels whose programs take tickets (the last program of a group to
-# arrive finishes the group's shared work and resets its counter to 0). Zero between launches, so a CUDA graph may
-# capture and replay the launches that read them. Sizes are rounded up to a power of two and sliced, so launches of
-# many batch sizes share a few buffers. Launches that share a buffer must not run concurrently: one stream, or PDL
-# kernels that touch them only after their wait (kernels._pdl).
-_TICKET_COUNTERS: dict[tuple[str, str, int], torch.Tensor] = {}
-
-
-def ticket_counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
-    """``n`` int32 counters on ``device``, zero between launches, cached per (``owner``, device, size class)."""
-    key = (owner, str(device), next_pow2(n))
-    if key not in _TICKET_COUNTERS:
-        _TICKET_COUNTERS[key] = torch.zeros(key[2], device=device, dtype=torch.int32)
-    return _TICKET_COUNTERS[key][:n]

@@ -36,7 +36,6 @@ from ._common import (
     check_same_device,
     check_shape,
     check_tensor,
-    ticket_counters,
     tl,
     triton,
     use_triton,
@@ -449,18 +448,18 @@ def split_k_plan(n_groups: int, tune: GemvInt4W32Tuning) -> tuple[int, int]:
     return cdiv(steps, per_steps), per_steps * tune.groups
 
 
-# (device, M, N, split) -> fp32 partials [split, M, N]; launches that share a key must not run concurrently (one
-# stream, or PDL: a kernel touches them after its wait)
-_SPLIT_BUFFERS: dict[tuple, torch.Tensor] = {}
+# (device, M, N, split) -> (fp32 partials [split, M, N], int32 counters [M * N]); the counters are zero between
+# launches (the last program of a row block resets its own), so a CUDA graph may capture and replay launches.
+# Launches that share a key must not run concurrently (one stream, or PDL: a kernel touches them after its wait)
+_SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _split_k_buffers(device: torch.device, m: int, n: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partials [split, M, N], int32 counters [M * N]): the counters are zero between launches (the last program
-    of a row block resets its own, ``_common.ticket_counters``), so a CUDA graph may capture and replay launches."""
     key = (str(device), m, n, split)
     if key not in _SPLIT_BUFFERS:
-        _SPLIT_BUFFERS[key] = torch.empty((split, m, n), device=device, dtype=torch.float32)
-    return _SPLIT_BUFFERS[key], ticket_counters("gemv_int4_w32", device, m * n)
+        _SPLIT_BUFFERS[key] = (torch.empty((split, m, n), device=device, dtype=torch.float32),
+                               torch.zeros(m * n, device=device, dtype=torch.int32))
+    return _SPLIT_BUFFERS[key]
 
 
 # ---- with a fused prologue (kernels._prologue): RMSNorm before qkv / gate_up, SiLU·mul before down ----------

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from kernels import KernelInputError
-from kernels._common import _TICKET_COUNTERS, HAS_TRITON
+from kernels._common import HAS_TRITON
 from kernels.gemv_int4 import dequantize_int4_rows, gemv_int4_reference, pack_int4_rows
 from kernels.gemv_int4_w32 import (
+    _SPLIT_BUFFERS,
     GemvInt4W32Tuning,
     dequantize_int4_w32,
     gemv_int4_w32,
@@ -145,7 +146,7 @@ def test_split_k_relaunches_and_silu_prologue_match_reference(split):
         x = torch.randn(2, k, device=DEVICE)
         got = gemv_int4_w32(x, q32, so, tuning=tune, backend="triton")
         torch.testing.assert_close(got, gemv_int4_w32_reference(x, q32, so), rtol=1e-5, atol=1e-5)
-        assert all(int(cnt.abs().sum()) == 0 for cnt in _TICKET_COUNTERS.values())
+        assert all(int(cnt.abs().sum()) == 0 for _, cnt in _SPLIT_BUFFERS.values())
     gate_up = torch.randn(1, 2 * k, device=DEVICE)
     torch.testing.assert_close(gemv_int4_w32_silu_mul(gate_up, q32, so, tuning=tune, backend="triton"),
                                gemv_int4_w32_reference(silu_mul_reference(gate_up), q32, so), rtol=1e-5, atol=1e-5)

@@ -205,6 +205,12 @@ class EngineConfig:
             this many tokens replay a graph whose attention is one pass per (sequence, KV head), without
             the split-K reduce kernel (``engine.model_runner.ONE_PASS_MAX_BATCH``); 0 (default): off (split-K
             only; the one-pass graphs measured slower at 129-384-token contexts on an H100).
+        cuda_l2_prefetch_mb: on CUDA (compute capability 9.0+), decode steps of up to 4 rows on the per-op path
+            ask, per layer once its QKV product is done, for this many MB of the weights the step reads next (the
+            layer's O, gate/up and down, then the next layer's QKV) to be pulled into L2 by a bulk prefetch on a
+            side stream (``kernels.l2_prefetch``, issue 19 item 2), so that those GEMVs stream from L2 while the
+            attention's small kernels leave the memory idle. Keep it under the L2 (50 MB on an H100 / H200).
+            0 (default): off until measured on a GPU.
         cuda_pdl: on CUDA (compute capability 9.0+), launch the decode step's Triton kernels (GEMVs, norms,
             RoPE + store, attention, SiLU·mul) with programmatic dependent launch (``kernels._pdl``): each
             starts, and loads its weights, while the kernel before it finishes. Process-wide (the last
@@ -272,6 +278,7 @@ class EngineConfig:
     cuda_fused_decode_layers: bool = False
     cuda_persistent_decode: bool = False
     cuda_one_pass_decode_tokens: int = 0
+    cuda_l2_prefetch_mb: float = 0
     cuda_pdl: bool = True
     seed: int = 0
     speculative_method: str | None = "ngram"
@@ -299,6 +306,8 @@ class EngineConfig:
         self._check_graph_spec_tokens()
         if self.cuda_graph_mixed_tokens < 0:
             raise ValueError(f"cuda_graph_mixed_tokens must be >= 0, got {self.cuda_graph_mixed_tokens}")
+        if self.cuda_l2_prefetch_mb < 0:
+            raise ValueError(f"cuda_l2_prefetch_mb must be >= 0, got {self.cuda_l2_prefetch_mb}")
         if self.cuda_one_pass_decode_tokens < 0:
             raise ValueError(f"cuda_one_pass_decode_tokens must be >= 0, got {self.cuda_one_pass_decode_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:

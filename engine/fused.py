@@ -25,6 +25,11 @@ SiLU·mul, down + residual add; the residual stream is updated in place by the O
 ``persistent_decode`` (``EngineConfig.cuda_persistent_decode``, off by default until measured) a batch-1 step with
 16-bit weights runs every layer in ONE persistent launch (``kernels.decode_persistent``: grid barriers between
 the stages, the next stage's weights loaded before each barrier); it takes precedence over ``fused_layers``.
+With ``l2_prefetch_bytes`` (``EngineConfig.cuda_l2_prefetch_mb``, off by default until measured) a step of at most
+``L2_PREFETCH_MAX_ROWS`` rows on the per-op path asks, when each layer's QKV product is done, for the next bytes
+its GEMVs read (the layer's O, gate/up and down weights, then the next layer's QKV; the head after the last
+layer) to be pulled into L2 by a ``kernels.l2_prefetch`` launch on a side stream, joined at the end of the
+forward: the memory streams them while the attention's small kernels run.
 
 :func:`fuse_for_cuda` concatenates each layer's q/k/v and gate/up weights once, at load, and re-points the
 original parameters at row slices of the fused tensors, so no weight is stored twice and the wrapped model
@@ -45,6 +50,8 @@ from engine.model import AttentionBackend, LlamaForCausalLM
 
 # rows up to which int4 weights go through the GEMV kernel (it re-reads W from L2 per row); more: dequantize
 INT4_GEMV_MAX_ROWS = 4
+# rows up to which a step is bound by its weight bytes, where the L2 prefetch of the next GEMVs' weights applies
+L2_PREFETCH_MAX_ROWS = 4
 
 
 @dataclasses.dataclass
@@ -126,6 +133,15 @@ def quantize_layer_weights(model: LlamaForCausalLM, fused: list[FusedLayerWeight
             lin.weight.data = lin.weight.data.new_empty(0)
 
 
+def weight_tensors(w: Weight) -> list[torch.Tensor]:
+    """The tensors a layer GEMM's weight is stored in (16-bit weight; int4 data and scales; fp8 data and scales)."""
+    if isinstance(w, Int4Weight):
+        return [w.qweight, w.scale_offset]
+    if isinstance(w, Fp8Linear):
+        return [w.weight, w.scale]
+    return [w]
+
+
 def weight_nbytes(w: Weight) -> int:
     """Bytes a layer GEMM's weight occupies as stored (quantized data and scales)."""
     return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes()
@@ -137,7 +153,7 @@ class FusedLlama(nn.Module):
     def __init__(self, model: LlamaForCausalLM, use_gemv: bool = True, int4_group: int | None = None,
                  gemv_prologues: bool = False, fused_rope_store: bool = True, fp8: bool = False,
                  fused_layers: bool = False, kernel_backend: str = "auto", persistent_decode: bool = False,
-                 persistent_tuning: kernels.PersistentDecodeTuning | None = None) -> None:
+                 persistent_tuning: kernels.PersistentDecodeTuning | None = None, l2_prefetch_bytes: int = 0) -> None:
         super().__init__()
         self.base = model
         self.use_gemv = use_gemv  # single-row GEMMs through kernels.gemv (batch-1 decode) instead of cuBLAS
@@ -147,6 +163,9 @@ class FusedLlama(nn.Module):
         # batch-1 bf16 decode steps: every layer in one persistent launch (kernels.decode_persistent)
         self.persistent_decode = persistent_decode
         self.persistent_tuning = persistent_tuning  # None: the launcher's (one program per SM)
+        # bytes of the next GEMVs' weights pulled into L2 per layer on few-row steps (0: off)
+        self.l2_prefetch_bytes = l2_prefetch_bytes
+        self._l2: tuple[list[kernels.L2Ranges], torch.cuda.Stream] | None = None  # built on first use
         self._persistent: tuple[tuple, kernels.PersistentDecodeLayers] | None = None  # (pool key, tables)
         # the persistent kernel takes one RMSNorm eps for every norm: checked once here, not every step
         self._one_norm_eps = len({n.eps for layer in model.layers
@@ -191,18 +210,47 @@ class FusedLlama(nn.Module):
         if self._fused_layers_apply(h, backend):
             return self._forward_fused_layers(h, cos, sin, backend)
         residual = None
+        l2 = self._l2_prefetches(h)
         for layer, w in zip(self.base.layers, self.fused, strict=True):
-            h, residual = self._layer(layer, w, h, residual, cos, sin, backend)
+            h, residual = self._layer(layer, w, h, residual, cos, sin, backend, l2)
+        if l2 is not None:  # join the side stream: the forward ends after its prefetches were issued
+            torch.cuda.current_stream(h.device).wait_stream(l2[1])
         return h + residual
 
-    def _layer(self, layer, w: FusedLayerWeights, h, residual, cos, sin, backend):
-        """One decoder layer on (layer input h, residual stream) -> (MLP output, residual stream)."""
+    def _layer(self, layer, w: FusedLayerWeights, h, residual, cos, sin, backend, l2=None):
+        """One decoder layer on (layer input h, residual stream) -> (MLP output, residual stream); ``l2``: the
+        per-layer prefetches and their side stream (:meth:`_l2_prefetches`), launched once QKV is done."""
         attn = layer.self_attn
         qkv, residual = self._norm_linear(layer.input_layernorm, h, residual, w.qkv, w.qkv_bias)
+        if l2 is not None:
+            ranges, side = l2
+            side.wait_stream(torch.cuda.current_stream(h.device))
+            with torch.cuda.stream(side):
+                kernels.l2_prefetch(ranges[attn.layer_idx])
         o = self._attend(attn, qkv, cos, sin, backend)      # [T, Hq, D]
         h = _reduce(attn.o_proj, self._linear(o.reshape(o.shape[0], -1), w.o))
         gate_up, residual = self._norm_linear(layer.post_attention_layernorm, h, residual, w.gate_up)
         return _reduce(layer.mlp.down_proj, self._silu_linear(gate_up, w.down)), residual
+
+    def l2_prefetch_plan(self) -> list[list[torch.Tensor]]:
+        """Per layer, the tensors its L2 prefetch covers, in the order the step reads them: the layer's O,
+        gate/up and down weights, then the next layer's QKV weight (after the last layer: the head's)."""
+        head = self.quant_head if self.quant_head is not None else self.base.lm_head.weight
+        nxt = [w.qkv for w in self.fused[1:]] + [head]
+        return [weight_tensors(w.o) + weight_tensors(w.gate_up) + weight_tensors(w.down) + weight_tensors(n)
+                for w, n in zip(self.fused, nxt, strict=True)]
+
+    def _l2_prefetches(self, h: torch.Tensor) -> tuple[list[kernels.L2Ranges], torch.cuda.Stream] | None:
+        """The per-layer prefetch chunks and their side stream, where this step takes them: switched on, at most
+        L2_PREFETCH_MAX_ROWS rows, a device the prefetch runs on (``kernels.l2_prefetch_supported``). Built on
+        the first such step (the graph runner's warm-up, before capture) and kept: the weights do not move."""
+        if not (self.l2_prefetch_bytes > 0 and h.shape[0] <= L2_PREFETCH_MAX_ROWS
+                and kernels.l2_prefetch_supported(h.device)):
+            return None
+        if self._l2 is None:
+            self._l2 = ([kernels.l2_ranges(ts, self.l2_prefetch_bytes) for ts in self.l2_prefetch_plan()],
+                        torch.cuda.Stream(h.device))
+        return self._l2
 
     def _fused_layers_apply(self, h: torch.Tensor, backend, force: bool = False) -> bool:
         """Whether this step runs the fused decode layers: switched on, every product a GEMV row (bf16: one
@@ -348,13 +396,9 @@ class FusedLlama(nn.Module):
         tensors = list(self.base.parameters())
         for w in self.fused:
             for t in (w.qkv, w.gate_up, w.o, w.down):
-                if isinstance(t, Int4Weight):
-                    tensors += [t.qweight, t.scale_offset]
-                elif isinstance(t, Fp8Linear):
-                    tensors += [t.weight, t.scale]
-        head = self.quant_head
-        if head is not None:
-            tensors += [head.qweight, head.scale_offset] if isinstance(head, Int4Weight) else [head.weight, head.scale]
+                tensors += weight_tensors(t)
+        if self.quant_head is not None:
+            tensors += weight_tensors(self.quant_head)
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
         return sum(storages.values())
 
@@ -373,12 +417,14 @@ def _reduce(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
 
 def fuse_for_cuda(model: LlamaForCausalLM, int4_group: int | None = None,
                   gemv_prologues: bool = False, fused_rope_store: bool = True, fp8: bool = False,
-                  fused_layers: bool = False, persistent_decode: bool = False) -> FusedLlama:
+                  fused_layers: bool = False, persistent_decode: bool = False,
+                  l2_prefetch_bytes: int = 0) -> FusedLlama:
     """The model with the fused forward (the runner's choice on CUDA); ``int4_group``: int4 weights; ``fp8``:
     e4m3 weights (engine.fp8); ``gemv_prologues``: norms / SiLU·mul in the GEMV rows' prologues;
     ``fused_rope_store``: RoPE + K/V store in one launch; ``fused_layers``: GEMV-row steps as four launches +
     attention a layer (``kernels.decode_layer``); ``persistent_decode``: batch-1 16-bit decode steps as one
-    persistent launch for all layers (``kernels.decode_persistent``)."""
+    persistent launch for all layers (``kernels.decode_persistent``); ``l2_prefetch_bytes``: per layer, bytes of
+    the next GEMVs' weights pulled into L2 on few-row steps (0: off)."""
     return FusedLlama(model, int4_group=int4_group, gemv_prologues=gemv_prologues,
                       fused_rope_store=fused_rope_store, fp8=fp8, fused_layers=fused_layers,
-                      persistent_decode=persistent_decode)
+                      persistent_decode=persistent_decode, l2_prefetch_bytes=l2_prefetch_bytes)

@@ -54,6 +54,7 @@ from .gemv_int4_w32 import (
     tuning_int4_w32,
 )
 from .kv_quant import dequantize_kv, quantize_kv
+from .l2_prefetch import L2Ranges, l2_prefetch, l2_prefetch_supported, l2_ranges
 from .paged_decode import paged_decode_attention, paged_decode_attention_reference
 from .paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
@@ -70,6 +71,10 @@ from .store_kv import store_kv, store_kv_reference
 
 __all__ = [
     "pdl_enabled",
+    "L2Ranges",
+    "l2_prefetch",
+    "l2_prefetch_supported",
+    "l2_ranges",
     "set_pdl",
     "BackendUnavailableError",
     "DecodeLayerTuning",

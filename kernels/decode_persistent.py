@@ -272,6 +272,7 @@ def decode_persistent_reference(h: torch.Tensor, cos: torch.Tensor, sin: torch.T
 # ---- kernel ---------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from .l2_prefetch import bulk_prefetch_l2
     from .paged_decode import online_softmax_step
 
     @triton.jit
@@ -361,16 +362,8 @@ if HAS_TRITON:
             lo, hi = _pair_rows(units, KIND, HALF, SECOND)
             size = tl.zeros([PF_U], tl.int32) + row_bytes
             # addresses as int64 ("l" operands): no pointer operand in the asm
-            _bulk_prefetch((w + lo.to(tl.int64) * K).to(tl.int64), size, on)
-            _bulk_prefetch((w + hi.to(tl.int64) * K).to(tl.int64), size, on)
-
-    @triton.jit
-    def _bulk_prefetch(addr, size, on):
-        """``cp.async.bulk.prefetch.L2.global [addr], size`` where ``on`` (sm_90; addr 16-byte aligned)."""
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; }\n"
-            "mov.b32 $0, 0;",
-            "=r,l,r,r", [addr, size, on], dtype=tl.int32, is_pure=False, pack=1)
+            bulk_prefetch_l2((w + lo.to(tl.int64) * K).to(tl.int64), size, on)
+            bulk_prefetch_l2((w + hi.to(tl.int64) * K).to(tl.int64), size, on)
 
     @triton.jit
     def _x_cols(cols, c_ok, X: tl.constexpr, src, g, inv, lse_ptr, ctx_part, S, D, DT: tl.constexpr,

@@ -45,6 +45,9 @@ def test_the_stream_is_seals_blake2xb_prng(k):
     assert torch.equal(later, got[2 * 512:])                        # refill r alone = its place in the stream
 
 
+@pytest.mark.skipif(int(np.__version__.split(".")[0]) >= 2,
+                    reason="Triton 3.6's interpreter cannot build ~x on uint64 under numpy 2 (the device image); "
+                           "CI's numpy < 2 runs it, and on CUDA the compiled kernel is checked below")
 def test_the_triton_kernel_is_the_torch_reference_under_the_interpreter():
     pytest.importorskip("triton")
     script = textwrap.dedent("""

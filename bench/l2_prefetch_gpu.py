@@ -34,8 +34,9 @@ GEMMS = {  # (N, K) of the one-row products a decode layer runs, the QKV of the 
 
 
 def spin_cycles(us: float) -> int:
-    """``torch.cuda._sleep`` cycles for about ``us`` µs at the device's clock."""
-    return int(us * torch.cuda.get_device_properties(0).clock_rate / 1e3)
+    """``torch.cuda._sleep`` cycles for about ``us`` µs at the device's clock (kHz; an H100's 1.755 GHz boost
+    where this torch does not report it)."""
+    return int(us * getattr(torch.cuda.get_device_properties(0), "clock_rate", 1_755_000) / 1e3)
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:
@@ -110,7 +111,9 @@ def main() -> None:
         raise SystemExit("the bulk L2 prefetch needs a CUDA device of compute capability 9.0+")
     flush = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     gaps = [float(g) for g in args.gaps.split(",")]
-    res = {"gpu": torch.cuda.get_device_name(), "rows": []}
+    props = torch.cuda.get_device_properties(0)
+    res = {"gpu": torch.cuda.get_device_name(), "l2_bytes": getattr(props, "L2_cache_size", None), "rows": []}
+    print(f"{res['gpu']}, L2 {res['l2_bytes']} B", flush=True)
     print("| shape | GEMM | format | MB | gap µs | GEMV cold µs | after prefetch µs | hot µs | cold / prefetch |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for shape in args.shapes.split(","):

@@ -198,10 +198,10 @@ def cuda_median_ms(fn, iters: int) -> float:
 
 
 def step_breakdown(llm: LLM, vocab: int, steps: int = 64) -> dict:
-    """Host clock per engine step of a batch-1 greedy decode, split into schedule / execute / sample+rest.
-
-    ``execute`` returns once the graph is launched; the sync happens when the sampled token is read back
-    (in the rest). Also counts how many of the decode steps replayed a CUDA graph.
+    """Host clock per engine step of a batch-1 greedy decode, split into schedule / run (the runner's
+    ``launch`` in the overlapped loop, ``execute`` in the synchronous one) / the rest (in the overlapped loop:
+    waiting for the step launched before, then its outputs). A rest near zero means the host, not the device,
+    sets the pace. Also counts the decode steps that replayed a CUDA graph.
     """
     eng, runner = llm.engine, llm.engine.runner
     ids = prompts(1, vocab, 11)[0]
@@ -209,13 +209,14 @@ def step_breakdown(llm: LLM, vocab: int, steps: int = 64) -> dict:
     eng.step()  # the prefill
     graph_calls, orig = [0], runner._run_graph
 
-    def counting(scheduled):
+    def counting(*args, **kw):
         graph_calls[0] += 1
-        return orig(scheduled)
+        return orig(*args, **kw)
 
     runner._run_graph = counting
-    parts: dict[str, list[float]] = {"schedule": [], "execute": [], "rest": [], "step": []}
-    sched_fn, exec_fn = eng.scheduler.schedule, runner.execute
+    parts: dict[str, list[float]] = {"schedule": [], "run": [], "rest": [], "step": []}
+    name = "launch" if eng.overlap else "execute"
+    sched_fn, run_fn = eng.scheduler.schedule, getattr(runner, name)
     clock: dict[str, float] = {}
 
     def timed_schedule():
@@ -224,26 +225,30 @@ def step_breakdown(llm: LLM, vocab: int, steps: int = 64) -> dict:
         clock["s"] = time.perf_counter() - t0
         return out
 
-    def timed_execute(s):
+    def timed_run(*args, **kw):
         t0 = time.perf_counter()
-        out = exec_fn(s)
-        clock["e"] = time.perf_counter() - t0
+        out = run_fn(*args, **kw)
+        clock["r"] = time.perf_counter() - t0
         return out
 
-    eng.scheduler.schedule, runner.execute = timed_schedule, timed_execute
+    eng.scheduler.schedule = timed_schedule
+    setattr(runner, name, timed_run)
     try:
         while eng.has_unfinished_requests():
+            clock.clear()
             t0 = time.perf_counter()
             eng.step()
             dt = time.perf_counter() - t0
+            s, r = clock.get("s", 0.0), clock.get("r", 0.0)
             parts["step"].append(dt)
-            parts["schedule"].append(clock["s"])
-            parts["execute"].append(clock["e"])
-            parts["rest"].append(dt - clock["s"] - clock["e"])
+            parts["schedule"].append(s)
+            parts["run"].append(r)
+            parts["rest"].append(dt - s - r)
     finally:
-        del eng.scheduler.schedule, runner.execute, runner._run_graph
+        del eng.scheduler.schedule, runner._run_graph
+        delattr(runner, name)
     res = {f"host_{k}_ms": _median_ms(v) * 1e3 for k, v in parts.items()}
-    res["graph_steps"], res["decode_steps"] = graph_calls[0], len(parts["step"])
+    res["graph_steps"], res["decode_steps"], res["loop"] = graph_calls[0], len(parts["step"]), name
     return res
 
 

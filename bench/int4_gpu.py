@@ -39,6 +39,7 @@ from bench.engine_gpu import (
     kernel_profile,
     kv_bytes,
     random_model,
+    step_breakdown,
     step_timeline,
 )
 from engine.config import ModelConfig
@@ -110,6 +111,7 @@ def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: s
         with torch.inference_mode():
             row["kernels"] = kernel_profile(llm, 1)
         row["timeline"] = step_timeline(llm, cfg.vocab_size)  # the graph's replays inside the engine's loop
+        row["host"] = step_breakdown(llm, cfg.vocab_size)  # the host clock per step: schedule / launch / wait
         row["kernels_per_step"] = row["kernels"]["kernels_per_replay"]
     elif count_kernels:  # the kernel count only: 5 profiled replays
         with torch.inference_mode():

@@ -13,6 +13,7 @@ import json, sys
 for r in json.load(open(sys.argv[1]))["engine"]:
     t = r.get("timeline", {})
     print(r["shape"], r.get("step_ms"), r.get("replay_ms"), {k: t.get(k) for k in (
-        "span_us_per_step", "busy_us_per_step", "idle_us_per_step", "largest_gaps_us", "rare_device_ops")})
+        "span_us_per_step", "busy_us_per_step", "idle_us_per_step", "largest_gaps_us", "rare_device_ops")},
+          r.get("host"))
 PY
 el done

@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 ONE_PASS_MAX_BATCH = 8
 # decode graphs above cuda_graph_max_batch rows (steps carrying prompt tokens as rows) come this many rows apart
 MIXED_BUCKET_STEP = 64
+# decode graphs of up to this many rows also take their rows' greedy tokens (argmax) in the graph, where the
+# overlapped loop reads them: one launch fewer a step for the host; beyond it the step's own argmax is cheaper
+# than one over every row of the bucket in a step that samples otherwise
+GREEDY_GRAPH_MAX_BATCH = 8
 # a prompt row's attention reads its own context, with no query tile sharing a K/V load as the prefill kernel's
 # do: a step's prompt rows may read this many context tokens per prompt token allowed (cuda_graph_mixed_tokens)
 # before the step goes to the prefill kernel instead (a late chunk of a long prompt: ~its length per row)
@@ -194,8 +198,9 @@ class ModelRunner:
             self._sampled = self._decode_in.dev64[_StaticInputs.SAMPLED, :n]
         else:
             self._sampled = torch.zeros(n, dtype=torch.int64, device=self.device)
-        if self.is_cuda:
+        if self.is_cuda:  # two of each, used in turn: a launch's are free again once the launch before it resolved
             self._host_tokens = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._events = [torch.cuda.Event() for _ in range(2)]  # created once: not one cudaEventCreate a step
 
     def _pool(self, num_blocks: int) -> PagedKVCache:
         return PagedKVCache(self.model_config, num_blocks, self.block_size, self.kv_dtype, self.device,
@@ -300,7 +305,7 @@ class ModelRunner:
         self.kv.copy_blocks(sched.copies)
         key = None if eager else self._graph_for(sched.scheduled)
         if key is not None:
-            return self._run_graph(sched.scheduled, *key)
+            return self._run_graph(sched.scheduled, *key)[:2]
         if self.fused_decode is not None and len(sched.scheduled) == 1 and sched.scheduled[0].num_query_tokens == 1:
             return self._run_fused_decode(sched.scheduled[0])
         inputs = self.prepare(sched)
@@ -316,8 +321,9 @@ class ModelRunner:
         assert self.kv is not None, "init_kv_cache() first"
         self.kv.copy_blocks(sched.copies)
         key = self._graph_for(sched.scheduled)
+        greedy = False  # whether the step's greedy tokens are already in _sampled (a decode graph took them)
         if key is not None and key[1] == 0:
-            logits, sampling = self._run_graph(sched.scheduled, key[0], 0, prev)
+            logits, sampling, greedy = self._run_graph(sched.scheduled, key[0], 0, prev)
         else:
             inputs = self.prepare(sched, prev)
             backend = PagedAttention(self.kv, inputs.meta, self.model_config.head_dim, cpu_decode=self.cpu_attention)
@@ -326,14 +332,15 @@ class ModelRunner:
         n = len(sampling)
         assert logits.shape[0] == n, "overlapped steps sample one row per sequence"
         sampled = self._sampled[:n]
-        if n:
+        if n and not greedy:
             torch.argmax(logits, -1, out=sampled)                             # [n] int64
         if not self.is_cuda:
             return LaunchedStep(sampling, sampled.clone(), None)
-        host = self._host_tokens[self._launches % 2][:n]
+        turn = self._launches % 2
         self._launches += 1
+        host = self._host_tokens[turn][:n]
         host.copy_(sampled, non_blocking=True)
-        event = torch.cuda.Event()
+        event = self._events[turn]
         event.record()
         return LaunchedStep(sampling, host, event)
 
@@ -472,9 +479,18 @@ class ModelRunner:
                         k: int) -> torch.Tensor:
         """What the (b, k) graph runs: logits [b * (k + 1), V]; a bucket above ``_graph_max_batch`` (prompt
         tokens as rows, every sampling row among the first ones: :meth:`_fill_chunks`) only the first
-        ``_graph_max_batch`` rows'."""
+        ``_graph_max_batch`` rows'. A decode graph (k = 0) first gathers its ids (:meth:`_fill_gather`), and up
+        to GREEDY_GRAPH_MAX_BATCH rows ends with its rows' greedy tokens in row SAMPLED (what the overlapped loop
+        reads: :meth:`launch`)."""
+        inp = self._decode_in
+        if not k:  # the ids: the host's, or for placeholders the tokens the last launch sampled (row SAMPLED)
+            src = inp.dev64[_StaticInputs.HOST_IDS:].view(-1)  # rows HOST_IDS.. flat: apart from row 0, the output
+            torch.index_select(src, 0, inp.dev64[_StaticInputs.GATHER, :b], out=ids)
         h = self.model(ids, pos, backend)
-        return self.model.logits(h if k or b <= self._graph_max_batch else h[:self._graph_max_batch])
+        logits = self.model.logits(h if k or b <= self._graph_max_batch else h[:self._graph_max_batch])
+        if not k and b <= GREEDY_GRAPH_MAX_BATCH:
+            torch.argmax(logits, -1, out=inp.dev64[_StaticInputs.SAMPLED, :b])
+        return logits
 
     def decode_graph(self, b: int, max_context: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The captured decode graph (and its logits) for bucket ``b`` when the longest context is
@@ -483,9 +499,12 @@ class ModelRunner:
             return self._one_pass[b]
         return self._graphs[(b, 0)]
 
-    def _run_graph(self, scheduled: list[ScheduledSeq], b: int, k: int,
-                   feed: LaunchedStep | None = None) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """A decode, mixed or verify step through the captured (b, k) graph (``feed``: see :meth:`launch`)."""
+    def _run_graph(self, scheduled: list[ScheduledSeq], b: int, k: int, feed: LaunchedStep | None = None
+                   ) -> tuple[torch.Tensor, list[ScheduledSeq], bool]:
+        """A decode, mixed or verify step through the captured (b, k) graph (``feed``: see :meth:`launch`);
+        returns the sampling rows' logits, their sequences, and whether the graph also left their greedy tokens
+        in ``_sampled`` in the same order (decode graphs up to GREEDY_GRAPH_MAX_BATCH rows whose sampling rows
+        are the first ones)."""
         rows, sampling = self._stage(scheduled, b, k, feed)
         self.graph_steps += 1
         if k:
@@ -493,16 +512,16 @@ class ModelRunner:
         else:
             graph, out = self.decode_graph(b, max(s.start + s.num_tokens for s in scheduled))
         graph.replay()
-        if not sampling:  # no token is read back this step: sync so the pinned mirrors can be refilled
+        if not sampling and self.is_cuda:  # no token is read back this step: sync so the pinned mirrors can be refilled
             torch.cuda.current_stream(self.device).synchronize()
-        return out[rows], sampling
+        return out[rows], sampling, not k and b <= GREEDY_GRAPH_MAX_BATCH and isinstance(rows, slice)
 
     def _stage(self, scheduled: list[ScheduledSeq], b: int, k: int,
                feed: LaunchedStep | None = None) -> tuple[slice | torch.Tensor, list[ScheduledSeq]]:
         """Fill the (b, k) step's static buffers for ``scheduled``; return the logits rows that sample (a
-        slice when they are the first ones, else a device index) and their sequences in row order. With ``feed``
-        (decode graphs) the input ids are gathered on the device: placeholders from the tokens ``feed``
-        sampled, the others from the host."""
+        slice when they are the first ones, else a device index) and their sequences in row order. A decode
+        graph gathers its input ids on the device (:meth:`_fill_gather`): placeholders from the tokens ``feed``
+        (the step launched before) sampled, the others from the host."""
         q = k + 1
         inp = self._verify_in if k else self._decode_in
         if k:
@@ -511,41 +530,39 @@ class ModelRunner:
         else:
             chunks = [s for s in scheduled if s.num_tokens != 1]
             decodes = [s for s in scheduled if s.num_tokens == 1] if chunks else scheduled
-            ids_row = 0 if feed is None else _StaticInputs.HOST_IDS
-            rows = self._fill_decode(inp, decodes, ids_row)
+            rows = self._fill_decode(inp, decodes)
             sampling = list(decodes) if len(rows) == len(decodes) else [decodes[i] for i in rows]
-            n = self._fill_chunks(inp, chunks, len(decodes), ids_row, rows, sampling) if chunks else len(decodes)
-            if feed is not None:
-                self._fill_gather(inp, decodes, n, b, feed)
+            n = self._fill_chunks(inp, chunks, len(decodes), rows, sampling) if chunks else len(decodes)
+            self._fill_gather(inp, decodes, n, b, feed)
         inp.host64[2, n * q:b * q] = -1  # padding sequences write nothing and read q slots of block 0
         inp.host_lens[n:b] = q
         whole = not rows or rows[-1] == len(rows) - 1  # rows ascend: then they are the first len(rows)
         if not whole:
             inp.host64[3, :len(rows)] = rows
         inp.upload(b)
-        if feed is not None:  # ids [b] from rows HOST_IDS.. (flat) at the gather index: host ids or tokens sampled last
-            src = inp.dev64[_StaticInputs.HOST_IDS:].view(-1)
-            torch.index_select(src, 0, inp.dev64[_StaticInputs.GATHER, :b], out=inp.dev64[0, :b])
         return (slice(0, len(rows)) if whole else inp.dev64[3, :len(rows)]), sampling
 
     def _fill_gather(self, inp: _StaticInputs, decodes: list[ScheduledSeq], n: int, b: int,
-                     feed: LaunchedStep) -> None:
-        """Gather indices into dev64's rows HOST_IDS.. flattened (rows of width W): row i reads its host id (i),
-        or, for a placeholder (decode rows only: they come first), the token ``feed`` sampled for that sequence
-        ((SAMPLED - HOST_IDS) * W + its row there); rows ``n``.. pad. (The source starts past row 0, which the
+                     feed: LaunchedStep | None) -> None:
+        """Gather indices into dev64's rows HOST_IDS.. flattened (rows of width W), which a decode graph reads
+        into row 0 first: row i reads its host id (i), or, for a placeholder among the ``decodes``' rows (they
+        come first), the token ``feed`` (the step launched before) sampled for that sequence ((SAMPLED -
+        HOST_IDS) * W + its row there); rows ``n``.. pad with id 0. (The source starts past row 0, which the
         gather writes: torch refuses overlapping in and out.)"""
         h64, width = inp.host64, inp.dev64.shape[1]
         h64[_StaticInputs.GATHER, :b] = inp.arange[:b]
         h64[_StaticInputs.HOST_IDS, n:b] = 0  # padding rows: any valid id
-        sampled_base, rows = (_StaticInputs.SAMPLED - _StaticInputs.HOST_IDS) * width, feed.rows
-        for i, s in enumerate(decodes):
-            if h64[_StaticInputs.HOST_IDS, i] < 0:
-                h64[_StaticInputs.GATHER, i] = sampled_base + rows[s.seq.seq_id]
+        if feed is None:  # a synchronous step: every placeholder was resolved before it (LLMEngine._step)
+            return
+        placeholders = np.flatnonzero(h64[_StaticInputs.HOST_IDS, :len(decodes)] < 0)
+        base, rows = (_StaticInputs.SAMPLED - _StaticInputs.HOST_IDS) * width, feed.rows
+        h64[_StaticInputs.GATHER, placeholders] = [base + rows[decodes[i].seq.seq_id] for i in placeholders.tolist()]
 
-    def _fill_decode(self, inp: _StaticInputs, scheduled: list[ScheduledSeq], ids_row: int = 0) -> list[int]:
+    def _fill_decode(self, inp: _StaticInputs, scheduled: list[ScheduledSeq]) -> list[int]:
         """Host inputs of a decode batch (one row per sequence; the hot path of large batches: scalar
-        writes only; the ids into ``ids_row``); return the rows that sample."""
+        writes only; the ids into row HOST_IDS); return the rows that sample."""
         h64, lens, tables, bs = inp.host64, inp.host_lens, inp.host_tables, self.block_size
+        ids_row = _StaticInputs.HOST_IDS
         rows = []
         for i, s in enumerate(scheduled):
             seq, p = s.seq, s.start
@@ -558,8 +575,8 @@ class ModelRunner:
                 rows.append(i)
         return rows
 
-    def _fill_chunks(self, inp: _StaticInputs, chunks: list[ScheduledSeq], r: int, ids_row: int,
-                     rows: list[int], sampling: list[ScheduledSeq]) -> int:
+    def _fill_chunks(self, inp: _StaticInputs, chunks: list[ScheduledSeq], r: int, rows: list[int],
+                     sampling: list[ScheduledSeq]) -> int:
         """Prompt chunks as decode rows after the ``r`` decode rows: first the last token of each chunk that
         samples (so every sampling row lies among a mixed bucket's first ``_graph_max_batch``, whose logits the
         graph computes), then the chunks' other tokens; each row attends to its sequence up to itself. Appends
@@ -580,7 +597,7 @@ class ModelRunner:
                 rest += n
             pos = np.arange(p, p + n)
             table = np.array(s.seq.block_table, np.int64)
-            h64[ids_row, dest] = s.seq.token_ids[p:p + n]
+            h64[_StaticInputs.HOST_IDS, dest] = s.seq.token_ids[p:p + n]
             h64[1, dest] = pos
             h64[2, dest] = table[pos // bs] * bs + pos % bs
             lens[dest] = pos + 1
@@ -607,8 +624,9 @@ class _StaticInputs:
     copy each per step (under gVisor every CUDA call costs ~0.1 ms, so a step makes as few as possible).
 
     dev64 [7, rows]: input ids, positions, slots, and the logits rows a step samples (read after the replay);
-    then, for the overlapped loop, the host's ids, the gather index that builds row 0 from them and from
-    row SAMPLED, and SAMPLED: the last launched step's greedy tokens (written on the device, never uploaded).
+    then the host's ids, the gather index that builds row 0 from them and from row SAMPLED (in a decode graph,
+    first thing), and SAMPLED: the last launched step's greedy tokens (written on the device by the step's
+    argmax, or by the decode graph itself up to GREEDY_GRAPH_MAX_BATCH rows; never uploaded).
     dev32 [S + S * W]: context lengths [S], block tables [S, W] (entries past a table hold block ids of
     earlier steps: in range, and read by padding rows only).
     The host mirrors come in two sets used in turn: under the overlapped loop the host fills step n + 1's

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from engine.engine_config import EngineConfig
-from engine.model_runner import LaunchedStep, ModelRunner
+from engine.llm import LLM
+from engine.model_runner import GREEDY_GRAPH_MAX_BATCH, LaunchedStep, ModelRunner
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import PLACEHOLDER
 from tests.engine.engine_helpers import make_seq, prefilled, random_prompts, rows_in_order, tiny_model, verify_step
@@ -84,8 +86,9 @@ def test_verify_graph_draft_counts_from_the_config():
 @torch.inference_mode()
 def test_placeholder_inputs_are_gathered_from_the_previous_launch(runner):
     """The overlapped loop's decode inputs: sequences whose last token is a placeholder read it from the tokens
-    the previous launch sampled on the device, in the graph staging (one gather over dev64) and in the eager
-    batch; both give the logits of the same step with the real tokens."""
+    the previous launch sampled on the device, in the decode graph (its first op: one gather over dev64) and in
+    the eager batch; both give the logits of the same step with the real tokens, and the graph (4 rows, up to
+    GREEDY_GRAPH_MAX_BATCH) leaves its sampling rows' greedy tokens where the next launch gathers from."""
     seqs = prefilled(runner, [17, 45, 122], 97, BLOCKS_PER_SEQ, seed=9)
     step = verify_step(seqs, [[], [], []])
     want = rows_in_order(*runner.execute(step), seqs)
@@ -95,12 +98,14 @@ def test_placeholder_inputs_are_gathered_from_the_previous_launch(runner):
     runner._sampled[:2] = torch.tensor([real[2], real[0]])  # rows of the previous launch: seq 2, then seq 0
     for s in (seqs[0], seqs[2]):
         s.token_ids[-1] = PLACEHOLDER
+    assert runner.prepare(step, prev).input_ids.tolist() == real    # eager: an index_copy_ from _sampled
     rows, _ = runner._stage(step.scheduled, 4, 0, prev)
     ids, pos, backend = runner._static_step(4, 0)
+    assert rows == slice(0, 3)
+    got = runner._static_forward(ids, pos, backend, 4, 0)[rows]      # what the decode graph runs
     assert ids[:3].tolist() == real and ids[3].item() >= 0  # a padding row reads a valid id
-    got = runner.model.logits(runner.model(ids, pos, backend))[rows]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert runner.prepare(step, prev).input_ids.tolist() == real
+    assert runner._sampled[:3].tolist() == got.argmax(-1).tolist()
 
 
 def mixed_step(runner) -> tuple[SchedulerOutput, list]:
@@ -185,3 +190,55 @@ def test_mixed_buckets():
     assert EngineConfig(device="cpu").cuda_graph_mixed_tokens == 0  # opt-in: slower served on an H100
     with pytest.raises(ValueError, match="cuda_graph_mixed_tokens"):
         EngineConfig(device="cpu", cuda_graph_mixed_tokens=-1)
+
+
+class _EagerGraph:
+    """Stands in for a captured decode graph on the CPU: ``replay`` runs what the graph would have captured
+    (:meth:`ModelRunner._static_forward` over the static buffers) and writes its logits where the graph's go."""
+
+    def __init__(self, runner: ModelRunner, b: int) -> None:
+        self.runner, self.b = runner, b
+        self.args = runner._static_step(b, 0)
+        self.args[2].meta.slot_mapping.fill_(-1)   # as the capture's warm-up: nothing stored
+        runner._decode_in.lens.fill_(1)
+        self.out = runner._static_forward(*self.args, b, 0).clone()
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.out.copy_(self.runner._static_forward(*self.args, self.b, 0))
+
+
+@torch.inference_mode()
+def test_the_overlapped_loop_through_decode_graphs_gives_the_eager_tokens(monkeypatch):
+    """The overlapped loop with its decode steps through (stand-in) decode graphs — ids gathered in the graph,
+    the greedy tokens of steps up to GREEDY_GRAPH_MAX_BATCH rows taken in the graph and not again by ``launch``
+    — generates the greedy tokens of the same engine without graphs."""
+    prompts = random_prompts([5, 17, 33], 97, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cfg = dict(device="cpu", max_model_len=128, max_num_seqs=4, async_scheduling=True, cpu_fused_decode=False)
+    plain = LLM(tiny_model("qwen2-bias-tied", seed=2), engine_config=EngineConfig(**cfg))
+    want = [[o.outputs[0].token_ids for o in plain.generate([p], params)] for p in prompts]
+    want.append([o.outputs[0].token_ids for o in plain.generate(prompts, params)])
+    llm = LLM(tiny_model("qwen2-bias-tied", seed=2), engine_config=EngineConfig(**cfg))
+    runner = llm.engine.runner
+    runner._static_inputs(4, 4)
+    graphs = {b: _EagerGraph(runner, b) for b in runner._decode_buckets}
+    runner._graphs = {(b, 0): (g, g.out) for b, g in graphs.items()}
+    runner._alloc_sampled()
+    argmaxes, launches = [], [0]
+    real_argmax, real_launch = torch.argmax, runner.launch
+    monkeypatch.setattr(torch, "argmax", lambda *a, **kw: argmaxes.append(a[0].shape) or real_argmax(*a, **kw))
+
+    def launch(*a, **kw):
+        launches[0] += 1
+        return real_launch(*a, **kw)
+
+    monkeypatch.setattr(runner, "launch", launch)
+    got = [[o.outputs[0].token_ids for o in llm.generate([p], params)] for p in prompts]
+    got.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert got == want
+    replays = sum(g.replays for g in graphs.values())
+    assert 0 < replays == runner.graph_steps < launches[0] and max(graphs) <= GREEDY_GRAPH_MAX_BATCH
+    # one argmax per graph forward (inside it) and per eager launch (the prefills): none after a graph's
+    assert len(argmaxes) == replays + (launches[0] - runner.graph_steps)

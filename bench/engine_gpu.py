@@ -37,6 +37,7 @@ from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.llm import LLM
 from engine.model import LlamaForCausalLM, RotaryEmbedding
+from engine.model_runner import _StaticInputs
 from engine.sampling_params import SamplingParams
 
 SHAPES = {
@@ -179,7 +180,7 @@ def _median_ms(ts: list[float]) -> float:
 def graph_replay_ms(llm: LLM, batch: int = 1, iters: int = 200) -> float:
     """GPU time of one replay of the decode graph of `batch` (no host work), median over `iters`."""
     runner = llm.engine.runner
-    runner._decode_in.dev64[2].fill_(-1)  # padding slots: the replays write nothing into the pool
+    runner._decode_in.dev64[_StaticInputs.SLOTS].fill_(-1)  # padding slots: the replays write nothing into the pool
     graph, _ = runner.decode_graph(batch, PROMPT_LEN + OUTPUT_LEN)  # the graph the timed decode replays
     for _ in range(10):
         graph.replay()
@@ -257,7 +258,7 @@ def kernel_profile(llm: LLM, batch: int = 1, replays: int = 20, top: int = 25) -
     from torch.profiler import ProfilerActivity, profile
 
     runner = llm.engine.runner
-    runner._decode_in.dev64[2].fill_(-1)
+    runner._decode_in.dev64[_StaticInputs.SLOTS].fill_(-1)
     graph, _ = runner.decode_graph(batch, PROMPT_LEN + OUTPUT_LEN)  # the graph the timed decode replays
     graph.replay()
     torch.cuda.synchronize()
@@ -323,7 +324,7 @@ def eager_forward_ms(llm: LLM, iters: int = 50) -> float:
     from engine.kv_cache import AttentionMetadata, PagedAttention
 
     inp = runner._decode_in
-    ids, pos, slots = inp.dev64[:3, :1]
+    ids, pos, slots = (inp.dev64[r, :1] for r in (_StaticInputs.IDS, _StaticInputs.POS, _StaticInputs.SLOTS))
     meta = AttentionMetadata(slots, 1, inp.tables[:1], inp.lens[:1])
     backend = PagedAttention(runner.kv, meta, runner.model_config.head_dim)
 

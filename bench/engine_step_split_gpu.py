@@ -44,6 +44,7 @@ from bench.engine_gpu import (
     timed,
 )
 from engine.config import ModelConfig
+from engine.model_runner import _StaticInputs
 from engine.sampling_params import SamplingParams
 
 C = 256
@@ -169,7 +170,7 @@ def instrumented(llm, vocab: int) -> dict:
 @torch.inference_mode()
 def graph_gpu_ms(llm, b: int = C, iters: int = 50) -> dict:
     runner = llm.engine.runner
-    runner._decode_in.dev64[2].fill_(-1)  # padding slots: the replays write nothing into the pool
+    runner._decode_in.dev64[_StaticInputs.SLOTS].fill_(-1)  # padding slots: the replays write nothing into the pool
     runner._decode_in.dev32[:b].fill_(128 + OUTPUT_LEN // 2)  # context lengths of the job's mean step
     graph, logits = runner.decode_graph(b, 10**9)
     for _ in range(5):

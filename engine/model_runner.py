@@ -443,7 +443,7 @@ class ModelRunner:
         """The (b, k) step over the static buffers: input ids [b(k+1)], positions, attention backend;
         ``one_pass``: a decode step whose tables stop at ``_one_pass_tokens``, attended in one partition."""
         q, inp = k + 1, self._verify_in if k else self._decode_in
-        ids, pos, slots = inp.dev64[0, :b * q], inp.dev64[1, :b * q], inp.dev64[2, :b * q]
+        ids, pos, slots = (inp.dev64[r, :b * q] for r in (_StaticInputs.IDS, _StaticInputs.POS, _StaticInputs.SLOTS))
         if k == 0 and one_pass:
             tokens = self._one_pass_tokens
             meta = AttentionMetadata(slots, b, inp.tables[:b, :tokens // self.block_size], inp.lens[:b],
@@ -484,7 +484,7 @@ class ModelRunner:
         reads: :meth:`launch`)."""
         inp = self._decode_in
         if not k:  # the ids: the host's, or for placeholders the tokens the last launch sampled (row SAMPLED)
-            src = inp.dev64[_StaticInputs.HOST_IDS:].view(-1)  # rows HOST_IDS.. flat: apart from row 0, the output
+            src = inp.dev64[:_StaticInputs.HOST_IDS + 1].view(-1)  # rows SAMPLED, HOST_IDS side by side
             torch.index_select(src, 0, inp.dev64[_StaticInputs.GATHER, :b], out=ids)
         h = self.model(ids, pos, backend)
         logits = self.model.logits(h if k or b <= self._graph_max_batch else h[:self._graph_max_batch])
@@ -534,41 +534,40 @@ class ModelRunner:
             sampling = list(decodes) if len(rows) == len(decodes) else [decodes[i] for i in rows]
             n = self._fill_chunks(inp, chunks, len(decodes), rows, sampling) if chunks else len(decodes)
             self._fill_gather(inp, decodes, n, b, feed)
-        inp.host64[2, n * q:b * q] = -1  # padding sequences write nothing and read q slots of block 0
+        inp.host64[_StaticInputs.SLOTS, n * q:b * q] = -1  # padding sequences write nothing, read q slots of block 0
         inp.host_lens[n:b] = q
         whole = not rows or rows[-1] == len(rows) - 1  # rows ascend: then they are the first len(rows)
         if not whole:
-            inp.host64[3, :len(rows)] = rows
+            inp.host64[_StaticInputs.ROWS, :len(rows)] = rows
         inp.upload(b)
-        return (slice(0, len(rows)) if whole else inp.dev64[3, :len(rows)]), sampling
+        return (slice(0, len(rows)) if whole else inp.dev64[_StaticInputs.ROWS, :len(rows)]), sampling
 
     def _fill_gather(self, inp: _StaticInputs, decodes: list[ScheduledSeq], n: int, b: int,
                      feed: LaunchedStep | None) -> None:
-        """Gather indices into dev64's rows HOST_IDS.. flattened (rows of width W), which a decode graph reads
-        into row 0 first: row i reads its host id (i), or, for a placeholder among the ``decodes``' rows (they
-        come first), the token ``feed`` (the step launched before) sampled for that sequence ((SAMPLED -
-        HOST_IDS) * W + its row there); rows ``n``.. pad with id 0. (The source starts past row 0, which the
-        gather writes: torch refuses overlapping in and out.)"""
+        """Gather indices into dev64's rows SAMPLED and HOST_IDS side by side (rows of width W), which a decode
+        graph reads into row IDS first: row i reads its host id (W + i), or, for a placeholder among the
+        ``decodes``' rows (they come first), the token ``feed`` (the step launched before) sampled for that
+        sequence (its row there); rows ``n``.. pad with id 0."""
         h64, width = inp.host64, inp.dev64.shape[1]
-        h64[_StaticInputs.GATHER, :b] = inp.arange[:b]
+        h64[_StaticInputs.GATHER, :b] = inp.arange[:b] + width
         h64[_StaticInputs.HOST_IDS, n:b] = 0  # padding rows: any valid id
         if feed is None:  # a synchronous step: every placeholder was resolved before it (LLMEngine._step)
             return
         placeholders = np.flatnonzero(h64[_StaticInputs.HOST_IDS, :len(decodes)] < 0)
-        base, rows = (_StaticInputs.SAMPLED - _StaticInputs.HOST_IDS) * width, feed.rows
-        h64[_StaticInputs.GATHER, placeholders] = [base + rows[decodes[i].seq.seq_id] for i in placeholders.tolist()]
+        rows = feed.rows
+        h64[_StaticInputs.GATHER, placeholders] = [rows[decodes[i].seq.seq_id] for i in placeholders.tolist()]
 
     def _fill_decode(self, inp: _StaticInputs, scheduled: list[ScheduledSeq]) -> list[int]:
         """Host inputs of a decode batch (one row per sequence; the hot path of large batches: scalar
         writes only; the ids into row HOST_IDS); return the rows that sample."""
         h64, lens, tables, bs = inp.host64, inp.host_lens, inp.host_tables, self.block_size
-        ids_row = _StaticInputs.HOST_IDS
+        ids_row, pos_row, slots_row = _StaticInputs.HOST_IDS, _StaticInputs.POS, _StaticInputs.SLOTS
         rows = []
         for i, s in enumerate(scheduled):
             seq, p = s.seq, s.start
             table, ids = seq.block_table, seq.token_ids
-            h64[ids_row, i], h64[1, i] = ids[p], p
-            h64[2, i] = table[p // bs] * bs + p % bs
+            h64[ids_row, i], h64[pos_row, i] = ids[p], p
+            h64[slots_row, i] = table[p // bs] * bs + p % bs
             lens[i] = p + 1
             tables[i, :len(table)] = table
             if p + 1 == len(ids):  # s.samples, inlined (the hot loop)
@@ -598,8 +597,8 @@ class ModelRunner:
             pos = np.arange(p, p + n)
             table = np.array(s.seq.block_table, np.int64)
             h64[_StaticInputs.HOST_IDS, dest] = s.seq.token_ids[p:p + n]
-            h64[1, dest] = pos
-            h64[2, dest] = table[pos // bs] * bs + pos % bs
+            h64[_StaticInputs.POS, dest] = pos
+            h64[_StaticInputs.SLOTS, dest] = table[pos // bs] * bs + pos % bs
             lens[dest] = pos + 1
             tables[dest, :len(table)] = table
         return rest
@@ -610,9 +609,9 @@ class ModelRunner:
         h64, bs, rows = inp.host64, self.block_size, []
         for i, s in enumerate(scheduled):
             table, p, r, n = s.seq.block_table, s.start, i * q, s.num_query_tokens
-            h64[0, r:r + n] = s.query_token_ids()
-            h64[1, r:r + q] = range(p, p + q)  # positions run on through the padding rows
-            h64[2, r:r + q] = [table[x // bs] * bs + x % bs for x in range(p, p + n)] + [-1] * (q - n)
+            h64[_StaticInputs.IDS, r:r + n] = s.query_token_ids()
+            h64[_StaticInputs.POS, r:r + q] = range(p, p + q)  # positions run on through the padding rows
+            h64[_StaticInputs.SLOTS, r:r + q] = [table[x // bs] * bs + x % bs for x in range(p, p + n)] + [-1] * (q - n)
             inp.host_lens[i] = p + q
             inp.host_tables[i, :len(table)] = table
             rows += range(r, r + s.num_logits_rows)
@@ -621,45 +620,50 @@ class ModelRunner:
 
 class _StaticInputs:
     """The device buffers a family of CUDA graphs reads, and pinned host mirrors that fill them with one
-    copy each per step (under gVisor every CUDA call costs ~0.1 ms, so a step makes as few as possible).
+    copy per step (under gVisor every CUDA call costs ~0.1 ms, so a step makes as few as possible).
 
-    dev64 [7, rows]: input ids, positions, slots, and the logits rows a step samples (read after the replay);
-    then the host's ids, the gather index that builds row 0 from them and from row SAMPLED (in a decode graph,
-    first thing), and SAMPLED: the last launched step's greedy tokens (written on the device by the step's
-    argmax, or by the decode graph itself up to GREEDY_GRAPH_MAX_BATCH rows; never uploaded).
-    dev32 [S + S * W]: context lengths [S], block tables [S, W] (entries past a table hold block ids of
-    earlier steps: in range, and read by padding rows only).
+    One byte buffer: dev64 [7, rows], then dev32 [S + S * W].
+    dev64 rows: SAMPLED, the last launched step's greedy tokens (written on the device by the step's argmax, or
+    by the decode graph itself up to GREEDY_GRAPH_MAX_BATCH rows; never uploaded); HOST_IDS, the host's ids;
+    GATHER, the index that builds row IDS from rows SAMPLED and HOST_IDS side by side (a decode graph's first
+    op); IDS, POS, SLOTS: the graph's input ids, positions and slots; ROWS: the logits rows a step samples (read
+    after the replay). dev32: context lengths [S], block tables [S, W] (entries past a table hold block ids of
+    earlier steps: in range, and read by padding rows only). Everything past row SAMPLED up to the first ``b``
+    tables is one contiguous range: one upload a step.
     The host mirrors come in two sets used in turn: under the overlapped loop the host fills step n + 1's
     while step n's upload may still be queued behind step n - 1.
     """
 
-    HOST_IDS, GATHER, SAMPLED = 4, 5, 6
-    UPLOADED = 6  # rows of dev64 the host fills
+    SAMPLED, HOST_IDS, GATHER, IDS, POS, SLOTS, ROWS = range(7)
 
     def __init__(self, rows: int, seqs: int, width: int, device: torch.device) -> None:
         self.seqs, self.width = seqs, width
-        self.dev64 = torch.zeros(self.SAMPLED + 1, rows, dtype=torch.int64, device=device)
-        self.dev32 = torch.zeros(seqs * (1 + width), dtype=torch.int32, device=device)
+        self._b64 = (self.ROWS + 1) * rows * 8      # dev64's bytes (a multiple of 8: dev32 starts aligned)
+        nbytes = self._b64 + seqs * (1 + width) * 4
+        self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.dev64, self.dev32 = self._views(self._dev, rows)
+        self.lens, self.tables = self.dev32[:seqs], self.dev32[seqs:].view(seqs, width)
         pin = device.type == "cuda"  # (the CPU builds them only in tests of the layout)
-        self._sets = [(torch.zeros(self.UPLOADED, rows, dtype=torch.int64, pin_memory=pin),
-                       torch.zeros(seqs * (1 + width), dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self._sets = []
+        for _ in range(2):  # each set: the pinned bytes and the numpy views the host fills
+            buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+            h64, h32 = self._views(buf, rows)
+            self._sets.append((buf, h64.numpy(), h32[:seqs].numpy(), h32[seqs:].view(seqs, width).numpy()))
         self.arange = torch.arange(rows).numpy()
         self._turn = 0
         self._use(0)
-        self.lens, self.tables = self.dev32[:seqs], self.dev32[seqs:].view(seqs, width)
+
+    def _views(self, buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return buf[:self._b64].view(torch.int64).view(self.ROWS + 1, rows), buf[self._b64:].view(torch.int32)
 
     def _use(self, turn: int) -> None:
-        self._pinned64, self._pinned32 = self._sets[turn]
-        self.host64 = self._pinned64.numpy()
-        self.host_lens = self._pinned32[:self.seqs].numpy()
-        self.host_tables = self._pinned32[self.seqs:].view(self.seqs, self.width).numpy()
+        self._pinned, self.host64, self.host_lens, self.host_tables = self._sets[turn]
 
     def upload(self, b: int) -> None:
-        """Copy the host mirrors to the device (every row, the lengths and the first ``b`` tables); the next
-        step fills the other set."""
-        self.dev64[:self.UPLOADED].copy_(self._pinned64, non_blocking=True)
-        used = self.seqs + b * self.width
-        self.dev32[:used].copy_(self._pinned32[:used], non_blocking=True)
+        """Copy the host mirrors to the device in one copy (the rows after SAMPLED, the lengths and the first
+        ``b`` tables); the next step fills the other set."""
+        lo, hi = self.dev64.shape[1] * 8, self._b64 + (self.seqs + b * self.width) * 4
+        self._dev[lo:hi].copy_(self._pinned[lo:hi], non_blocking=True)
         self._turn ^= 1
         self._use(self._turn)
 

@@ -11,6 +11,7 @@ is the host's own time: scheduler, block tables, input staging, sampling bookkee
 at these ``admission_delay_steps``: the share of steps that mix a prefill into the decodes (eager on a GPU).
 
 Usage: python bench/engine_host_cpu.py [--loops sync,overlap] [--repeats 3] [--blocks 183000] [--profile]
+       python bench/engine_host_cpu.py --requests 1 --repeats 5   # a batch-1 job: µs of host per step
        python bench/engine_host_cpu.py --steady 0,8
 """
 
@@ -181,14 +182,17 @@ def steady(delay: int, steps: int, output_len: int = 128) -> dict:
 
 
 def main() -> None:
+    global C
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loops", default="sync,overlap")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--blocks", type=int, default=183_000, help="KV pool blocks (Qwen2.5-0.5B's on an H100)")
+    ap.add_argument("--requests", type=int, default=256, help="requests of a job, all at once (1: a batch-1 job)")
     ap.add_argument("--profile", action="store_true", help="one more job per loop under cProfile (top 30)")
     ap.add_argument("--steady", metavar="DELAYS", help="instead: the steady-arrival load at these admission "
                     "delays (e.g. 0,8), 600 steps each; how many steps mix in a prefill")
     args = ap.parse_args()
+    C = args.requests
     if args.steady:
         for delay in args.steady.split(","):
             print(json.dumps(steady(int(delay), 600)))

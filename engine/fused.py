@@ -243,13 +243,14 @@ class FusedLlama(nn.Module):
     def _l2_prefetches(self, h: torch.Tensor) -> tuple[list[kernels.L2Ranges], torch.cuda.Stream] | None:
         """The per-layer prefetch chunks and their side stream, where this step takes them: switched on, at most
         L2_PREFETCH_MAX_ROWS rows, a device the prefetch runs on (``kernels.l2_prefetch_supported``). Built on
-        the first such step (the graph runner's warm-up, before capture) and kept: the weights do not move."""
+        the first such step (the graph runner's warm-up, before capture) and kept: the weights do not move. A
+        weight that is not one range of bytes (a tensor-parallel column slice) is left out."""
         if not (self.l2_prefetch_bytes > 0 and h.shape[0] <= L2_PREFETCH_MAX_ROWS
                 and kernels.l2_prefetch_supported(h.device)):
             return None
         if self._l2 is None:
-            self._l2 = ([kernels.l2_ranges(ts, self.l2_prefetch_bytes) for ts in self.l2_prefetch_plan()],
-                        torch.cuda.Stream(h.device))
+            self._l2 = ([kernels.l2_ranges([t for t in ts if t.is_contiguous()], self.l2_prefetch_bytes)
+                         for ts in self.l2_prefetch_plan()], torch.cuda.Stream(h.device))
         return self._l2
 
     def _fused_layers_apply(self, h: torch.Tensor, backend, force: bool = False) -> bool:

@@ -36,6 +36,7 @@ def test_exported_members():
         "norm_gate_up_silu_reference", "norm_qkv_rope_store", "norm_qkv_rope_store_reference",
         "DecodeLayerWeights", "PersistentDecodeLayers", "PersistentDecodeTuning", "decode_persistent",
         "decode_persistent_reference",
+        "L2Ranges", "l2_prefetch", "l2_prefetch_supported", "l2_ranges",
     ])
     for name in kernels.__all__:
         assert getattr(kernels, name).__module__.startswith("kernels.")

@@ -17,6 +17,7 @@ Each layer GEMM alone, in CUDA graphs: ``bench/gemv_int4_gpu.py`` (which also ru
         # kernels per batch-1 step from torch.profiler, and a summary of the A/B (share of the floor, int4/bf16)
     python bench/int4_gpu.py --formats bf16 --persistent off,on,on,off   # cuda_persistent_decode A/B/B/A
     python bench/int4_gpu.py --l2-prefetch-mb 0,32,32,0   # EngineConfig.cuda_l2_prefetch_mb per row, A/B/B/A
+        # (--l2-prefetch-mode lines: EngineConfig.cuda_l2_prefetch_mode for every row)
 
 A row that fails (an exception in the engine or the bench) is recorded with its error and the run goes on.
 """
@@ -72,7 +73,7 @@ VARIANTS = {"off": (False, False, 0), "rope": (True, False, 0), "prologues": (Tr
 
 def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: str = "default",
                pdl: bool | None = None, fused: bool | None = None, count_kernels: bool = False,
-               persistent: bool | None = None, l2_mb: float | None = None) -> dict:
+               persistent: bool | None = None, l2_mb: float | None = None, l2_mode: str = "bulk") -> dict:
     cfg = ModelConfig(**SHAPES[name])
     switches = {} if variant == "default" else dict(zip(
         ("cuda_fused_rope_store", "cuda_gemv_prologues", "cuda_one_pass_decode_tokens"), VARIANTS[variant],
@@ -85,6 +86,7 @@ def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: s
         switches["cuda_persistent_decode"] = persistent
     if l2_mb is not None:
         switches["cuda_l2_prefetch_mb"] = l2_mb
+    switches["cuda_l2_prefetch_mode"] = l2_mode
     llm = LLM(random_model(cfg), engine_config=EngineConfig(
         device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3, max_model_len=4096, cuda_weight_format=fmt,
         **switches))
@@ -97,7 +99,7 @@ def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: s
     row = {"shape": name, "format": fmt, "variant": variant, "pdl": kernels.pdl_enabled(),
            "fused_layers": llm.engine.runner.model.fused_layers,
            "persistent": llm.engine.runner.model.persistent_decode,
-           "l2_prefetch_mb": llm.engine.runner.model.l2_prefetch_bytes / 2**20,
+           "l2_prefetch_mb": llm.engine.runner.model.l2_prefetch_bytes / 2**20, "l2_prefetch_mode": l2_mode,
            "step_ms": step * 1e3, "tok_per_s": 1 / step,
            "replay_ms": replay, "step_bytes": nbytes,
            "resident_weight_bytes": llm.engine.runner.model.resident_weight_bytes(),
@@ -140,6 +142,7 @@ def main() -> None:
                     help="EngineConfig.cuda_persistent_decode per row, comma-separated: default, off or on")
     ap.add_argument("--l2-prefetch-mb", default="default",
                     help="EngineConfig.cuda_l2_prefetch_mb per row, comma-separated: default or a number")
+    ap.add_argument("--l2-prefetch-mode", default="bulk", help="EngineConfig.cuda_l2_prefetch_mode of every row")
     ap.add_argument("--count-kernels", action="store_true", help="kernels per batch-1 step (5 profiled replays)")
     ap.add_argument("--w32-tunings", help="a bench.gemv_int4_gpu --split-sweep JSON: its best launch per GEMM is "
                                           "recorded (kernels.set_tuning_int4_w32) for every row of this run")
@@ -160,7 +163,7 @@ def main() -> None:
                 for pdl, fused, pers, l2 in itertools.product(pdls, fuseds, persistents, l2s):
                     try:
                         row = engine_row(name, fmt, bw, args.profile, variant, pdl, fused, args.count_kernels,
-                                         pers, l2)
+                                         pers, l2, args.l2_prefetch_mode)
                     except Exception as exc:  # noqa: BLE001 - recorded; the other rows still run
                         row = {"shape": name, "format": fmt, "variant": variant, "pdl": pdl, "fused_layers": fused,
                                "persistent": pers, "l2_prefetch_mb": l2, "error": repr(exc)}

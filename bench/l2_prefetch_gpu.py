@@ -4,7 +4,8 @@ For each decode GEMV of the Qwen2.5-0.5B and Llama-3.2-1B shapes (bf16 and int4 
 graphs of
 
 * ``cold``:     flush L2 (write a 128-MB buffer), spin ``gap`` µs, the GEMV;
-* ``prefetch``: flush, the prefetch forked on a side stream, spin ``gap`` µs on the main stream, the GEMV;
+* ``prefetch_bulk`` / ``prefetch_lines``: flush, the prefetch (``kernels.l2_prefetch``'s two modes) forked on a
+  side stream, spin ``gap`` µs on the main stream, the GEMV;
 * ``hot``:      the GEMV with its weight left in L2 by the previous replay (no flush; an upper bound);
 * ``base``:     flush and spin alone,
 
@@ -19,6 +20,7 @@ the cold GEMV's time a prefetch ``gap`` µs ahead takes away.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -26,6 +28,7 @@ import torch
 import kernels
 from bench.engine_gpu import cuda_median_ms
 from engine.fused import quantize_int4_rtn
+from kernels.l2_prefetch import MODES
 
 GEMMS = {  # (N, K) of the one-row products a decode layer runs, the QKV of the next layer included
     "qwen2.5-0.5b": {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)},
@@ -81,21 +84,23 @@ def measure(n: int, k: int, fmt: str, gaps: list[float], iters: int, flush: torc
             base()
             gemv()
 
-        def prefetch(cyc=cyc):
+        def prefetch(mode, cyc=cyc):
             flush.fill_(1)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                kernels.l2_prefetch(ranges)
+                kernels.l2_prefetch(ranges, mode)
             if cyc:
                 torch.cuda._sleep(cyc)
             gemv()
             torch.cuda.current_stream().wait_stream(side)
 
-        t = {name: cuda_median_ms(capture(fn).replay, iters) * 1e3
-             for name, fn in (("base", base), ("cold", cold), ("prefetch", prefetch), ("hot", gemv))}
-        rows.append({"n": n, "k": k, "format": fmt, "bytes": ranges.nbytes, "gap_us": gap, **{
-            f"{name}_us": v for name, v in t.items()}, "gemv_cold_us": t["cold"] - t["base"],
-            "gemv_after_prefetch_us": t["prefetch"] - t["base"], "gemv_hot_us": t["hot"]})
+        fns = [("base", base), ("cold", cold), ("hot", gemv)]
+        fns += [(f"prefetch_{m}", functools.partial(prefetch, m)) for m in MODES]
+        t = {name: cuda_median_ms(capture(fn).replay, iters) * 1e3 for name, fn in fns}
+        rows.append({"n": n, "k": k, "format": fmt, "bytes": ranges.nbytes, "gap_us": gap,
+                     **{f"{name}_us": v for name, v in t.items()}, "gemv_cold_us": t["cold"] - t["base"],
+                     **{f"gemv_after_{m}_us": t[f"prefetch_{m}"] - t["base"] for m in MODES},
+                     "gemv_hot_us": t["hot"]})
     return rows
 
 
@@ -114,7 +119,8 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     res = {"gpu": torch.cuda.get_device_name(), "l2_bytes": getattr(props, "L2_cache_size", None), "rows": []}
     print(f"{res['gpu']}, L2 {res['l2_bytes']} B", flush=True)
-    print("| shape | GEMM | format | MB | gap µs | GEMV cold µs | after prefetch µs | hot µs | cold / prefetch |")
+    print("| shape | GEMM | format | MB | gap µs | GEMV cold µs | after bulk prefetch µs | after line prefetch µs "
+          "| hot µs |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for shape in args.shapes.split(","):
         for name, (n, k) in GEMMS[shape].items():
@@ -123,8 +129,8 @@ def main() -> None:
                     r.update(shape=shape, gemm=name)
                     res["rows"].append(r)
                     print(f"| {shape} | {name} | {fmt} | {r['bytes'] / 2**20:.1f} | {r['gap_us']:g} | "
-                          f"{r['gemv_cold_us']:.2f} | {r['gemv_after_prefetch_us']:.2f} | {r['gemv_hot_us']:.2f} | "
-                          f"{r['gemv_cold_us'] / max(r['gemv_after_prefetch_us'], 1e-3):.2f}x |", flush=True)
+                          f"{r['gemv_cold_us']:.2f} | {r['gemv_after_bulk_us']:.2f} | {r['gemv_after_lines_us']:.2f} "
+                          f"| {r['gemv_hot_us']:.2f} |", flush=True)
                     if args.json:
                         with open(args.json, "w") as f:
                             json.dump(res, f, indent=2)

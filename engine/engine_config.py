@@ -74,6 +74,7 @@ CUDA_WEIGHT_FORMATS = ("bf16", "int4", "fp8")
 # "auto": the pools hold the model dtype; "fp8_e4m3" ("fp8", as vLLM spells it too): float8_e4m3fn values
 # with static per-(layer, KV head) scales for K and V (engine.kv_cache.calibrate_kv_scales)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
+L2_PREFETCH_MODES = ("bulk", "lines")  # kernels.l2_prefetch's modes (tests/engine/test_engine_parts.py pins it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +212,8 @@ class EngineConfig:
             side stream (``kernels.l2_prefetch``, issue 19 item 2), so that those GEMVs stream from L2 while the
             attention's small kernels leave the memory idle. Keep it under the L2 (50 MB on an H100 / H200).
             0 (default): off until measured on a GPU.
+        cuda_l2_prefetch_mode: how that prefetch asks: "bulk" (default; one ``cp.async.bulk.prefetch.L2`` a
+            32-KB chunk) or "lines" (one ``prefetch.global.L2::evict_last`` a 128-byte line).
         cuda_pdl: on CUDA (compute capability 9.0+), launch the decode step's Triton kernels (GEMVs, norms,
             RoPE + store, attention, SiLU·mul) with programmatic dependent launch (``kernels._pdl``): each
             starts, and loads its weights, while the kernel before it finishes. Process-wide (the last
@@ -279,6 +282,7 @@ class EngineConfig:
     cuda_persistent_decode: bool = False
     cuda_one_pass_decode_tokens: int = 0
     cuda_l2_prefetch_mb: float = 0
+    cuda_l2_prefetch_mode: str = "bulk"
     cuda_pdl: bool = True
     seed: int = 0
     speculative_method: str | None = "ngram"
@@ -308,6 +312,9 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_mixed_tokens must be >= 0, got {self.cuda_graph_mixed_tokens}")
         if self.cuda_l2_prefetch_mb < 0:
             raise ValueError(f"cuda_l2_prefetch_mb must be >= 0, got {self.cuda_l2_prefetch_mb}")
+        if self.cuda_l2_prefetch_mode not in L2_PREFETCH_MODES:
+            raise ValueError(f"cuda_l2_prefetch_mode must be one of {L2_PREFETCH_MODES}, "
+                             f"got {self.cuda_l2_prefetch_mode!r}")
         if self.cuda_one_pass_decode_tokens < 0:
             raise ValueError(f"cuda_one_pass_decode_tokens must be >= 0, got {self.cuda_one_pass_decode_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -153,7 +153,8 @@ class FusedLlama(nn.Module):
     def __init__(self, model: LlamaForCausalLM, use_gemv: bool = True, int4_group: int | None = None,
                  gemv_prologues: bool = False, fused_rope_store: bool = True, fp8: bool = False,
                  fused_layers: bool = False, kernel_backend: str = "auto", persistent_decode: bool = False,
-                 persistent_tuning: kernels.PersistentDecodeTuning | None = None, l2_prefetch_bytes: int = 0) -> None:
+                 persistent_tuning: kernels.PersistentDecodeTuning | None = None, l2_prefetch_bytes: int = 0,
+                 l2_prefetch_mode: str = "bulk") -> None:
         super().__init__()
         self.base = model
         self.use_gemv = use_gemv  # single-row GEMMs through kernels.gemv (batch-1 decode) instead of cuBLAS
@@ -165,6 +166,7 @@ class FusedLlama(nn.Module):
         self.persistent_tuning = persistent_tuning  # None: the launcher's (one program per SM)
         # bytes of the next GEMVs' weights pulled into L2 per layer on few-row steps (0: off)
         self.l2_prefetch_bytes = l2_prefetch_bytes
+        self.l2_prefetch_mode = l2_prefetch_mode  # kernels.l2_prefetch's mode: "bulk" or "lines"
         self._l2: tuple[list[kernels.L2Ranges], torch.cuda.Stream] | None = None  # built on first use
         self._persistent: tuple[tuple, kernels.PersistentDecodeLayers] | None = None  # (pool key, tables)
         # the persistent kernel takes one RMSNorm eps for every norm: checked once here, not every step
@@ -226,7 +228,7 @@ class FusedLlama(nn.Module):
             ranges, side = l2
             side.wait_stream(torch.cuda.current_stream(h.device))
             with torch.cuda.stream(side):
-                kernels.l2_prefetch(ranges[attn.layer_idx])
+                kernels.l2_prefetch(ranges[attn.layer_idx], self.l2_prefetch_mode)
         o = self._attend(attn, qkv, cos, sin, backend)      # [T, Hq, D]
         h = _reduce(attn.o_proj, self._linear(o.reshape(o.shape[0], -1), w.o))
         gate_up, residual = self._norm_linear(layer.post_attention_layernorm, h, residual, w.gate_up)
@@ -419,13 +421,15 @@ def _reduce(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
 def fuse_for_cuda(model: LlamaForCausalLM, int4_group: int | None = None,
                   gemv_prologues: bool = False, fused_rope_store: bool = True, fp8: bool = False,
                   fused_layers: bool = False, persistent_decode: bool = False,
-                  l2_prefetch_bytes: int = 0) -> FusedLlama:
+                  l2_prefetch_bytes: int = 0, l2_prefetch_mode: str = "bulk") -> FusedLlama:
     """The model with the fused forward (the runner's choice on CUDA); ``int4_group``: int4 weights; ``fp8``:
     e4m3 weights (engine.fp8); ``gemv_prologues``: norms / SiLU·mul in the GEMV rows' prologues;
     ``fused_rope_store``: RoPE + K/V store in one launch; ``fused_layers``: GEMV-row steps as four launches +
     attention a layer (``kernels.decode_layer``); ``persistent_decode``: batch-1 16-bit decode steps as one
     persistent launch for all layers (``kernels.decode_persistent``); ``l2_prefetch_bytes``: per layer, bytes of
-    the next GEMVs' weights pulled into L2 on few-row steps (0: off)."""
+    the next GEMVs' weights pulled into L2 on few-row steps (0: off), ``l2_prefetch_mode`` how
+    (``kernels.l2_prefetch``)."""
     return FusedLlama(model, int4_group=int4_group, gemv_prologues=gemv_prologues,
                       fused_rope_store=fused_rope_store, fp8=fp8, fused_layers=fused_layers,
-                      persistent_decode=persistent_decode, l2_prefetch_bytes=l2_prefetch_bytes)
+                      persistent_decode=persistent_decode, l2_prefetch_bytes=l2_prefetch_bytes,
+                      l2_prefetch_mode=l2_prefetch_mode)

@@ -21,10 +21,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ._common import HAS_TRITON, _interpreting, cdiv, tl, triton
+from ._common import HAS_TRITON, _interpreting, cdiv, next_pow2, tl, triton
 from .errors import KernelInputError
 
-__all__ = ["CHUNK_BYTES", "L2Ranges", "bulk_prefetch_l2", "l2_prefetch", "l2_prefetch_supported", "l2_ranges"]
+__all__ = ["CHUNK_BYTES", "MODES", "L2Ranges", "bulk_prefetch_l2", "l2_prefetch", "l2_prefetch_supported",
+           "l2_ranges"]
 
 CHUNK_BYTES = 32 * 1024  # bytes a bulk prefetch asks for: a 30-MB layer is ~1,000 of them over ~30 programs
 BLOCK = 32               # chunks a program issues (one per lane of its one warp)
@@ -37,6 +38,7 @@ class L2Ranges:
     addr: torch.Tensor
     size: torch.Tensor
     nbytes: int  # the chunks' sum
+    chunk: int = CHUNK_BYTES  # the largest a chunk may be
 
     def __len__(self) -> int:
         return self.addr.numel()
@@ -67,7 +69,7 @@ def l2_ranges(tensors: Sequence[torch.Tensor], budget: int, chunk: int = CHUNK_B
         if left < 16:
             break
     return L2Ranges(torch.tensor(addrs, dtype=torch.int64, device=device),
-                    torch.tensor(sizes, dtype=torch.int32, device=device), sum(sizes))
+                    torch.tensor(sizes, dtype=torch.int32, device=device), sum(sizes), chunk)
 
 
 def l2_prefetch_supported(device: torch.device) -> bool:
@@ -90,22 +92,51 @@ if HAS_TRITON:
             "=r,l,r,r", [addr, size, on], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
+    def line_prefetch_l2(addr, on):
+        """``prefetch.global.L2::evict_last [addr]`` (one 128-byte line) per lane where ``on`` is non-zero."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; }\n"
+            "mov.b32 $0, 0;",
+            "=r,l,r", [addr, on], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _l2_prefetch_kernel(addr_ptr, size_ptr, C, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < C
         addr = tl.load(addr_ptr + i, mask=ok, other=0)
         size = tl.load(size_ptr + i, mask=ok, other=0)
         bulk_prefetch_l2(addr, size, ok.to(tl.int32))
+
+    @triton.jit
+    def _l2_prefetch_lines_kernel(addr_ptr, size_ptr, LINES: tl.constexpr):
+        c = tl.program_id(0)  # one chunk a program, one 128-byte line a lane
+        addr = tl.load(addr_ptr + c)
+        size = tl.load(size_ptr + c)
+        off = tl.arange(0, LINES).to(tl.int64) * 128
+        line_prefetch_l2(addr + off, (off < size).to(tl.int32))
 else:  # pragma: no cover - depends on the install
     bulk_prefetch_l2 = None
 
+MODES = ("bulk", "lines")
 
-def l2_prefetch(ranges: L2Ranges) -> bool:
+
+def l2_prefetch(ranges: L2Ranges, mode: str = "bulk") -> bool:
     """Ask for ``ranges`` to be brought into L2, on the current stream; returns whether a kernel was launched
     (False where :func:`l2_prefetch_supported` is not, or there is nothing to fetch). The kernel waits for
-    nothing and writes nothing: launch it on a side stream so that the kernels after it do not wait for it."""
+    nothing and writes nothing: launch it on a side stream so that the kernels after it do not wait for it.
+
+    ``mode``: "bulk", one ``cp.async.bulk.prefetch.L2`` a chunk (a lane of a one-warp program issues it); or
+    "lines", one ``prefetch.global.L2::evict_last`` a 128-byte line (a program of 256 lanes a chunk): more
+    instructions, and a hint the L2 keeps for the GEMV's read, in case bulk prefetches from programs that have
+    exited do not land (``bench/l2_prefetch_gpu.py`` compares the two)."""
+    if mode not in MODES:
+        raise KernelInputError(f"mode must be one of {MODES}, got {mode!r}")
     c = len(ranges)
     if not c or not l2_prefetch_supported(ranges.addr.device):
         return False
+    if mode == "lines":
+        _l2_prefetch_lines_kernel[(c,)](ranges.addr, ranges.size, LINES=next_pow2(cdiv(ranges.chunk, 128)),
+                                        num_warps=4)
+        return True
     _l2_prefetch_kernel[(cdiv(c, BLOCK),)](ranges.addr, ranges.size, c, BLOCK=BLOCK, num_warps=1)
     return True

@@ -4,7 +4,7 @@ and that it runs on the card without touching anything.
 * CPU: :func:`kernels.l2_ranges` (chunks in order, inside each tensor's bytes, 16-byte aligned, the budget) and
   the launcher doing nothing where the prefetch cannot run (CPU tensors, Triton's interpreter).
 * Compiled for sm_90 without a GPU (Triton's CUDA backend and its ptxas): one ``cp.async.bulk.prefetch.L2``
-  per lane, accepted by ptxas.
+  per lane (bulk mode), one ``prefetch.global.L2::evict_last`` per line (lines mode), accepted by ptxas.
 * CUDA (marked gpu): the launch over layer-shaped weights completes, alone and captured in a CUDA graph on a
   side stream, and the tensors keep their values.
 """
@@ -64,7 +64,9 @@ def test_ranges_refuse_what_is_not_one_range():
 def test_prefetch_does_nothing_where_it_cannot_run():
     r = kernels.l2_ranges([torch.empty(4096)], budget=1 << 20)
     assert len(r) == 1 and not kernels.l2_prefetch_supported(torch.device("cpu"))
-    assert kernels.l2_prefetch(r) is False
+    assert kernels.l2_prefetch(r) is False and kernels.l2_prefetch(r, mode="lines") is False
+    with pytest.raises(KernelInputError, match="mode"):
+        kernels.l2_prefetch(r, mode="loads")
 
 
 def test_prefetch_compiles_to_the_bulk_l2_prefetch_for_sm90():
@@ -74,15 +76,19 @@ def test_prefetch_compiles_to_the_bulk_l2_prefetch_for_sm90():
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from kernels.l2_prefetch import _l2_prefetch_kernel
+        from kernels.l2_prefetch import _l2_prefetch_kernel, _l2_prefetch_lines_kernel
+        target, opts = GPUTarget("cuda", 90, 32), {"enable_fp_fusion": True}
         sig = {"addr_ptr": "*i64", "size_ptr": "*i32", "C": "i32", "BLOCK": "constexpr"}
-        compiled = triton.compile(ASTSource(_l2_prefetch_kernel, sig, constexprs={(3,): BLOCK}),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "enable_fp_fusion": True})
+        bulk = triton.compile(ASTSource(_l2_prefetch_kernel, sig, constexprs={(3,): BLOCK}), target=target,
+                              options={"num_warps": 1, **opts})
+        sig = {"addr_ptr": "*i64", "size_ptr": "*i32", "LINES": "constexpr"}
+        lines = triton.compile(ASTSource(_l2_prefetch_lines_kernel, sig, constexprs={(2,): CHUNK_BYTES // 128}),
+                               target=target, options={"num_warps": 4, **opts})
     except (ImportError, RuntimeError) as exc:  # no CUDA backend / ptxas in this Triton install
         pytest.skip(f"cannot compile for sm_90 here: {exc}")
-    ptx = compiled.asm["ptx"]
-    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1  # one asm a lane: 32 lanes, one warp
-    assert compiled.asm["cubin"]  # ptxas took it
+    assert bulk.asm["ptx"].count("cp.async.bulk.prefetch.L2.global") == 1  # one asm a lane: 32 lanes, one warp
+    assert lines.asm["ptx"].count("prefetch.global.L2::evict_last") == 2  # 256 lines over 128 lanes
+    assert bulk.asm["cubin"] and lines.asm["cubin"]  # ptxas took both
 
 
 @pytest.mark.gpu
@@ -93,7 +99,7 @@ def test_prefetch_runs_on_the_card_alone_and_in_a_graph():
     want = [w.clone() for w in ws]
     r = kernels.l2_ranges(ws, budget=24 << 20)
     assert r.nbytes == sum(w.numel() * 2 // 16 * 16 for w in ws)
-    assert kernels.l2_prefetch(r) is True
+    assert kernels.l2_prefetch(r) is True and kernels.l2_prefetch(r, mode="lines") is True
     torch.cuda.synchronize()  # a fault (a bad address) surfaces here
     side, main = torch.cuda.Stream(), torch.cuda.Stream()
     x = torch.randn(1, 896, device="cuda", dtype=torch.bfloat16)

@@ -53,10 +53,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens")
-        if self.admission_delay_steps < 0:
-            raise ValueError(f"admission_delay_steps must be >= 0, got {self.admission_delay_steps}")
-        if self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        _non_negative(self, "admission_delay_steps", "max_waiting")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
@@ -108,6 +105,12 @@ def _positive(cfg: object, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
+
+
+def _non_negative(cfg: object, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
 
 
 @dataclasses.dataclass
@@ -308,15 +311,10 @@ class EngineConfig:
         self.scheduler_config()   # and the scheduler's
         self.spec_config()        # and speculative decoding's
         self._check_graph_spec_tokens()
-        if self.cuda_graph_mixed_tokens < 0:
-            raise ValueError(f"cuda_graph_mixed_tokens must be >= 0, got {self.cuda_graph_mixed_tokens}")
-        if self.cuda_l2_prefetch_mb < 0:
-            raise ValueError(f"cuda_l2_prefetch_mb must be >= 0, got {self.cuda_l2_prefetch_mb}")
+        _non_negative(self, "cuda_graph_mixed_tokens", "cuda_l2_prefetch_mb", "cuda_one_pass_decode_tokens")
         if self.cuda_l2_prefetch_mode not in L2_PREFETCH_MODES:
             raise ValueError(f"cuda_l2_prefetch_mode must be one of {L2_PREFETCH_MODES}, "
                              f"got {self.cuda_l2_prefetch_mode!r}")
-        if self.cuda_one_pass_decode_tokens < 0:
-            raise ValueError(f"cuda_one_pass_decode_tokens must be >= 0, got {self.cuda_one_pass_decode_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:

@@ -483,7 +483,7 @@ class ModelRunner:
         ``_graph_max_batch`` rows'. A decode graph (k = 0) first gathers its ids (:meth:`_fill_gather`), and up
         to GREEDY_GRAPH_MAX_BATCH rows ends with its rows' greedy tokens in row SAMPLED (what the overlapped loop
         reads: :meth:`launch`)."""
-        inp = self._decode_in
+        inp = self._decode_in  # (decode graphs' buffers: verify graphs' ids are the host's, uploaded)
         if not k:  # the ids: the host's, or for placeholders the tokens the last launch sampled (row SAMPLED)
             src = inp.dev64[:_StaticInputs.HOST_IDS + 1].view(-1)  # rows SAMPLED, HOST_IDS side by side
             torch.index_select(src, 0, inp.dev64[_StaticInputs.GATHER, :b], out=ids)

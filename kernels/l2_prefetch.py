@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ._common import HAS_TRITON, _interpreting, cdiv, next_pow2, tl, triton
+from ._pdl import _sm90
 from .errors import KernelInputError
 
 __all__ = ["CHUNK_BYTES", "MODES", "L2Ranges", "bulk_prefetch_l2", "l2_prefetch", "l2_prefetch_supported",
@@ -75,9 +76,7 @@ def l2_ranges(tensors: Sequence[torch.Tensor], budget: int, chunk: int = CHUNK_B
 def l2_prefetch_supported(device: torch.device) -> bool:
     """Whether :func:`l2_prefetch` launches on ``device``: a CUDA device of compute capability 9.0 or more,
     Triton importable and not interpreting."""
-    if not (HAS_TRITON and device.type == "cuda") or _interpreting():
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return HAS_TRITON and device.type == "cuda" and not _interpreting() and _sm90(device.index)
 
 
 if HAS_TRITON:

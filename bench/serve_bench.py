@@ -54,6 +54,7 @@ class RequestResult:
     error: str = ""
     text_chunks: int = 0  # chunks whose text was not empty
     chunks: int = 0       # chunks with a choice (several tokens each when the server coalesced them)
+    sent: float = 0.0     # time.time() when the request went out (the slowest first tokens: when they were asked)
 
     @property
     def tpot(self) -> float | None:
@@ -72,7 +73,7 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str, prompt: str
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     last = None
-    res = RequestResult(ok=False)
+    res = RequestResult(ok=False, sent=time.time())
     try:
         async with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout,
                                  headers={"Authorization": f"Bearer {key}"}) as resp:
@@ -189,6 +190,12 @@ def summarize(users: int, results: list[RequestResult], wall: float) -> dict:
                for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)) for q in (50, 99)},
             "chunks_per_token": sum(r.chunks for r in ok) / max(1, sum(r.output_tokens for r in ok)),
             "errors": sorted({r.error for r in results if not r.ok})[:3],
+            # the ten slowest first tokens: (seconds after the level's first request went out, TTFT ms), to tell a
+            # start-up burst from requests starved later
+            "ttft_slowest": [(round(r.sent - t0, 3), round(r.ttft * 1e3, 1))
+                             for t0 in [min((r.sent for r in ok), default=0.0)]
+                             for r in sorted(ok, key=lambda r: -r.ttft)[:10]],
+            f"ttft_over_{TAIL_S:g}s": sum(1 for r in ok if r.ttft > TAIL_S),  # beside the server's (step_mix)
             "ok_without_text": sum(1 for r in ok if not r.text_chunks)}
 
 
@@ -317,32 +324,53 @@ async def bench(args: argparse.Namespace, url: str, key: str, server_pid: int | 
 
 STEP_COUNTERS = ("steps_total", "prefill_steps_total", "graph_steps_total", "step_tokens_total",
                  "step_seconds_total")
+# server-side histograms whose tail a level reports: where a slow first token waited (engine queue, or after)
+TAIL_HISTOGRAMS = {"cipherlm:time_to_first_token_seconds": "server_ttft",
+                   "cipherlm:request_queue_time_seconds": "queue_time"}
+TAIL_S = 1.0  # a level's row counts the requests above this many seconds in each
 
 
 async def engine_steps(url: str) -> dict[str, float]:
-    """The engine's step counters from the server's /metrics (``cipherlm:engine_*``); {} if unreadable."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """:func:`read_counters` of the server's /metrics; {} if unreadable."""
     try:
         async with httpx.AsyncClient() as client:
-            text = (await client.get(url + "/metrics", timeout=10)).text
+            return read_counters((await client.get(url + "/metrics", timeout=10)).text)
     except httpx.HTTPError:
         return {}
+
+
+def read_counters(text: str) -> dict[str, float]:
+    """The engine's step counters (``cipherlm:engine_*``) and the tail histograms' counts, summed over tenants
+    (``server_ttft_count``; ``server_ttft_le``: those at or under ``TAIL_S``), from Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     names = {f"cipherlm:engine_{c}": c for c in STEP_COUNTERS}
-    return {names[s.name]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name in names}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in names:
+                out[names[s.name]] = s.value
+            base = TAIL_HISTOGRAMS.get(s.name.removesuffix("_count").removesuffix("_bucket"))
+            if base and s.name.endswith("_count"):
+                out[f"{base}_count"] = out.get(f"{base}_count", 0.0) + s.value
+            elif base and s.name.endswith("_bucket") and float(s.labels["le"]) == TAIL_S:
+                out[f"{base}_le"] = out.get(f"{base}_le", 0.0) + s.value
+    return out
 
 
 def step_mix(before: dict, after: dict) -> dict:
-    """Between two readings of the step counters: steps, the shares that carried prompt tokens and that ran
-    eagerly (no graph replay), the mean host time per step (ms) and tokens per step."""
-    d = {c: after.get(c, 0.0) - before.get(c, 0.0) for c in STEP_COUNTERS}
-    if not d["steps_total"]:
-        return {}
+    """Between two readings of :func:`engine_steps`: steps, the shares that carried prompt tokens and that ran
+    eagerly (no graph replay), the mean host time per step (ms) and tokens per step; and how many requests
+    took over ``TAIL_S`` to their first token as the server saw it and to their first step (queue time)."""
+    d = {c: after.get(c, 0.0) - before.get(c, 0.0) for c in after}
+    tails = {f"{base}_over_{TAIL_S:g}s": int(d.get(f"{base}_count", 0) - d.get(f"{base}_le", 0))
+             for base in TAIL_HISTOGRAMS.values() if f"{base}_count" in d}
+    if not d.get("steps_total"):
+        return tails
     n = d["steps_total"]
-    return {"steps": int(n), "prefill_step_share": d["prefill_steps_total"] / n,
-            "eager_step_share": 1 - d["graph_steps_total"] / n,
-            "ms_per_step": 1e3 * d["step_seconds_total"] / n, "tokens_per_step": d["step_tokens_total"] / n}
+    return tails | {"steps": int(n), "prefill_step_share": d["prefill_steps_total"] / n,
+                    "eager_step_share": 1 - d["graph_steps_total"] / n,
+                    "ms_per_step": 1e3 * d["step_seconds_total"] / n, "tokens_per_step": d["step_tokens_total"] / n}
 
 
 def spy(args: argparse.Namespace, meter: CpuMeter, users: int) -> list[subprocess.Popen]:

@@ -15,6 +15,7 @@ cipherlm:prefix_cache_hit_tokens_total           counter    prompt tokens served
 cipherlm:time_to_first_token_seconds             histogram  arrival → first token (server side)
 cipherlm:inter_token_latency_seconds             histogram  between consecutive streamed tokens
 cipherlm:e2e_request_latency_seconds             histogram  arrival → last token
+cipherlm:request_queue_time_seconds              histogram  engine: arrival → first scheduled
 cipherlm:http_requests_total                     counter    responses by endpoint and status
 cipherlm:rate_limited_total                      counter    429s by limit
 cipherlm:plaintext_fallback_total                counter    encrypted tenants served in plaintext
@@ -128,6 +129,9 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
+                                    "Engine arrival to first scheduled step", labels, buckets=_LATENCY_BUCKETS,
+                                    registry=r)
         self.http_requests = Counter(PREFIX + "http_requests", "HTTP responses", ["endpoint", "status"],
                                      registry=r)
         self.rate_limited = Counter(PREFIX + "rate_limited", "Requests refused by a limit",

@@ -335,6 +335,9 @@ class _Timing:
     def finish(self, finals: list[RequestOutput]) -> None:
         self.metrics.e2e.labels(*self.labels).observe(time.monotonic() - self.job.arrival)
         done = [r for r in finals if r is not None]
+        for m in (r.metrics for r in done):  # a server TTFT far above its queue time: the API held it up
+            if m is not None and m.first_scheduled_time is not None:
+                self.metrics.queue_time.labels(*self.labels).observe(m.first_scheduled_time - m.arrival_time)
         self.metrics.record_finished(
             self.job.tenant.id, sum(len(r.prompt_token_ids) for r in done),
             sum(len(c.token_ids) for r in done for c in r.outputs),

@@ -64,3 +64,20 @@ def test_cpu_per_token_per_process():
     got = serve_bench.CpuMeter.per_token(row, (1.0, 3.0), (1.1, 3.4))
     assert got == pytest.approx({"api_cpu_us_per_token": 50.0, "core_cpu_us_per_token": 200.0,
                                  "client_cpu_us_per_token": 100.0})
+
+
+def test_server_tail_counts_between_two_scrapes():
+    """The server's TTFT and queue-time histograms, scraped before and after a level, give how many of the
+    level's requests waited over a second as the server saw them (and in the engine's queue)."""
+    from prometheus_client import generate_latest
+
+    from server.metrics import ServerMetrics
+
+    m = ServerMetrics("tiny")
+    m.ttft.labels("a", "tiny").observe(3.0)  # before the level: not counted
+    before = serve_bench.read_counters(generate_latest(m.registry).decode())
+    for tenant, ttft, queue in (("a", 0.2, 0.1), ("a", 1.5, 0.1), ("b", 4.0, 3.9), ("b", 1.0, 0.9)):
+        m.ttft.labels(tenant, "tiny").observe(ttft)
+        m.queue_time.labels(tenant, "tiny").observe(queue)
+    after = serve_bench.read_counters(generate_latest(m.registry).decode())
+    assert serve_bench.step_mix(before, after) == {"server_ttft_over_1s": 2, "queue_time_over_1s": 1}

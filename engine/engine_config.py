@@ -154,9 +154,9 @@ class EngineConfig:
             average); otherwise it runs eagerly, its prompts through the prefill kernel. The graphs then cover
             up to ``cuda_graph_max_batch`` + this many rows (``model_runner.graph_buckets``; only the first
             ``cuda_graph_max_batch`` rows' logits). Default 0 (mixed steps run eagerly): on an H100 at 256
-            served users, 256 made serving 13-16 % slower; the whole token budget (2048) is what the evidence
-            points to, not yet measured served on a GPU (docs/engine.md "Mixed steps through the decode
-            graphs").
+            served users, 256 made serving 13-16 % slower, and 2048 (the whole token budget) served 1.32-1.48x
+            the tokens/s of 0 but with a TTFT p99 of 2.9-4.9 s against 0.4-0.6 s, not yet explained
+            (docs/engine.md "Mixed steps through the decode graphs").
         cuda_graph_spec_tokens: draft counts ``k`` whose speculative verify steps (each sequence's last
             token + up to ``k`` drafts) get CUDA graphs, for batch buckets up to the batch at which speculation
             is switched off (``speculative_disable_by_batch_size``, capped by ``cuda_graph_max_batch``); a
@@ -214,7 +214,8 @@ class EngineConfig:
             layer's O, gate/up and down, then the next layer's QKV) to be pulled into L2 by a bulk prefetch on a
             side stream (``kernels.l2_prefetch``, issue 19 item 2), so that those GEMVs stream from L2 while the
             attention's small kernels leave the memory idle. Keep it under the L2 (50 MB on an H100 / H200).
-            0 (default): off until measured on a GPU.
+            0 (default): off; on an H100 it measured within 3 % of off, "lines" ~20 % slower (docs/engine.md
+            "L2 prefetch").
         cuda_l2_prefetch_mode: how that prefetch asks: "bulk" (default; one ``cp.async.bulk.prefetch.L2`` a
             32-KB chunk) or "lines" (one ``prefetch.global.L2::evict_last`` a 128-byte line).
         cuda_pdl: on CUDA (compute capability 9.0+), launch the decode step's Triton kernels (GEMVs, norms,

@@ -1,0 +1,22 @@
+# Session 29 (lead), the one device call its 288 s allowed: session 28's mix3 put served tok/s at 1.32-1.48x with
+# cuda_graph_mixed_tokens=2048 vs 0, but client TTFT p99 at 4.9 / 2.9 s against 0.4 / 0.6 s. Where did the slow
+# first tokens wait? serve_bench's rows now carry ttft_slowest (send offset s, ms), and the server's own counts of
+# requests over 1 s: to the first token as the API saw it, and in the engine's queue (arrival -> first step).
+# Run: `bash .carry/mix5/go.sh` carrying .carry/lead, .carry/mix5.
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+R=/tmp/r5; mkdir -p $R $OUT; trap 'tar czf $OUT/all.tgz -C $R .' EXIT
+nvidia-smi --query-gpu=name --format=csv,noheader | tee $R/smi.txt
+export PYTHONPATH=$PWD
+python3 bench/random_model.py --like .carry/lead/tok --out /tmp/smol > /dev/null || exit 1; el "model"
+B="python3 bench/serve_bench.py --model /tmp/smol --device cuda --output-len 128 --input-len 100 --request-rate inf --clients 8 --duration 5 --users 256"
+for v in m2048:2048 m0:0 m2048b:2048 m0b:0; do IFS=: read n m <<< "$v"; el "$n"
+  [ $(( $(date +%s) - T0 )) -gt 130 ] && { el "no time for $n"; break; }
+  timeout 45 $B --label $n --json $R/serve_$n.json --engine-set cuda_graph_mixed_tokens=$m > $R/serve_$n.log 2>&1
+  el "rc=$?"; grep "^| $n" $R/serve_$n.log | tail -1
+  python3 -c "
+import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]
+print({k: r.get(k) for k in ('out_tok_per_s','ttft_p50_ms','ttft_p99_ms','ttft_over_1s','server_ttft_over_1s','queue_time_over_1s','requests','eager_step_share','prefill_step_share','ms_per_step')})
+print('slowest', r['ttft_slowest'])" $R/serve_$n.json
+  tar czf $OUT/all.tgz -C $R .
+done
+el done

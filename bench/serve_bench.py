@@ -326,7 +326,8 @@ STEP_COUNTERS = ("steps_total", "prefill_steps_total", "graph_steps_total", "ste
                  "step_seconds_total")
 # server-side histograms whose tail a level reports: where a slow first token waited (engine queue, or after)
 TAIL_HISTOGRAMS = {"cipherlm:time_to_first_token_seconds": "server_ttft",
-                   "cipherlm:request_queue_time_seconds": "queue_time"}
+                   "cipherlm:request_queue_time_seconds": "queue_time",
+                   "cipherlm:first_token_delivery_seconds": "delivery"}
 TAIL_S = 1.0  # a level's row counts the requests above this many seconds in each
 
 
@@ -361,7 +362,8 @@ def read_counters(text: str) -> dict[str, float]:
 def step_mix(before: dict, after: dict) -> dict:
     """Between two readings of :func:`engine_steps`: steps, the shares that carried prompt tokens and that ran
     eagerly (no graph replay), the mean host time per step (ms) and tokens per step; and how many requests
-    took over ``TAIL_S`` to their first token as the server saw it and to their first step (queue time)."""
+    took over ``TAIL_S`` to their first token as the server saw it, to their first step (queue time), and
+    from the engine's first token to the API's stream (delivery)."""
     d = {c: after.get(c, 0.0) - before.get(c, 0.0) for c in after}
     tails = {f"{base}_over_{TAIL_S:g}s": int(d.get(f"{base}_count", 0) - d.get(f"{base}_le", 0))
              for base in TAIL_HISTOGRAMS.values() if f"{base}_count" in d}

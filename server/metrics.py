@@ -16,6 +16,7 @@ cipherlm:time_to_first_token_seconds             histogram  arrival → first to
 cipherlm:inter_token_latency_seconds             histogram  between consecutive streamed tokens
 cipherlm:e2e_request_latency_seconds             histogram  arrival → last token
 cipherlm:request_queue_time_seconds              histogram  engine: arrival → first scheduled
+cipherlm:first_token_delivery_seconds            histogram  engine's first token → its stream (API lag)
 cipherlm:http_requests_total                     counter    responses by endpoint and status
 cipherlm:rate_limited_total                      counter    429s by limit
 cipherlm:plaintext_fallback_total                counter    encrypted tenants served in plaintext
@@ -132,6 +133,9 @@ class ServerMetrics:
         self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
                                     "Engine arrival to first scheduled step", labels, buckets=_LATENCY_BUCKETS,
                                     registry=r)
+        self.first_token_delivery = Histogram(PREFIX + "first_token_delivery_seconds",
+                                              "Engine's first token to the API's stream", labels,
+                                              buckets=_LATENCY_BUCKETS, registry=r)
         self.http_requests = Counter(PREFIX + "http_requests", "HTTP responses", ["endpoint", "status"],
                                      registry=r)
         self.rate_limited = Counter(PREFIX + "rate_limited", "Requests refused by a limit",

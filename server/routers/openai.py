@@ -313,18 +313,22 @@ def _interrupt(started):
 
 
 class _Timing:
-    """Server-side TTFT / ITL / e2e of one request, into the metrics."""
+    """Server-side TTFT / ITL / e2e of one request, into the metrics; at its end, from the engine's timestamps,
+    how long each prompt waited for its first step and how long its first token took to reach the stream."""
 
     def __init__(self, job: _Job, metrics) -> None:
         self.job, self.metrics = job, metrics
         self.labels = (job.tenant.id, metrics.model_name)
         self.last: float | None = None
         self._itl = None  # the ITL histogram's child for these labels, looked up once
+        self.first_seen: dict[str, float] = {}  # request id -> time.time() its first token reached the stream
 
     def tick(self, out: RequestOutput) -> None:
         if not any(c.delta_token_ids for c in out.outputs):
             return
         now = time.monotonic()
+        if out.request_id not in self.first_seen:
+            self.first_seen[out.request_id] = time.time()  # the engine's clock, for the delivery time
         if self.last is None:
             self.metrics.ttft.labels(*self.labels).observe(now - self.job.arrival)
             self._itl = self.metrics.itl.labels(*self.labels)
@@ -335,9 +339,12 @@ class _Timing:
     def finish(self, finals: list[RequestOutput]) -> None:
         self.metrics.e2e.labels(*self.labels).observe(time.monotonic() - self.job.arrival)
         done = [r for r in finals if r is not None]
-        for m in (r.metrics for r in done):  # a server TTFT far above its queue time: the API held it up
+        for r in done:  # a TTFT far above both: the wait was before the engine (the API's own loop)
+            m, seen = r.metrics, self.first_seen.get(r.request_id)
             if m is not None and m.first_scheduled_time is not None:
                 self.metrics.queue_time.labels(*self.labels).observe(m.first_scheduled_time - m.arrival_time)
+            if m is not None and m.first_token_time is not None and seen is not None:
+                self.metrics.first_token_delivery.labels(*self.labels).observe(max(0.0, seen - m.first_token_time))
         self.metrics.record_finished(
             self.job.tenant.id, sum(len(r.prompt_token_ids) for r in done),
             sum(len(c.token_ids) for r in done for c in r.outputs),

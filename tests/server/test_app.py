@@ -199,6 +199,7 @@ async def test_metrics_exported_by_tenant(client):
     assert 'cipherlm:generation_tokens_total{model_name="tiny",tenant="plain2"} 3.0' in text
     assert 'cipherlm:time_to_first_token_seconds_count{model_name="tiny",tenant="plain2"} 1.0' in text
     assert 'cipherlm:request_queue_time_seconds_count{model_name="tiny",tenant="plain2"} 1.0' in text
+    assert 'cipherlm:first_token_delivery_seconds_count{model_name="tiny",tenant="plain2"} 1.0' in text
     assert 'cipherlm:request_success_total{finished_reason="length",model_name="tiny",tenant="plain2"} 1.0' in text
     assert "cipherlm:kv_cache_usage_perc" in text and "cipherlm:num_requests_running" in text
     assert "x" not in [line.split("{")[0] for line in text.splitlines()]  # nothing from the prompt

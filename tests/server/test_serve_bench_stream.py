@@ -76,8 +76,11 @@ def test_server_tail_counts_between_two_scrapes():
     m = ServerMetrics("tiny")
     m.ttft.labels("a", "tiny").observe(3.0)  # before the level: not counted
     before = serve_bench.read_counters(generate_latest(m.registry).decode())
-    for tenant, ttft, queue in (("a", 0.2, 0.1), ("a", 1.5, 0.1), ("b", 4.0, 3.9), ("b", 1.0, 0.9)):
+    for tenant, ttft, queue, delivery in (("a", 0.2, 0.1, 0.05), ("a", 1.5, 0.1, 1.3), ("b", 4.0, 3.9, 0.05),
+                                          ("b", 1.0, 0.9, 0.05)):
         m.ttft.labels(tenant, "tiny").observe(ttft)
         m.queue_time.labels(tenant, "tiny").observe(queue)
+        m.first_token_delivery.labels(tenant, "tiny").observe(delivery)
     after = serve_bench.read_counters(generate_latest(m.registry).decode())
-    assert serve_bench.step_mix(before, after) == {"server_ttft_over_1s": 2, "queue_time_over_1s": 1}
+    assert serve_bench.step_mix(before, after) == {"server_ttft_over_1s": 2, "queue_time_over_1s": 1,
+                                                   "delivery_over_1s": 1}

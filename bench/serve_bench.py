@@ -324,7 +324,8 @@ async def bench(args: argparse.Namespace, url: str, key: str, server_pid: int | 
 
 STEP_COUNTERS = ("steps_total", "prefill_steps_total", "graph_steps_total", "step_tokens_total",
                  "step_seconds_total")
-# server-side histograms whose tail a level reports: where a slow first token waited (engine queue, or after)
+# server-side histograms whose tail a level reports: where a slow first token waited (the API, the engine's
+# queue, on its way back to the stream; the client's own count beside them)
 TAIL_HISTOGRAMS = {"cipherlm:time_to_first_token_seconds": "server_ttft",
                    "cipherlm:request_queue_time_seconds": "queue_time",
                    "cipherlm:first_token_delivery_seconds": "delivery"}

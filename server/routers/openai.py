@@ -339,7 +339,7 @@ class _Timing:
     def finish(self, finals: list[RequestOutput]) -> None:
         self.metrics.e2e.labels(*self.labels).observe(time.monotonic() - self.job.arrival)
         done = [r for r in finals if r is not None]
-        for r in done:  # a TTFT far above both: the wait was before the engine (the API's own loop)
+        for r in done:  # the rest of a TTFT: the API before the engine, and the prompt's own steps
             m, seen = r.metrics, self.first_seen.get(r.request_id)
             if m is not None and m.first_scheduled_time is not None:
                 self.metrics.queue_time.labels(*self.labels).observe(m.first_scheduled_time - m.arrival_time)

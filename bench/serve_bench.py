@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 import tomllib
 
 WORDS = ("the river carried small boats past quiet houses while children watched from old stone bridges and "
@@ -55,6 +55,7 @@ class RequestResult:
     text_chunks: int = 0  # chunks whose text was not empty
     chunks: int = 0       # chunks with a choice (several tokens each when the server coalesced them)
     sent: float = 0.0     # time.time() when the request went out (the slowest first tokens: when they were asked)
+    headers: float = 0.0  # seconds to the response's headers (sent once the server's handler has started it)
 
     @property
     def tpot(self) -> float | None:
@@ -66,21 +67,24 @@ def make_prompt(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
-async def one_request(client: httpx.AsyncClient, url: str, key: str, prompt: str, output_len: int,
+async def one_request(session: aiohttp.ClientSession, url: str, key: str, prompt: str, output_len: int,
                       timeout: float) -> RequestResult:
-    """Send one streamed completion and time its chunks."""
+    """Send one streamed completion and time its chunks (aiohttp, as vLLM's benchmark client: httpx spent
+    ~14x its CPU per streamed token, and a busy client inflates every latency it times)."""
     body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     last = None
     res = RequestResult(ok=False, sent=time.time())
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout,
-                                 headers={"Authorization": f"Bearer {key}"}) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async with session.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout),
+                                headers={"Authorization": f"Bearer {key}"}) as resp:
+            res.headers = time.perf_counter() - start
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return res
-            async for line in resp.aiter_lines():
+            async for raw in resp.content:  # one SSE line at a time
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data:") or line.endswith("[DONE]"):
                     continue
                 event = json.loads(line[5:])
@@ -104,26 +108,36 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str, prompt: str
         res.ok = last is not None and not res.error
         if last is None and not res.error:
             res.error = "stream ended without a token chunk"
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
         res.error = repr(exc)
     return res
 
 
+async def _loop_lag(lags: list[float], interval_s: float = 0.01) -> None:
+    """Until cancelled: how much later than asked this client's event loop woke a timer, into ``lags``."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(interval_s)
+        lags.append(time.perf_counter() - t - interval_s)
+
+
 async def _drive(url: str, key: str, users: int, rate: float, duration: float, input_len: int,
-                 output_len: int, timeout: float, seed: int) -> tuple[list[RequestResult], float, float]:
-    """Poisson arrivals for ``duration`` s, at most ``users`` in flight; (results, start, end) in time.time()."""
+                 output_len: int, timeout: float, seed: int) -> tuple[list[RequestResult], float, float, list[float]]:
+    """Poisson arrivals for ``duration`` s, at most ``users`` in flight; (results, start, end in time.time(), this
+    client's event-loop lags: a client too busy to read its streams on time inflates every latency it times)."""
     rng = random.Random(seed)
+    lags: list[float] = []
+    watcher = asyncio.create_task(_loop_lag(lags))
     sem = asyncio.Semaphore(users)
-    limits = httpx.Limits(max_connections=users + 4, max_keepalive_connections=users + 4)
     results: list[RequestResult] = []
 
     async def worker(prompt: str) -> None:
         try:
-            results.append(await one_request(client, url, key, prompt, output_len, timeout))
+            results.append(await one_request(session, url, key, prompt, output_len, timeout))
         finally:
             sem.release()
 
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=users + 4)) as session:
         tasks = []
         start, t0 = time.time(), time.perf_counter()
         while time.perf_counter() - t0 < duration:
@@ -134,15 +148,16 @@ async def _drive(url: str, key: str, users: int, rate: float, duration: float, i
             tasks.append(asyncio.create_task(worker(make_prompt(rng, input_len))))
             await asyncio.sleep(rng.expovariate(rate) if rate != float("inf") else 0)
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout)
-    return results, start, time.time()
+    watcher.cancel()
+    return results, start, time.time(), lags
 
 
-def _client_proc(*drive_args) -> tuple[list[dict], float, float, float]:
+def _client_proc(*drive_args) -> tuple[list[dict], float, float, float, list[float]]:
     """One client process's share of a level (``--clients``): its results (as dicts: the script runs as
-    ``__main__``, whose classes do not unpickle across processes), span and CPU seconds."""
+    ``__main__``, whose classes do not unpickle across processes), span, CPU seconds and loop lags."""
     cpu = time.process_time()
-    results, start, end = asyncio.run(_drive(*drive_args))
-    return [dataclasses.asdict(r) for r in results], start, end, time.process_time() - cpu
+    results, start, end, lags = asyncio.run(_drive(*drive_args))
+    return [dataclasses.asdict(r) for r in results], start, end, time.process_time() - cpu, lags
 
 
 async def run_level(url: str, key: str, users: int, rate: float, duration: float, input_len: int,
@@ -153,8 +168,9 @@ async def run_level(url: str, key: str, users: int, rate: float, duration: float
     clients = max(1, min(clients, users))
     if clients == 1:
         cpu = time.process_time()
-        results, start, end = await _drive(url, key, users, rate, duration, input_len, output_len, timeout, seed)
-        return summarize(users, results, end - start) | {"client_cpu_s": time.process_time() - cpu}
+        results, start, end, lags = await _drive(url, key, users, rate, duration, input_len, output_len, timeout,
+                                                 seed)
+        return summarize(users, results, end - start) | {"client_cpu_s": time.process_time() - cpu} | _lag(lags)
     import concurrent.futures
     import multiprocessing
 
@@ -167,7 +183,14 @@ async def run_level(url: str, key: str, users: int, rate: float, duration: float
                                  output_len, timeout, seed + i) for i, u in enumerate(shares)))
     results = [RequestResult(**r) for part in parts for r in part[0]]
     wall = max(p[2] for p in parts) - min(p[1] for p in parts)
-    return summarize(users, results, wall) | {"client_cpu_s": sum(p[3] for p in parts), "clients": clients}
+    return (summarize(users, results, wall) | {"client_cpu_s": sum(p[3] for p in parts), "clients": clients}
+            | _lag([g for p in parts for g in p[4]]))
+
+
+def _lag(lags: list[float]) -> dict:
+    """The clients' event-loop lag in a row: its mean and largest (ms)."""
+    return {"client_loop_lag_mean_ms": 1e3 * statistics.fmean(lags), "client_loop_lag_max_ms": 1e3 * max(lags)
+            } if lags else {}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -190,9 +213,10 @@ def summarize(users: int, results: list[RequestResult], wall: float) -> dict:
                for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)) for q in (50, 99)},
             "chunks_per_token": sum(r.chunks for r in ok) / max(1, sum(r.output_tokens for r in ok)),
             "errors": sorted({r.error for r in results if not r.ok})[:3],
-            # the ten slowest first tokens: (seconds after the level's first request went out, TTFT ms), to tell a
-            # start-up burst from requests starved later
-            "ttft_slowest": [(round(r.sent - t0, 3), round(r.ttft * 1e3, 1))
+            # the ten slowest first tokens: (seconds after the level's first request went out, TTFT ms, ms to the
+            # response's headers), to tell a start-up burst from requests starved later, and a late start from a
+            # late first token
+            "ttft_slowest": [(round(r.sent - t0, 3), round(r.ttft * 1e3, 1), round(r.headers * 1e3, 1))
                              for t0 in [min((r.sent for r in ok), default=0.0)]
                              for r in sorted(ok, key=lambda r: -r.ttft)[:10]],
             f"ttft_over_{TAIL_S:g}s": sum(1 for r in ok if r.ttft > TAIL_S),  # beside the server's (step_mix)
@@ -304,8 +328,8 @@ class CpuMeter:
 
 async def bench(args: argparse.Namespace, url: str, key: str, server_pid: int | None = None) -> list[dict]:
     """Warm up, then every level in turn."""
-    async with httpx.AsyncClient() as client:
-        await one_request(client, url, key, "warm up", 4, args.timeout)
+    async with aiohttp.ClientSession() as session:
+        await one_request(session, url, key, "warm up", 4, args.timeout)
     rows = []
     meter = CpuMeter(server_pid)
     for users in args.users:
@@ -324,26 +348,30 @@ async def bench(args: argparse.Namespace, url: str, key: str, server_pid: int | 
 
 STEP_COUNTERS = ("steps_total", "prefill_steps_total", "graph_steps_total", "step_tokens_total",
                  "step_seconds_total")
-# server-side histograms whose tail a level reports: where a slow first token waited (the API, the engine's
-# queue, on its way back to the stream; the client's own count beside them)
-TAIL_HISTOGRAMS = {"cipherlm:time_to_first_token_seconds": "server_ttft",
-                   "cipherlm:request_queue_time_seconds": "queue_time",
-                   "cipherlm:first_token_delivery_seconds": "delivery"}
-TAIL_S = 1.0  # a level's row counts the requests above this many seconds in each
+# server-side histograms whose tail a level reports, with the threshold of the tail: where a slow first token
+# waited (the API, the engine's queue, on its way back to the stream; the client's own count beside them), and
+# how late the API's event loop woke its timer (sampled 20 times a second: a saturated API process)
+TAIL_HISTOGRAMS = {"cipherlm:time_to_first_token_seconds": ("server_ttft", 1.0),
+                   "cipherlm:request_queue_time_seconds": ("queue_time", 1.0),
+                   "cipherlm:first_token_delivery_seconds": ("delivery", 1.0),
+                   "cipherlm:api_event_loop_lag_seconds": ("api_loop_lag", 0.1)}
+TAIL_S = 1.0  # the client's own count: requests whose first token took longer
 
 
 async def engine_steps(url: str) -> dict[str, float]:
     """:func:`read_counters` of the server's /metrics; {} if unreadable."""
     try:
-        async with httpx.AsyncClient() as client:
-            return read_counters((await client.get(url + "/metrics", timeout=10)).text)
-    except httpx.HTTPError:
+        async with aiohttp.ClientSession() as session, session.get(
+                url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            return read_counters(await resp.text())
+    except (aiohttp.ClientError, TimeoutError):
         return {}
 
 
 def read_counters(text: str) -> dict[str, float]:
-    """The engine's step counters (``cipherlm:engine_*``) and the tail histograms' counts, summed over tenants
-    (``server_ttft_count``; ``server_ttft_le``: those at or under ``TAIL_S``), from Prometheus text."""
+    """The engine's step counters (``cipherlm:engine_*``) and the tail histograms' counts and sums, summed over
+    tenants (``server_ttft_count``, ``server_ttft_sum``; ``server_ttft_le``: those at or under the histogram's
+    threshold in ``TAIL_HISTOGRAMS``), from Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
 
     names = {f"cipherlm:engine_{c}": c for c in STEP_COUNTERS}
@@ -352,22 +380,29 @@ def read_counters(text: str) -> dict[str, float]:
         for s in family.samples:
             if s.name in names:
                 out[names[s.name]] = s.value
-            base = TAIL_HISTOGRAMS.get(s.name.removesuffix("_count").removesuffix("_bucket"))
-            if base and s.name.endswith("_count"):
-                out[f"{base}_count"] = out.get(f"{base}_count", 0.0) + s.value
-            elif base and s.name.endswith("_bucket") and float(s.labels["le"]) == TAIL_S:
-                out[f"{base}_le"] = out.get(f"{base}_le", 0.0) + s.value
+            stem, _, part = s.name.rpartition("_")
+            base, threshold = TAIL_HISTOGRAMS.get(stem, (None, None))
+            if base is None or part not in ("count", "sum", "bucket"):
+                continue
+            if part == "bucket":
+                if float(s.labels["le"]) != threshold:
+                    continue
+                part = "le"
+            out[f"{base}_{part}"] = out.get(f"{base}_{part}", 0.0) + s.value
     return out
 
 
 def step_mix(before: dict, after: dict) -> dict:
     """Between two readings of :func:`engine_steps`: steps, the shares that carried prompt tokens and that ran
     eagerly (no graph replay), the mean host time per step (ms) and tokens per step; and how many requests
-    took over ``TAIL_S`` to their first token as the server saw it, to their first step (queue time), and
-    from the engine's first token to the API's stream (delivery)."""
+    took over a second to their first token as the server saw it, to their first step (queue time), and
+    from the engine's first token to the API's stream (delivery); how often and how late on average the API's
+    event loop woke its timer."""
     d = {c: after.get(c, 0.0) - before.get(c, 0.0) for c in after}
-    tails = {f"{base}_over_{TAIL_S:g}s": int(d.get(f"{base}_count", 0) - d.get(f"{base}_le", 0))
-             for base in TAIL_HISTOGRAMS.values() if f"{base}_count" in d}
+    tails = {f"{base}_over_{threshold:g}s": int(d[f"{base}_count"] - d.get(f"{base}_le", 0))
+             for base, threshold in TAIL_HISTOGRAMS.values() if f"{base}_count" in d}
+    if d.get("api_loop_lag_count"):
+        tails["api_loop_lag_mean_ms"] = 1e3 * d.get("api_loop_lag_sum", 0.0) / d["api_loop_lag_count"]
     if not d.get("steps_total"):
         return tails
     n = d["steps_total"]

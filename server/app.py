@@ -228,9 +228,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         _attach_engine(app, engine)
     await private_feature.start(app)
+    watcher = asyncio.create_task(app.state.metrics.watch_event_loop())
     try:
         yield
     finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
         app.state.lifecycle.cut()  # anything still streaming ends with an error event, not silently
         await private_feature.stop(app)
         if app.state.owns_engine and app.state.engine is not None:

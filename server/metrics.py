@@ -17,6 +17,7 @@ cipherlm:inter_token_latency_seconds             histogram  between consecutive 
 cipherlm:e2e_request_latency_seconds             histogram  arrival → last token
 cipherlm:request_queue_time_seconds              histogram  engine: arrival → first scheduled
 cipherlm:first_token_delivery_seconds            histogram  engine's first token → its stream (API lag)
+cipherlm:api_event_loop_lag_seconds              histogram  how late the API's event loop ran a timer
 cipherlm:http_requests_total                     counter    responses by endpoint and status
 cipherlm:rate_limited_total                      counter    429s by limit
 cipherlm:plaintext_fallback_total                counter    encrypted tenants served in plaintext
@@ -37,6 +38,8 @@ layer or byte of a body, so its series are bounded (``docs/operator-guide.md`` s
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -47,6 +50,7 @@ from prometheus_client.registry import Collector
 PREFIX = "cipherlm:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
+LOOP_LAG_INTERVAL_S = 0.05  # the event-loop watcher's timer: 20 wake-ups a second
 #: encrypted steps: stages run ~0.1-100 ms each, a whole step up to seconds on a loaded CPU worker
 _STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256,
                   0.512, 1.0, 2.0, 4.0, 8.0, 16.0)
@@ -147,7 +151,20 @@ class ServerMetrics:
                                             "Encrypted step time by stage (server side)", ["stage", "kind"],
                                             buckets=_STAGE_BUCKETS, registry=r)
 
+        # the API process's one interpreter saturated shows here first: every new request and every stream
+        # waits this long for its turn (sampled by watch_event_loop)
+        self.loop_lag = Histogram(PREFIX + "api_event_loop_lag_seconds",
+                                  "How late the API's event loop woke a timer", buckets=_LATENCY_BUCKETS,
+                                  registry=r)
+
         self.registry.register(_EngineStatsCollector(self))
+
+    async def watch_event_loop(self, interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
+        """Until cancelled: sleep ``interval_s`` at a time and observe how much later than asked the loop woke."""
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(interval_s)
+            self.loop_lag.observe(max(0.0, time.monotonic() - start - interval_s))
 
     def watch_engine(self, stats: Callable[[], Any] | None) -> None:
         """Export the engine's gauges (``stats()`` is called on every scrape; None: stop)."""

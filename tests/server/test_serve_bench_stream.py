@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import socket
 import sys
 from pathlib import Path
 
-import httpx
+import aiohttp
 import pytest
 
 _SPEC = importlib.util.spec_from_file_location(
@@ -28,11 +29,34 @@ def _sse(events: list) -> bytes:
 
 
 def _run(body: bytes, status: int = 200) -> serve_bench.RequestResult:
-    transport = httpx.MockTransport(lambda req: httpx.Response(status, content=body))
+    """``one_request`` against a real loopback HTTP server that answers ``body`` (in two writes, the second
+    splitting a line: the client must reassemble SSE lines across reads)."""
+    from aiohttp import web
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        assert request.headers["Authorization"] == "Bearer k" and (await request.json())["max_tokens"] == 3
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        half = len(body) // 2
+        await resp.write(body[:half])
+        await resp.write(body[half:])
+        await resp.write_eof()
+        return resp
 
     async def go():
-        async with httpx.AsyncClient(transport=transport) as client:
-            return await serve_bench.one_request(client, "http://x", "k", "p", 3, 5.0)
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        await web.SockSite(runner, sock).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await serve_bench.one_request(session, f"http://127.0.0.1:{port}", "k", "p", 3, 5.0)
+        finally:
+            await runner.cleanup()
 
     return asyncio.run(go())
 
@@ -81,6 +105,9 @@ def test_server_tail_counts_between_two_scrapes():
         m.ttft.labels(tenant, "tiny").observe(ttft)
         m.queue_time.labels(tenant, "tiny").observe(queue)
         m.first_token_delivery.labels(tenant, "tiny").observe(delivery)
+    for lag in (0.001, 0.003, 0.5, 0.002):
+        m.loop_lag.observe(lag)
     after = serve_bench.read_counters(generate_latest(m.registry).decode())
-    assert serve_bench.step_mix(before, after) == {"server_ttft_over_1s": 2, "queue_time_over_1s": 1,
-                                                   "delivery_over_1s": 1}
+    assert serve_bench.step_mix(before, after) == pytest.approx({
+        "server_ttft_over_1s": 2, "queue_time_over_1s": 1, "delivery_over_1s": 1, "api_loop_lag_over_0.1s": 1,
+        "api_loop_lag_mean_ms": 126.5})

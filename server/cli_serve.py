@@ -12,6 +12,7 @@ checkpoint is written and the process exits, about two seconds after the window;
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import secrets
 import sys
@@ -168,12 +169,43 @@ def _server_class():
             self.gc_freeze = gc_freeze
 
         async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)
+            config = self.config
+            if sockets is not None or config.uds or config.fd is not None or config.is_ssl:
+                await super().startup(sockets)  # the cases `cipherlm serve` does not use: uvicorn's own
+            else:
+                await self._startup_accepting_all()
             if self.gc_freeze:  # Settings.gc_freeze: the start-up heap leaves every later full collection
                 import gc
 
                 gc.collect()
                 gc.freeze()
+
+        async def _startup_accepting_all(self) -> None:
+            """uvicorn's start-up for a host and port, on a socket that accepts every waiting connection each
+            loop turn (``server.accept``) where uvloop's accepts one."""
+            from uvicorn.config import STARTUP_FAILURE
+
+            from server.accept import BatchAcceptServer, listen
+
+            await self.lifespan.startup()
+            if self.lifespan.should_exit:
+                sys.exit(STARTUP_FAILURE)
+            config = self.config
+
+            def create_protocol(_loop=None):
+                return config.http_protocol_class(config=config, server_state=self.server_state,
+                                                  app_state=self.lifespan.state, _loop=_loop)
+
+            try:
+                sockets = listen(config.host, config.port, config.backlog)
+            except OSError as exc:  # the port is taken, the address is not ours: as uvicorn reports it
+                print(f"cipherlm: error: {exc}", file=sys.stderr, flush=True)
+                await self.lifespan.shutdown()
+                sys.exit(STARTUP_FAILURE)
+            loop = asyncio.get_running_loop()
+            self.servers = [BatchAcceptServer(loop, sock, create_protocol) for sock in sockets]
+            self._log_started_message(sockets)
+            self.started = True
 
         def handle_exit(self, sig, frame) -> None:
             if self.drain_deadline is None:

@@ -155,8 +155,9 @@ class EngineConfig:
             up to ``cuda_graph_max_batch`` + this many rows (``model_runner.graph_buckets``; only the first
             ``cuda_graph_max_batch`` rows' logits). Default 0 (mixed steps run eagerly): on an H100 at 256
             served users, 256 made serving 13-16 % slower, and 2048 (the whole token budget) served 1.32-1.48x
-            the tokens/s of 0 but with a TTFT p99 of 2.9-4.9 s against 0.4-0.6 s, not yet explained
-            (docs/engine.md "Mixed steps through the decode graphs").
+            the tokens/s of 0 but with a TTFT p99 of 2.9-4.9 s against 0.4-0.6 s, measured with the benchmark's
+            old client and the server's old accept path, both since replaced (docs/engine.md "Mixed steps
+            through the decode graphs"); the default waits for that run again.
         cuda_graph_spec_tokens: draft counts ``k`` whose speculative verify steps (each sequence's last
             token + up to ``k`` drafts) get CUDA graphs, for batch buckets up to the batch at which speculation
             is switched off (``speculative_disable_by_batch_size``, capped by ``cuda_graph_max_batch``); a

@@ -38,6 +38,9 @@ from pathlib import Path
 import aiohttp
 import tomllib
 
+from server.metrics import watch_loop_lag
+
+CLIENT_LAG_INTERVAL_S = 0.01  # the clients' event-loop timer (the server's samples every 50 ms)
 WORDS = ("the river carried small boats past quiet houses while children watched from old stone bridges and "
          "merchants counted coins under bright lanterns near the market square at dusk").split()
 
@@ -113,21 +116,13 @@ async def one_request(session: aiohttp.ClientSession, url: str, key: str, prompt
     return res
 
 
-async def _loop_lag(lags: list[float], interval_s: float = 0.01) -> None:
-    """Until cancelled: how much later than asked this client's event loop woke a timer, into ``lags``."""
-    while True:
-        t = time.perf_counter()
-        await asyncio.sleep(interval_s)
-        lags.append(time.perf_counter() - t - interval_s)
-
-
 async def _drive(url: str, key: str, users: int, rate: float, duration: float, input_len: int,
                  output_len: int, timeout: float, seed: int) -> tuple[list[RequestResult], float, float, list[float]]:
     """Poisson arrivals for ``duration`` s, at most ``users`` in flight; (results, start, end in time.time(), this
     client's event-loop lags: a client too busy to read its streams on time inflates every latency it times)."""
     rng = random.Random(seed)
     lags: list[float] = []
-    watcher = asyncio.create_task(_loop_lag(lags))
+    watcher = asyncio.create_task(watch_loop_lag(lags.append, CLIENT_LAG_INTERVAL_S))
     sem = asyncio.Semaphore(users)
     results: list[RequestResult] = []
 
@@ -207,6 +202,7 @@ def summarize(users: int, results: list[RequestResult], wall: float) -> dict:
     ttft = [r.ttft * 1e3 for r in ok]
     tpot = [r.tpot * 1e3 for r in ok if r.tpot is not None]
     itl = [g * 1e3 for r in ok for g in r.itl]
+    t0 = min((r.sent for r in ok), default=0.0)
     return {"users": users, "requests": len(results), "failed": len(results) - len(ok), "wall_s": wall,
             "req_per_s": len(ok) / wall, "out_tok_per_s": sum(r.output_tokens for r in ok) / wall,
             **{f"{name}_p{q}_ms": _pct(vals, q)
@@ -217,7 +213,6 @@ def summarize(users: int, results: list[RequestResult], wall: float) -> dict:
             # response's headers), to tell a start-up burst from requests starved later, and a late start from a
             # late first token
             "ttft_slowest": [(round(r.sent - t0, 3), round(r.ttft * 1e3, 1), round(r.headers * 1e3, 1))
-                             for t0 in [min((r.sent for r in ok), default=0.0)]
                              for r in sorted(ok, key=lambda r: -r.ttft)[:10]],
             f"ttft_over_{TAIL_S:g}s": sum(1 for r in ok if r.ttft > TAIL_S),  # beside the server's (step_mix)
             "ok_without_text": sum(1 for r in ok if not r.text_chunks)}

@@ -113,6 +113,15 @@ class _EngineStatsCollector(Collector):
                     yield m
 
 
+async def watch_loop_lag(observe: Callable[[float], None], interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
+    """Until cancelled: sleep ``interval_s`` at a time and ``observe`` how much later than asked the running event
+    loop woke (seconds): how long anything ready on it waits for its turn."""
+    while True:
+        start = time.monotonic()
+        await asyncio.sleep(interval_s)
+        observe(max(0.0, time.monotonic() - start - interval_s))
+
+
 class ServerMetrics:
     """The app's metric objects."""
 
@@ -160,11 +169,8 @@ class ServerMetrics:
         self.registry.register(_EngineStatsCollector(self))
 
     async def watch_event_loop(self, interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
-        """Until cancelled: sleep ``interval_s`` at a time and observe how much later than asked the loop woke."""
-        while True:
-            start = time.monotonic()
-            await asyncio.sleep(interval_s)
-            self.loop_lag.observe(max(0.0, time.monotonic() - start - interval_s))
+        """Until cancelled: the running loop's lag into ``loop_lag`` (:func:`watch_loop_lag`)."""
+        await watch_loop_lag(self.loop_lag.observe, interval_s)
 
     def watch_engine(self, stats: Callable[[], Any] | None) -> None:
         """Export the engine's gauges (``stats()`` is called on every scrape; None: stop)."""

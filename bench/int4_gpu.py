@@ -15,9 +15,6 @@ Each layer GEMM alone, in CUDA graphs: ``bench/gemv_int4_gpu.py`` (which also ru
     python bench/int4_gpu.py --w32-tunings split.json   # the best int4 launches of bench.gemv_int4_gpu --split-sweep
     python bench/int4_gpu.py --fused-layers off,on,on,off --count-kernels   # cuda_fused_decode_layers A/B/B/A,
         # kernels per batch-1 step from torch.profiler, and a summary of the A/B (share of the floor, int4/bf16)
-    python bench/int4_gpu.py --formats bf16 --persistent off,on,on,off   # cuda_persistent_decode A/B/B/A
-    python bench/int4_gpu.py --l2-prefetch-mb 0,32,32,0   # EngineConfig.cuda_l2_prefetch_mb per row, A/B/B/A
-        # (--l2-prefetch-mode lines: EngineConfig.cuda_l2_prefetch_mode for every row)
 
 A row that fails (an exception in the engine or the bench) is recorded with its error and the run goes on.
 """
@@ -72,8 +69,7 @@ VARIANTS = {"off": (False, False, 0), "rope": (True, False, 0), "prologues": (Tr
 
 
 def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: str = "default",
-               pdl: bool | None = None, fused: bool | None = None, count_kernels: bool = False,
-               persistent: bool | None = None, l2_mb: float | None = None, l2_mode: str = "bulk") -> dict:
+               pdl: bool | None = None, fused: bool | None = None, count_kernels: bool = False) -> dict:
     cfg = ModelConfig(**SHAPES[name])
     switches = {} if variant == "default" else dict(zip(
         ("cuda_fused_rope_store", "cuda_gemv_prologues", "cuda_one_pass_decode_tokens"), VARIANTS[variant],
@@ -82,11 +78,6 @@ def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: s
         switches["cuda_pdl"] = pdl
     if fused is not None:
         switches["cuda_fused_decode_layers"] = fused
-    if persistent is not None:
-        switches["cuda_persistent_decode"] = persistent
-    if l2_mb is not None:
-        switches["cuda_l2_prefetch_mb"] = l2_mb
-    switches["cuda_l2_prefetch_mode"] = l2_mode
     llm = LLM(random_model(cfg), engine_config=EngineConfig(
         device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3, max_model_len=4096, cuda_weight_format=fmt,
         **switches))
@@ -98,8 +89,6 @@ def engine_row(name: str, fmt: str, bw: float, profile: bool = False, variant: s
     nbytes = step_bytes(llm, cfg)
     row = {"shape": name, "format": fmt, "variant": variant, "pdl": kernels.pdl_enabled(),
            "fused_layers": llm.engine.runner.model.fused_layers,
-           "persistent": llm.engine.runner.model.persistent_decode,
-           "l2_prefetch_mb": llm.engine.runner.model.l2_prefetch_bytes / 2**20, "l2_prefetch_mode": l2_mode,
            "step_ms": step * 1e3, "tok_per_s": 1 / step,
            "replay_ms": replay, "step_bytes": nbytes,
            "resident_weight_bytes": llm.engine.runner.model.resident_weight_bytes(),
@@ -138,11 +127,6 @@ def main() -> None:
                     help="EngineConfig.cuda_pdl per row, comma-separated: default, off or on (repeats allowed)")
     ap.add_argument("--fused-layers", default="default",
                     help="EngineConfig.cuda_fused_decode_layers per row, comma-separated: default, off or on")
-    ap.add_argument("--persistent", default="default",
-                    help="EngineConfig.cuda_persistent_decode per row, comma-separated: default, off or on")
-    ap.add_argument("--l2-prefetch-mb", default="default",
-                    help="EngineConfig.cuda_l2_prefetch_mb per row, comma-separated: default or a number")
-    ap.add_argument("--l2-prefetch-mode", default="bulk", help="EngineConfig.cuda_l2_prefetch_mode of every row")
     ap.add_argument("--count-kernels", action="store_true", help="kernels per batch-1 step (5 profiled replays)")
     ap.add_argument("--w32-tunings", help="a bench.gemv_int4_gpu --split-sweep JSON: its best launch per GEMM is "
                                           "recorded (kernels.set_tuning_int4_w32) for every row of this run")
@@ -152,21 +136,18 @@ def main() -> None:
     switch = {"default": None, "off": False, "on": True}
     pdls = [switch[p] for p in args.pdl.split(",")]
     fuseds = [switch[f] for f in args.fused_layers.split(",")]
-    persistents = [switch[f] for f in args.persistent.split(",")]
-    l2s = [None if v == "default" else float(v) for v in args.l2_prefetch_mb.split(",")]
     bw = copy_bandwidth()
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     res = {"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "engine": []}
     for name in args.shapes.split(","):
         for fmt in args.formats.split(","):
             for variant in args.variants.split(","):
-                for pdl, fused, pers, l2 in itertools.product(pdls, fuseds, persistents, l2s):
+                for pdl, fused in itertools.product(pdls, fuseds):
                     try:
-                        row = engine_row(name, fmt, bw, args.profile, variant, pdl, fused, args.count_kernels,
-                                         pers, l2, args.l2_prefetch_mode)
+                        row = engine_row(name, fmt, bw, args.profile, variant, pdl, fused, args.count_kernels)
                     except Exception as exc:  # noqa: BLE001 - recorded; the other rows still run
                         row = {"shape": name, "format": fmt, "variant": variant, "pdl": pdl, "fused_layers": fused,
-                               "persistent": pers, "l2_prefetch_mb": l2, "error": repr(exc)}
+                               "error": repr(exc)}
                         gc.collect()
                         torch.cuda.empty_cache()
                     print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
@@ -188,50 +169,35 @@ def apply_w32_tunings(path: str) -> None:
 
 
 def summary(rows: list[dict]) -> str:
-    """A markdown table of the rows averaged per (shape, format, PDL, fused layers, persistent, L2 prefetch MB):
-    step, replay, tokens/s, share of the floor at the measured copy bandwidth, kernels per step; then int4 /
-    bf16 tokens/s per setting, and each L2 prefetch setting's tokens/s over the same row without it."""
+    """A markdown table of the rows averaged per (shape, format, PDL, fused layers): step, replay, tokens/s,
+    share of the floor at the measured copy bandwidth, kernels per step; then int4 / bf16 tokens/s per setting."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if "error" not in r:
-            groups.setdefault((r["shape"], r["format"], r["pdl"], r.get("fused_layers"), r.get("persistent"),
-                               r.get("l2_prefetch_mb", 0)), []).append(r)
-    out = ["| shape | format | PDL | fused layers | persistent | L2 prefetch MB | step runs, ms | mean step | replay "
+            groups.setdefault((r["shape"], r["format"], r["pdl"], r.get("fused_layers")), []).append(r)
+    out = ["| shape | format | PDL | fused layers | step runs, ms | mean step | replay "
            "| tokens/s | floor (measured bw) | step share | replay share | kernels/step |",
-           "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     mean = {}
-    replays = {}
-    for (shape, fmt, pdl, fused, pers, l2), rs in groups.items():
+    for (shape, fmt, pdl, fused), rs in groups.items():
         step = sum(r["step_ms"] for r in rs) / len(rs)
         replay = sum(r["replay_ms"] for r in rs) / len(rs)
         floor = rs[0]["floor_ms_measured"]
         kps = rs[0].get("kernels_per_step")
         kps_text = "" if kps is None else f"{kps:.0f}"
         runs = " / ".join(f"{r['step_ms']:.3f}" for r in rs)
-        mean[(shape, fmt, pdl, fused, pers, l2)] = step
-        replays[(shape, fmt, pdl, fused, pers, l2)] = replay
-        out.append(f"| {shape} | {fmt} | {pdl} | {fused} | {pers} | {l2:g} | {runs} | "
+        mean[(shape, fmt, pdl, fused)] = step
+        out.append(f"| {shape} | {fmt} | {pdl} | {fused} | {runs} | "
                    f"{step:.3f} | {replay:.3f} | {1e3 / step:,.0f} | {floor:.3f} | {100 * floor / step:.1f} % | "
                    f"{100 * floor / replay:.1f} % | {kps_text} |")
-    for (shape, fmt, pdl, fused, pers, l2), step in mean.items():
-        if fmt == "int4" and (shape, "bf16", pdl, fused, pers, l2) in mean:
-            out.append(f"int4 / bf16 tokens/s, {shape}, PDL {pdl}, fused layers {fused}, persistent {pers}, "
-                       f"L2 prefetch {l2:g} MB: {mean[(shape, 'bf16', pdl, fused, pers, l2)] / step:.2f}x")
-        if fmt == "int4" and l2 and (shape, "bf16", pdl, fused, pers, 0) in mean:
-            out.append(f"int4 with L2 prefetch {l2:g} MB / bf16 without, {shape}: "
-                       f"{mean[(shape, 'bf16', pdl, fused, pers, 0)] / step:.2f}x")
-        if fmt == "int4" and (shape, "bf16", pdl, False, pers, l2) in mean and fused:
+    for (shape, fmt, pdl, fused), step in mean.items():
+        if fmt == "int4" and (shape, "bf16", pdl, fused) in mean:
+            out.append(f"int4 / bf16 tokens/s, {shape}, PDL {pdl}, fused layers {fused}: "
+                       f"{mean[(shape, 'bf16', pdl, fused)] / step:.2f}x")
+        if fmt == "int4" and (shape, "bf16", pdl, False) in mean and fused:
             out.append(f"int4 fused / bf16 unfused tokens/s, {shape}: "
-                       f"{mean[(shape, 'bf16', pdl, False, pers, l2)] / step:.2f}x")
-        if fmt == "bf16" and pers and (shape, fmt, pdl, fused, False, l2) in mean:
-            out.append(f"persistent on / off tokens/s, {shape}, bf16: "
-                       f"{mean[(shape, fmt, pdl, fused, False, l2)] / step:.2f}x")
-        off = (shape, fmt, pdl, fused, pers, 0)
-        if l2 and off in mean:
-            out.append(f"L2 prefetch {l2:g} MB / off, {shape}, {fmt}: tokens/s {mean[off] / step:.2f}x, "
-                       f"replay {replays[off] / replays[(shape, fmt, pdl, fused, pers, l2)]:.2f}x")
+                       f"{mean[(shape, 'bf16', pdl, False)] / step:.2f}x")
     return "\n".join(out)
-
 
 if __name__ == "__main__":
     main()

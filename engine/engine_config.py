@@ -71,7 +71,6 @@ CUDA_WEIGHT_FORMATS = ("bf16", "int4", "fp8")
 # "auto": the pools hold the model dtype; "fp8_e4m3" ("fp8", as vLLM spells it too): float8_e4m3fn values
 # with static per-(layer, KV head) scales for K and V (engine.kv_cache.calibrate_kv_scales)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
-L2_PREFETCH_MODES = ("bulk", "lines")  # kernels.l2_prefetch's modes (tests/engine/test_engine_parts.py pins it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,28 +196,12 @@ class EngineConfig:
             layer as 4 fused GEMV launches + the attention (``kernels.decode_layer``, issue 19 item 2): RMSNorm
             + QKV + RoPE + K/V store, attention, O + residual add, RMSNorm + gate/up + SiLU·mul, down + residual
             add, instead of ~10 launches. Takes precedence over ``cuda_gemv_prologues`` on those steps; fp8
-            weights and fp8 KV pools keep the unfused path. Off by default until measured on a GPU.
-        cuda_persistent_decode: on CUDA, batch-1 decode steps with 16-bit weights run every decoder layer in ONE
-            persistent Triton launch (``kernels.decode_persistent``, issue 19 item 2): one program per SM, grid
-            barriers between RMSNorm + QKV + RoPE + K/V store, attention, O + residual, RMSNorm + gate/up +
-            SiLU·mul and down + residual, each program loading its next stage's weights before it waits.
-            Captured in the decode CUDA graphs like the other paths; takes precedence over
-            ``cuda_fused_decode_layers`` on those steps. int4 and fp8 weights, fp8 KV pools, tensor-parallel
-            slices and batches of more than one row keep the other paths. Off by default: an H100 gave the same tokens
-            and a 2x slower step (docs/benchmarks.md, "Session 24's last device calls").
+            weights and fp8 KV pools keep the unfused path. Off by default: on an H100 the step was slower on
+            three rows of four (Qwen2.5-0.5B bf16 0.757 -> 0.870 ms; docs/benchmarks.md, "Session 23's device calls").
         cuda_one_pass_decode_tokens: on CUDA, decode batches of up to 8 sequences whose contexts all fit
             this many tokens replay a graph whose attention is one pass per (sequence, KV head), without
             the split-K reduce kernel (``engine.model_runner.ONE_PASS_MAX_BATCH``); 0 (default): off (split-K
             only; the one-pass graphs measured slower at 129-384-token contexts on an H100).
-        cuda_l2_prefetch_mb: on CUDA (compute capability 9.0+), decode steps of up to 4 rows on the per-op path
-            ask, per layer once its QKV product is done, for this many MB of the weights the step reads next (the
-            layer's O, gate/up and down, then the next layer's QKV) to be pulled into L2 by a bulk prefetch on a
-            side stream (``kernels.l2_prefetch``, issue 19 item 2), so that those GEMVs stream from L2 while the
-            attention's small kernels leave the memory idle. Keep it under the L2 (50 MB on an H100 / H200).
-            0 (default): off; on an H100 it measured within 3 % of off, "lines" ~20 % slower (docs/engine.md
-            "L2 prefetch").
-        cuda_l2_prefetch_mode: how that prefetch asks: "bulk" (default; one ``cp.async.bulk.prefetch.L2`` a
-            32-KB chunk) or "lines" (one ``prefetch.global.L2::evict_last`` a 128-byte line).
         cuda_pdl: on CUDA (compute capability 9.0+), launch the decode step's Triton kernels (GEMVs, norms,
             RoPE + store, attention, SiLU·mul) with programmatic dependent launch (``kernels._pdl``): each
             starts, and loads its weights, while the kernel before it finishes. Process-wide (the last
@@ -284,10 +267,7 @@ class EngineConfig:
     cuda_fused_rope_store: bool = True
     cuda_gemv_prologues: bool = False
     cuda_fused_decode_layers: bool = False
-    cuda_persistent_decode: bool = False
     cuda_one_pass_decode_tokens: int = 0
-    cuda_l2_prefetch_mb: float = 0
-    cuda_l2_prefetch_mode: str = "bulk"
     cuda_pdl: bool = True
     seed: int = 0
     speculative_method: str | None = "ngram"
@@ -313,10 +293,7 @@ class EngineConfig:
         self.scheduler_config()   # and the scheduler's
         self.spec_config()        # and speculative decoding's
         self._check_graph_spec_tokens()
-        _non_negative(self, "cuda_graph_mixed_tokens", "cuda_l2_prefetch_mb", "cuda_one_pass_decode_tokens")
-        if self.cuda_l2_prefetch_mode not in L2_PREFETCH_MODES:
-            raise ValueError(f"cuda_l2_prefetch_mode must be one of {L2_PREFETCH_MODES}, "
-                             f"got {self.cuda_l2_prefetch_mode!r}")
+        _non_negative(self, "cuda_graph_mixed_tokens", "cuda_one_pass_decode_tokens")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:

@@ -21,15 +21,7 @@ the tunings measured, docs/benchmarks.md), where a product runs as a GEMV kernel
 kernel's prologue (``kernels._prologue``). With ``fused_layers`` (``EngineConfig.cuda_fused_decode_layers``, off by
 default until measured) a step whose rows are all GEMV rows runs each layer as four launches plus the attention
 (``kernels.decode_layer``): RMSNorm + QKV + RoPE + K/V store, attention, O + residual add, RMSNorm + gate/up +
-SiLU·mul, down + residual add; the residual stream is updated in place by the O and down epilogues. With
-``persistent_decode`` (``EngineConfig.cuda_persistent_decode``, off by default until measured) a batch-1 step with
-16-bit weights runs every layer in ONE persistent launch (``kernels.decode_persistent``: grid barriers between
-the stages, the next stage's weights loaded before each barrier); it takes precedence over ``fused_layers``.
-With ``l2_prefetch_bytes`` (``EngineConfig.cuda_l2_prefetch_mb``, off by default until measured) a step of at most
-``L2_PREFETCH_MAX_ROWS`` rows on the per-op path asks, when each layer's QKV product is done, for the next bytes
-its GEMVs read (the layer's O, gate/up and down weights, then the next layer's QKV; the head after the last
-layer) to be pulled into L2 by a ``kernels.l2_prefetch`` launch on a side stream, joined at the end of the
-forward: the memory streams them while the attention's small kernels run.
+SiLU·mul, down + residual add; the residual stream is updated in place by the O and down epilogues.
 
 :func:`fuse_for_cuda` concatenates each layer's q/k/v and gate/up weights once, at load, and re-points the
 original parameters at row slices of the fused tensors, so no weight is stored twice and the wrapped model
@@ -50,8 +42,6 @@ from engine.model import AttentionBackend, LlamaForCausalLM
 
 # rows up to which int4 weights go through the GEMV kernel (it re-reads W from L2 per row); more: dequantize
 INT4_GEMV_MAX_ROWS = 4
-# rows up to which a step is bound by its weight bytes, where the L2 prefetch of the next GEMVs' weights applies
-L2_PREFETCH_MAX_ROWS = 4
 
 
 @dataclasses.dataclass
@@ -152,26 +142,13 @@ class FusedLlama(nn.Module):
 
     def __init__(self, model: LlamaForCausalLM, use_gemv: bool = True, int4_group: int | None = None,
                  gemv_prologues: bool = False, fused_rope_store: bool = True, fp8: bool = False,
-                 fused_layers: bool = False, kernel_backend: str = "auto", persistent_decode: bool = False,
-                 persistent_tuning: kernels.PersistentDecodeTuning | None = None, l2_prefetch_bytes: int = 0,
-                 l2_prefetch_mode: str = "bulk") -> None:
+                 fused_layers: bool = False, kernel_backend: str = "auto") -> None:
         super().__init__()
         self.base = model
         self.use_gemv = use_gemv  # single-row GEMMs through kernels.gemv (batch-1 decode) instead of cuBLAS
         self.gemv_prologues = gemv_prologues  # RMSNorm / SiLU·mul in the prologue of the GEMV rows' kernels
         self.fused_rope_store = fused_rope_store  # RoPE + K/V store in one launch (paged backend)
         self.fused_layers = fused_layers  # GEMV-row steps: 4 launches + attention a layer (kernels.decode_layer)
-        # batch-1 bf16 decode steps: every layer in one persistent launch (kernels.decode_persistent)
-        self.persistent_decode = persistent_decode
-        self.persistent_tuning = persistent_tuning  # None: the launcher's (one program per SM)
-        # bytes of the next GEMVs' weights pulled into L2 per layer on few-row steps (0: off)
-        self.l2_prefetch_bytes = l2_prefetch_bytes
-        self.l2_prefetch_mode = l2_prefetch_mode  # kernels.l2_prefetch's mode: "bulk" or "lines"
-        self._l2: tuple[list[kernels.L2Ranges], torch.cuda.Stream] | None = None  # built on first use
-        self._persistent: tuple[tuple, kernels.PersistentDecodeLayers] | None = None  # (pool key, tables)
-        # the persistent kernel takes one RMSNorm eps for every norm: checked once here, not every step
-        self._one_norm_eps = len({n.eps for layer in model.layers
-                                  for n in (layer.input_layernorm, layer.post_attention_layernorm)}) == 1
         # the decode-layer launchers' backend: "auto" (Triton on CUDA, torch references elsewhere); tests force
         # "triton" on CPU tensors under Triton's interpreter
         self.kernel_backend = kernel_backend
@@ -207,60 +184,28 @@ class FusedLlama(nn.Module):
         """input_ids/positions [T] -> last hidden state [T, hidden], as the reference forward."""
         h = self.base.embed(input_ids)                      # [T, hidden]
         cos, sin = self.base.rotary.cos_sin(positions)      # [T, D] fp32, shared by every layer
-        if self._persistent_apply(h, backend):
-            return self._forward_persistent(h, cos, sin, backend)
         if self._fused_layers_apply(h, backend):
             return self._forward_fused_layers(h, cos, sin, backend)
         residual = None
-        l2 = self._l2_prefetches(h)
         for layer, w in zip(self.base.layers, self.fused, strict=True):
-            h, residual = self._layer(layer, w, h, residual, cos, sin, backend, l2)
-        if l2 is not None:  # join the side stream: the forward ends after its prefetches were issued
-            torch.cuda.current_stream(h.device).wait_stream(l2[1])
+            h, residual = self._layer(layer, w, h, residual, cos, sin, backend)
         return h + residual
 
-    def _layer(self, layer, w: FusedLayerWeights, h, residual, cos, sin, backend, l2=None):
-        """One decoder layer on (layer input h, residual stream) -> (MLP output, residual stream); ``l2``: the
-        per-layer prefetches and their side stream (:meth:`_l2_prefetches`), launched once QKV is done."""
+    def _layer(self, layer, w: FusedLayerWeights, h, residual, cos, sin, backend):
+        """One decoder layer on (layer input h, residual stream) -> (MLP output, residual stream)."""
         attn = layer.self_attn
         qkv, residual = self._norm_linear(layer.input_layernorm, h, residual, w.qkv, w.qkv_bias)
-        if l2 is not None:
-            ranges, side = l2
-            side.wait_stream(torch.cuda.current_stream(h.device))
-            with torch.cuda.stream(side):
-                kernels.l2_prefetch(ranges[attn.layer_idx], self.l2_prefetch_mode)
         o = self._attend(attn, qkv, cos, sin, backend)      # [T, Hq, D]
         h = _reduce(attn.o_proj, self._linear(o.reshape(o.shape[0], -1), w.o))
         gate_up, residual = self._norm_linear(layer.post_attention_layernorm, h, residual, w.gate_up)
         return _reduce(layer.mlp.down_proj, self._silu_linear(gate_up, w.down)), residual
 
-    def l2_prefetch_plan(self) -> list[list[torch.Tensor]]:
-        """Per layer, the tensors its L2 prefetch covers, in the order the step reads them: the layer's O,
-        gate/up and down weights, then the next layer's QKV weight (after the last layer: the head's)."""
-        head = self.quant_head if self.quant_head is not None else self.base.lm_head.weight
-        nxt = [w.qkv for w in self.fused[1:]] + [head]
-        return [weight_tensors(w.o) + weight_tensors(w.gate_up) + weight_tensors(w.down) + weight_tensors(n)
-                for w, n in zip(self.fused, nxt, strict=True)]
-
-    def _l2_prefetches(self, h: torch.Tensor) -> tuple[list[kernels.L2Ranges], torch.cuda.Stream] | None:
-        """The per-layer prefetch chunks and their side stream, where this step takes them: switched on, at most
-        L2_PREFETCH_MAX_ROWS rows, a device the prefetch runs on (``kernels.l2_prefetch_supported``). Built on
-        the first such step (the graph runner's warm-up, before capture) and kept: the weights do not move. A
-        weight that is not one range of bytes (a tensor-parallel column slice) is left out."""
-        if not (self.l2_prefetch_bytes > 0 and h.shape[0] <= L2_PREFETCH_MAX_ROWS
-                and kernels.l2_prefetch_supported(h.device)):
-            return None
-        if self._l2 is None:
-            self._l2 = ([kernels.l2_ranges([t for t in ts if t.is_contiguous()], self.l2_prefetch_bytes)
-                         for ts in self.l2_prefetch_plan()], torch.cuda.Stream(h.device))
-        return self._l2
-
-    def _fused_layers_apply(self, h: torch.Tensor, backend, force: bool = False) -> bool:
+    def _fused_layers_apply(self, h: torch.Tensor, backend) -> bool:
         """Whether this step runs the fused decode layers: switched on, every product a GEMV row (bf16: one
         row; int4: up to INT4_GEMV_MAX_ROWS), the kernels' paged backend with pools of the activations' dtype
         (not the CPU attention path, not fp8 pools), no fp8 weights and no tensor-parallel slices (their
         partial products are summed over ranks before the residual add)."""
-        if not (self.fused_layers or force):
+        if not self.fused_layers:
             return False
         w0 = self.fused[0]
         rows = h.shape[0]
@@ -276,41 +221,6 @@ class FusedLlama(nn.Module):
         layer = self.base.layers[0]
         return getattr(layer.self_attn.o_proj, "reduce", None) is None and getattr(
             layer.mlp.down_proj, "reduce", None) is None
-
-    def _persistent_apply(self, h: torch.Tensor, backend) -> bool:
-        """Whether this step runs every layer in one persistent launch: switched on, one decode row (batch 1),
-        16-bit weights through the GEMV path (not int4, not fp8), the kernels' paged backend with pools of the
-        activations' dtype (not the CPU attention path, not fp8 pools), no tensor-parallel slices, one RMSNorm
-        eps for every norm."""
-        if not (self.persistent_decode and self.use_gemv and h.shape[0] == 1
-                and isinstance(self.fused[0].qkv, torch.Tensor)):
-            return False
-        meta = getattr(backend, "meta", None)
-        if meta is None or meta.num_decode != 1:
-            return False
-        return self._one_norm_eps and self._fused_layers_apply(h, backend, force=True)
-
-    def _persistent_layers(self, cache) -> kernels.PersistentDecodeLayers:
-        """The persistent kernel's tables for this pool, built on the first step that uses them (the graph
-        runner's warm-up forward, before capture) and kept while the pool is the same."""
-        key = (id(cache), cache.k[0].data_ptr())
-        if self._persistent is None or self._persistent[0] != key:
-            layers = [kernels.DecodeLayerWeights(layer.input_layernorm.weight, w.qkv, w.qkv_bias, w.o,
-                                                 layer.post_attention_layernorm.weight, w.gate_up, w.down)
-                      for layer, w in zip(self.base.layers, self.fused, strict=True)]
-            attn = self.base.layers[0].self_attn
-            plan = kernels.PersistentDecodeLayers.build(layers, cache.k, cache.v, attn.num_heads, attn.num_kv_heads,
-                                                        self.base.layers[0].input_layernorm.eps)
-            self._persistent = (key, plan)
-        return self._persistent[1]
-
-    def _forward_persistent(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend) -> torch.Tensor:
-        """Every layer in one ``kernels.decode_persistent`` launch; h [1, hidden] (the embedding's fresh output)
-        is the residual stream, updated in place."""
-        m = backend.meta
-        layers = self._persistent_layers(backend.cache)
-        return kernels.decode_persistent(h, cos, sin, m.slot_mapping, m.decode_block_tables, m.decode_context_lens,
-                                         layers, tuning=self.persistent_tuning, backend=self.kernel_backend)
 
     def _forward_fused_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend) -> torch.Tensor:
         """Every layer in four ``kernels.decode_layer`` launches + the attention; h [T, hidden] is the residual
@@ -420,16 +330,10 @@ def _reduce(module: nn.Module, partial: torch.Tensor) -> torch.Tensor:
 
 def fuse_for_cuda(model: LlamaForCausalLM, int4_group: int | None = None,
                   gemv_prologues: bool = False, fused_rope_store: bool = True, fp8: bool = False,
-                  fused_layers: bool = False, persistent_decode: bool = False,
-                  l2_prefetch_bytes: int = 0, l2_prefetch_mode: str = "bulk") -> FusedLlama:
+                  fused_layers: bool = False) -> FusedLlama:
     """The model with the fused forward (the runner's choice on CUDA); ``int4_group``: int4 weights; ``fp8``:
     e4m3 weights (engine.fp8); ``gemv_prologues``: norms / SiLU·mul in the GEMV rows' prologues;
     ``fused_rope_store``: RoPE + K/V store in one launch; ``fused_layers``: GEMV-row steps as four launches +
-    attention a layer (``kernels.decode_layer``); ``persistent_decode``: batch-1 16-bit decode steps as one
-    persistent launch for all layers (``kernels.decode_persistent``); ``l2_prefetch_bytes``: per layer, bytes of
-    the next GEMVs' weights pulled into L2 on few-row steps (0: off), ``l2_prefetch_mode`` how
-    (``kernels.l2_prefetch``)."""
+    attention a layer (``kernels.decode_layer``)."""
     return FusedLlama(model, int4_group=int4_group, gemv_prologues=gemv_prologues,
-                      fused_rope_store=fused_rope_store, fp8=fp8, fused_layers=fused_layers,
-                      persistent_decode=persistent_decode, l2_prefetch_bytes=l2_prefetch_bytes,
-                      l2_prefetch_mode=l2_prefetch_mode)
+                      fused_rope_store=fused_rope_store, fp8=fp8, fused_layers=fused_layers)

@@ -125,9 +125,6 @@ class ModelRunner:
             self.model = fuse_for_cuda(self.model, int4_group=int4, gemv_prologues=config.cuda_gemv_prologues,
                                        fused_rope_store=config.cuda_fused_rope_store,
                                        fused_layers=config.cuda_fused_decode_layers,
-                                       persistent_decode=config.cuda_persistent_decode,
-                                       l2_prefetch_bytes=int(config.cuda_l2_prefetch_mb * 2**20),
-                                       l2_prefetch_mode=config.cuda_l2_prefetch_mode,
                                        fp8=config.cuda_weight_format == "fp8")
         elif config.cpu_packed_weights:  # oneDNN-packed linears: no per-call weight re-pack (engine.cpu_linear)
             pack_linears(self.model, one_row_copies=config.cpu_one_row_weights,

@@ -16,13 +16,6 @@ from .decode_layer import (
     norm_qkv_rope_store,
     norm_qkv_rope_store_reference,
 )
-from .decode_persistent import (
-    DecodeLayerWeights,
-    PersistentDecodeLayers,
-    PersistentDecodeTuning,
-    decode_persistent,
-    decode_persistent_reference,
-)
 from .errors import BackendUnavailableError, KernelError, KernelInputError
 from .gemv import (
     GemvTuning,
@@ -54,7 +47,6 @@ from .gemv_int4_w32 import (
     tuning_int4_w32,
 )
 from .kv_quant import dequantize_kv, quantize_kv
-from .l2_prefetch import L2Ranges, l2_prefetch, l2_prefetch_supported, l2_ranges
 from .paged_decode import paged_decode_attention, paged_decode_attention_reference
 from .paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
@@ -71,10 +63,6 @@ from .store_kv import store_kv, store_kv_reference
 
 __all__ = [
     "pdl_enabled",
-    "L2Ranges",
-    "l2_prefetch",
-    "l2_prefetch_supported",
-    "l2_ranges",
     "set_pdl",
     "BackendUnavailableError",
     "DecodeLayerTuning",
@@ -84,11 +72,6 @@ __all__ = [
     "norm_gate_up_silu_reference",
     "norm_qkv_rope_store",
     "norm_qkv_rope_store_reference",
-    "DecodeLayerWeights",
-    "PersistentDecodeLayers",
-    "PersistentDecodeTuning",
-    "decode_persistent",
-    "decode_persistent_reference",
     "GemvTuning",
     "gemv",
     "gemv_reference",

@@ -136,8 +136,7 @@ if HAS_TRITON:
     @triton.jit
     def online_softmax_step(q, k, v, nmask, m_i, l_i, acc, sm_scale_log2, DOT_PREC: tl.constexpr):
         """One K/V tile of a decode query group's online softmax (fp32, exp2): q [G, D], k and v [N, D] in q's
-        dtype, ``nmask`` [N] the tile's tokens in range; the running max, sum and output -> their updates.
-        Shared by the partition kernel here and the persistent decode kernel (``kernels.decode_persistent``)."""
+        dtype, ``nmask`` [N] the tile's tokens in range; the running max, sum and output -> their updates."""
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2  # [G, N]
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))

@@ -88,6 +88,7 @@ def load_settings(args: argparse.Namespace):
         settings = with_tensor_parallel(settings, args.tensor_parallel)
     if getattr(args, "kv_cache_dtype", None):
         settings = with_kv_cache_dtype(settings, args.kv_cache_dtype)
+    check_engine_settings(settings)
     print(f"cipherlm: settings {path} ({len(settings.tenants)} tenants)", flush=True)
     return settings
 
@@ -118,16 +119,22 @@ def with_tensor_parallel(settings, size: int):
 
 def with_kv_cache_dtype(settings, kv_cache_dtype: str):
     """``--kv-cache-dtype auto|fp8_e4m3``: what this deployment's KV pools hold (``EngineConfig.kv_cache_dtype``);
-    the engine settings are checked together here, so a combination the engine refuses (an unknown dtype, fp8
-    with tensor parallelism) stops the server before it starts (ValueError)."""
+    a combination the engine refuses (an unknown dtype, fp8 with tensor parallelism) stops the server before
+    it starts (ValueError, from :func:`check_engine_settings`)."""
+    settings = settings.model_copy(update={"engine": {**settings.engine, "kv_cache_dtype": kv_cache_dtype}})
+    check_engine_settings(settings)
+    return settings
+
+
+def check_engine_settings(settings) -> None:
+    """The ``[engine]`` table as the engine will take it: an unknown key (a typo, or a switch a release
+    removed) or a value the engine refuses stops the server before it starts, as a ValueError."""
     from engine.engine_config import EngineConfig
 
-    engine = {**settings.engine, "kv_cache_dtype": kv_cache_dtype}
     try:
-        EngineConfig(**engine)
+        EngineConfig(**settings.engine)
     except TypeError as exc:  # an unknown [engine] key
         raise ValueError(f"[engine] settings: {exc}") from exc
-    return settings.model_copy(update={"engine": engine})
 
 
 def _model_config(model: str | None):

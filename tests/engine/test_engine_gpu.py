@@ -210,26 +210,6 @@ def test_pdl_keeps_the_greedy_tokens_and_the_graphs(fmt):
     assert tokens[0] == tokens[1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="the bulk L2 prefetch needs compute capability 9.0")
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_l2_prefetch_keeps_the_greedy_tokens_and_the_graphs(fmt):
-    """EngineConfig.cuda_l2_prefetch_mb: the per-layer prefetches on a side stream, forked and joined inside the
-    captured decode graphs (a failed capture would fall back to eager steps: asserted not to), leave the fp32
-    greedy tokens of batch-1 steps and of a batch of several as they are without them."""
-    prompts = random_prompts([5, 17, 33, 40], seed=6)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    tokens = []
-    for mb in (0, 32):
-        llm = _engine({}, dtype="float32", cuda_weight_format=fmt, cuda_l2_prefetch_mb=mb)
-        assert llm.engine.runner._graphs
-        tokens.append(_alone_and_together(llm, prompts, params))
-        assert (llm.engine.runner.model._l2 is not None) == bool(mb)  # built by the batch-1 steps
-        del llm
-        _free_gpu_memory()
-    assert tokens[0] == tokens[1]
-
-
 def _assert_first_decode_logprobs_close(off_switches: dict, on_switches: dict) -> None:
     """bf16: the first decode step's top-5 log-probs of an engine with ``on_switches`` are those of one with
     ``off_switches``, to bf16 precision, after the same prefill token (the prefill runs the unfused path on both)."""

@@ -65,13 +65,6 @@ def test_component_configs_validate_on_construction():
     assert EngineConfig(block_size=8).cache_config().block_size == 8
     with pytest.raises(ValueError, match="cuda_one_pass_decode_tokens"):
         EngineConfig(cuda_one_pass_decode_tokens=-1)
-    with pytest.raises(ValueError, match="cuda_l2_prefetch_mb"):
-        EngineConfig(cuda_l2_prefetch_mb=-1)
-    with pytest.raises(ValueError, match="cuda_l2_prefetch_mode"):
-        EngineConfig(cuda_l2_prefetch_mode="loads")
-    from engine.engine_config import L2_PREFETCH_MODES
-    from kernels.l2_prefetch import MODES
-    assert L2_PREFETCH_MODES == MODES
 
 
 @torch.inference_mode()

@@ -46,28 +46,6 @@ def test_fused_weights_share_storage_with_the_model():
     assert torch.equal(w.qkv[attn.q_proj.out_features:][: attn.k_proj.out_features], attn.k_proj.weight)
 
 
-@pytest.mark.parametrize("int4", [False, True])
-def test_l2_prefetch_plan_follows_the_step_reads(int4):
-    """Each layer's L2 prefetch covers, in order, what the step reads after that layer's QKV: its O, gate/up and
-    down weights (int4: data then scales), then the next layer's QKV; after the last layer, the head. On CPU
-    the prefetch itself never launches (kernels.l2_prefetch_supported), so the step takes no side stream."""
-    model = tiny_model("qwen2-bias-tied", seed=1)
-    fused = FusedLlama(model, int4_group=16 if int4 else None, l2_prefetch_bytes=1 << 20)
-    plan = fused.l2_prefetch_plan()
-    assert len(plan) == len(fused.fused)
-
-    def parts(w):
-        return [w.qweight, w.scale_offset] if int4 else [w]
-
-    for i, w in enumerate(fused.fused):
-        nxt = fused.fused[i + 1].qkv if i + 1 < len(fused.fused) else (
-            fused.quant_head if int4 else model.lm_head.weight)
-        want = parts(w.o) + parts(w.gate_up) + parts(w.down) + parts(nxt)
-        assert [t.data_ptr() for t in plan[i]] == [t.data_ptr() for t in want]
-    h = torch.zeros(1, model.config.hidden_size)
-    assert fused._l2_prefetches(h) is None and fused._l2 is None
-
-
 @torch.inference_mode()
 def test_int4_fused_forward_is_the_dequantized_model():
     """int4 weights (chunks of 13 rows dequantize, single rows take gemv_int4's torch reference on CPU):

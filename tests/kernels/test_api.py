@@ -34,9 +34,6 @@ def test_exported_members():
         "set_pdl", "pdl_enabled",
         "DecodeLayerTuning", "gemv_add_residual", "gemv_add_residual_reference", "norm_gate_up_silu",
         "norm_gate_up_silu_reference", "norm_qkv_rope_store", "norm_qkv_rope_store_reference",
-        "DecodeLayerWeights", "PersistentDecodeLayers", "PersistentDecodeTuning", "decode_persistent",
-        "decode_persistent_reference",
-        "L2Ranges", "l2_prefetch", "l2_prefetch_supported", "l2_ranges",
     ])
     for name in kernels.__all__:
         assert getattr(kernels, name).__module__.startswith("kernels.")

@@ -91,3 +91,18 @@ def test_serve_kv_cache_dtype_flag_sets_the_engine_and_refuses_what_the_engine_r
         with_kv_cache_dtype(Settings(engine={"device": "cpu", "tensor_parallel_size": 2}), "fp8")
     with pytest.raises(ValueError, match=r"\[engine\] settings"):
         with_kv_cache_dtype(Settings(engine={"no_such_knob": 1}), "fp8_e4m3")
+
+
+def test_serve_refuses_an_unknown_engine_key_before_it_starts(tmp_path):
+    """A key the engine does not know (here a switch session 30 removed) stops `cipherlm serve` with a one-line
+    error and exit code 2, before the app or the engine is built."""
+    from server.cli_serve import serve
+
+    path = tmp_path / "s.toml"
+    path.write_text('[engine]\ndevice = "cpu"\ncuda_persistent_decode = true\n')
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--config", str(path)])
+    with pytest.raises(ValueError, match="cuda_persistent_decode"):
+        load_settings(args)
+    assert serve(args) == 2

@@ -153,6 +153,27 @@ def _model_config(model: str | None):
     return ModelConfig.from_file(path / "config.json") if (path / "config.json").exists() else None
 
 
+def uvicorn_internals_fit(server) -> bool:
+    """Whether ``server`` (a loaded uvicorn.Server) still has the start-up parts that
+    ``DrainingServer._startup_accepting_all`` restates: the lifespan, the shared server state, the protocol
+    class and its keywords, the start message. uvicorn offers no setting for the accept batch, so a release
+    that renames one of them gets its own start-up back, with a warning, instead of a server that cannot start."""
+    import inspect
+
+    from uvicorn import config as uvicorn_config
+
+    protocol = getattr(server.config, "http_protocol_class", None)
+    if protocol is None or not hasattr(uvicorn_config, "STARTUP_FAILURE"):
+        return False
+    try:
+        params = inspect.signature(protocol).parameters
+    except (TypeError, ValueError):
+        return False
+    return ({"config", "server_state", "app_state", "_loop"} <= params.keys()
+            and callable(getattr(getattr(server, "lifespan", None), "startup", None))
+            and hasattr(server, "server_state") and callable(getattr(server, "_log_started_message", None)))
+
+
 #: after the drain window, how long uvicorn may still wait for responses to flush (the streams cut at
 #: the deadline send their error event) before it cancels them and runs the app's shutdown
 FLUSH_GRACE_S = 1.5
@@ -179,6 +200,11 @@ def _server_class():
             config = self.config
             if sockets is not None or config.uds or config.fd is not None or config.is_ssl:
                 await super().startup(sockets)  # the cases `cipherlm serve` does not use: uvicorn's own
+            elif not uvicorn_internals_fit(self):
+                print("cipherlm: warning: this uvicorn's start-up differs from the one `cipherlm serve` knows; "
+                      "listening through uvicorn's own (one accept per loop turn under uvloop)",
+                      file=sys.stderr, flush=True)
+                await super().startup(sockets)
             else:
                 await self._startup_accepting_all()
             if self.gc_freeze:  # Settings.gc_freeze: the start-up heap leaves every later full collection

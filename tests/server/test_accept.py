@@ -93,3 +93,76 @@ def test_a_name_listens_on_each_of_its_addresses():
     finally:
         for s in socks:
             s.close()
+
+
+async def _hello(scope, receive, send) -> None:
+    """A minimal ASGI app: lifespan accepted, every request answered 200 "ok"."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def _started(monkeypatch, fits: bool | None) -> tuple[type, str]:
+    """Start `cipherlm serve`'s uvicorn server on a free port (``fits``: force what the internals check says;
+    None: the real check), answer one request; return the type of its listeners and the reply's first line."""
+    import uvicorn
+
+    from server import cli_serve
+
+    if fits is not None:
+        monkeypatch.setattr(cli_serve, "uvicorn_internals_fit", lambda server: fits)
+
+    async def run():
+        config = uvicorn.Config(_hello, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        config.load()
+        server = cli_serve._server_class()(config, lifecycle=None, drain_timeout_s=1.0)
+        server.lifespan = config.lifespan_class(config)  # as uvicorn.Server._serve sets it before startup()
+        assert cli_serve.uvicorn_internals_fit(server) is (True if fits is None else fits)
+        await server.startup()
+        listener = server.servers[0]
+        port = listener.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        status = (await reader.readline()).decode().strip()
+        writer.close()
+        await server.shutdown()
+        return type(listener), status
+
+    return asyncio.run(run())
+
+
+def test_serve_listens_through_the_batch_accept_server_on_this_uvicorn(monkeypatch):
+    """The installed uvicorn has every internal the batch-accept start-up restates (a release that changes
+    them fails here first), and `cipherlm serve`'s server then listens through BatchAcceptServer."""
+    kind, status = _started(monkeypatch, None)
+    assert kind is BatchAcceptServer and status == "HTTP/1.1 200 OK"
+
+
+def test_serve_falls_back_to_uvicorns_start_up_when_its_internals_differ(monkeypatch, capsys):
+    """A uvicorn whose internals differ gets its own start-up back (one accept per loop turn), with a warning,
+    and the server still answers."""
+    kind, status = _started(monkeypatch, False)
+    assert kind is not BatchAcceptServer and status == "HTTP/1.1 200 OK"
+    assert "listening through uvicorn's own" in capsys.readouterr().err
+
+
+def test_internals_check_refuses_a_protocol_without_the_keywords_it_passes():
+    """A protocol class whose constructor no longer takes ``app_state`` (say) is not started by hand."""
+    import types
+
+    from server import cli_serve
+
+    class Protocol:
+        def __init__(self, config, server_state, _loop=None):
+            pass
+
+    server = types.SimpleNamespace(config=types.SimpleNamespace(http_protocol_class=Protocol),
+                                   lifespan=types.SimpleNamespace(startup=lambda: None), server_state=object(),
+                                   _log_started_message=lambda sockets: None)
+    assert not cli_serve.uvicorn_internals_fit(server)
+    Protocol.__init__ = lambda self, config, server_state, app_state, _loop=None: None
+    assert cli_serve.uvicorn_internals_fit(server)

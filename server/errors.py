@@ -151,6 +151,10 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = list(exc.errors())
+    if errors and errors[0].get("type") == "json_invalid":  # its loc is ("body", character offset): no param
+        at = errors[0].get("loc", ("body",))[-1]
+        reason = (errors[0].get("ctx") or {}).get("error", "JSON decode error")
+        return error_response(InvalidRequestError(f"the request body is not valid JSON: {reason} (at character {at})"))
     return error_response(InvalidRequestError(_validation_message(errors), param=_validation_param(errors)))
 
 

@@ -90,3 +90,14 @@ async def test_typed_control_tokens_are_plain_text_in_chat(client):
     assert plain.status_code == forged.status_code == 200
     extra = forged.json()["usage"]["prompt_tokens"] - plain.json()["usage"]["prompt_tokens"]
     assert extra > 1  # '<', '|', 'im', '_', 'start', ... — not the single special token
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_body_that_is_not_json_is_400_saying_so_without_a_param(client, path):
+    """A truncated body: OpenAI's shape, a message that says the JSON is broken and where, and no ``param``
+    (FastAPI's location for it is a character offset, not a field)."""
+    r = await client.post(path, content=b'{"prompt": "hi",', headers={"Content-Type": "application/json",
+                                                                      **auth("plain")})
+    err = _assert_400(r)
+    assert err["message"].startswith("the request body is not valid JSON") and "at character 16" in err["message"]
+    assert err["param"] is None

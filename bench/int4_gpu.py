@@ -199,5 +199,6 @@ def summary(rows: list[dict]) -> str:
                        f"{mean[(shape, 'bf16', pdl, False)] / step:.2f}x")
     return "\n".join(out)
 
+
 if __name__ == "__main__":
     main()

@@ -19,9 +19,10 @@ every batch; with ``gemv_prologues`` (``EngineConfig.cuda_gemv_prologues``, off 
 the tunings measured, docs/benchmarks.md), where a product runs as a GEMV kernel (one bf16 row, or up to
 ``INT4_GEMV_MAX_ROWS`` int4 rows), the RMSNorm before qkv and gate/up and the SiLU·mul before down run in that
 kernel's prologue (``kernels._prologue``). With ``fused_layers`` (``EngineConfig.cuda_fused_decode_layers``, off by
-default until measured) a step whose rows are all GEMV rows runs each layer as four launches plus the attention
-(``kernels.decode_layer``): RMSNorm + QKV + RoPE + K/V store, attention, O + residual add, RMSNorm + gate/up +
-SiLU·mul, down + residual add; the residual stream is updated in place by the O and down epilogues.
+default: slower on an H100, docs/benchmarks.md) a step whose rows are all GEMV rows runs each layer as four
+launches plus the attention (``kernels.decode_layer``): RMSNorm + QKV + RoPE + K/V store, attention, O + residual
+add, RMSNorm + gate/up + SiLU·mul, down + residual add; the residual stream is updated in place by the O and down
+epilogues.
 
 :func:`fuse_for_cuda` concatenates each layer's q/k/v and gate/up weights once, at load, and re-points the
 original parameters at row slices of the fused tensors, so no weight is stored twice and the wrapped model
